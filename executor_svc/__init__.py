@@ -1,0 +1,1 @@
+"""The executor process: model, paged KV cache, attention backends and sampler."""

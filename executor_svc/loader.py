@@ -1,0 +1,51 @@
+"""Build the model on its device and fill it from safetensors (or with random weights)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from safetensors import safe_open
+
+from executor_svc.config import ModelConfig
+from executor_svc.model import LlamaForCausalLM, rope_cos_sin_cache
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                yield name, st.get_tensor(name)
+
+
+def build_model(
+    cfg: ModelConfig,
+    ops: ModuleType,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_pos: int,
+    weights_dir: Path | None,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """Load from `weights_dir`, or random N(0, 0.02) weights when it is None (benchmarks)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, ops, max_pos)
+    model = model.to_empty(device=device).to(dtype)
+    model.cos_sin = rope_cos_sin_cache(cfg, max_pos, device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    if weights_dir is None:
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.data.fill_(1.0)
+            else:
+                p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    else:
+        model.load_weights(iter_safetensors(weights_dir))
+    return model.eval()

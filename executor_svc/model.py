@@ -1,0 +1,174 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+Tokens of all scheduled requests are flattened into one batch of T rows ("varlen"); the
+attention metadata says which rows belong to which sequence and where their KV lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from executor_svc.config import ModelConfig
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: context length after this step
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+def rope_cos_sin_cache(cfg: ModelConfig, max_pos: int, device: torch.device) -> torch.Tensor:
+    """[max_pos, head_dim] float32: cos in the first half, sin in the second (HF's convention)."""
+    params = getattr(cfg.hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(cfg.hf_config, "rope_theta", 10000.0))
+        exps = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+        inv_freq, scaling = 1.0 / (theta**exps), 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg.hf_config, torch.device("cpu"))
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
+    return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1).to(device)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: ModuleType) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps, self.ops = eps, ops
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.scale = self.d**-0.5
+        self.ops = ops
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        cos_sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], -1)
+        q, k = self.ops.rotary_embedding(
+            positions, q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), cos_sin
+        )
+        k_cache, v_cache = kv_cache
+        self.ops.write_kv_cache(k, v.view(t, self.hkv, self.d), k_cache, v_cache, meta.slot_mapping)
+        o = self.ops.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale
+        )
+        return self.o_proj(o.reshape(t, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, ops)
+
+    def forward(self, x, residual, positions, cos_sin, kv_cache, meta):
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: ModuleType, max_pos: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # [max_pos, head_dim] float32; filled on the model's device by the loader
+        self.cos_sin = torch.empty(0)
+        self.max_pos = max_pos
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [S] rows whose next-token logits are needed
+    ) -> torch.Tensor:  # [S, vocab] float32
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, self.cos_sin, kv, meta)
+        x, _ = self.norm(x, residual)
+        return self.lm_head(x[logits_indices]).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up projections."""
+        params = dict(self.named_parameters())
+        h, hkv, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        qkv_rows = {"q": (0, h * d), "k": (h * d, hkv * d), "v": ((h + hkv) * d, hkv * d)}
+        inter = self.cfg.intermediate_size
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            target, rows = name, None
+            for part, (start, size) in qkv_rows.items():
+                if f"self_attn.{part}_proj." in name:
+                    target = name.replace(f"{part}_proj", "qkv_proj")
+                    rows = (start, size)
+            for i, part in enumerate(("gate", "up")):
+                if f"mlp.{part}_proj." in name:
+                    target, rows = name.replace(f"{part}_proj", "gate_up_proj"), (i * inter, inter)
+            if target not in params:
+                raise KeyError(f"unexpected weight {name}")
+            dst = params[target].data if rows is None else params[target].data.narrow(0, *rows)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(target if rows is None else f"{target}[{rows[0]}]")
+        expected = sum(3 if ".qkv_proj." in n else 2 if "gate_up" in n else 1 for n in params)
+        if len(loaded) != expected:
+            raise ValueError(f"checkpoint filled {len(loaded)} of {expected} weight tensors")

@@ -1,0 +1,79 @@
+"""Token sampling: greedy, temperature, top-k, top-p, and per-request seeds.
+
+A seeded request draws its randomness from (seed, position of the token being sampled) alone,
+so it gets the same tokens whatever else shares the batch, and after a preemption too.
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks i with probability p_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int | None = None) -> None:
+        self.device = device
+        self.unseeded = torch.Generator(device=device)
+        if seed is not None:
+            self.unseeded.manual_seed(seed)
+        else:
+            self.unseeded.seed()
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [S, V] float32
+        specs: list[SamplingSpec],
+        positions: list[int],  # position each sampled token will occupy
+    ) -> list[int]:
+        out = logits.argmax(dim=-1)
+        rows = [i for i, s in enumerate(specs) if not s.greedy]
+        if rows:
+            out[rows] = self._sample(logits[rows], [specs[i] for i in rows],
+                                     [positions[i] for i in rows])
+        return out.tolist()
+
+    def _sample(
+        self, logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int]
+    ) -> torch.Tensor:
+        temps = torch.tensor([s.temperature for s in specs], device=logits.device)
+        logits = logits / temps[:, None]
+        if any(s.top_k > 0 or s.top_p < 1.0 for s in specs):
+            logits = self._top_k_top_p(logits, specs)
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        for i, (spec, pos) in enumerate(zip(specs, positions, strict=True)):
+            gen = self.unseeded
+            if spec.seed is not None:
+                gen = torch.Generator(device=probs.device)
+                gen.manual_seed((spec.seed * 1_000_003 + pos) % (2**63))
+            noise[i].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ks = torch.tensor([s.top_k if s.top_k > 0 else vocab for s in specs], device=logits.device)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        drop = ranks >= ks[:, None]
+        ps = torch.tensor([s.top_p for s in specs], device=logits.device)
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        drop |= before >= ps[:, None]
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

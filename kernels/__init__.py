@@ -1,0 +1,32 @@
+"""Model kernels: torch reference ops (CPU path, test oracle) and their Triton versions.
+
+``get_ops("torch" | "triton")`` returns a namespace with write_kv_cache, paged_attention,
+rms_norm, rotary_embedding and silu_and_mul. Submodules import lazily so that importing this
+package (transformers probes for a package named ``kernels``) stays cheap. No ``__version__``
+on purpose: that keeps transformers from taking this for HF's ``kernels`` package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+_OP_MODULES = {
+    "write_kv_cache": "kv_cache",
+    "paged_attention": "paged_attention",
+    "rms_norm": "fused",
+    "rotary_embedding": "fused",
+    "silu_and_mul": "fused",
+}
+
+
+def get_ops(backend: str) -> SimpleNamespace:
+    if backend == "torch":
+        mod = importlib.import_module("kernels.reference")
+        return SimpleNamespace(**{op: getattr(mod, op) for op in _OP_MODULES})
+    if backend == "triton":
+        return SimpleNamespace(**{
+            op: getattr(importlib.import_module(f"kernels.{m}"), op)
+            for op, m in _OP_MODULES.items()
+        })
+    raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")

@@ -1,0 +1,188 @@
+"""Elementwise/row kernels that fuse what torch does in several passes: RMSNorm (+ residual add),
+neox rotary embedding for q and k in one launch, and SiLU-and-mul.
+
+Rounding follows kernels.reference step by step (round to the activation dtype where torch
+would), so results match the torch path to within an ulp or so.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import FLOAT_DTYPES, check_inner_contiguous, check_out, check_tensor
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, eps,
+    stride_x, stride_r, stride_o, stride_ro,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    act = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(act)
+        tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)
+        x = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / hidden + eps)
+    y = (x * rstd).to(act).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, hidden]
+    *,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (normed, new_residual), new_residual = x + residual (or x itself)."""
+    check_tensor("x", x, 2, FLOAT_DTYPES)
+    check_inner_contiguous("x", x)
+    num_tokens, hidden = x.shape
+    check_tensor("weight", weight, 1, FLOAT_DTYPES, x.device)
+    if weight.shape[0] != hidden or weight.stride(0) != 1:
+        raise ValueError(f"weight must be contiguous [{hidden}], got {tuple(weight.shape)}")
+    if hidden > 65536:
+        raise ValueError(f"hidden {hidden} too large for a one-row-per-program kernel")
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    if out is None:
+        out = torch.empty((num_tokens, hidden), dtype=out_dtype, device=x.device)
+    check_out("out", out, (num_tokens, hidden), out_dtype, x.device)
+    if residual is not None:
+        check_tensor("residual", residual, 2, (x.dtype,), x.device)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x {tuple(x.shape)}")
+        check_inner_contiguous("residual", residual)
+        if residual_out is None:
+            residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        check_out("residual_out", residual_out, (num_tokens, hidden), x.dtype, x.device)
+    else:
+        residual_out = x
+    if num_tokens == 0:
+        return out, residual_out
+    res = residual if residual is not None else x
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(num_tokens,)](
+        x, res, weight, out, residual_out, hidden, eps,
+        x.stride(0), res.stride(0), out.stride(0), residual_out.stride(0),
+        HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)),
+    )
+    return out, residual_out
+
+
+@triton.jit
+def _rope_heads(src, dst, num_heads, stride_sh, stride_dh, cos, sin,
+                HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, HALF)[None, :]
+    mask = offs_h < num_heads
+    x1 = tl.load(src + offs_h * stride_sh + offs_d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + offs_h * stride_sh + HALF + offs_d, mask=mask, other=0.0).to(tl.float32)
+    ty = dst.dtype.element_ty
+    tl.store(dst + offs_h * stride_dh + offs_d, (x1 * cos - x2 * sin).to(ty), mask=mask)
+    tl.store(dst + offs_h * stride_dh + HALF + offs_d, (x2 * cos + x1 * sin).to(ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    pos_ptr, q_ptr, k_ptr, cs_ptr, qo_ptr, ko_ptr, num_heads, num_kv_heads,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    offs = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cs_ptr + pos * stride_cs + offs).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs).to(tl.float32)
+    _rope_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, num_heads, stride_qh,
+                stride_qoh, cos, sin, HALF, BLOCK_H)
+    _rope_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, num_kv_heads, stride_kh,
+                stride_koh, cos, sin, HALF, BLOCK_HK)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D]: cos in [:, :D/2], sin in [:, D/2:]
+    *,
+    q_out: torch.Tensor | None = None,  # pass q_out=q, k_out=k to rotate in place
+    k_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    dev = q.device
+    check_tensor("k", k, 3, (q.dtype,), dev)
+    check_tensor("positions", positions, 1, (torch.int64,), dev)
+    check_tensor("cos_sin_cache", cos_sin_cache, 2, FLOAT_DTYPES, dev)
+    num_tokens, num_heads, d = q.shape
+    if k.shape[0] != num_tokens or k.shape[2] != d or positions.shape[0] != num_tokens:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
+                         f"{tuple(positions.shape)} disagree on tokens or head_dim")
+    if cos_sin_cache.shape[1] != d or d < 4 or d & (d - 1):
+        raise ValueError(f"cos_sin_cache width {cos_sin_cache.shape[1]} must equal head_dim {d}, "
+                         "a power of two")
+    for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
+        check_inner_contiguous(name, t)
+    if q_out is None:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    if k_out is None:
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=dev)
+    check_out("q_out", q_out, tuple(q.shape), q.dtype, dev)
+    check_out("k_out", k_out, tuple(k.shape), k.dtype, dev)
+    if num_tokens == 0:
+        return q_out, k_out
+    _rope_kernel[(num_tokens,)](
+        positions, q, k, cos_sin_cache, q_out, k_out, num_heads, k.shape[1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        cos_sin_cache.stride(0),
+        HALF=d // 2, BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_HK=triton.next_power_of_2(k.shape[1]), num_warps=4,
+    )
+    return q_out, k_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    act = x_ptr.dtype.element_ty
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(act).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(
+    x: torch.Tensor,  # [T, 2I]
+    *,
+    out: torch.Tensor | None = None,  # [T, I]
+) -> torch.Tensor:
+    check_tensor("x", x, 2, FLOAT_DTYPES)
+    check_inner_contiguous("x", x)
+    num_tokens, two_i = x.shape
+    if two_i % 2:
+        raise ValueError(f"last dim of x must be even, got {two_i}")
+    inter = two_i // 2
+    if out is None:
+        out = torch.empty((num_tokens, inter), dtype=x.dtype, device=x.device)
+    check_out("out", out, (num_tokens, inter), x.dtype, x.device)
+    if num_tokens == 0 or inter == 0:
+        return out
+    block = min(2048, triton.next_power_of_2(inter))
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+    )
+    return out

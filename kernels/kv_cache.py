@@ -1,0 +1,66 @@
+"""Scatter this step's K/V rows into the paged cache (one program per token)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import FLOAT_DTYPES, check_contiguous, check_inner_contiguous, check_tensor
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    num_kv_heads, head_dim,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:  # padding token
+        return
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (offs_h < num_kv_heads) & (offs_d < head_dim)
+    k = tl.load(key_ptr + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+    # Cache is contiguous [N, BS, Hkv, D]: a slot's rows are Hkv*D apart.
+    dst = slot * (num_kv_heads * head_dim) + offs_h * head_dim + offs_d
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [N, BS, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64; negative = skip
+) -> None:
+    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
+    dev = k_cache.device
+    check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), dev)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
+    check_contiguous("k_cache", k_cache)
+    check_contiguous("v_cache", v_cache)
+    _, _, hkv, d = k_cache.shape
+    check_tensor("key", key, 3, FLOAT_DTYPES, dev)
+    check_tensor("value", value, 3, FLOAT_DTYPES, dev)
+    num_tokens = key.shape[0]
+    for name, t in (("key", key), ("value", value)):
+        if tuple(t.shape) != (num_tokens, hkv, d):
+            raise ValueError(f"{name} shape {tuple(t.shape)} != {(num_tokens, hkv, d)}")
+        check_inner_contiguous(name, t)
+    check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,), dev)
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        hkv, d,
+        BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+    )

