@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,13 +62,3 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
-
-def read_generation_eos(path: str | Path) -> list[int]:
-    """EOS ids from generation_config.json (what HF generate stops on), else config.json."""
-    for name in ("generation_config.json", "config.json"):
-        f = Path(path) / name
-        if f.exists():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            if eos is not None:
-                return [eos] if isinstance(eos, int) else list(eos)
-    return []

@@ -55,7 +55,7 @@ def write_kv_cache(
         check_inner_contiguous(name, t)
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,), dev)
     if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries, want {num_tokens}")
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](

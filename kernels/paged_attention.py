@@ -13,6 +13,7 @@ When there are too few programs to fill the GPU (small-batch decode), the contex
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -53,10 +54,7 @@ def _attend_tile(
     slot_in = k_pos % BLOCK_SIZE
     k_ptrs = k_base + (blk * stride_kb + slot_in * stride_ks)[:, None] + offs_d[None, :]
     v_ptrs = v_base + (blk * stride_vb + slot_in * stride_vs)[:, None] + offs_d[None, :]
-    if MASK:
-        k = tl.load(k_ptrs, mask=k_ok[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
+    k = tl.load(k_ptrs, mask=k_ok[:, None], other=0.0) if MASK else tl.load(k_ptrs)
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, TILE_N], log2 domain
     if MASK:
         keep = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
@@ -67,10 +65,7 @@ def _attend_tile(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASK:
-        v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
-    else:
-        v = tl.load(v_ptrs)
+    v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0) if MASK else tl.load(v_ptrs)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
@@ -174,10 +169,20 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def _pick_block_m(max_query_len: int, group: int) -> int:
+@dataclass(frozen=True)
+class Config:
+    block_m: int  # query rows (tokens x group heads) per program
+    tile_n: int  # keys per inner-loop tile
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(max_query_len: int, group: int, dtype: torch.dtype) -> Config:
     rows = max_query_len * group
-    block_m = 16 if rows <= 16 else 64 if rows <= 64 else 128
-    return max(block_m, triton.next_power_of_2(group))
+    block_m = max(16 if rows <= 16 else 64 if rows <= 64 else 128, triton.next_power_of_2(group))
+    if block_m <= 16:  # decode: memory-bound, keep several tiles in flight
+        return Config(block_m, 64, 4, 2 if dtype == torch.float32 else 4)
+    return Config(block_m, 64, 8, 2 if dtype == torch.float32 else 3)
 
 
 def _pick_num_splits(programs: int, device: torch.device, max_seq_len: int, tile_n: int) -> int:
@@ -237,11 +242,11 @@ def paged_attention(
     Rows of q past cu_seqlens_q[-1] (padding) are left unspecified in the output.
     """
     _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_tokens, num_heads, _ = q.shape
+    num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
     if out is None:
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     else:
         check_out("out", out, tuple(q.shape), q.dtype, q.device)
     if num_tokens == 0 or num_seqs == 0:
@@ -249,20 +254,30 @@ def paged_attention(
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group = num_heads // num_kv_heads
-    block_m = _pick_block_m(max_query_len, group)
-    block_q = block_m // group
-    tile_n = 64
-    q_blocks = num_tokens // block_q + num_seqs
+    cfg = pick_config(max_query_len, group, q.dtype)
     if num_splits is None:
-        busy = num_seqs if max_query_len <= block_q else q_blocks
+        block_q = cfg.block_m // group
+        busy = num_seqs if max_query_len <= block_q else num_tokens // block_q + num_seqs
         if busy * num_kv_heads >= 2 * _num_sms(q.device):
             num_splits = 1
         else:
             if max_seq_len is None:
                 max_seq_len = int(seq_lens.max())
-            num_splits = _pick_num_splits(busy * num_kv_heads, q.device, max_seq_len, tile_n)
+            num_splits = _pick_num_splits(busy * num_kv_heads, q.device, max_seq_len, cfg.tile_n)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, cfg, num_splits)
+    return out
+
+
+def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float,
+           out: torch.Tensor, cfg: Config, num_splits: int) -> None:
+    """Launch with an explicit config; arguments must already be checked (benchmarks sweep this)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    block_q = cfg.block_m // group
     split = num_splits > 1
     if split:
         part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
@@ -272,21 +287,19 @@ def paged_attention(
                                dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # unused
-    big = block_m >= 64
-    _paged_attn_kernel[(q_blocks, num_kv_heads, num_splits)](
+    _paged_attn_kernel[(num_tokens // block_q + num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
         out, part_m, part_l, part_acc,
         scale * _LOG2E, num_seqs, num_heads, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE_N=tile_n, SPLIT=split,
-        num_warps=8 if big else 4, num_stages=3 if big else 4,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, SPLIT=split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_m, part_l, part_acc, out, num_heads, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
         )
-    return out

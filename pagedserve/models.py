@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -94,3 +95,14 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def read_generation_eos(path: Path) -> list[int]:
+    """EOS ids from generation_config.json (what HF generate stops on), else config.json."""
+    for name in ("generation_config.json", "config.json"):
+        f = Path(path) / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []

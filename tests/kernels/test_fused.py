@@ -9,7 +9,7 @@ from kernels.fused import rms_norm, rotary_embedding, silu_and_mul
 
 CUDA = torch.cuda.is_available()
 # (tokens, dtype, tolerance): interpreter fp32 small; CUDA bf16 at model sizes.
-CASES = [(13, torch.float32, 1e-6)]
+CASES = [(13, torch.float32, 1e-5)]
 if CUDA:
     CASES += [(4096, torch.bfloat16, 1e-2), (4096, torch.float16, 1e-2)]
 

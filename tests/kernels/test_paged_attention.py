@@ -8,9 +8,9 @@ from kernels import reference
 from kernels.paged_attention import paged_attention
 
 CUDA = torch.cuda.is_available()
-# Interpreter runs fp32 with exact dot products; keep sizes small (2 CPU cores).
+# Small fp32 cases (2 CPU cores under the interpreter, exact dots there; tf32 dots on CUDA).
 DTYPE = torch.float32
-TOL = 1e-5
+TOL = 5e-3 if CUDA else 1e-5
 
 # Mixed batch: decodes (one exactly at a block boundary, one with a single token of context),
 # a prefill from scratch, chunked prefills with cached context, lengths crossing blocks.

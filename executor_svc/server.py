@@ -1,0 +1,100 @@
+"""The executor process: connects to the scheduler over ZeroMQ and runs the steps it plans."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+import traceback
+import uuid
+
+import zmq
+
+from executor_svc.worker import ExecutorConfig, Worker
+from protos.pagedserve.internal.v1 import executor_pb2 as pb
+
+log = logging.getLogger("pagedserve.executor")
+HELLO_INTERVAL_S = 1.0  # resend hello until welcomed, and as a heartbeat while idle
+
+
+class ExecutorServer:
+    def __init__(self, worker: Worker, scheduler_address: str) -> None:
+        self.worker = worker
+        self.executor_id = uuid.uuid4().hex
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(scheduler_address)
+        self.stopping = False
+
+    def _hello(self, heartbeat: bool) -> None:
+        hello = pb.Hello(capacity=self.worker.capacity, executor_id=self.executor_id,
+                         heartbeat=heartbeat)
+        self.sock.send(pb.ExecutorMessage(hello=hello).SerializeToString())
+
+    def serve_forever(self) -> None:
+        welcomed = False
+        self._hello(heartbeat=False)
+        while not self.stopping:
+            if not self.sock.poll(int(HELLO_INTERVAL_S * 1000)):
+                self._hello(heartbeat=welcomed)
+                continue
+            msg = pb.SchedulerMessage.FromString(self.sock.recv())
+            kind = msg.WhichOneof("kind")
+            if kind == "welcome":
+                self.worker.runner.reset()
+                welcomed = True
+                log.info("joined scheduler")
+            elif kind == "plan":
+                self.sock.send(pb.ExecutorMessage(result=self._step(msg.plan)).SerializeToString())
+        self.sock.close()
+
+    def _step(self, plan: pb.StepPlan) -> pb.StepResult:
+        start = time.perf_counter()
+        try:
+            req_ids, tokens = self.worker.runner.execute(plan)
+        except Exception as e:  # report, keep serving: the scheduler aborts this step's requests
+            log.error("step %d failed:\n%s", plan.step_id, traceback.format_exc())
+            return pb.StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
+        return pb.StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=tokens,
+                             execute_seconds=time.perf_counter() - start)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument("--scheduler-address", default=env("PAGEDSERVE_SCHEDULER_ADDRESS",
+                                                      "tcp://127.0.0.1:5557"))
+    p.add_argument("--device", default=env("PAGEDSERVE_DEVICE", "auto"))
+    p.add_argument("--dtype", default=env("PAGEDSERVE_DTYPE", "auto"))
+    p.add_argument("--block-size", type=int, default=int(env("PAGEDSERVE_BLOCK_SIZE", "16")))
+    p.add_argument("--max-model-len", type=int,
+                   default=int(env("PAGEDSERVE_MAX_MODEL_LEN", "0")))
+    p.add_argument("--kv-cache-gib", type=float,
+                   default=float(env("PAGEDSERVE_KV_CACHE_GIB", "1")),
+                   help="KV-cache budget on the CPU, GiB")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   default=float(env("PAGEDSERVE_GPU_MEMORY_UTILIZATION", "0.9")))
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
+                   default=env("PAGEDSERVE_ATTENTION_BACKEND", "auto"))
+
+
+def run(args: argparse.Namespace) -> None:
+    from pagedserve.models import resolve_model
+
+    model = args.model if args.model.startswith("random:") else str(resolve_model(args.model))
+    cfg = ExecutorConfig(
+        model=model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        max_model_len=args.max_model_len, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        attention_backend=args.attention_backend,
+    )
+    server = ExecutorServer(Worker(cfg), args.scheduler_address)
+
+    def stop(*_: object) -> None:
+        server.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("executor %s connecting to %s", server.executor_id, args.scheduler_address)
+    server.serve_forever()

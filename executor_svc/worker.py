@@ -1,0 +1,102 @@
+"""The executor's state: model, KV-cache tensors and runner, sized by a memory budget."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from executor_svc.config import ModelConfig
+from executor_svc.loader import build_model
+from executor_svc.runner import ModelRunner
+from executor_svc.sampler import Sampler
+from protos.pagedserve.internal.v1 import executor_pb2 as pb
+
+log = logging.getLogger(__name__)
+GiB = 1 << 30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorConfig:
+    model: str  # HF directory (resolved), or "random:<config.json>" for benchmarks
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1"
+    dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA) or a name in _DTYPES
+    block_size: int = 16
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    kv_cache_bytes: int = GiB  # CPU budget for the KV cache
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the card this process may use
+    gpu_activation_reserve_bytes: int = 2 * GiB  # CUDA: kept free for activations and logits
+    attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
+
+
+def load_ops(backend: str) -> ModuleType:
+    if backend == "torch":
+        import kernels.reference as ops
+
+        return ops
+    from kernels import get_ops
+
+    return get_ops("triton")
+
+
+class Worker:
+    def __init__(self, cfg: ExecutorConfig) -> None:
+        device = cfg.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        on_cuda = self.device.type == "cuda"
+        dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or auto, got {cfg.dtype!r}")
+        self.dtype = _DTYPES[dtype_name]
+        backend = cfg.attention_backend
+        if backend == "auto":
+            backend = "triton" if on_cuda else "torch"
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"attention backend must be auto, torch or triton, got {backend!r}")
+        self.backend = backend
+        if cfg.model.startswith("random:"):
+            import json
+
+            self.model_cfg = ModelConfig.from_dict(json.loads(Path(cfg.model[7:]).read_text()))
+            weights = None
+        else:
+            self.model_cfg = ModelConfig.from_pretrained(cfg.model)
+            weights = Path(cfg.model)
+        max_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
+        model = build_model(self.model_cfg, load_ops(backend), self.dtype, self.device,
+                            max_len, weights)
+        self.num_blocks = self._num_blocks(cfg)
+        if self.num_blocks < 1:
+            raise RuntimeError("no memory left for the KV cache: lower the model size or raise "
+                               "the memory budget")
+        self.block_size = cfg.block_size
+        self.max_model_len = min(max_len, self.num_blocks * cfg.block_size)
+        shape = (self.num_blocks, cfg.block_size, self.model_cfg.num_kv_heads,
+                 self.model_cfg.head_dim)
+        kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+               torch.zeros(shape, dtype=self.dtype, device=self.device))
+              for _ in range(self.model_cfg.num_layers)]
+        self.runner = ModelRunner(model, kv, cfg.block_size, self.device, Sampler(self.device))
+        self.capacity = pb.Capacity(
+            num_kv_blocks=self.num_blocks, block_size=cfg.block_size,
+            max_model_len=self.max_model_len, vocab_size=self.model_cfg.vocab_size,
+            dtype=dtype_name, device=str(self.device), attention_backend=backend, model=cfg.model,
+        )
+        log.info("executor ready: %d KV blocks of %d tokens, max_model_len %d, %s on %s (%s)",
+                 self.num_blocks, cfg.block_size, self.max_model_len, dtype_name, self.device,
+                 backend)
+
+    def _num_blocks(self, cfg: ExecutorConfig) -> int:
+        per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.dtype.itemsize)
+        if self.device.type != "cuda":
+            return cfg.kv_cache_bytes // per_block
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        budget = int(total * cfg.gpu_memory_utilization) - used - cfg.gpu_activation_reserve_bytes
+        return max(0, budget) // per_block

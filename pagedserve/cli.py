@@ -1,0 +1,167 @@
+"""The `pagedserve` command: serve | scheduler | executor | generate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from pagedserve.models import resolve_model
+
+log = logging.getLogger("pagedserve")
+EXECUTOR_RESTARTS = 5  # within a serve session, before giving up
+
+
+def _model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=os.environ.get("PAGEDSERVE_MODEL", "default"),
+                   help="HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct, GGUF)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from executor_svc import server as executor
+    from scheduler_svc import server as scheduler
+
+    p = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    p.add_argument("--log-level", default=os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO"))
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run scheduler and executor as two processes")
+    _model_arg(s)
+    scheduler.add_args(s)
+    executor.add_args(s)
+    s.set_defaults(scheduler_address=None)
+    s = sub.add_parser("scheduler", help="run the scheduler process (gRPC API)")
+    _model_arg(s)
+    scheduler.add_args(s)
+    s = sub.add_parser("executor", help="run the executor process (model)")
+    _model_arg(s)
+    executor.add_args(s)
+    g = sub.add_parser("generate", help="stream a completion from a running server")
+    g.add_argument("prompt", help="prompt text, or - to read it from stdin")
+    g.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", "localhost:50051"))
+    g.add_argument("--chat", action="store_true", help="send as a user message (chat template)")
+    g.add_argument("--system", help="system message (with --chat)")
+    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--priority", type=int, default=0)
+    g.add_argument("--json", action="store_true", help="one JSON object per streamed chunk")
+    g.add_argument("--timeout", type=float, default=600.0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "scheduler":
+        from scheduler_svc.server import run
+
+        run(args)
+        return 0
+    if args.command == "executor":
+        from executor_svc.server import run
+
+        run(args)
+        return 0
+    return _serve(args, argv if argv is not None else sys.argv[1:])
+
+
+def _serve(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start both processes; restart a dead executor; stop both on SIGINT/SIGTERM."""
+    resolve_model(args.model)  # convert a GGUF once, before two processes race for it
+    base = [sys.executable, "-m", "pagedserve.cli", "--log-level", args.log_level]
+    common = ["--model", args.model]
+    sched_cmd = [*base, "scheduler", *common, "--host", args.host, "--port", str(args.port),
+                 "--executor-bind", args.executor_bind, "--max-num-seqs", str(args.max_num_seqs),
+                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                 "--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
+    connect = args.executor_bind.replace("0.0.0.0", "127.0.0.1").replace("*", "127.0.0.1")
+    exec_cmd = [*base, "executor", *common, "--scheduler-address", connect,
+                "--device", args.device, "--dtype", args.dtype,
+                "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
+                "--kv-cache-gib", str(args.kv_cache_gib),
+                "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+                "--attention-backend", args.attention_backend]
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    sched = subprocess.Popen(sched_cmd)
+    execu = subprocess.Popen(exec_cmd)
+    restarts, code = 0, 0
+    while not stopping:
+        time.sleep(0.2)
+        if sched.poll() is not None:
+            log.error("scheduler exited with %s", sched.returncode)
+            code = sched.returncode or 1
+            break
+        if execu.poll() is not None:
+            if restarts >= EXECUTOR_RESTARTS:
+                log.error("executor exited %d times; giving up", restarts + 1)
+                code = 1
+                break
+            restarts += 1
+            log.warning("executor exited with %s; restarting (%d/%d)", execu.returncode,
+                        restarts, EXECUTOR_RESTARTS)
+            execu = subprocess.Popen(exec_cmd)
+    for proc in (execu, sched):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in (execu, sched):
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return code
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pagedserve.client import Client
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.chat:
+        chat = ([("system", args.system)] if args.system else []) + [("user", prompt)]
+        source = {"chat": chat}
+    else:
+        source = {"text": prompt}
+    with Client(args.address) as client:
+        try:
+            for chunk in client.generate(
+                **source, max_tokens=args.max_tokens, temperature=args.temperature,
+                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
+                ignore_eos=args.ignore_eos, priority=args.priority, timeout=args.timeout,
+            ):
+                if args.json:
+                    from google.protobuf.json_format import MessageToDict
+
+                    print(json.dumps(MessageToDict(chunk)), flush=True)
+                else:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if not args.json:
+        sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""A small synchronous Python client for the pagedserve gRPC API.
+
+    from pagedserve.client import Client
+    with Client("localhost:50051") as c:
+        for chunk in c.generate(chat=[("user", "What is the capital of France?")],
+                                max_tokens=32, temperature=0):
+            print(chunk.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from protos.pagedserve.v1 import generate_pb2 as api
+from protos.pagedserve.v1 import generate_pb2_grpc
+
+
+def build_request(
+    text: str | None = None,
+    *,
+    chat: Sequence[tuple[str, str]] | None = None,
+    token_ids: Sequence[int] | None = None,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    include_special_tokens: bool = False,
+    priority: int = 0,
+    request_id: str = "",
+) -> api.GenerateRequest:
+    req = api.GenerateRequest(request_id=request_id, priority=priority)
+    if sum(x is not None for x in (text, chat, token_ids)) != 1:
+        raise ValueError("give exactly one of text, chat or token_ids")
+    if text is not None:
+        req.text = text
+    elif chat is not None:
+        req.chat.messages.extend(api.ChatMessage(role=r, content=c) for r, c in chat)
+    else:
+        req.token_ids.ids.extend(token_ids)
+    s = req.sampling
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
+                        ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+        if value is not None:
+            setattr(s, name, value)
+    s.stop.extend(stop)
+    s.stop_token_ids.extend(stop_token_ids)
+    s.ignore_eos = ignore_eos
+    s.include_special_tokens = include_special_tokens
+    return req
+
+
+class Client:
+    def __init__(self, address: str = "localhost:50051") -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    def generate(self, text: str | None = None, *, timeout: float | None = None,
+                 **kwargs) -> Iterator[api.GenerateResponse]:
+        """Stream responses; breaking out of the loop cancels the request on the server."""
+        call = self.stub.Generate(build_request(text, **kwargs), timeout=timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def complete(self, text: str | None = None, **kwargs) -> tuple[str, list[int], api.GenerateResponse]:
+        """Run to the end; return (text, token ids, last response)."""
+        parts, ids, last = [], [], None
+        for last in self.generate(text, **kwargs):
+            parts.append(last.text)
+            ids.extend(last.token_ids)
+        return "".join(parts), ids, last
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.stub.Tokenize(api.TokenizeRequest(text=text)).token_ids)
+
+    def model_info(self) -> api.ModelInfo:
+        return self.stub.GetModelInfo(api.GetModelInfoRequest())

@@ -1,0 +1,1 @@
+"""The scheduler process: gRPC API, tokenizer, queues, KV block bookkeeping and step planning."""

@@ -1,0 +1,73 @@
+"""Incremental detokenization and stop-string handling, per request.
+
+Text is released only when it is final: a token that ends inside a multi-byte UTF-8 character
+decodes to U+FFFD and is held until the next token completes it, and the tail of the text that
+could still become a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing list of token ids into text deltas.
+
+    It decodes a small window (from `prefix_offset`) twice, with and without the new tokens,
+    and returns the difference, so that tokenizers whose decoding depends on the previous token
+    (leading-space handling, byte fallback) produce exactly what a full decode would.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held (an incomplete character at the very end becomes U+FFFD)."""
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> str:
+        decode = self.tok.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset],
+                        skip_special_tokens=self.skip)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        if len(full) <= len(prefix) or (full.endswith(REPLACEMENT) and not final):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return full[len(prefix):]
+
+
+class StopStringMatcher:
+    """Accumulates released text, finds stop strings, and holds back a possible partial match."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, delta: str, final: bool) -> tuple[str, str | None]:
+        """Add text; return (text to send now, matched stop string or None)."""
+        start = max(0, len(self.text) - self.hold)
+        self.text += delta
+        if self.stops:
+            hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                idx, stop = min(hits)
+                out = self.text[self.sent:idx]
+                self.sent = idx
+                return out, stop
+        end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        out = self.text[self.sent:end]
+        self.sent = end
+        return out, None

@@ -1,0 +1,277 @@
+"""The scheduler's engine loop: plan a step, send it to the executor, turn sampled tokens into
+streamed text. Runs on the gRPC server's asyncio loop, so there are no locks: state changes only
+between awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from protos.pagedserve.internal.v1 import executor_pb2 as pb
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from scheduler_svc.request import Request, SamplingParams
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+log = logging.getLogger("pagedserve.scheduler")
+
+
+@dataclass(slots=True)
+class Chunk:
+    """What one step produced for one request (see GenerateResponse)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class EngineError(Exception):
+    """A request failed inside the engine; `code` is a grpc.StatusCode name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(eq=False, slots=True)
+class RequestStream:
+    req: Request
+    detok: IncrementalDetokenizer
+    matcher: StopStringMatcher
+    sampling: pb.Sampling
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class StepTiming:
+    num_reqs: int
+    num_tokens: int
+    plan_s: float  # schedule() + encoding
+    round_trip_s: float  # send -> result, including executor time
+    execute_s: float  # executor-reported
+
+
+class Engine:
+    def __init__(self, cfg: SchedulerConfig, address: str, tokenizer: Any,
+                 eos_token_ids: list[int], kv_watermark: float = 0.01) -> None:
+        self.cfg = cfg
+        self.address = address
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv_watermark = kv_watermark
+        self.capacity: pb.Capacity | None = None
+        self.scheduler: Scheduler | None = None
+        self.streams: dict[int, RequestStream] = {}
+        self.timings: deque[StepTiming] = deque(maxlen=4096)
+        self._ids = itertools.count(1)
+        self._step_ids = itertools.count(1)
+        self._ready = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._results: asyncio.Queue[pb.StepResult | None] = asyncio.Queue()
+        self._executor_ident: bytes | None = None
+        self._executor_id = ""
+        self._generation = 0
+        self._tasks: list[asyncio.Task] = []
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted executor may reuse its slot
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        self.sock.bind(self.address)
+        self._tasks = [asyncio.create_task(self._recv_loop(), name="engine-recv"),
+                       asyncio.create_task(self._step_loop(), name="engine-step")]
+        for t in self._tasks:
+            t.add_done_callback(_crash_on_error)
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.sock.close()
+
+    # ----------------------------------------------------------------- requests
+    def submit(self, external_id: str, prompt: list[int], params: SamplingParams,
+               priority: int = 0) -> RequestStream:
+        assert self.scheduler is not None, "submit before the executor joined"
+        rid = next(self._ids)
+        req = Request(rid, external_id or f"req-{rid}", len(prompt), list(prompt), params,
+                      priority, arrival_seq=rid)
+        sampling = pb.Sampling(temperature=params.temperature, top_k=params.top_k,
+                               top_p=params.top_p, has_seed=params.seed is not None,
+                               seed=params.seed or 0)
+        stream = RequestStream(req, IncrementalDetokenizer(self.tokenizer,
+                                                           params.skip_special_tokens),
+                               StopStringMatcher(params.stop), sampling)
+        self.streams[rid] = stream
+        self.scheduler.add(req)
+        self._wake.set()
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Drop a request (client gone); its blocks are free before the next step is planned."""
+        if not stream.finished and self.scheduler is not None:
+            stream.finished = True
+            self.scheduler.finish(stream.req.req_id)
+            self.streams.pop(stream.req.req_id, None)
+            self._wake.set()
+
+    # ----------------------------------------------------------------- executor link
+    async def _recv_loop(self) -> None:
+        while True:
+            ident, data = await self.sock.recv_multipart()
+            msg = pb.ExecutorMessage.FromString(data)
+            kind = msg.WhichOneof("kind")
+            if kind == "hello":
+                self._on_hello(ident, msg.hello)
+            elif kind == "result" and ident == self._executor_ident:
+                self._results.put_nowait(msg.result)
+
+    def _on_hello(self, ident: bytes, hello: pb.Hello) -> None:
+        if hello.executor_id == self._executor_id:
+            return  # resend or heartbeat of the executor we have
+        cap = hello.capacity
+        log.info("executor %s joined: %d blocks x %d tokens, max_model_len %d, %s %s",
+                 hello.executor_id, cap.num_kv_blocks, cap.block_size, cap.max_model_len,
+                 cap.dtype, cap.device)
+        self._executor_ident, self._executor_id, self.capacity = ident, hello.executor_id, cap
+        watermark = int(cap.num_kv_blocks * self.kv_watermark)
+        blocks = BlockManager(cap.num_kv_blocks, cap.block_size, watermark)
+        if self.scheduler is None:
+            self.scheduler = Scheduler(self.cfg, blocks)
+        else:  # a new executor has none of the KV: everything running is recomputed
+            self.scheduler.preempt_all()
+            self.scheduler.blocks = blocks
+            for stream in list(self.streams.values()):
+                if stream.req.prompt_len + stream.req.params.max_tokens > cap.max_model_len:
+                    self._fail(stream, "UNAVAILABLE", "the new executor's max_model_len is "
+                               "too small for this request")
+            self._generation += 1
+            self._results.put_nowait(None)  # wake a step waiting on the old executor
+        self.sock.send_multipart(
+            [ident, pb.SchedulerMessage(welcome=pb.Welcome(executor_id=hello.executor_id))
+             .SerializeToString()])
+        self._ready.set()
+        self._wake.set()
+
+    # ----------------------------------------------------------------- step loop
+    async def _step_loop(self) -> None:
+        await self._ready.wait()
+        while True:
+            sched = self.scheduler
+            assert sched is not None
+            if not sched.has_work():
+                sched.blocks.check_integrity()
+                if sched.blocks.num_free_blocks != sched.blocks.num_blocks:
+                    raise AssertionError("idle engine holds KV blocks: leak")
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            t0 = time.perf_counter()
+            out = sched.schedule()
+            if out.is_empty:  # nothing fits right now; wait for a finish or abort
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            step_id = next(self._step_ids)
+            data = self._encode(step_id, out)
+            generation = self._generation
+            t1 = time.perf_counter()
+            await self.sock.send_multipart([self._executor_ident, data])
+            result = await self._results.get()
+            while result is not None and result.step_id != step_id:
+                result = await self._results.get()  # a stale reply
+            if generation != self._generation or result is None:
+                continue  # the executor was replaced mid-step; its requests were preempted
+            t2 = time.perf_counter()
+            self.timings.append(StepTiming(len(out.new) + len(out.cached), out.num_batched_tokens,
+                                           t1 - t0, t2 - t1, result.execute_seconds))
+            if result.error:
+                for req, _ in out.scheduled():
+                    if (stream := self.streams.get(req.req_id)) is not None:
+                        self._fail(stream, "INTERNAL", f"executor step failed: {result.error}")
+                continue
+            for req in sched.update(list(result.req_ids), list(result.sampled_token_ids)):
+                self._on_token(self.streams[req.req_id], req.token_ids[-1])
+
+    def _encode(self, step_id: int, out: SchedulerOutput) -> bytes:
+        plan = pb.StepPlan(step_id=step_id, finished_req_ids=out.finished_req_ids,
+                           preempted_req_ids=out.preempted_req_ids)
+        blocks = self.scheduler.blocks
+        for req, n in out.new:
+            plan.new_requests.add(
+                req_id=req.req_id, token_ids=req.token_ids,
+                num_computed_tokens=req.num_computed_tokens - n,
+                block_ids=blocks.block_table(req.req_id),
+                sampling=self.streams[req.req_id].sampling)
+            plan.new_num_scheduled_tokens.append(n)
+        for req, n, new_blocks in out.cached:
+            plan.cached_req_ids.append(req.req_id)
+            plan.cached_num_scheduled_tokens.append(n)
+            plan.cached_num_new_blocks.append(len(new_blocks))
+            plan.cached_new_block_ids.extend(new_blocks)
+        return pb.SchedulerMessage(plan=plan).SerializeToString()
+
+    # ----------------------------------------------------------------- outputs
+    def _on_token(self, stream: RequestStream, token: int) -> None:
+        req, params = stream.req, stream.req.params
+        finish, stop_reason = None, ""
+        if token in params.stop_token_ids:
+            finish, stop_reason = "stop", str(token)
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            finish, stop_reason = "stop", str(token)
+        elif req.num_output_tokens >= params.max_tokens:
+            finish = "length"
+        delta = stream.detok.push(token)
+        if finish:
+            delta += stream.detok.flush()
+        text, matched = stream.matcher.feed(delta, final=finish is not None)
+        if matched is not None:
+            finish, stop_reason = "stop", matched
+        chunk = Chunk(text, [token])
+        if finish:
+            chunk.finish_reason, chunk.stop_reason = finish, stop_reason
+            chunk.prompt_tokens, chunk.completion_tokens = req.prompt_len, req.num_output_tokens
+            stream.finished = True
+            self.scheduler.finish(req.req_id)
+            self.streams.pop(req.req_id, None)
+        stream.queue.put_nowait(chunk)
+
+    def _fail(self, stream: RequestStream, code: str, message: str) -> None:
+        stream.finished = True
+        self.scheduler.finish(stream.req.req_id)
+        self.streams.pop(stream.req.req_id, None)
+        stream.queue.put_nowait(EngineError(code, message))
+
+
+def _crash_on_error(task: asyncio.Task) -> None:
+    """An engine task never ends on its own: if one dies the process exits, so that its
+    supervisor (pagedserve serve, docker) restarts it instead of leaving a server that hangs."""
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("engine task %s died", task.get_name(), exc_info=task.exception())
+        os._exit(70)

@@ -1,0 +1,144 @@
+"""Maps exceptions to gRPC status codes in one place, including requests that fail to parse."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError
+
+from protos.pagedserve.v1 import generate_pb2
+from scheduler_svc.engine import EngineError
+from scheduler_svc.inputs import InvalidRequest
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """InvalidRequest -> INVALID_ARGUMENT, EngineError -> its code; a request that is not valid
+    protobuf (e.g. a string field holding invalid UTF-8) -> INVALID_ARGUMENT naming the field."""
+
+    async def intercept_service(self, continuation: Callable, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        input_type = _input_type(details.method)
+        if input_type is not None and handler.request_deserializer is not None:
+            handler = handler._replace(
+                request_deserializer=_lenient(handler.request_deserializer, input_type))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
+        return handler
+
+
+class _Unparsable:
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(exc, InvalidRequest):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, EngineError):
+        await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+    raise exc
+
+
+def _wrap_unary(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            if isinstance(request, _Unparsable):
+                raise InvalidRequest(request.message)
+            return await fn(request, context)
+        except (InvalidRequest, EngineError) as e:
+            await _abort_for(e, context)
+
+    return wrapper
+
+
+def _wrap_stream(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            if isinstance(request, _Unparsable):
+                raise InvalidRequest(request.message)
+            async for item in fn(request, context):
+                yield item
+        except (InvalidRequest, EngineError) as e:
+            await _abort_for(e, context)
+
+    return wrapper
+
+
+def _input_type(method: str) -> Descriptor | None:
+    service, _, name = method.lstrip("/").partition("/")
+    for svc in generate_pb2.DESCRIPTOR.services_by_name.values():
+        if svc.full_name == service and name in svc.methods_by_name:
+            return svc.methods_by_name[name].input_type
+    return None
+
+
+def _lenient(deserialize: Callable, input_type: Descriptor) -> Callable:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except DecodeError as e:
+            return _Unparsable(_explain(data, input_type) or f"request: not valid protobuf: {e}")
+
+    return parse
+
+
+@functools.cache
+def _bytes_twin_pool() -> descriptor_pool.DescriptorPool:
+    """generate.proto with every string field turned into bytes, to parse what the strict parser
+    rejects and find the field with invalid UTF-8."""
+    fdp = descriptor_pb2.FileDescriptorProto()
+    generate_pb2.DESCRIPTOR.CopyToProto(fdp)
+
+    def relax(msg: descriptor_pb2.DescriptorProto) -> None:
+        for f in msg.field:
+            if f.type == FieldDescriptor.TYPE_STRING:
+                f.type = FieldDescriptor.TYPE_BYTES
+        for nested in msg.nested_type:
+            relax(nested)
+
+    for m in fdp.message_type:
+        relax(m)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return pool
+
+
+def _explain(data: bytes, input_type: Descriptor) -> str | None:
+    cls = message_factory.GetMessageClass(
+        _bytes_twin_pool().FindMessageTypeByName(input_type.full_name))
+    try:
+        msg = cls.FromString(data)
+    except DecodeError:
+        return None
+    path = _bad_utf8_field(msg, "")
+    return f"{path}: not valid UTF-8" if path else None
+
+
+def _bad_utf8_field(msg: Any, prefix: str) -> str | None:
+    for field, value in msg.ListFields():
+        name = prefix + field.name
+        repeated = field.is_repeated
+        items = list(value) if repeated else [value]
+        for i, item in enumerate(items):
+            where = f"{name}[{i}]" if repeated else name
+            if field.type == FieldDescriptor.TYPE_BYTES:
+                try:
+                    item.decode("utf-8")
+                except UnicodeDecodeError:
+                    return where
+            elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                found = _bad_utf8_field(item, where + ".")
+                if found:
+                    return found
+    return None

@@ -1,0 +1,107 @@
+"""Turns a public GenerateRequest into prompt token ids and validated SamplingParams.
+
+Every problem raises InvalidRequest naming the offending field; the servicer maps it to
+INVALID_ARGUMENT. Nothing a client sends should reach the scheduler unchecked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from protos.pagedserve.v1 import generate_pb2 as api
+from scheduler_svc.request import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_REQUEST_ID_LEN = 256
+
+
+class InvalidRequest(ValueError):
+    """A client error; the message starts with the field it concerns."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_model_len: int
+    vocab_size: int
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+
+    def encode_text(self, text: str) -> list[int]:
+        return list(self.tok.encode(text))
+
+    def encode_chat(self, chat: api.ChatMessages) -> list[int]:
+        if not chat.messages:
+            raise InvalidRequest("chat.messages: at least one message is required")
+        msgs = [{"role": m.role, "content": m.content} for m in chat.messages]
+        try:
+            ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # template errors (unknown role, bad order) are the client's
+            raise InvalidRequest(f"chat.messages: the chat template rejected them: {e}") from e
+        if not isinstance(ids, list):  # BatchEncoding in recent transformers
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def prompt_ids(self, req: api.GenerateRequest | api.TokenizeRequest) -> list[int]:
+        kind = req.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequest("input: one of text, token_ids or chat is required")
+        if kind == "text":
+            ids = self.encode_text(req.text) if req.text else []
+        elif kind == "chat":
+            ids = self.encode_chat(req.chat)
+        else:
+            ids = list(req.token_ids.ids)
+        if not ids:
+            raise InvalidRequest(f"{kind}: the prompt is empty")
+        return ids
+
+
+def validate(req: api.GenerateRequest, prompt: list[int], limits: Limits) -> SamplingParams:
+    if len(req.request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidRequest(f"request_id: longer than {MAX_REQUEST_ID_LEN} characters")
+    bad = next((t for t in prompt if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"token_ids: {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    room = limits.max_model_len - len(prompt)
+    if room < 1:
+        raise InvalidRequest(f"input: the prompt has {len(prompt)} tokens; max_model_len is "
+                             f"{limits.max_model_len}, so it must be at most "
+                             f"{limits.max_model_len - 1}")
+    s = req.sampling
+    max_tokens = room
+    if s.HasField("max_tokens"):
+        if s.max_tokens < 1:
+            raise InvalidRequest(f"sampling.max_tokens: must be >= 1, got {s.max_tokens}")
+        if s.max_tokens > room:
+            raise InvalidRequest(f"sampling.max_tokens: {s.max_tokens} with a {len(prompt)}-token "
+                                 f"prompt exceeds max_model_len {limits.max_model_len}; at most "
+                                 f"{room} allowed")
+        max_tokens = s.max_tokens
+    temperature = s.temperature if s.HasField("temperature") else 1.0
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise InvalidRequest(f"sampling.temperature: must be >= 0, got {temperature}")
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    if not (0 < top_p <= 1):
+        raise InvalidRequest(f"sampling.top_p: must be in (0, 1], got {top_p}")
+    if s.top_k < 0:
+        raise InvalidRequest(f"sampling.top_k: must be >= 0 (0 disables), got {s.top_k}")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"sampling.stop: at most {MAX_STOP_STRINGS} stop strings")
+    for stop in s.stop:
+        if not stop or len(stop) > MAX_STOP_STRING_LEN:
+            raise InvalidRequest(f"sampling.stop: each must have 1..{MAX_STOP_STRING_LEN} chars")
+    for t in s.stop_token_ids:
+        if not 0 <= t < limits.vocab_size:
+            raise InvalidRequest(f"sampling.stop_token_ids: {t} is outside the vocabulary")
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_k=s.top_k, top_p=top_p,
+        seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        skip_special_tokens=not s.include_special_tokens,
+    )

@@ -1,0 +1,58 @@
+"""A request as the scheduler keeps it: the full token list outlives any executor."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, never run or preempted (then recomputed from scratch)
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Validated sampling and stopping parameters (see protos/pagedserve/v1/generate.proto)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    req_id: int  # internal handle, also used on the wire to the executor
+    external_id: str  # the client's request_id
+    prompt_len: int
+    token_ids: list[int]  # prompt followed by generated tokens
+    params: SamplingParams
+    priority: int = 0  # lower is served first
+    arrival_seq: int = 0  # admission order among equal priorities
+    num_computed_tokens: int = 0  # tokens whose KV is (or will be, after this step) cached
+    status: RequestStatus = RequestStatus.WAITING
+    on_executor: bool = False  # the executor holds this request's state
+    num_preemptions: int = 0
+    sort_key: tuple[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sort_key = (self.priority, self.arrival_seq)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]

@@ -1,0 +1,89 @@
+"""The scheduler process: gRPC server + engine loop on one asyncio loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagedserve.models import read_generation_eos, resolve_model
+from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
+from scheduler_svc.engine import Engine
+from scheduler_svc.errors import ErrorInterceptor
+from scheduler_svc.inputs import InputProcessor
+from scheduler_svc.scheduler import SchedulerConfig
+from scheduler_svc.servicer import GenerationServicer
+
+log = logging.getLogger("pagedserve.scheduler")
+SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument("--host", default=env("PAGEDSERVE_HOST", "0.0.0.0"), help="gRPC bind host")
+    p.add_argument("--port", type=int, default=int(env("PAGEDSERVE_PORT", "50051")))
+    p.add_argument("--executor-bind", default=env("PAGEDSERVE_EXECUTOR_BIND",
+                                                  "tcp://127.0.0.1:5557"),
+                   help="ZeroMQ address the executor connects to")
+    p.add_argument("--max-num-seqs", type=int, default=int(env("PAGEDSERVE_MAX_NUM_SEQS", "128")))
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=int(env("PAGEDSERVE_MAX_NUM_BATCHED_TOKENS", "2048")))
+    p.add_argument("--long-prefill-token-threshold", type=int,
+                   default=int(env("PAGEDSERVE_LONG_PREFILL_TOKEN_THRESHOLD", "0")))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model(args.model)
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
+    cfg = SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          long_prefill_token_threshold=args.long_prefill_token_threshold)
+    engine = Engine(cfg, args.executor_bind, tokenizer, read_generation_eos(model_dir))
+    await engine.start()
+
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    generate_pb2_grpc.add_GenerationServicer_to_server(
+        GenerationServicer(engine, InputProcessor(tokenizer), args.model), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    address = f"{args.host}:{args.port}"
+    if server.add_insecure_port(address) == 0:
+        raise SystemExit(f"cannot bind gRPC port {address}")
+    await server.start()
+    log.info("gRPC listening on %s; waiting for an executor on %s", address, args.executor_bind)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def mark_serving() -> None:
+        await engine.wait_ready()
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving")
+
+    ready_task = asyncio.create_task(mark_serving())
+    await stop.wait()
+    log.info("shutting down")
+    ready_task.cancel()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=5)
+    await engine.close()
+
+
+def run(args: argparse.Namespace) -> None:
+    asyncio.run(serve(args))

@@ -1,0 +1,77 @@
+"""The public gRPC servicer: a thin conversion layer between protobuf and the engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos.pagedserve.v1 import generate_pb2 as api
+from protos.pagedserve.v1 import generate_pb2_grpc
+from scheduler_svc.engine import Chunk, Engine, EngineError
+from scheduler_svc.inputs import InputProcessor, Limits, validate
+
+_FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH}
+READY_TIMEOUT_S = 30.0
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: Engine, inputs: InputProcessor, model_name: str) -> None:
+        self.engine = engine
+        self.inputs = inputs
+        self.model_name = model_name
+
+    async def _limits(self) -> Limits:
+        if not await self.engine.wait_ready(READY_TIMEOUT_S):
+            raise EngineError("UNAVAILABLE", "no executor has joined the scheduler yet")
+        cap = self.engine.capacity
+        return Limits(max_model_len=cap.max_model_len, vocab_size=cap.vocab_size)
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: api.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api.GenerateResponse]:
+        limits = await self._limits()
+        prompt = await asyncio.to_thread(self.inputs.prompt_ids, request)
+        params = validate(request, prompt, limits)
+        stream = self.engine.submit(request.request_id, prompt, params, request.priority)
+        rid = stream.req.external_id
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, EngineError):
+                    raise item
+                yield _response(rid, item)
+                if item.finish_reason:
+                    return
+        finally:  # client cancelled, or the stream ended: free the request's blocks now
+            self.engine.abort(stream)
+
+    async def Tokenize(  # noqa: N802
+        self, request: api.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> api.TokenizeResponse:
+        ids = await asyncio.to_thread(self.inputs.prompt_ids, request)
+        tokens = self.inputs.tok.convert_ids_to_tokens(ids)
+        return api.TokenizeResponse(token_ids=ids, tokens=tokens)
+
+    async def GetModelInfo(  # noqa: N802
+        self, request: api.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> api.ModelInfo:
+        await self._limits()
+        cap = self.engine.capacity
+        return api.ModelInfo(
+            model=self.model_name, max_model_len=cap.max_model_len, vocab_size=cap.vocab_size,
+            block_size=cap.block_size, num_kv_blocks=cap.num_kv_blocks,
+            eos_token_ids=sorted(self.engine.eos_token_ids), dtype=cap.dtype, device=cap.device,
+            attention_backend=cap.attention_backend,
+        )
+
+
+def _response(request_id: str, chunk: Chunk) -> api.GenerateResponse:
+    resp = api.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids)
+    if chunk.finish_reason:
+        resp.finish_reason = _FINISH[chunk.finish_reason]
+        resp.stop_reason = chunk.stop_reason
+        resp.usage.prompt_tokens = chunk.prompt_tokens
+        resp.usage.completion_tokens = chunk.completion_tokens
+    return resp
