@@ -1,4 +1,4 @@
-"""Generates the gRPC/protobuf stubs from protos/ before the normal build (see protos/__init__.py)."""
+"""Generates the gRPC/protobuf stubs from protos/ before the normal build (protos/__init__.py)."""
 
 import sys
 from pathlib import Path

@@ -73,7 +73,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], -1)
+        sizes = [self.h * self.d, self.hkv * self.d, self.hkv * self.d]
+        q, k, v = self.qkv_proj(x).split(sizes, dim=-1)
         q, k = self.ops.rotary_embedding(
             positions, q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), cos_sin
         )

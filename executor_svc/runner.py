@@ -84,8 +84,8 @@ class ModelRunner:
                 logits_rows.append(cu_q[-1] - 1)
                 samplers.append((rid, st))
         max_blocks = max(len(self.requests[rid].block_ids) for rid, _ in batch)
-        tables = [self.requests[rid].block_ids + [0] * (max_blocks - len(self.requests[rid].block_ids))
-                  for rid, _ in batch]
+        tables = [table + [0] * (max_blocks - len(table))
+                  for table in (self.requests[rid].block_ids for rid, _ in batch)]
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),

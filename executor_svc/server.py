@@ -73,6 +73,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float,
                    default=float(env("PAGEDSERVE_KV_CACHE_GIB", "1")),
                    help="KV-cache budget on the CPU, GiB")
+    p.add_argument("--num-kv-blocks", type=int,
+                   default=int(env("PAGEDSERVE_NUM_KV_BLOCKS", "0")),
+                   help="exact number of KV blocks (overrides the memory budgets; 0: derive)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    default=float(env("PAGEDSERVE_GPU_MEMORY_UTILIZATION", "0.9")))
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
@@ -86,7 +89,7 @@ def run(args: argparse.Namespace) -> None:
     cfg = ExecutorConfig(
         model=model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         max_model_len=args.max_model_len, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
         attention_backend=args.attention_backend,
     )
     server = ExecutorServer(Worker(cfg), args.scheduler_address)

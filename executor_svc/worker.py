@@ -28,6 +28,7 @@ class ExecutorConfig:
     block_size: int = 16
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     kv_cache_bytes: int = GiB  # CPU budget for the KV cache
+    num_kv_blocks: int = 0  # exact block count; overrides both budgets when > 0
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the card this process may use
     gpu_activation_reserve_bytes: int = 2 * GiB  # CUDA: kept free for activations and logits
     attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
@@ -93,6 +94,8 @@ class Worker:
                  backend)
 
     def _num_blocks(self, cfg: ExecutorConfig) -> int:
+        if cfg.num_kv_blocks > 0:
+            return cfg.num_kv_blocks
         per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.dtype.itemsize)
         if self.device.type != "cuda":
             return cfg.kv_cache_bytes // per_block

@@ -81,7 +81,9 @@ class Client:
         finally:
             call.cancel()
 
-    def complete(self, text: str | None = None, **kwargs) -> tuple[str, list[int], api.GenerateResponse]:
+    def complete(
+        self, text: str | None = None, **kwargs
+    ) -> tuple[str, list[int], api.GenerateResponse]:
         """Run to the end; return (text, token ids, last response)."""
         parts, ids, last = [], [], None
         for last in self.generate(text, **kwargs):

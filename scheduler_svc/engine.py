@@ -20,6 +20,7 @@ import zmq.asyncio
 from protos.pagedserve.internal.v1 import executor_pb2 as pb
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from scheduler_svc.metrics import Metrics
 from scheduler_svc.request import Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -54,6 +55,8 @@ class RequestStream:
     sampling: pb.Sampling
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float = 0.0
 
 
 @dataclass(slots=True)
@@ -67,7 +70,9 @@ class StepTiming:
 
 class Engine:
     def __init__(self, cfg: SchedulerConfig, address: str, tokenizer: Any,
-                 eos_token_ids: list[int], kv_watermark: float = 0.01) -> None:
+                 eos_token_ids: list[int], kv_watermark: float = 0.01,
+                 metrics: Metrics | None = None) -> None:
+        self.metrics = metrics or Metrics()
         self.cfg = cfg
         self.address = address
         self.tokenizer = tokenizer
@@ -85,6 +90,7 @@ class Engine:
         self._executor_ident: bytes | None = None
         self._executor_id = ""
         self._generation = 0
+        self._preemptions_seen = 0
         self._tasks: list[asyncio.Task] = []
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -130,6 +136,7 @@ class Engine:
                                StopStringMatcher(params.stop), sampling)
         self.streams[rid] = stream
         self.scheduler.add(req)
+        self.metrics.prompt_tokens.inc(len(prompt))
         self._wake.set()
         return stream
 
@@ -139,6 +146,7 @@ class Engine:
             stream.finished = True
             self.scheduler.finish(stream.req.req_id)
             self.streams.pop(stream.req.req_id, None)
+            self._update_gauges(self.scheduler)
             self._wake.set()
 
     # ----------------------------------------------------------------- executor link
@@ -173,6 +181,7 @@ class Engine:
                                "too small for this request")
             self._generation += 1
             self._results.put_nowait(None)  # wake a step waiting on the old executor
+        self.metrics.total_blocks.set(cap.num_kv_blocks)
         self.sock.send_multipart(
             [ident, pb.SchedulerMessage(welcome=pb.Welcome(executor_id=hello.executor_id))
              .SerializeToString()])
@@ -185,6 +194,7 @@ class Engine:
         while True:
             sched = self.scheduler
             assert sched is not None
+            self._update_gauges(sched)
             if not sched.has_work():
                 sched.blocks.check_integrity()
                 if sched.blocks.num_free_blocks != sched.blocks.num_blocks:
@@ -201,6 +211,7 @@ class Engine:
             step_id = next(self._step_ids)
             data = self._encode(step_id, out)
             generation = self._generation
+            self.metrics.step_tokens.observe(out.num_batched_tokens)
             t1 = time.perf_counter()
             await self.sock.send_multipart([self._executor_ident, data])
             result = await self._results.get()
@@ -218,6 +229,15 @@ class Engine:
                 continue
             for req in sched.update(list(result.req_ids), list(result.sampled_token_ids)):
                 self._on_token(self.streams[req.req_id], req.token_ids[-1])
+
+    def _update_gauges(self, sched: Scheduler) -> None:
+        m = self.metrics
+        m.running.set(len(sched.running))
+        m.waiting.set(len(sched.waiting))
+        m.kv_usage.set(sched.blocks.usage())
+        m.free_blocks.set(sched.blocks.num_free_blocks)
+        m.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = sched.num_preemptions
 
     def _encode(self, step_id: int, out: SchedulerOutput) -> bytes:
         plan = pb.StepPlan(step_id=step_id, finished_req_ids=out.finished_req_ids,
@@ -241,9 +261,7 @@ class Engine:
     def _on_token(self, stream: RequestStream, token: int) -> None:
         req, params = stream.req, stream.req.params
         finish, stop_reason = None, ""
-        if token in params.stop_token_ids:
-            finish, stop_reason = "stop", str(token)
-        elif token in self.eos_token_ids and not params.ignore_eos:
+        if token in params.stop_token_ids or token in self.eos_token_ids and not params.ignore_eos:
             finish, stop_reason = "stop", str(token)
         elif req.num_output_tokens >= params.max_tokens:
             finish = "length"
@@ -254,7 +272,14 @@ class Engine:
         if matched is not None:
             finish, stop_reason = "stop", matched
         chunk = Chunk(text, [token])
+        now = time.monotonic()
+        self.metrics.generation_tokens.inc()
+        if not stream.first_token_at:
+            stream.first_token_at = now
+            self.metrics.ttft.observe(now - stream.arrival)
         if finish:
+            self.metrics.success.labels(finish).inc()
+            self.metrics.e2e.observe(now - stream.arrival)
             chunk.finish_reason, chunk.stop_reason = finish, stop_reason
             chunk.prompt_tokens, chunk.completion_tokens = req.prompt_len, req.num_output_tokens
             stream.finished = True

@@ -17,6 +17,7 @@ from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import ErrorInterceptor
 from scheduler_svc.inputs import InputProcessor
+from scheduler_svc.metrics import Metrics
 from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.servicer import GenerationServicer
 
@@ -31,6 +32,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor-bind", default=env("PAGEDSERVE_EXECUTOR_BIND",
                                                   "tcp://127.0.0.1:5557"),
                    help="ZeroMQ address the executor connects to")
+    p.add_argument("--metrics-port", type=int,
+                   default=int(env("PAGEDSERVE_METRICS_PORT", "9400")),
+                   help="Prometheus /metrics HTTP port (0 disables)")
     p.add_argument("--max-num-seqs", type=int, default=int(env("PAGEDSERVE_MAX_NUM_SEQS", "128")))
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=int(env("PAGEDSERVE_MAX_NUM_BATCHED_TOKENS", "2048")))
@@ -46,7 +50,11 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           long_prefill_token_threshold=args.long_prefill_token_threshold)
-    engine = Engine(cfg, args.executor_bind, tokenizer, read_generation_eos(model_dir))
+    metrics = Metrics()
+    if args.metrics_port:
+        metrics.serve(args.metrics_port, args.host)
+    engine = Engine(cfg, args.executor_bind, tokenizer, read_generation_eos(model_dir),
+                    metrics=metrics)
     await engine.start()
 
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])

@@ -58,6 +58,15 @@ def test_decode_only_split(device, num_splits):
     _check(batch, 0.125, TOL, num_splits=num_splits, max_query_len=1, max_seq_len=200)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_tile_boundaries(device, num_splits):
+    # Contexts and query-block starts sitting just before, on and after 64-key tile edges.
+    q_lens = [1, 1, 1, 1, 1, 3, 6, 4]
+    ctxs = [63, 64, 65, 127, 128, 65, 70, 132]
+    batch = make_paged_batch(q_lens, ctxs, 4, 4, 64, 16, DTYPE, device, seed=9)
+    _check(batch, 0.125, TOL, num_splits=num_splits)
+
+
 def test_long_prefill_large_tiles(device):
     # q_len * group > 64 takes the 128-row query block; mixed with decodes and a skipped seq.
     batch = make_paged_batch([1, 70, 0, 1], [9, 90, 12, 65], 4, 2, 64, 32, DTYPE, device, seed=5)

@@ -1,0 +1,384 @@
+"""Check and time the Triton kernels against torch on one GPU, in one call.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/kernels/bench_kernels.py --out $OUT | tee $OUT/log
+
+1. runs tests/kernels (CUDA cases: bf16/fp16 at model sizes);
+2. re-measures the two ceilings (device copy TB/s, bf16 GEMM TFLOP/s);
+3. decode paged attention vs torch SDPA on contiguous K/V (Llama-3.1-8B: 32 q heads, 8 KV
+   heads, D=128, block 16), prefill vs SDPA causal, a small config sweep, fused ops vs torch;
+4. writes one JSON record per measurement to <out>/kernels_<date>.jsonl (BENCHMARKS.md).
+
+Timings are CUDA-graph replays (triton.testing.do_bench_cudagraph, median) so that host launch
+cost, which the executor's graphs also remove, does not hide small kernels. Inputs are fresh
+random data; small cases rotate over enough copies to exceed the 60 MB L2.
+`--dry` runs tiny sizes on CPU under the Triton interpreter to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+H, HKV, D, BS = 32, 8, 128, 16
+L2_BYTES = 240 << 20  # rotate inputs until the working set is 4x the H200's 60 MB L2
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--dry", action="store_true")
+    p.add_argument("--skip-tests", action="store_true")
+    return p.parse_args()
+
+
+ARGS = parse()
+if ARGS.dry:
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(ROOT / "tests" / "kernels"))
+    import conftest  # noqa: E402,F401  (interpreter fix for numpy >= 2.4)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+import kernels.paged_attention as pa  # noqa: E402
+from kernels import fused, reference  # noqa: E402
+
+DEV = torch.device("cpu" if ARGS.dry else "cuda")
+DT = torch.float32 if ARGS.dry else torch.bfloat16
+SDPA = torch.nn.functional.scaled_dot_product_attention
+RECORDS: list[dict] = []
+ROWS: list[str] = []
+
+
+def meta() -> dict:
+    commit = os.environ.get("PAGEDSERVE_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True)
+            commit = commit.strip()
+        except Exception:
+            commit = "unknown"
+    return {
+        "commit": commit,
+        "gpu": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu-interpreter",
+        "torch": torch.__version__, "triton": triton.__version__,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+
+
+META = meta()
+
+
+def record(**kw) -> None:
+    rec = {**META, **kw}
+    RECORDS.append(rec)
+    print(json.dumps(rec), flush=True)
+
+
+def bench(fn) -> float:
+    """Median ms of CUDA-graph replays (falls back to event timing if capture fails)."""
+    if ARGS.dry:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    fn()
+    torch.cuda.synchronize()
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+    except Exception as exc:  # noqa: BLE001
+        print(f"graph capture failed ({exc!r}); timing eagerly", flush=True)
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def rotating(sets: list):
+    it = itertools.cycle(sets)
+    return lambda: next(it)
+
+
+def section(fn):
+    """Run one benchmark section; a failure is logged and the rest still runs."""
+    def run(*a, **kw):
+        print(f"\n=== {fn.__name__}", flush=True)
+        t = time.time()
+        try:
+            fn(*a, **kw)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            ROWS.append(f"{fn.__name__}: FAILED (see log)")
+        print(f"=== {fn.__name__} done in {time.time() - t:.1f}s", flush=True)
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
+    return run
+
+
+@section
+def run_tests() -> None:
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-rs"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    print(res.stdout[-6000:], res.stderr[-3000:], flush=True)
+    (Path(ARGS.out) / "pytest.log").write_text(res.stdout + res.stderr)
+    ROWS.append(f"pytest tests/kernels: rc={res.returncode} {res.stdout.strip().splitlines()[-1]}")
+
+
+@section
+def ceilings() -> None:
+    n = (64 << 20) if ARGS.dry else (2 << 30)
+    src = torch.randn(n // 2, device=DEV, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    tbps = 2 * n / ms / 1e9
+    m = 512 if ARGS.dry else 8192
+    a = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
+    ms_mm = bench(lambda: a @ b)
+    tflops = 2 * m**3 / ms_mm / 1e9
+    record(kind="ceiling_copy", impl="torch", ms=ms, tbps=tbps, bytes=2 * n)
+    record(kind="ceiling_gemm_bf16", impl="torch", ms=ms_mm, tflops=tflops, m=m, n=m, k=m)
+    ROWS.append(f"ceilings: copy {tbps:.2f} TB/s, bf16 gemm {tflops:.0f} TFLOP/s")
+
+
+def paged_case(q_lens: list[int], ctxs: list[int], copies: int = 1):
+    """One cache holding `copies` independent block sets; returns cache and per-copy args."""
+    need = [triton.cdiv(c, BS) for c in ctxs]
+    per = sum(need)
+    shape = (per * copies, BS, HKV, D)
+    k_cache = torch.randn(shape, device=DEV, dtype=DT)
+    v_cache = torch.randn(shape, device=DEV, dtype=DT)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEV)
+    seq_lens = torch.tensor(ctxs, dtype=torch.int32, device=DEV)
+    perm = torch.randperm(per * copies, device=DEV).int()
+    sets = []
+    for c in range(copies):
+        bt = torch.zeros(len(ctxs), max(need), dtype=torch.int32, device=DEV)
+        ids = perm[c * per:(c + 1) * per]
+        off = 0
+        for b, n in enumerate(need):
+            bt[b, :n] = ids[off:off + n]
+            off += n
+        q = torch.randn(int(cu[-1]), H, D, device=DEV, dtype=DT)
+        sets.append((q, bt))
+    return k_cache, v_cache, cu, seq_lens, sets
+
+
+@section
+def decode() -> None:
+    batches = [1, 8] if ARGS.dry else [1, 8, 64, 256]
+    ctxs = [64, 200] if ARGS.dry else [512, 2048, 8192, 32768]
+    scale = D**-0.5
+    for b, ctx in itertools.product(batches, ctxs):
+        if b * ctx > (1 << 22):
+            continue
+        kv_bytes = 2 * b * ctx * HKV * D * 2
+        copies = 1 if ARGS.dry else max(1, min(64, L2_BYTES // kv_bytes))
+        k_cache, v_cache, cu, sl, sets = paged_case([1] * b, [ctx] * b, copies)
+        outs = [torch.empty(b, H, D, device=DEV, dtype=DT) for _ in sets]
+        nxt = rotating(list(zip(sets, outs, strict=True)))
+
+        def ours(nxt=nxt, k_cache=k_cache, v_cache=v_cache, cu=cu, sl=sl, ctx=ctx):
+            (q, bt), out = nxt()
+            pa.paged_attention(q, k_cache, v_cache, bt, sl, cu, scale, max_query_len=1,
+                               max_seq_len=ctx, out=out)
+
+        # Peer: SDPA on contiguous K/V gathered from the same cache; the 4 query heads of a
+        # KV group become 4 query rows (exact for decode, and the fastest way to call it).
+        ks, vs, qs = [], [], []
+        for q, bt in sets:
+            ks.append(k_cache[bt.long()].reshape(b, -1, HKV, D)[:, :ctx].transpose(1, 2)
+                      .contiguous())
+            vs.append(v_cache[bt.long()].reshape(b, -1, HKV, D)[:, :ctx].transpose(1, 2)
+                      .contiguous())
+            qs.append(q.view(b, HKV, H // HKV, D))
+        nxt_t = rotating(list(zip(qs, ks, vs, strict=True)))
+
+        def peer(nxt_t=nxt_t):
+            q, k, v = nxt_t()
+            return SDPA(q, k, v, scale=scale)
+
+        (q0, _), out0 = sets[0], outs[0]
+        ours()  # rotation is at copy 1 next; recompute copy 0 for the check
+        pa.paged_attention(q0, k_cache, v_cache, sets[0][1], sl, cu, scale, out=out0)
+        err = (out0.float() - SDPA(qs[0], ks[0], vs[0], scale=scale).reshape(b, H, D).float())
+        err = (err.norm() / out0.float().norm()).item()
+        nbytes = kv_bytes + 2 * b * H * D * 2
+        for impl, fn in (("pagedserve", ours), ("torch_sdpa", peer)):
+            ms = bench(fn)
+            record(kind="decode", impl=impl, batch=b, ctx=ctx, ms=ms, tbps=nbytes / ms / 1e9,
+                   dtype=str(DT), block_size=BS, copies=copies, rel_err_vs_sdpa=err)
+            ROWS.append(f"decode  {impl:10s} B={b:<4d} ctx={ctx:<6d} {ms:8.4f} ms "
+                        f"{nbytes / ms / 1e9:6.2f} TB/s")
+        del k_cache, v_cache, ks, vs, sets, outs
+
+
+@section
+def prefill() -> None:
+    cases = [(1, 128)] if ARGS.dry else [(1, 8192), (4, 4096), (16, 1024)]
+    scale = D**-0.5
+    for b, seq in cases:
+        k_cache, v_cache, cu, sl, sets = paged_case([seq] * b, [seq] * b)
+        q, bt = sets[0]
+        out = torch.empty_like(q)
+        flops = 4 * b * H * D * seq * (seq + 1) / 2  # causal: QK^T and PV over the lower half
+
+        def ours(q=q, bt=bt, out=out, k_cache=k_cache, v_cache=v_cache, cu=cu, sl=sl, seq=seq):
+            pa.paged_attention(q, k_cache, v_cache, bt, sl, cu, scale, max_query_len=seq,
+                               max_seq_len=seq, out=out)
+
+        k = k_cache[bt.long()].reshape(b, -1, HKV, D)[:, :seq].transpose(1, 2)
+        v = v_cache[bt.long()].reshape(b, -1, HKV, D)[:, :seq].transpose(1, 2)
+        # Peer gets K/V pre-expanded to 32 heads so it runs the flash kernel.
+        k = k.repeat_interleave(H // HKV, dim=1).contiguous()
+        v = v.repeat_interleave(H // HKV, dim=1).contiguous()
+        qt = q.view(b, seq, H, D).transpose(1, 2).contiguous()
+
+        def peer(qt=qt, k=k, v=v):
+            return SDPA(qt, k, v, is_causal=True, scale=scale)
+
+        ours()
+        ref = peer().transpose(1, 2).reshape(b * seq, H, D).float()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        for impl, fn in (("pagedserve", ours), ("torch_sdpa", peer)):
+            ms = bench(fn)
+            record(kind="prefill", impl=impl, batch=b, ctx=seq, q_len=seq, ms=ms,
+                   tflops=flops / ms / 1e9, dtype=str(DT), block_size=BS, rel_err_vs_sdpa=err)
+            ROWS.append(f"prefill {impl:10s} B={b:<4d} L={seq:<6d} {ms:8.4f} ms "
+                        f"{flops / ms / 1e9:6.1f} TFLOP/s")
+        del k_cache, v_cache, k, v
+
+
+@section
+def mixed_and_chunked() -> None:
+    scale = D**-0.5
+    cases = {
+        "chunked": ([2048], [16384]),  # a 2k chunk on top of 14k cached tokens
+        "mixed": ([1] * 128 + [1024], [4096] * 128 + [1024]),  # 128 decodes + one prefill
+    }
+    if ARGS.dry:
+        cases = {"chunked": ([40], [100]), "mixed": ([1] * 3 + [20], [50] * 3 + [20])}
+    for name, (q_lens, ctxs) in cases.items():
+        k_cache, v_cache, cu, sl, sets = paged_case(q_lens, ctxs)
+        q, bt = sets[0]
+        out = torch.empty_like(q)
+        mq, ms_ = max(q_lens), max(ctxs)
+        ms = bench(functools.partial(pa.paged_attention, q, k_cache, v_cache, bt, sl, cu, scale,
+                                     max_query_len=mq, max_seq_len=ms_, out=out))
+        flops = sum(4 * H * D * ql * (c - ql + (ql + 1) / 2) for ql, c in zip(q_lens, ctxs,
+                                                                             strict=True))
+        nbytes = sum(2 * c * HKV * D * 2 for c in ctxs) + 2 * int(cu[-1]) * H * D * 2
+        record(kind=name, impl="pagedserve", batch=len(q_lens), ctx=ms_, q_len=mq, ms=ms,
+               tflops=flops / ms / 1e9, tbps=nbytes / ms / 1e9, dtype=str(DT))
+        ROWS.append(f"{name:7s} pagedserve B={len(q_lens):<4d} {ms:8.4f} ms "
+                    f"{flops / ms / 1e9:6.1f} TFLOP/s {nbytes / ms / 1e9:5.2f} TB/s")
+
+
+@section
+def sweep() -> None:
+    """Config sweep for the next round of tuning (not the defaults' records)."""
+    scale = D**-0.5
+    dec = [pa.Config(16, 64, 4, 4), pa.Config(16, 32, 4, 4), pa.Config(16, 128, 4, 3),
+           pa.Config(16, 64, 4, 2), pa.Config(16, 128, 8, 3)]
+    pre = [pa.Config(128, 64, 8, 3), pa.Config(128, 128, 8, 2), pa.Config(128, 32, 8, 4),
+           pa.Config(64, 64, 4, 3), pa.Config(128, 64, 4, 3)]
+    cases = [("decode", 8, 8192, 1, dec, 16), ("decode", 64, 8192, 1, dec, 1),
+             ("decode", 256, 2048, 1, dec, 1), ("prefill", 4, 4096, 4096, pre, 1)]
+    if ARGS.dry:
+        cases = [("decode", 2, 100, 1, dec[:2], 2), ("prefill", 1, 64, 64, pre[:2], 1)]
+    for kind, b, ctx, ql, cfgs, splits in cases:
+        k_cache, v_cache, cu, sl, sets = paged_case([ql] * b, [ctx] * b)
+        q, bt = sets[0]
+        out = torch.empty_like(q)
+        ref = torch.empty_like(q)
+        pa.launch(q, k_cache, v_cache, bt, sl, cu, scale, ref, cfgs[0], splits)
+        for cfg in cfgs:
+            try:
+                pa.launch(q, k_cache, v_cache, bt, sl, cu, scale, out, cfg, splits)
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                ms = bench(functools.partial(pa.launch, q, k_cache, v_cache, bt, sl, cu, scale,
+                                             out, cfg, splits))
+            except Exception as exc:  # noqa: BLE001
+                print(f"sweep {kind} {cfg}: {exc!r}", flush=True)
+                continue
+            record(kind=f"sweep_{kind}", impl="pagedserve", batch=b, ctx=ctx, ms=ms,
+                   config=dataclasses.asdict(cfg),
+                   num_splits=splits, rel_err_vs_default=err)
+            ROWS.append(f"sweep {kind:7s} B={b:<3d} ctx={ctx:<5d} {cfg} splits={splits} "
+                        f"{ms:8.4f} ms")
+        del k_cache, v_cache
+
+
+@section
+def fused_ops() -> None:
+    hidden, inter = (96, 200) if ARGS.dry else (4096, 14336)
+    max_pos = 8192
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, device=DEV).float() / D)
+    ang = torch.arange(max_pos, device=DEV).float()[:, None] * inv[None, :]
+    cs = torch.cat((ang.cos(), ang.sin()), dim=-1)
+    w = (1 + 0.1 * torch.randn(hidden, device=DEV)).to(DT)
+    for t in ([4, 16] if ARGS.dry else [256, 16384]):
+        el = DT.itemsize
+        x = torch.randn(t, hidden, device=DEV, dtype=DT)
+        r = torch.randn(t, hidden, device=DEV, dtype=DT)
+        qkv = torch.randn(t, H + 2 * HKV, D, device=DEV, dtype=DT)
+        q, k = qkv[:, :H], qkv[:, H:H + HKV]
+        pos = torch.randint(0, max_pos, (t,), device=DEV)
+        g = torch.randn(t, 2 * inter, device=DEV, dtype=DT)
+        part = functools.partial
+        ops = {
+            "rms_norm": (part(fused.rms_norm, x, w, 1e-5, r),
+                         part(reference.rms_norm, x, w, 1e-5, r), 4 * t * hidden * el),
+            "rotary": (part(fused.rotary_embedding, pos, q, k, cs),
+                       part(reference.rotary_embedding, pos, q, k, cs),
+                       2 * t * (H + HKV) * D * el + t * D * 4),
+            "silu_and_mul": (part(fused.silu_and_mul, g), part(reference.silu_and_mul, g),
+                             3 * t * inter * el),
+        }
+        for name, (ours, peer, nbytes) in ops.items():
+            a, b = ours(), peer()
+            a, b = (a, b) if isinstance(a, torch.Tensor) else (a[0], b[0])
+            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            for impl, fn in (("pagedserve", ours), ("torch", peer)):
+                ms = bench(fn)
+                record(kind=name, impl=impl, rows=t, ms=ms, tbps=nbytes / ms / 1e9,
+                       dtype=str(DT), rel_err_vs_torch=err)
+                ROWS.append(f"{name:12s} {impl:10s} T={t:<6d} {ms * 1e3:9.1f} us "
+                            f"{nbytes / ms / 1e9:6.2f} TB/s")
+
+
+def main() -> None:
+    out_dir = Path(ARGS.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(json.dumps(META), flush=True)
+    if DEV.type == "cuda":
+        print(torch.cuda.get_device_properties(0), flush=True)
+    if not ARGS.skip_tests:
+        run_tests()
+    torch.manual_seed(0)
+    ceilings()
+    decode()
+    prefill()
+    mixed_and_chunked()
+    fused_ops()
+    sweep()
+    day = datetime.date.today().isoformat()
+    path = out_dir / f"kernels_{day}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    print(f"\nwrote {len(RECORDS)} records to {path}\n")
+    print("\n".join(ROWS))
+
+
+if __name__ == "__main__":
+    main()
