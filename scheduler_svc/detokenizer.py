@@ -67,7 +67,15 @@ class StopStringMatcher:
                 out = self.text[self.sent:idx]
                 self.sent = idx
                 return out, stop
-        end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        end = len(self.text) if final else len(self.text) - self._partial_match()
         out = self.text[self.sent:end]
         self.sent = end
         return out, None
+
+    def _partial_match(self) -> int:
+        """Length of the longest unsent suffix that is the start of some stop string."""
+        for k in range(min(self.hold, len(self.text) - self.sent), 0, -1):
+            suffix = self.text[-k:]
+            if any(s.startswith(suffix) for s in self.stops):
+                return k
+        return 0

@@ -129,7 +129,7 @@ def section(fn):
 @section
 def run_tests() -> None:
     cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-rs"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     print(res.stdout[-6000:], res.stderr[-3000:], flush=True)
     (Path(ARGS.out) / "pytest.log").write_text(res.stdout + res.stderr)
     ROWS.append(f"pytest tests/kernels: rc={res.returncode} {res.stdout.strip().splitlines()[-1]}")

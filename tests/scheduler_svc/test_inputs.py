@@ -1,0 +1,61 @@
+import pytest
+
+from protos.pagedserve.v1 import generate_pb2 as api
+from scheduler_svc.inputs import InputProcessor, InvalidRequest, Limits, validate
+
+LIMITS = Limits(max_model_len=100, vocab_size=1000)
+
+
+def request(**sampling):
+    r = api.GenerateRequest(token_ids=api.TokenIds(ids=[1, 2, 3]))
+    for k, v in sampling.items():
+        if isinstance(v, list):
+            getattr(r.sampling, k).extend(v)
+        else:
+            setattr(r.sampling, k, v)
+    return r
+
+
+def test_defaults():
+    p = validate(request(), [1, 2, 3], LIMITS)
+    assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (97, 1.0, 0, 1.0, None)
+    assert p.skip_special_tokens and not p.ignore_eos
+
+
+@pytest.mark.parametrize("sampling, field", [
+    ({"max_tokens": 0}, "sampling.max_tokens"),
+    ({"max_tokens": -5}, "sampling.max_tokens"),
+    ({"max_tokens": 98}, "sampling.max_tokens"),  # 3 + 98 > 100
+    ({"temperature": -0.1}, "sampling.temperature"),
+    ({"temperature": float("nan")}, "sampling.temperature"),
+    ({"top_p": 0.0}, "sampling.top_p"),
+    ({"top_p": 1.5}, "sampling.top_p"),
+    ({"top_k": -1}, "sampling.top_k"),
+    ({"stop": [""]}, "sampling.stop"),
+    ({"stop_token_ids": [5000]}, "sampling.stop_token_ids"),
+])
+def test_bad_sampling_names_the_field(sampling, field):
+    with pytest.raises(InvalidRequest, match=f"^{field}"):
+        validate(request(**sampling), [1, 2, 3], LIMITS)
+
+
+def test_prompt_limits():
+    with pytest.raises(InvalidRequest, match="^input: the prompt has 100 tokens"):
+        validate(request(), list(range(100)), LIMITS)
+    with pytest.raises(InvalidRequest, match="^token_ids: 1000 is outside"):
+        validate(request(), [1, 1000], LIMITS)
+
+
+def test_prompt_sources(tokenizer):
+    ip = InputProcessor(tokenizer)
+    assert ip.prompt_ids(api.GenerateRequest(text="Hello")) == tokenizer.encode("Hello")
+    chat = api.GenerateRequest(chat=api.ChatMessages(
+        messages=[api.ChatMessage(role="user", content="Hi")]))
+    ids = ip.prompt_ids(chat)
+    assert tokenizer.decode(ids).endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    for empty, field in ((api.GenerateRequest(text=""), "^text"),
+                         (api.GenerateRequest(), "^input"),
+                         (api.GenerateRequest(token_ids=api.TokenIds()), "^token_ids"),
+                         (api.GenerateRequest(chat=api.ChatMessages()), "^chat.messages")):
+        with pytest.raises(InvalidRequest, match=field):
+            ip.prompt_ids(empty)
