@@ -1,13 +1,17 @@
 """Paged attention over a mixed varlen batch (decode rows and (chunked) prefill rows together).
 
-One program owns BLOCK_Q query tokens x all GROUP query heads of one KV head (GQA packing, so a
-decode row still fills the 16-row minimum of tl.dot and K/V tiles are read once per group). Query
-blocks are laid out per sequence as ``cu_seqlens_q[b] // BLOCK_Q + b``, an upper bound that needs
-no host sync; a program finds its sequence by binary search and exits if its block is empty.
+A program owns BLOCK_Q query tokens x the GROUP query heads of one KV head (GQA packing: a decode
+row fills tl.dot's 16-row minimum and each K/V tile is read once per group). One call makes two
+launches of the same kernel, each skipping the sequences that belong to the other:
 
-When there are too few programs to fill the GPU (small-batch decode), the context is split across
-``num_splits`` programs that write fp32 partials (max, sum, acc); a second kernel merges them
-(flash-decoding).
+- short rows (q_len <= BLOCK_Q of a 16-row block; decode): one program per (sequence, KV head,
+  split). With few sequences the context is split over ``num_splits`` programs that write fp32
+  partials (max, sum, acc) merged by a second kernel (flash-decoding).
+- long rows (prefill, chunks): 64/128-row blocks laid out per sequence at
+  ``cu_seqlens_q[b] // BLOCK_Q + b``, an upper bound needing no host sync; a program finds its
+  sequence by binary search and exits if its block is empty.
+
+So decode rows keep their small, fast config even when a prefill shares the step.
 """
 
 from __future__ import annotations
@@ -74,22 +78,30 @@ def _attend_tile(
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    qk_scale, num_seqs, num_heads, num_splits,
+    qk_scale, num_seqs, num_heads, num_splits, min_q_len,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    SPLIT: tl.constexpr,
+    PER_SEQ: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    qb = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_seq(cu_q_ptr, num_seqs, qb, BLOCK_Q)
-    q_start = tl.load(cu_q_ptr + seq)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    q_tok0 = (qb - (q_start // BLOCK_Q + seq)) * BLOCK_Q
-    if q_tok0 >= q_len:
-        return
+    if PER_SEQ:  # short rows: program = sequence, whose queries fit in one block
+        seq = tl.program_id(0)
+        q_start = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+        q_tok0 = 0
+        if (q_len == 0) | (q_len > BLOCK_Q):
+            return
+    else:  # long rows: only sequences with q_len >= min_q_len
+        qb = tl.program_id(0)
+        seq = _find_seq(cu_q_ptr, num_seqs, qb, BLOCK_Q)
+        q_start = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+        q_tok0 = (qb - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+        if (q_tok0 >= q_len) | (q_len < min_q_len):
+            return
     ctx = tl.load(seq_lens_ptr + seq)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -129,8 +141,9 @@ def _paged_attn_kernel(
             q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, BLOCK_SIZE, TILE_N, True)
 
-    if SPLIT:
-        idx = (row_t * num_heads + head) * num_splits + split
+    if SPLIT:  # partial rows are seq * BLOCK_Q + tok (PER_SEQ only), not token rows
+        part_row = (seq * BLOCK_Q + tok).to(tl.int64)
+        idx = (part_row * num_heads + head) * num_splits + split
         tl.store(part_m_ptr + idx, m_i, mask=row_ok)
         tl.store(part_l_ptr + idx, l_i, mask=row_ok)
         tl.store(part_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc,
@@ -143,12 +156,20 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_heads, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, cu_q_ptr, num_heads, num_splits,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0)  # seq * BLOCK_Q + tok
     h = tl.program_id(1)
-    base = (t * num_heads + h) * num_splits
+    seq = row // BLOCK_Q
+    tok = row % BLOCK_Q
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if (tok >= q_len) | (q_len > BLOCK_Q):
+        return
+    t = (q_start + tok).to(tl.int64)
+    base = (row.to(tl.int64) * num_heads + h) * num_splits
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < num_splits
@@ -177,12 +198,14 @@ class Config:
     num_stages: int
 
 
-def pick_config(max_query_len: int, group: int, dtype: torch.dtype) -> Config:
-    rows = max_query_len * group
-    block_m = max(16 if rows <= 16 else 64 if rows <= 64 else 128, triton.next_power_of_2(group))
-    if block_m <= 16:  # decode: memory-bound, keep several tiles in flight
-        return Config(block_m, 64, 4, 2 if dtype == torch.float32 else 4)
-    return Config(block_m, 64, 8, 2 if dtype == torch.float32 else 3)
+def short_config(group: int) -> Config:
+    # Memory-bound. H200 sweep (NOTES.md): 2 stages beat 4 by up to 25% at B=64, ctx 8k.
+    return Config(max(16, triton.next_power_of_2(group)), 64, 4, 2)
+
+
+def long_config(max_query_len: int, group: int, dtype: torch.dtype) -> Config:
+    block_m = max(64 if max_query_len * group <= 64 else 128, triton.next_power_of_2(group))
+    return Config(block_m, 64, 8 if block_m >= 128 else 4, 2 if dtype == torch.float32 else 3)
 
 
 def _pick_num_splits(programs: int, device: torch.device, max_seq_len: int, tile_n: int) -> int:
@@ -254,52 +277,65 @@ def paged_attention(
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group = num_heads // num_kv_heads
-    cfg = pick_config(max_query_len, group, q.dtype)
+    short = short_config(group)
     if num_splits is None:
-        block_q = cfg.block_m // group
-        busy = num_seqs if max_query_len <= block_q else num_tokens // block_q + num_seqs
-        if busy * num_kv_heads >= 2 * _num_sms(q.device):
+        if num_seqs * num_kv_heads >= 2 * _num_sms(q.device):
             num_splits = 1
         else:
             if max_seq_len is None:
                 max_seq_len = int(seq_lens.max())
-            num_splits = _pick_num_splits(busy * num_kv_heads, q.device, max_seq_len, cfg.tile_n)
+            num_splits = _pick_num_splits(num_seqs * num_kv_heads, q.device, max_seq_len,
+                                          short.tile_n)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, cfg, num_splits)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
+    launch(*args, short, per_seq=True, num_splits=num_splits)
+    short_q = short.block_m // group
+    if max_query_len > short_q:
+        launch(*args, long_config(max_query_len, group, q.dtype), per_seq=False,
+               min_q_len=short_q + 1)
     return out
 
 
 def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float,
-           out: torch.Tensor, cfg: Config, num_splits: int) -> None:
-    """Launch with an explicit config; arguments must already be checked (benchmarks sweep this)."""
+           out: torch.Tensor, cfg: Config, *, per_seq: bool, num_splits: int = 1,
+           min_q_len: int = 0) -> None:
+    """One launch with an explicit config over checked arguments (benchmarks sweep this).
+
+    per_seq=True handles only sequences with q_len <= cfg.block_m // group (and may split the
+    context); per_seq=False handles only sequences with q_len >= min_q_len.
+    """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     block_q = cfg.block_m // group
     split = num_splits > 1
+    if split and not per_seq:
+        raise ValueError("context splits are only supported with per_seq=True")
     if split:
-        part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
-                             device=q.device)
+        rows = num_seqs * block_q
+        part_m = torch.empty((rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim),
-                               dtype=torch.float32, device=q.device)
+        part_acc = torch.empty((rows, num_heads, num_splits, head_dim), dtype=torch.float32,
+                               device=q.device)
     else:
         part_m = part_l = part_acc = out  # unused
-    _paged_attn_kernel[(num_tokens // block_q + num_seqs, num_kv_heads, num_splits)](
+    grid0 = num_seqs if per_seq else num_tokens // block_q + num_seqs
+    _paged_attn_kernel[(grid0, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
         out, part_m, part_l, part_acc,
-        scale * _LOG2E, num_seqs, num_heads, num_splits,
+        scale * _LOG2E, num_seqs, num_heads, num_splits, min_q_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, SPLIT=split,
+        BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, PER_SEQ=per_seq, SPLIT=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            part_m, part_l, part_acc, out, num_heads, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+        _merge_splits_kernel[(num_seqs * block_q, num_heads)](
+            part_m, part_l, part_acc, out, cu_seqlens_q, num_heads, num_splits,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_S=triton.next_power_of_2(num_splits),
         )

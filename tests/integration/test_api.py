@@ -1,0 +1,136 @@
+"""The gRPC surface: errors, cancellation, tokenize, model info, health, reflection, CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pagedserve.client import build_request
+from protos.pagedserve.v1 import generate_pb2 as api
+
+INVALID = [  # (request kwargs, code, field named in the message)
+    (dict(text=""), "INVALID_ARGUMENT", "text: the prompt is empty"),
+    (dict(token_ids=[]), "INVALID_ARGUMENT", "token_ids: the prompt is empty"),
+    (dict(chat=[]), "INVALID_ARGUMENT", "chat.messages"),
+    (dict(token_ids=[1] * 9000), "INVALID_ARGUMENT", "input: the prompt has 9000 tokens"),
+    (dict(token_ids=[1, 10**6]), "INVALID_ARGUMENT", "token_ids:"),
+    (dict(text="hi", max_tokens=0), "INVALID_ARGUMENT", "sampling.max_tokens"),
+    (dict(text="hi", max_tokens=-3), "INVALID_ARGUMENT", "sampling.max_tokens"),
+    (dict(text="hi", max_tokens=10**9), "INVALID_ARGUMENT", "sampling.max_tokens"),
+    (dict(text="hi", temperature=-1), "INVALID_ARGUMENT", "sampling.temperature"),
+    (dict(text="hi", top_p=0), "INVALID_ARGUMENT", "sampling.top_p"),
+    (dict(text="hi", top_p=1.01), "INVALID_ARGUMENT", "sampling.top_p"),
+    (dict(text="hi", top_k=-2), "INVALID_ARGUMENT", "sampling.top_k"),
+    (dict(text="hi", stop=[""]), "INVALID_ARGUMENT", "sampling.stop"),
+    (dict(text="hi", stop_token_ids=[-1]), "INVALID_ARGUMENT", "sampling.stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("kwargs, code, message", INVALID,
+                         ids=[m for _, _, m in INVALID])
+def test_bad_input_gets_a_clear_status_and_the_server_keeps_serving(service, kwargs, code,
+                                                                    message):
+    with pytest.raises(grpc.RpcError) as err:
+        list(service.client.stub.Generate(build_request(**kwargs), timeout=30))
+    assert err.value.code().name == code
+    assert message in err.value.details()
+    _, ids, _ = service.client.complete(text="Hello", max_tokens=2, temperature=0)
+    assert len(ids) == 2
+
+
+def test_missing_input(service):
+    with pytest.raises(grpc.RpcError) as err:
+        list(service.client.stub.Generate(api.GenerateRequest(), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("input:")
+
+
+def test_invalid_utf8_in_stop_string_names_the_field(service):
+    raw = build_request(text="hi", stop=["ok", "XY"]).SerializeToString()
+    raw = raw.replace(b"XY", b"\xff\xfe")
+    call = service.client.channel.unary_stream(
+        "/pagedserve.v1.Generation/Generate", request_serializer=None,
+        response_deserializer=api.GenerateResponse.FromString)
+    with pytest.raises(grpc.RpcError) as err:
+        list(call(raw, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "sampling.stop[1]: not valid UTF-8"
+    assert service.client.complete(text="Hello", max_tokens=1)[1]
+
+
+def test_cancel_frees_blocks_within_a_step(service):
+    stream = service.client.stub.Generate(
+        build_request(text="Count: 1, 2, 3,", max_tokens=500, ignore_eos=True, temperature=0),
+        timeout=120)
+    first = [next(stream) for _ in range(3)]
+    assert all(c.token_ids for c in first)
+    assert service.metrics()["pagedserve:num_requests_running"] == 1
+    stream.cancel()
+    m = service.wait_idle(timeout=5)
+    assert m["pagedserve:num_requests_running"] == 0
+    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"]
+
+
+def test_tokenize_and_model_info(service, tokenizer):
+    resp = service.client.stub.Tokenize(api.TokenizeRequest(text="Hello world"))
+    assert list(resp.token_ids) == tokenizer.encode("Hello world")
+    assert list(resp.tokens) == tokenizer.convert_ids_to_tokens(tokenizer.encode("Hello world"))
+    info = service.client.model_info()
+    assert (info.vocab_size, info.block_size, info.max_model_len) == (49152, 16, 8192)
+    assert list(info.eos_token_ids) == [2]
+    assert (info.dtype, info.device, info.attention_backend) == ("float32", "cpu", "torch")
+    assert info.num_kv_blocks > 0
+
+
+def test_reflection_lists_the_services(service):
+    stub = reflection_pb2_grpc.ServerReflectionStub(service.client.channel)
+    reqs = iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    names = {s.name for r in stub.ServerReflectionInfo(reqs)
+             for s in r.list_services_response.service}
+    assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_cli_generate_prints_only_the_answer(service):
+    cmd = [sys.executable, "-m", "pagedserve.cli", "generate", "--address", service.address,
+           "--chat", "What is the capital of France?", "--temperature", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout == "The capital of France is Paris.\n"
+    out = subprocess.run([*cmd, "--json", "--max-tokens", "3"], capture_output=True, text=True,
+                         timeout=120, check=True)
+    chunks = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(chunks) == 3 and chunks[-1]["finishReason"] == "FINISH_REASON_LENGTH"
+    assert chunks[-1]["usage"]["completionTokens"] == 3
+
+
+def test_cli_generate_reports_errors(service):
+    cmd = [sys.executable, "-m", "pagedserve.cli", "generate", "--address", service.address,
+           "hi", "--top-p", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "INVALID_ARGUMENT: sampling.top_p" in out.stderr
+
+
+def test_executor_restart_recomputes_running_requests(service, hf_greedy):
+    import psutil
+
+    serve = psutil.Process(service.proc.pid)
+    [executor] = [p for p in serve.children() if "executor" in p.cmdline()]
+    stream = service.client.stub.Generate(
+        build_request(chat=[("user", "What is the capital of France?")], temperature=0,
+                      max_tokens=24), timeout=180)
+    ids = list(next(stream).token_ids)
+    executor.kill()
+    for chunk in stream:
+        ids.extend(chunk.token_ids)
+    assert ids == hf_greedy[4]  # the new executor recomputed the request and went on
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+            "executor" in p.cmdline() for p in serve.children()):
+        time.sleep(0.2)
+    assert service.client.complete(text="Hello", max_tokens=2, temperature=0)[1]

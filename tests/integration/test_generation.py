@@ -1,0 +1,89 @@
+"""The whole service (two processes) against HF transformers greedy output, token for token."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from protos.pagedserve.v1 import generate_pb2 as api
+from tests.integration.conftest import BUDGET, MAX_TOKENS, PROMPTS, prompt_ids, request_kwargs
+
+
+def run_all(service, concurrently: bool, **extra):
+    def one(p):
+        text, ids, last = service.client.complete(**request_kwargs(*p), max_tokens=MAX_TOKENS,
+                                                  temperature=0, timeout=300, **extra)
+        return ids, text, last
+
+    if not concurrently:
+        return [one(p) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(one, PROMPTS))
+
+
+def check_against_hf(results, hf_greedy, tokenizer):
+    for (ids, text, last), ref, prompt in zip(results, hf_greedy, PROMPTS, strict=True):
+        assert ids == ref, f"prompt {prompt[1][:40]!r}"
+        assert text == tokenizer.decode(ref, skip_special_tokens=True)
+        assert last.usage.prompt_tokens == len(prompt_ids(tokenizer, *prompt))
+        assert last.usage.completion_tokens == len(ref)
+        stopped = ref[-1] == 2 and len(ref) <= MAX_TOKENS
+        if stopped:
+            assert last.finish_reason == api.FINISH_REASON_STOP and last.stop_reason == "2"
+        else:
+            assert last.finish_reason == api.FINISH_REASON_LENGTH
+
+
+def test_one_at_a_time_matches_hf(service, hf_greedy, tokenizer):
+    check_against_hf(run_all(service, concurrently=False), hf_greedy, tokenizer)
+
+
+def test_all_at_once_matches_hf(service, hf_greedy, tokenizer):
+    check_against_hf(run_all(service, concurrently=True), hf_greedy, tokenizer)
+    m = service.wait_idle()
+    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"]
+
+
+def test_long_prompt_is_chunked(service, tokenizer):
+    long_len = len(prompt_ids(tokenizer, *PROMPTS[3]))
+    assert long_len > BUDGET  # so it cannot be prefilled in one step
+    m = service.metrics()
+    # every step stayed within the token budget
+    assert m[f'pagedserve:iteration_tokens_total_bucket{{le="{BUDGET}.0"}}'] == \
+        m["pagedserve:iteration_tokens_total_count"]
+
+
+def test_preemption_keeps_outputs_identical(tight_service, hf_greedy, tokenizer):
+    check_against_hf(run_all(tight_service, concurrently=True), hf_greedy, tokenizer)
+    m = tight_service.wait_idle()
+    assert m["pagedserve:num_preemptions_total"] > 0
+    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"] == 24
+
+
+def test_seeded_sampling_is_reproducible_alone_and_batched(service):
+    kwargs = dict(chat=[("user", "Tell me a story about a cat.")], max_tokens=16,
+                  temperature=0.9, top_p=0.95, top_k=50, seed=42, timeout=120)
+    alone = service.client.complete(**kwargs)[1]
+    with ThreadPoolExecutor(4) as pool:
+        batched = list(pool.map(lambda s: service.client.complete(
+            **{**kwargs, "seed": s})[1], [41, 42, 43, 44]))
+    assert batched[1] == alone
+    assert len({tuple(b) for b in batched}) > 1
+
+
+def test_stop_string_and_stop_token(service, hf_greedy, tokenizer):
+    ref_text = tokenizer.decode(hf_greedy[4], skip_special_tokens=True)  # "The capital ... Paris."
+    assert "Paris" in ref_text
+    text, _, last = service.client.complete(chat=[("user", PROMPTS[4][1])], temperature=0,
+                                            max_tokens=MAX_TOKENS, stop=["Paris"])
+    assert text == ref_text[: ref_text.index("Paris")]
+    assert last.finish_reason == api.FINISH_REASON_STOP and last.stop_reason == "Paris"
+    stop_id = hf_greedy[4][2]
+    _, ids, last = service.client.complete(chat=[("user", PROMPTS[4][1])], temperature=0,
+                                           max_tokens=MAX_TOKENS, stop_token_ids=[stop_id])
+    assert ids == hf_greedy[4][:3] and last.stop_reason == str(stop_id)
+
+
+def test_ignore_eos_runs_to_max_tokens(service):
+    _, ids, last = service.client.complete(chat=[("user", PROMPTS[4][1])], temperature=0,
+                                           max_tokens=30, ignore_eos=True)
+    assert len(ids) == 30 and last.finish_reason == api.FINISH_REASON_LENGTH
