@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("executor", help="run the executor process (model)")
     _model_arg(s)
     executor.add_args(s)
+    h = sub.add_parser("health", help="exit 0 if the server at --address is serving")
+    h.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", "localhost:50051"))
     g = sub.add_parser("generate", help="stream a completion from a running server")
     g.add_argument("prompt", help="prompt text, or - to read it from stdin")
     g.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", "localhost:50051"))
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return _generate(args)
+    if args.command == "health":
+        return _health(args.address)
     if args.command == "scheduler":
         from scheduler_svc.server import run
 
@@ -133,6 +137,22 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     return code
+
+
+def _health(address: str) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                             timeout=5)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(status)
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def _generate(args: argparse.Namespace) -> int:
