@@ -41,31 +41,62 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     out = torch.empty_like(q)
-    block_size = k_cache.shape[1]
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+    decode = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
+    if decode:  # all single-token rows in one batched product: the CPU decode hot path
+        rows = [cu[b] for b in decode]
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[decode],
+                                      seq_lens[decode], scale)
     for b, ctx in enumerate(lens):
         start, end = cu[b], cu[b + 1]
-        q_len = end - start
-        if q_len == 0:
-            continue
-        num_blocks = (ctx + block_size - 1) // block_size
-        blocks = block_tables[b, :num_blocks].long()
-        k = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, Hkv, D]
-        v = v_cache[blocks].flatten(0, 1)[:ctx]
-        qb = q[start:end].transpose(0, 1).float()  # [H, q_len, D]
-        kb = k.transpose(0, 1).float().repeat_interleave(group, dim=0)  # [H, ctx, D]
-        vb = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        k_pos = torch.arange(ctx, device=q.device)[None, :]
-        mask = k_pos <= q_pos  # [q_len, ctx]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=mask, scale=scale
-        )
-        out[start:end] = o.transpose(0, 1).to(q.dtype)
+        if end - start > 1:
+            out[start:end] = _sequence_attention(q[start:end], k_cache, v_cache,
+                                                 block_tables[b], ctx, scale)
     return out
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, ctx: int) -> torch.Tensor:
+    """The first ctx tokens of a block table (or a batch of them): [..., ctx, Hkv, D]."""
+    g = cache[blocks.long()]  # [..., nblocks, BS, Hkv, D]
+    return g.flatten(-4, -3)[..., :ctx, :, :]
+
+
+def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    # q: [B, H, D]; one query per sequence, at the last position of its context
+    bsz, h, d = q.shape
+    hkv = k_cache.shape[2]
+    max_ctx = int(seq_lens.max())
+    block_size = k_cache.shape[1]
+    nblocks = -(-max_ctx // block_size)
+    # table entries past a sequence's own blocks may be anything (padding): point them at block 0
+    used = torch.arange(nblocks, device=q.device)[None, :] * block_size < seq_lens[:, None]
+    tables = torch.where(used, block_tables[:, :nblocks], 0)
+    k = _gather(k_cache, tables, max_ctx).float()  # [B, S, Hkv, D]
+    v = _gather(v_cache, tables, max_ctx).float()
+    qg = q.float().view(bsz, hkv, h // hkv, d)  # query heads grouped by their KV head
+    scores = torch.einsum("bkgd,bskd->bkgs", qg, k) * scale  # [B, Hkv, G, S]
+    valid = torch.arange(max_ctx, device=q.device)[None, :] < seq_lens[:, None].long()
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)  # stale or NaN slots must not leak in
+    o = torch.einsum("bkgs,bskd->bkgd", scores.softmax(dim=-1), v)
+    return o.reshape(bsz, h, d).to(q.dtype)
+
+
+def _sequence_attention(q, k_cache, v_cache, block_table, ctx, scale):
+    # q: [q_len, H, D], the last q_len positions of a ctx-token context, causal
+    q_len, h, _ = q.shape
+    group = h // k_cache.shape[2]
+    nblocks = -(-ctx // k_cache.shape[1])
+    k = _gather(k_cache, block_table[:nblocks], ctx)  # [ctx, Hkv, D]
+    v = _gather(v_cache, block_table[:nblocks], ctx)
+    qb = q.transpose(0, 1).float()  # [H, q_len, D]
+    kb = k.transpose(0, 1).float().repeat_interleave(group, dim=0)  # [H, ctx, D]
+    vb = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
+    q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+    mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [q_len, ctx]
+    o = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1).to(q.dtype)
 
 
 def rms_norm(

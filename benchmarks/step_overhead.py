@@ -1,0 +1,93 @@
+"""Per-step overhead of the scheduler<->executor loop, without model compute.
+
+The real Engine plans steps for N running decode requests and sends them over ZeroMQ to a real
+executor process whose model is replaced by a stub returning fixed logits; the executor still
+mirrors state, builds the batch tensors and samples. So `plan` is schedule() + protobuf
+encoding, and `round trip` is send -> result (ZeroMQ both ways, executor decode, input
+preparation, sampling, encode): the time a GPU step would have to hide.
+
+    python -m benchmarks.step_overhead --running 16 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import statistics
+
+from benchmarks.common import write_records
+
+VOCAB = 32
+
+
+def stub_executor(address: str, num_blocks: int, block_size: int) -> None:
+    import torch
+
+    from executor_svc.runner import ModelRunner
+    from executor_svc.sampler import Sampler
+    from executor_svc.server import ExecutorServer
+    from protos.pagedserve.internal.v1 import executor_pb2 as pb
+
+    class StubModel:
+        def __call__(self, input_ids, positions, kv, meta, rows):
+            return torch.zeros(len(rows), VOCAB)
+
+    class StubWorker:
+        runner = ModelRunner(StubModel(), [], block_size, torch.device("cpu"),
+                             Sampler(torch.device("cpu")))
+        capacity = pb.Capacity(num_kv_blocks=num_blocks, block_size=block_size,
+                               max_model_len=4096, vocab_size=VOCAB, dtype="none",
+                               device="cpu", attention_backend="stub", model="stub")
+
+    ExecutorServer(StubWorker(), address).serve_forever()
+
+
+async def measure(running: int, steps: int, address: str) -> dict:
+    from scheduler_svc.engine import Engine
+    from scheduler_svc.request import SamplingParams
+    from scheduler_svc.scheduler import SchedulerConfig
+
+    class NullTokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return "x" * len(ids)
+
+    engine = Engine(SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=8192),
+                    address, NullTokenizer(), eos_token_ids=[])
+    await engine.start()
+    proc = mp.get_context("spawn").Process(target=stub_executor, args=(address, 65536, 16),
+                                           daemon=True)
+    proc.start()
+    await engine.wait_ready()
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    streams = [engine.submit(f"r{i}", [1] * 128, params) for i in range(running)]
+    for s in streams:  # wait for every request to finish
+        while not (await s.queue.get()).finish_reason:
+            pass
+    decode = [t for t in engine.timings if t.num_reqs == running and t.num_tokens == running]
+    proc.terminate()
+    await engine.close()
+    plan = [t.plan_s * 1e6 for t in decode]
+    rtt = [t.round_trip_s * 1e6 for t in decode]
+    return {"kind": "step_overhead", "running": running, "steps": len(decode),
+            "plan_us_p50": statistics.median(plan), "plan_us_mean": statistics.fmean(plan),
+            "round_trip_us_p50": statistics.median(rtt), "round_trip_us_mean": statistics.fmean(rtt),
+            "executor_us_p50": statistics.median(t.execute_s * 1e6 for t in decode)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--running", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--address", default="ipc:///tmp/pagedserve-bench-overhead")
+    args = p.parse_args()
+    records = [asyncio.run(measure(n, args.steps, args.address)) for n in args.running]
+    print(f"{'running':>8} {'plan p50 us':>12} {'round trip p50 us':>18} {'executor p50 us':>16}")
+    for r in records:
+        print(f"{r['running']:>8} {r['plan_us_p50']:>12.0f} {r['round_trip_us_p50']:>18.0f} "
+              f"{r['executor_us_p50']:>16.0f}")
+    print("wrote", write_records("step_overhead", records))
+
+
+if __name__ == "__main__":
+    main()
