@@ -71,7 +71,8 @@ async def measure(running: int, steps: int, address: str) -> dict:
     rtt = [t.round_trip_s * 1e6 for t in decode]
     return {"kind": "step_overhead", "running": running, "steps": len(decode),
             "plan_us_p50": statistics.median(plan), "plan_us_mean": statistics.fmean(plan),
-            "round_trip_us_p50": statistics.median(rtt), "round_trip_us_mean": statistics.fmean(rtt),
+            "round_trip_us_p50": statistics.median(rtt),
+            "round_trip_us_mean": statistics.fmean(rtt),
             "executor_us_p50": statistics.median(t.execute_s * 1e6 for t in decode)}
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from safetensors import safe_open
 
 from executor_svc.config import ModelConfig
-from executor_svc.model import LlamaForCausalLM, rope_cos_sin_cache
+from executor_svc.model import LlamaForCausalLM, Ops, rope_cos_sin_cache
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -25,7 +24,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def build_model(
     cfg: ModelConfig,
-    ops: ModuleType,
+    ops: Ops,
     dtype: torch.dtype,
     device: torch.device,
     max_pos: int,

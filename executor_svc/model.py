@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
 
 from executor_svc.config import ModelConfig
+
+Ops = Any  # the namespace kernels.get_ops() returns
 
 
 @dataclass(slots=True)
@@ -43,7 +45,7 @@ def rope_cos_sin_cache(cfg: ModelConfig, max_pos: int, device: torch.device) -> 
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, ops: ModuleType) -> None:
+    def __init__(self, size: int, eps: float, ops: Ops) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps, self.ops = eps, ops
@@ -55,7 +57,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d,
@@ -81,13 +83,14 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         self.ops.write_kv_cache(k, v.view(t, self.hkv, self.d), k_cache, v_cache, meta.slot_mapping)
         o = self.ops.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
         )
         return self.o_proj(o.reshape(t, self.h * self.d))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -98,7 +101,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ModuleType) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = Attention(cfg, ops)
@@ -113,7 +116,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ModuleType, max_pos: int) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops, max_pos: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import SimpleNamespace
 
 import torch
 
@@ -34,14 +34,10 @@ class ExecutorConfig:
     attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
 
 
-def load_ops(backend: str) -> ModuleType:
-    if backend == "torch":
-        import kernels.reference as ops
-
-        return ops
+def load_ops(backend: str) -> SimpleNamespace:
     from kernels import get_ops
 
-    return get_ops("triton")
+    return get_ops(backend)
 
 
 class Worker:

@@ -39,6 +39,9 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [B] int32, context length including this step's tokens
     cu_seqlens_q: torch.Tensor,  # [B+1] int32
     scale: float,
+    *,
+    max_query_len: int | None = None,  # host-side hints the Triton version uses; unused here
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()

@@ -35,12 +35,13 @@ def hf_and_ours(request, tmp_path):
     return hf, ours, cfg
 
 
-def run_paged(model, cfg, seqs, chunks, block_size=4):
+def run_paged(model, cfg, seqs, chunks, block_size=4, device="cpu", dtype=torch.float32):
     """Feed each sequence in `chunks` steps (token counts per step, all sequences batched
     together) and return the last-position logits of every step, per sequence."""
-    nblocks = 64
+    nblocks = 16 * len(seqs)
     shape = (nblocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    kv = [(torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+    kv = [(torch.full(shape, float("nan"), dtype=dtype, device=device),
+           torch.full(shape, float("nan"), dtype=dtype, device=device))
           for _ in range(cfg.num_layers)]
     tables = [list(range(i * 16, (i + 1) * 16))[::-1] for i in range(len(seqs))]  # scattered
     done = [0] * len(seqs)
@@ -56,10 +57,12 @@ def run_paged(model, cfg, seqs, chunks, block_size=4):
             cu.append(cu[-1] + n)
             rows.append(cu[-1] - 1)
             done[b] = e
-        meta = AttentionMetadata(torch.tensor(slots), torch.tensor(tables, dtype=torch.int32),
-                                 torch.tensor(lens, dtype=torch.int32),
-                                 torch.tensor(cu, dtype=torch.int32), max(step), max(lens))
-        logits = model(torch.tensor(ids), torch.tensor(pos), kv, meta, torch.tensor(rows))
+        def t(x, dt=torch.int64):
+            return torch.tensor(x, dtype=dt, device=device)
+
+        meta = AttentionMetadata(t(slots), t(tables, torch.int32), t(lens, torch.int32),
+                                 t(cu, torch.int32), max(step), max(lens))
+        logits = model(t(ids), t(pos), kv, meta, t(rows))
         for b in range(len(seqs)):
             outs[b].append(logits[b])
     return outs
