@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -21,8 +22,9 @@ def environment() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=RESULTS.parent).stdout.strip()
+    commit = os.environ.get("PAGEDSERVE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        cwd=RESULTS.parent).stdout.strip()  # the device machine gets no .git: pass it in
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {"commit": commit, "gpu": gpu, "cpu": platform.processor() or platform.machine(),
             "torch": torch.__version__, "triton": triton_version,

@@ -78,6 +78,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="exact number of KV blocks (overrides the memory budgets; 0: derive)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    default=float(env("PAGEDSERVE_GPU_MEMORY_UTILIZATION", "0.9")))
+    p.add_argument("--load-format", choices=["auto", "random"],
+                   default=env("PAGEDSERVE_LOAD_FORMAT", "auto"),
+                   help="random: random weights for the model's config (benchmarks)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
                    default=env("PAGEDSERVE_ATTENTION_BACKEND", "auto"))
 
@@ -85,11 +88,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from pagedserve.models import resolve_model
 
-    model = args.model if args.model.startswith("random:") else str(resolve_model(args.model))
     cfg = ExecutorConfig(
-        model=model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-        max_model_len=args.max_model_len, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-        gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
+        model=str(resolve_model(args.model)), load_format=args.load_format, device=args.device,
+        dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
+        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)), num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend,
     )
     server = ExecutorServer(Worker(cfg), args.scheduler_address)

@@ -22,7 +22,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(frozen=True, slots=True)
 class ExecutorConfig:
-    model: str  # HF directory (resolved), or "random:<config.json>" for benchmarks
+    model: str  # HF directory (resolved)
+    load_format: str = "auto"  # "auto": the directory's safetensors; "random": N(0, 0.02) weights
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA) or a name in _DTYPES
     block_size: int = 16
@@ -57,14 +58,10 @@ class Worker:
         if backend not in ("torch", "triton"):
             raise ValueError(f"attention backend must be auto, torch or triton, got {backend!r}")
         self.backend = backend
-        if cfg.model.startswith("random:"):
-            import json
-
-            self.model_cfg = ModelConfig.from_dict(json.loads(Path(cfg.model[7:]).read_text()))
-            weights = None
-        else:
-            self.model_cfg = ModelConfig.from_pretrained(cfg.model)
-            weights = Path(cfg.model)
+        if cfg.load_format not in ("auto", "random"):
+            raise ValueError(f"load format must be auto or random, got {cfg.load_format!r}")
+        self.model_cfg = ModelConfig.from_pretrained(cfg.model)
+        weights = Path(cfg.model) if cfg.load_format == "auto" else None
         max_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
         model = build_model(self.model_cfg, load_ops(backend), self.dtype, self.device,
                             max_len, weights)
@@ -76,8 +73,9 @@ class Worker:
         self.max_model_len = min(max_len, self.num_blocks * cfg.block_size)
         shape = (self.num_blocks, cfg.block_size, self.model_cfg.num_kv_heads,
                  self.model_cfg.head_dim)
-        kv = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-               torch.zeros(shape, dtype=self.dtype, device=self.device))
+        # uninitialised on purpose: attention never reads a slot before it is written
+        kv = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+               torch.empty(shape, dtype=self.dtype, device=self.device))
               for _ in range(self.model_cfg.num_layers)]
         self.runner = ModelRunner(model, kv, cfg.block_size, self.device, Sampler(self.device))
         self.capacity = pb.Capacity(

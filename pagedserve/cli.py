@@ -98,7 +98,7 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
                 "--kv-cache-gib", str(args.kv_cache_gib),
                 "--num-kv-blocks", str(args.num_kv_blocks),
                 "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-                "--attention-backend", args.attention_backend]
+                "--attention-backend", args.attention_backend, "--load-format", args.load_format]
     stopping = False
 
     def stop(*_: object) -> None:
