@@ -38,12 +38,13 @@ def hf_and_ours(request, tmp_path):
 def run_paged(model, cfg, seqs, chunks, block_size=4, device="cpu", dtype=torch.float32):
     """Feed each sequence in `chunks` steps (token counts per step, all sequences batched
     together) and return the last-position logits of every step, per sequence."""
-    nblocks = 16 * len(seqs)
-    shape = (nblocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    per_seq = -(-max(len(s) for s in seqs) // block_size)
+    shape = (per_seq * len(seqs), block_size, cfg.num_kv_heads, cfg.head_dim)
     kv = [(torch.full(shape, float("nan"), dtype=dtype, device=device),
            torch.full(shape, float("nan"), dtype=dtype, device=device))
           for _ in range(cfg.num_layers)]
-    tables = [list(range(i * 16, (i + 1) * 16))[::-1] for i in range(len(seqs))]  # scattered
+    tables = [list(range(i * per_seq, (i + 1) * per_seq))[::-1]  # scattered, not in order
+              for i in range(len(seqs))]
     done = [0] * len(seqs)
     outs = [[] for _ in seqs]
     for step in chunks:
