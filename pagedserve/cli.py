@@ -90,7 +90,9 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
                  "--executor-bind", args.executor_bind, "--metrics-port", str(args.metrics_port),
                  "--max-num-seqs", str(args.max_num_seqs),
                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                 "--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
+                 "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
+                 "--enable-prefix-caching" if args.enable_prefix_caching
+                 else "--no-enable-prefix-caching"]
     connect = args.executor_bind.replace("0.0.0.0", "127.0.0.1").replace("*", "127.0.0.1")
     exec_cmd = [*base, "executor", *common, "--scheduler-address", connect,
                 "--device", args.device, "--dtype", args.dtype,

@@ -57,8 +57,10 @@ def resolve_model(model: str) -> Path:
 
 def gguf_to_hf_dir(gguf: Path) -> Path:
     """Convert a GGUF file (once) into a float32 safetensors directory in the cache."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    # keyed by content (size + first MiB), not path: every fresh venv installs its own copy
+    key = hashlib.sha256(str(gguf.stat().st_size).encode())
+    with gguf.open("rb") as f:
+        key.update(f.read(1 << 20))
     target = cache_dir() / "models" / f"{gguf.stem}-{key.hexdigest()[:12]}"
     if (target / "config.json").exists():
         return target

@@ -1,31 +1,53 @@
 """KV-cache block bookkeeping. The executor owns the tensors; this owns which block holds what.
 
-Invariant (checked by `check_integrity`): every block id in [0, num_blocks) is either on the
-free list or in exactly one request's block table. A request's table covers its first
-len(table) * block_size token positions:
+Blocks are reference counted: with prefix caching, requests that share a prompt prefix share
+the blocks holding it. A request's table covers its first len(table) * block_size positions:
 
     table:   [ b7 ][ b2 ][ b9 ]            block_size = 4
     tokens:  0123  4567  89..              positions 10, 11 free for the next tokens
+
+A full block whose tokens are known is registered under a chained key (parent block's hash,
+its own token ids), so the same prefix maps to the same blocks. Blocks with no reference sit on
+the free list in LRU order (front = evicted first); a cached one stays findable there until it
+is handed out again, which evicts it. A request's blocks are freed tail first, so its tail is
+evicted before its prefix.
+
+Invariants (checked by `check_integrity`): a block's ref count equals the number of tables
+holding it; ref 0 <=> on the free list; the cache maps each key to the one block carrying it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+
+BlockKey = tuple[int, tuple[int, ...]]  # (parent block's hash, this block's token ids)
+_ROOT_HASH = 0
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, watermark_blocks: int = 0,
+                 enable_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = watermark_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        self._ref = [0] * num_blocks
+        self._key: list[BlockKey | None] = [None] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockKey, int] = {}
         self._tables: dict[int, list[int]] = {}
+        self._hashes: dict[int, list[int]] = {}  # req -> chained hash of each registered block
 
+    # ------------------------------------------------------------------ queries
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
@@ -36,28 +58,95 @@ class BlockManager:
     def block_table(self, req_id: int) -> list[int]:
         return list(self._tables.get(req_id, ()))
 
-    def allocate_slots(self, req_id: int, num_tokens: int, admit: bool = False) -> list[int] | None:
-        """Grow req_id's table to hold num_tokens tokens; return the new block ids, or None if
-        the pool cannot. A new admission (`admit`) must also leave the watermark free, so that
-        running requests can still grow without being preempted at once."""
-        table = self._tables.get(req_id, [])
-        need = self.blocks_for(num_tokens) - len(table)
-        if need <= 0:
+    def cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of token_ids, in order. At most
+        len(token_ids) - 1 tokens are covered: the last prompt token is always computed, so
+        that its logits exist."""
+        if not self.enable_caching:
             return []
+        bs, parent, hit = self.block_size, _ROOT_HASH, []
+        for i in range((len(token_ids) - 1) // bs):
+            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            block = self._cached.get(key)
+            if block is None:
+                break
+            hit.append(block)
+            parent = hash(key)
+        return hit
+
+    # ------------------------------------------------------------------ changes
+    def allocate_slots(self, req_id: int, num_tokens: int, admit: bool = False,
+                       prefix: list[int] | None = None) -> list[int] | None:
+        """Grow req_id's table to hold num_tokens tokens, starting a new table with the cached
+        `prefix` blocks if given. Return the newly allocated block ids, or None (and change
+        nothing) if the pool cannot. A new admission (`admit`) must also leave the watermark
+        free, so that running requests can still grow without being preempted at once."""
+        table = self._tables.get(req_id)
+        prefix = prefix if table is None and prefix else []
+        have = len(table) if table is not None else len(prefix)
+        need = self.blocks_for(num_tokens) - have
+        revived = sum(1 for b in prefix if self._ref[b] == 0)  # leave the free list when shared
         reserve = self.watermark_blocks if admit else 0
-        if need > len(self._free) - reserve:
+        if max(need, 0) + revived > len(self._free) - reserve:
             return None
-        new = [self._free.popleft() for _ in range(need)]
-        self._tables[req_id] = table + new
+        for b in prefix:
+            if self._ref[b] == 0:
+                del self._free[b]
+            self._ref[b] += 1
+        new = [self._pop_free() for _ in range(max(need, 0))]
+        self._tables[req_id] = (table or list(prefix)) + new
+        if table is None:
+            self._hashes[req_id] = [self._chain(req_id, i) for i in range(len(prefix))]
         return new
 
+    def cache_full_blocks(self, req_id: int, token_ids: list[int], num_computed: int) -> None:
+        """Register req_id's blocks that are full and computed (num_computed tokens)."""
+        if not self.enable_caching:
+            return
+        table, hashes = self._tables[req_id], self._hashes[req_id]
+        bs = self.block_size
+        for i in range(len(hashes), num_computed // bs):
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            block = table[i]
+            if key not in self._cached and self._key[block] is None:
+                self._cached[key] = block
+                self._key[block] = key
+            hashes.append(hash(key))  # identical content computed twice: keep both, share key
+
     def free(self, req_id: int) -> None:
-        self._free.extend(self._tables.pop(req_id, ()))
+        for b in reversed(self._tables.pop(req_id, ())):
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                self._free[b] = None
+        self._hashes.pop(req_id, None)
+
+    def _pop_free(self) -> int:
+        b, _ = self._free.popitem(last=False)
+        key = self._key[b]
+        if key is not None:  # evict: its content is about to be overwritten
+            del self._cached[key]
+            self._key[b] = None
+        self._ref[b] = 1
+        return b
+
+    def _chain(self, req_id: int, i: int) -> int:
+        key = self._key[self._tables[req_id][i]]
+        assert key is not None, "a shared prefix block must be registered"
+        return hash(key)
 
     def check_integrity(self) -> None:
-        owned = [b for table in self._tables.values() for b in table]
-        if sorted([*self._free, *owned]) != list(range(self.num_blocks)):
-            raise AssertionError(
-                f"block accounting broken: {len(self._free)} free + {len(owned)} owned "
-                f"!= {self.num_blocks}, or a block is listed twice"
-            )
+        owners = [0] * self.num_blocks
+        for table in self._tables.values():
+            for b in table:
+                owners[b] += 1
+        problems = []
+        if owners != self._ref:
+            problems.append("ref counts differ from table membership")
+        if any((r == 0) != (b in self._free) for b, r in enumerate(self._ref)):
+            problems.append("free list differs from unreferenced blocks")
+        if any(self._key[b] != k for k, b in self._cached.items()) or \
+                sum(k is not None for k in self._key) != len(self._cached):
+            problems.append("cache map differs from block keys")
+        if problems:
+            raise AssertionError("block accounting broken: " + "; ".join(problems))

@@ -90,7 +90,7 @@ class Engine:
         self._executor_ident: bytes | None = None
         self._executor_id = ""
         self._generation = 0
-        self._preemptions_seen = 0
+        self._counters_seen: dict = {}  # scheduler totals already added to counters
         self._tasks: list[asyncio.Task] = []
         self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -169,7 +169,8 @@ class Engine:
                  cap.dtype, cap.device)
         self._executor_ident, self._executor_id, self.capacity = ident, hello.executor_id, cap
         watermark = int(cap.num_kv_blocks * self.kv_watermark)
-        blocks = BlockManager(cap.num_kv_blocks, cap.block_size, watermark)
+        blocks = BlockManager(cap.num_kv_blocks, cap.block_size, watermark,
+                              enable_caching=self.cfg.enable_prefix_caching)
         if self.scheduler is None:
             self.scheduler = Scheduler(self.cfg, blocks)
         else:  # a new executor has none of the KV: everything running is recomputed
@@ -236,8 +237,12 @@ class Engine:
         m.waiting.set(len(sched.waiting))
         m.kv_usage.set(sched.blocks.usage())
         m.free_blocks.set(sched.blocks.num_free_blocks)
-        m.preemptions.inc(sched.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = sched.num_preemptions
+        seen = self._counters_seen
+        for counter, value in ((m.preemptions, sched.num_preemptions),
+                               (m.prefix_queries, sched.prefix_queried_tokens),
+                               (m.prefix_hits, sched.prefix_hit_tokens)):
+            counter.inc(value - seen.get(counter, 0))
+            seen[counter] = value
 
     def _encode(self, step_id: int, out: SchedulerOutput) -> bytes:
         plan = pb.StepPlan(step_id=step_id, finished_req_ids=out.finished_req_ids,

@@ -19,6 +19,10 @@ class Metrics:
         self.total_blocks = Gauge(p + "num_kv_blocks", "KV blocks the executor holds", registry=r)
         self.preemptions = Counter(p + "num_preemptions", "Requests preempted (recomputed)",
                                    registry=r)
+        self.prefix_queries = Counter(p + "prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found cached",
+                                   registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.success = Counter(p + "request_success", "Finished requests", ["finished_reason"],

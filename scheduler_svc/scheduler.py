@@ -24,6 +24,7 @@ class SchedulerConfig:
     # Cap on one request's prefill chunk per step (0: no cap beyond the budget), so one long
     # prompt cannot take a whole step from the others.
     long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
 
 
 @dataclass(slots=True)
@@ -52,6 +53,8 @@ class Scheduler:
         self._finished_ids: list[int] = []  # to tell the executor in the next plan
         self._preempted_ids: list[int] = []
         self.num_preemptions = 0
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of which found cached
 
     def add(self, req: Request) -> None:
         self.requests[req.req_id] = req
@@ -115,11 +118,17 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.cfg.max_num_seqs):
             req = self.waiting[0]
+            prefix = self.blocks.cached_prefix(req.token_ids)
+            req.num_computed_tokens = len(prefix) * self.blocks.block_size
             n = self._chunk(req, budget)
             new_blocks = self.blocks.allocate_slots(req.req_id, req.num_computed_tokens + n,
-                                                    admit=bool(self.running))
+                                                    admit=bool(self.running), prefix=prefix)
             if new_blocks is None:
+                req.num_computed_tokens = 0
                 break
+            if self.blocks.enable_caching:
+                self.prefix_queried_tokens += req.num_tokens
+                self.prefix_hit_tokens += req.num_computed_tokens
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
@@ -152,6 +161,7 @@ class Scheduler:
             out.new.append((req, n))
             req.on_executor = True
         req.num_computed_tokens += n
+        self.blocks.cache_full_blocks(req.req_id, req.token_ids, req.num_computed_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

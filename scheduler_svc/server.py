@@ -38,6 +38,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=int(env("PAGEDSERVE_MAX_NUM_SEQS", "128")))
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=int(env("PAGEDSERVE_MAX_NUM_BATCHED_TOKENS", "2048")))
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=env("PAGEDSERVE_ENABLE_PREFIX_CACHING", "1") not in ("0", "false"),
+                   help="reuse the KV blocks of shared prompt prefixes (default on)")
     p.add_argument("--long-prefill-token-threshold", type=int,
                    default=int(env("PAGEDSERVE_LONG_PREFILL_TOKEN_THRESHOLD", "0")))
 
@@ -49,7 +52,8 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
     cfg = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          long_prefill_token_threshold=args.long_prefill_token_threshold)
+                          long_prefill_token_threshold=args.long_prefill_token_threshold,
+                          enable_prefix_caching=args.enable_prefix_caching)
     metrics = Metrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.host)

@@ -67,9 +67,9 @@ def service(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="session")
 def tight_service(tmp_path_factory, model_dir):
-    """So few KV blocks (24 x 16 tokens) that the 8 prompts cannot all run at once."""
+    """So few KV blocks (16 x 16 tokens) that the 8 prompts cannot all run at once."""
     svc = Service(tmp_path_factory.mktemp("tight") / "serve.log",
-                  "--max-num-batched-tokens", "256", "--num-kv-blocks", "24")
+                  "--max-num-batched-tokens", "256", "--num-kv-blocks", "16")
     svc.wait_serving()
     yield svc
     assert svc.stop() == 0

@@ -56,7 +56,7 @@ def test_preemption_keeps_outputs_identical(tight_service, hf_greedy, tokenizer)
     check_against_hf(run_all(tight_service, concurrently=True), hf_greedy, tokenizer)
     m = tight_service.wait_idle()
     assert m["pagedserve:num_preemptions_total"] > 0
-    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"] == 24
+    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"] == 16
 
 
 def test_seeded_sampling_is_reproducible_alone_and_batched(service):
@@ -87,3 +87,16 @@ def test_ignore_eos_runs_to_max_tokens(service):
     _, ids, last = service.client.complete(chat=[("user", PROMPTS[4][1])], temperature=0,
                                            max_tokens=30, ignore_eos=True)
     assert len(ids) == 30 and last.finish_reason == api.FINISH_REASON_LENGTH
+
+
+def test_prefix_cache_hits_keep_outputs_identical(service, hf_greedy, tokenizer):
+    before = service.metrics()
+    # every prompt ran before: all its full blocks but the one holding its last token are cached
+    check_against_hf(run_all(service, concurrently=False), hf_greedy, tokenizer)
+    after = service.metrics()
+    expected = sum((len(prompt_ids(tokenizer, *p)) - 1) // 16 * 16 for p in PROMPTS)
+    hits = "pagedserve:prefix_cache_hits_total"
+    queries = "pagedserve:prefix_cache_queries_total"
+    assert after[hits] - before[hits] == expected
+    assert after[queries] - before[queries] == sum(
+        len(prompt_ids(tokenizer, *p)) for p in PROMPTS)

@@ -3,14 +3,15 @@ from scheduler_svc.request import Request, RequestStatus, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
 
-def make(num_blocks=16, block_size=4, max_seqs=8, budget=16, watermark=0, threshold=0):
+def make(num_blocks=16, block_size=4, max_seqs=8, budget=16, watermark=0, threshold=0,
+         caching=False):
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                          long_prefill_token_threshold=threshold)
-    return Scheduler(cfg, BlockManager(num_blocks, block_size, watermark))
+                          long_prefill_token_threshold=threshold, enable_prefix_caching=caching)
+    return Scheduler(cfg, BlockManager(num_blocks, block_size, watermark, caching))
 
 
-def req(rid, prompt_len, priority=0):
-    return Request(rid, f"r{rid}", prompt_len, list(range(prompt_len)),
+def req(rid, prompt_len, priority=0, tokens=None):
+    return Request(rid, f"r{rid}", prompt_len, tokens or [100 * rid + i for i in range(prompt_len)],
                    SamplingParams(max_tokens=100), priority=priority, arrival_seq=rid)
 
 
@@ -67,18 +68,18 @@ def test_preemption_evicts_latest_and_recomputes():
     assert plan(out) == [("new", 1, 4), ("new", 2, 4)]
     step(s, out)  # both now have 5 tokens, 4 computed; pool is full
     out = s.schedule()
-    # a needs a third block: b (latest arrival) is preempted and its blocks go to a
-    assert plan(out) == [("cached", 1, 1, [2])]
+    # a needs a third block: b (latest arrival) is preempted; its tail block goes to a
+    assert plan(out) == [("cached", 1, 1, [3])]
     assert out.preempted_req_ids == [2]
     assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0
-    assert b.token_ids == [0, 1, 2, 3, 7]  # its generated token is kept and recomputed
+    assert b.token_ids == [200, 201, 202, 203, 7]  # its generated token is kept, recomputed
     assert s.num_preemptions == 1
     step(s, out)
     s.finish(1)
     out = s.schedule()
     assert out.finished_req_ids == [1]
     assert plan(out) == [("new", 2, 5)]  # resumed: whole token list, from scratch
-    assert s.blocks.block_table(2) == [3, 0, 1]
+    assert s.blocks.block_table(2) == [2, 3, 1]  # free list was 2, then a's 3, 1, 0
     s.blocks.check_integrity()
 
 
@@ -131,3 +132,33 @@ def test_abort_of_waiting_request():
     s.schedule()
     s.finish(2)  # never ran: nothing to tell the executor
     assert s.waiting == [] and s.schedule().finished_req_ids == []
+
+
+def test_prefix_cache_hit_skips_computed_tokens():
+    s = make(budget=32, caching=True)
+    shared = list(range(1000, 1008))  # two full blocks of 4
+    a = req(1, 10, tokens=shared + [1, 2])
+    s.add(a)
+    out = s.schedule()
+    assert plan(out) == [("new", 1, 10)]
+    step(s, out)
+    b = req(2, 11, tokens=shared + [7, 8, 9])
+    s.add(b)
+    out = s.schedule()
+    # b starts with a's two blocks and computes only its last 3 prompt tokens
+    assert plan(out) == [("new", 2, 3), ("cached", 1, 1, [])]
+    assert s.blocks.block_table(2) == [0, 1, 3]
+    assert b.num_computed_tokens == 11
+    assert (s.prefix_queried_tokens, s.prefix_hit_tokens) == (21, 8)
+    s.blocks.check_integrity()
+
+
+def test_identical_prompts_in_one_step_share_blocks():
+    s = make(budget=32, caching=True)
+    s.add(req(1, 9, tokens=list(range(9))))
+    s.add(req(2, 9, tokens=list(range(9))))
+    out = s.schedule()
+    # the second finds the first's blocks registered already: they are written earlier in the
+    # same forward pass (each layer writes every row's K/V before attending)
+    assert plan(out) == [("new", 1, 9), ("new", 2, 1)]
+    assert s.blocks.block_table(2)[:2] == s.blocks.block_table(1)[:2]
