@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from executor_svc.config import ModelConfig
 from executor_svc.model import LlamaForCausalLM, Ops, rope_cos_sin_cache
+from executor_svc.quantization import QuantConfig, QuantizationError, convert_checkpoint
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -30,10 +31,14 @@ def build_model(
     max_pos: int,
     weights_dir: Path | None,
     seed: int = 0,
+    quant: QuantConfig | None = None,
 ) -> LlamaForCausalLM:
-    """Load from `weights_dir`, or random N(0, 0.02) weights when it is None (benchmarks)."""
+    """Load from `weights_dir`, or random N(0, 0.02) weights when it is None (benchmarks).
+    With `quant`, decoder linears are 4-bit (executor_svc/quantization)."""
+    if quant is not None and weights_dir is None:
+        raise QuantizationError("random weights are not supported for a quantized model")
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, ops, max_pos)
+        model = LlamaForCausalLM(cfg, ops, max_pos, quant)
     model = model.to_empty(device=device).to(dtype)
     model.cos_sin = rope_cos_sin_cache(cfg, max_pos, device)
     if cfg.tie_word_embeddings:
@@ -45,6 +50,8 @@ def build_model(
                 p.data.fill_(1.0)
             else:
                 p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    elif quant is not None:
+        model.load_weights(convert_checkpoint(iter_safetensors(weights_dir), quant))
     else:
         model.load_weights(iter_safetensors(weights_dir))
     return model.eval()

@@ -14,8 +14,17 @@ import torch
 from torch import nn
 
 from executor_svc.config import ModelConfig
+from executor_svc.quantization import QuantConfig, QuantizationError, W4Linear
 
 Ops = Any  # the namespace kernels.get_ops() returns
+_PACKED_ALONG_N = (".qweight", ".scales", ".zeros")  # fused parts concatenate along dim 1
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, quant: QuantConfig | None,
+                ops: Ops) -> nn.Module:
+    if quant is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return W4Linear(in_features, out_features, bias, quant, ops)
 
 
 @dataclass(slots=True)
@@ -57,12 +66,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d,
-                                  bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.qkv_proj = make_linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d,
+                                    cfg.attention_bias, quant, ops)
+        self.o_proj = make_linear(self.h * self.d, cfg.hidden_size, False, quant, ops)
         self.scale = self.d**-0.5
         self.ops = ops
 
@@ -90,10 +99,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops, quant: QuantConfig | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * cfg.intermediate_size, False,
+                                        quant, ops)
+        self.down_proj = make_linear(cfg.intermediate_size, cfg.hidden_size, False, quant, ops)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,12 +111,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, ops)
+        self.self_attn = Attention(cfg, ops, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = MLP(cfg, ops, quant)
 
     def forward(self, x, residual, positions, cos_sin, kv_cache, meta):
         x, residual = self.input_layernorm(x, residual)
@@ -116,11 +126,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops, max_pos: int) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops, max_pos: int,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        # embeddings, norms and lm_head stay in float whatever `quant` says
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, quant) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -146,7 +158,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(x[logits_indices]).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, fusing q/k/v and gate/up projections."""
+        """Load HF-named tensors, fusing q/k/v and gate/up projections. Quantized modules come
+        already converted (quantization.convert_checkpoint): their parts fuse along N."""
         params = dict(self.named_parameters())
         h, hkv, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         qkv_rows = {"q": (0, h * d), "k": (h * d, hkv * d), "v": ((h + hkv) * d, hkv * d)}
@@ -167,8 +180,17 @@ class LlamaForCausalLM(nn.Module):
                 if f"mlp.{part}_proj." in name:
                     target, rows = name.replace(f"{part}_proj", "gate_up_proj"), (i * inter, inter)
             if target not in params:
+                if name.endswith(".bias") and not tensor.any():
+                    continue  # GPTQ writers add zero biases to bias-free layers
                 raise KeyError(f"unexpected weight {name}")
-            dst = params[target].data if rows is None else params[target].data.narrow(0, *rows)
+            dst = params[target].data
+            if target.endswith(".perm"):
+                if rows is not None and any(x.startswith(f"{target}[") for x in loaded) \
+                        and not torch.equal(dst, tensor.to(dst.dtype)):
+                    raise QuantizationError(f"{name}: g_idx differs from the other parts of "
+                                            f"the fused {target.rpartition('.')[0]}")
+            elif rows is not None:
+                dst = dst.narrow(1 if target.endswith(_PACKED_ALONG_N) else 0, *rows)
             if dst.shape != tensor.shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
             dst.copy_(tensor)

@@ -8,6 +8,7 @@ import torch
 
 from executor_svc.model import AttentionMetadata, LlamaForCausalLM
 from executor_svc.sampler import Sampler, SamplingSpec
+from executor_svc.swap import SwapSpace
 from protos.pagedserve.internal.v1 import executor_pb2 as pb
 
 
@@ -31,8 +32,10 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         sampler: Sampler,
+        swap: SwapSpace | None = None,
     ) -> None:
         self.model, self.kv_caches = model, kv_caches
+        self.swap = swap or SwapSpace(0, [])
         self.block_size, self.device, self.sampler = block_size, device, sampler
         self.requests: dict[int, RequestState] = {}
 
@@ -43,6 +46,9 @@ class ModelRunner:
         """Run one step; return (req_ids, sampled token ids) of requests that sampled."""
         for rid in (*plan.finished_req_ids, *plan.preempted_req_ids):
             self.requests.pop(rid, None)
+        if plan.swap_out_src or plan.swap_in_src:
+            self.swap.swap_out(self.kv_caches, list(plan.swap_out_src), list(plan.swap_out_dst))
+            self.swap.swap_in(self.kv_caches, list(plan.swap_in_src), list(plan.swap_in_dst))
         batch: list[tuple[int, int]] = []  # (req_id, num tokens scheduled)
         for new, n in zip(plan.new_requests, plan.new_num_scheduled_tokens, strict=True):
             self.requests[new.req_id] = RequestState(

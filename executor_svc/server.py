@@ -76,6 +76,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int,
                    default=int(env("PAGEDSERVE_NUM_KV_BLOCKS", "0")),
                    help="exact number of KV blocks (overrides the memory budgets; 0: derive)")
+    p.add_argument("--swap-space-gib", type=float,
+                   default=float(env("PAGEDSERVE_SWAP_SPACE_GIB", "4")),
+                   help="host memory for KV blocks of requests preempted by swap (0: none)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    default=float(env("PAGEDSERVE_GPU_MEMORY_UTILIZATION", "0.9")))
     p.add_argument("--load-format", choices=["auto", "random"],
@@ -83,6 +86,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="random: random weights for the model's config (benchmarks)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
                    default=env("PAGEDSERVE_ATTENTION_BACKEND", "auto"))
+    p.add_argument("--quantization", choices=["auto", "none", "awq", "gptq"],
+                   default=env("PAGEDSERVE_QUANTIZATION", "auto"),
+                   help="4-bit weights; auto: from config.json's quantization_config")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -92,8 +98,9 @@ def run(args: argparse.Namespace) -> None:
         model=str(resolve_model(args.model)), load_format=args.load_format, device=args.device,
         dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
         kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)), num_kv_blocks=args.num_kv_blocks,
+        swap_space_bytes=int(args.swap_space_gib * (1 << 30)),
         gpu_memory_utilization=args.gpu_memory_utilization,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, quantization=args.quantization,
     )
     server = ExecutorServer(Worker(cfg), args.scheduler_address)
 

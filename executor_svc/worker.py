@@ -11,8 +11,10 @@ import torch
 
 from executor_svc.config import ModelConfig
 from executor_svc.loader import build_model
+from executor_svc.quantization import resolve_quantization
 from executor_svc.runner import ModelRunner
 from executor_svc.sampler import Sampler
+from executor_svc.swap import SwapSpace
 from protos.pagedserve.internal.v1 import executor_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -30,9 +32,11 @@ class ExecutorConfig:
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     kv_cache_bytes: int = GiB  # CPU budget for the KV cache
     num_kv_blocks: int = 0  # exact block count; overrides both budgets when > 0
+    swap_space_bytes: int = 4 * GiB  # host memory for swapped-out KV blocks
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the card this process may use
     gpu_activation_reserve_bytes: int = 2 * GiB  # CUDA: kept free for activations and logits
     attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
+    quantization: str = "auto"  # "auto" (config.json's quantization_config), "none", "awq", "gptq"
 
 
 def load_ops(backend: str) -> SimpleNamespace:
@@ -61,10 +65,11 @@ class Worker:
         if cfg.load_format not in ("auto", "random"):
             raise ValueError(f"load format must be auto or random, got {cfg.load_format!r}")
         self.model_cfg = ModelConfig.from_pretrained(cfg.model)
+        quant = resolve_quantization(cfg.model, cfg.quantization)
         weights = Path(cfg.model) if cfg.load_format == "auto" else None
         max_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
         model = build_model(self.model_cfg, load_ops(backend), self.dtype, self.device,
-                            max_len, weights)
+                            max_len, weights, quant=quant)
         self.num_blocks = self._num_blocks(cfg)
         if self.num_blocks < 1:
             raise RuntimeError("no memory left for the KV cache: lower the model size or raise "
@@ -77,11 +82,15 @@ class Worker:
         kv = [(torch.empty(shape, dtype=self.dtype, device=self.device),
                torch.empty(shape, dtype=self.dtype, device=self.device))
               for _ in range(self.model_cfg.num_layers)]
-        self.runner = ModelRunner(model, kv, cfg.block_size, self.device, Sampler(self.device))
+        per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.dtype.itemsize)
+        self.swap = SwapSpace(cfg.swap_space_bytes // per_block, kv)
+        self.runner = ModelRunner(model, kv, cfg.block_size, self.device, Sampler(self.device),
+                                  self.swap)
         self.capacity = pb.Capacity(
             num_kv_blocks=self.num_blocks, block_size=cfg.block_size,
             max_model_len=self.max_model_len, vocab_size=self.model_cfg.vocab_size,
             dtype=dtype_name, device=str(self.device), attention_backend=backend, model=cfg.model,
+            num_swap_blocks=self.swap.num_blocks,
         )
         log.info("executor ready: %d KV blocks of %d tokens, max_model_len %d, %s on %s (%s)",
                  self.num_blocks, cfg.block_size, self.max_model_len, dtype_name, self.device,

@@ -1,7 +1,8 @@
 """Model kernels: torch reference ops (CPU path, test oracle) and their Triton versions.
 
 ``get_ops("torch" | "triton")`` returns a namespace with write_kv_cache, paged_attention,
-rms_norm, rotary_embedding and silu_and_mul. Submodules import lazily so that importing this
+rms_norm, rotary_embedding, silu_and_mul and w4a16_gemm (4-bit weights; its torch version lives
+in w4a16_reference). Submodules import lazily so that importing this
 package (transformers probes for a package named ``kernels``) stays cheap. No ``__version__``
 on purpose: that keeps transformers from taking this for HF's ``kernels`` package.
 """
@@ -17,13 +18,18 @@ _OP_MODULES = {
     "rms_norm": "fused",
     "rotary_embedding": "fused",
     "silu_and_mul": "fused",
+    "w4a16_gemm": "w4a16",
 }
+_TORCH_MODULES = {"w4a16_gemm": "w4a16_reference"}  # default: reference
 
 
 def get_ops(backend: str) -> SimpleNamespace:
     if backend == "torch":
-        mod = importlib.import_module("kernels.reference")
-        return SimpleNamespace(**{op: getattr(mod, op) for op in _OP_MODULES})
+        return SimpleNamespace(**{
+            op: getattr(importlib.import_module(f"kernels.{_TORCH_MODULES.get(op, 'reference')}"),
+                        op)
+            for op in _OP_MODULES
+        })
     if backend == "triton":
         return SimpleNamespace(**{
             op: getattr(importlib.import_module(f"kernels.{m}"), op)

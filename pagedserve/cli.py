@@ -24,6 +24,7 @@ def _model_arg(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     from executor_svc import server as executor
+    from pagedserve import quantize
     from scheduler_svc import server as scheduler
 
     p = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
@@ -40,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("executor", help="run the executor process (model)")
     _model_arg(s)
     executor.add_args(s)
+    q = sub.add_parser("quantize", help="write a 4-bit AWQ/GPTQ checkpoint of --model")
+    _model_arg(q)
+    quantize.add_args(q)
     h = sub.add_parser("health", help="exit 0 if the server at --address is serving")
     h.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", "localhost:50051"))
     g = sub.add_parser("generate", help="stream a completion from a running server")
@@ -68,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "health":
         return _health(args.address)
+    if args.command == "quantize":
+        from pagedserve.quantize import run as quantize
+
+        return quantize(args)
     if args.command == "scheduler":
         from scheduler_svc.server import run
 
@@ -84,23 +92,14 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     """Start both processes; restart a dead executor; stop both on SIGINT/SIGTERM."""
     resolve_model(args.model)  # convert a GGUF once, before two processes race for it
+    from executor_svc import server as executor
+    from scheduler_svc import server as scheduler
+
     base = [sys.executable, "-m", "pagedserve.cli", "--log-level", args.log_level]
-    common = ["--model", args.model]
-    sched_cmd = [*base, "scheduler", *common, "--host", args.host, "--port", str(args.port),
-                 "--executor-bind", args.executor_bind, "--metrics-port", str(args.metrics_port),
-                 "--max-num-seqs", str(args.max_num_seqs),
-                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                 "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
-                 "--enable-prefix-caching" if args.enable_prefix_caching
-                 else "--no-enable-prefix-caching"]
+    sched_cmd = [*base, "scheduler", "--model", args.model, *_forward(scheduler.add_args, args)]
     connect = args.executor_bind.replace("0.0.0.0", "127.0.0.1").replace("*", "127.0.0.1")
-    exec_cmd = [*base, "executor", *common, "--scheduler-address", connect,
-                "--device", args.device, "--dtype", args.dtype,
-                "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
-                "--kv-cache-gib", str(args.kv_cache_gib),
-                "--num-kv-blocks", str(args.num_kv_blocks),
-                "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-                "--attention-backend", args.attention_backend, "--load-format", args.load_format]
+    args.scheduler_address = connect  # the executor connects where the scheduler binds
+    exec_cmd = [*base, "executor", "--model", args.model, *_forward(executor.add_args, args)]
     stopping = False
 
     def stop(*_: object) -> None:
@@ -139,6 +138,20 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     return code
+
+
+def _forward(add_args, args: argparse.Namespace) -> list[str]:
+    """The command-line flags that reproduce `args` for one process's own parser."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_args(parser)
+    flags: list[str] = []
+    for action in parser._actions:
+        value, flag = getattr(args, action.dest), action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flags.append(flag if value else flag.replace("--", "--no-", 1))
+        else:
+            flags += [flag, str(value)]
+    return flags
 
 
 def _health(address: str) -> int:

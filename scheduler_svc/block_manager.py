@@ -58,6 +58,9 @@ class BlockManager:
     def block_table(self, req_id: int) -> list[int]:
         return list(self._tables.get(req_id, ()))
 
+    def num_blocks_held(self, req_id: int) -> int:
+        return len(self._tables.get(req_id, ()))
+
     def cached_prefix(self, token_ids: list[int]) -> list[int]:
         """Blocks holding the longest cached prefix of token_ids, in order. At most
         len(token_ids) - 1 tokens are covered: the last prompt token is always computed, so
@@ -150,3 +153,24 @@ class BlockManager:
             problems.append("cache map differs from block keys")
         if problems:
             raise AssertionError("block accounting broken: " + "; ".join(problems))
+
+
+class HostBlockPool:
+    """Host-memory blocks that hold the KV of requests preempted by swap (ids only; the
+    executor owns the memory). Plain free list: a swapped block belongs to one request."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from protos.pagedserve.internal.v1 import executor_pb2 as pb
-from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.block_manager import BlockManager, HostBlockPool
 from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.request import Request, SamplingParams
@@ -42,9 +42,10 @@ class Chunk:
 class EngineError(Exception):
     """A request failed inside the engine; `code` is a grpc.StatusCode name."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(eq=False, slots=True)
@@ -57,6 +58,7 @@ class RequestStream:
     finished: bool = False
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float = 0.0
+    deadline: float = float("inf")
 
 
 @dataclass(slots=True)
@@ -123,8 +125,15 @@ class Engine:
 
     # ----------------------------------------------------------------- requests
     def submit(self, external_id: str, prompt: list[int], params: SamplingParams,
-               priority: int = 0) -> RequestStream:
+               priority: int = 0, timeout: float | None = None) -> RequestStream:
+        """Queue a request; `timeout` (seconds, the client's gRPC deadline) bounds its life."""
         assert self.scheduler is not None, "submit before the executor joined"
+        refusal = self.scheduler.admission_error(len(prompt))
+        if refusal is not None:
+            self.metrics.refused.labels("queue_full").inc()
+            retry = self._retry_after_s()
+            raise EngineError("RESOURCE_EXHAUSTED", f"server busy: {refusal}; retry in about "
+                              f"{retry:.0f} s", retry_after_s=retry)
         rid = next(self._ids)
         req = Request(rid, external_id or f"req-{rid}", len(prompt), list(prompt), params,
                       priority, arrival_seq=rid)
@@ -134,6 +143,8 @@ class Engine:
         stream = RequestStream(req, IncrementalDetokenizer(self.tokenizer,
                                                            params.skip_special_tokens),
                                StopStringMatcher(params.stop), sampling)
+        if timeout is not None:
+            stream.deadline = stream.arrival + timeout
         self.streams[rid] = stream
         self.scheduler.add(req)
         self.metrics.prompt_tokens.inc(len(prompt))
@@ -171,11 +182,11 @@ class Engine:
         watermark = int(cap.num_kv_blocks * self.kv_watermark)
         blocks = BlockManager(cap.num_kv_blocks, cap.block_size, watermark,
                               enable_caching=self.cfg.enable_prefix_caching)
+        host_blocks = HostBlockPool(cap.num_swap_blocks)
         if self.scheduler is None:
-            self.scheduler = Scheduler(self.cfg, blocks)
+            self.scheduler = Scheduler(self.cfg, blocks, host_blocks)
         else:  # a new executor has none of the KV: everything running is recomputed
-            self.scheduler.preempt_all()
-            self.scheduler.blocks = blocks
+            self.scheduler.preempt_all(blocks, host_blocks)
             for stream in list(self.streams.values()):
                 if stream.req.prompt_len + stream.req.params.max_tokens > cap.max_model_len:
                     self._fail(stream, "UNAVAILABLE", "the new executor's max_model_len is "
@@ -195,6 +206,7 @@ class Engine:
         while True:
             sched = self.scheduler
             assert sched is not None
+            self._expire_deadlines()
             self._update_gauges(sched)
             if not sched.has_work():
                 sched.blocks.check_integrity()
@@ -231,6 +243,19 @@ class Engine:
             for req in sched.update(list(result.req_ids), list(result.sampled_token_ids)):
                 self._on_token(self.streams[req.req_id], req.token_ids[-1])
 
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for stream in [s for s in self.streams.values() if s.deadline < now]:
+            self._fail(stream, "DEADLINE_EXCEEDED", "the request's deadline passed")
+
+    def _retry_after_s(self) -> float:
+        """How long the current queue should take to drain, from recent step throughput."""
+        recent = list(self.timings)[-64:]
+        busy = sum(t.round_trip_s for t in recent)
+        rate = sum(t.num_tokens for t in recent) / busy if busy > 0 else 0.0
+        queued = self.scheduler.waiting_prompt_tokens if self.scheduler else 0
+        return max(1.0, min(60.0, queued / rate if rate > 0 else 1.0))
+
     def _update_gauges(self, sched: Scheduler) -> None:
         m = self.metrics
         m.running.set(len(sched.running))
@@ -238,7 +263,11 @@ class Engine:
         m.kv_usage.set(sched.blocks.usage())
         m.free_blocks.set(sched.blocks.num_free_blocks)
         seen = self._counters_seen
-        for counter, value in ((m.preemptions, sched.num_preemptions),
+        swaps = sched.num_swap_preemptions
+        m.swapped.set(sum(1 for r in sched.waiting if r.swapped_blocks))
+        for counter, value in ((m.preemptions.labels("swap"), swaps),
+                               (m.preemptions.labels("recompute"), sched.num_preemptions - swaps),
+                               (m.priority_preemptions, sched.num_priority_preemptions),
                                (m.prefix_queries, sched.prefix_queried_tokens),
                                (m.prefix_hits, sched.prefix_hit_tokens)):
             counter.inc(value - seen.get(counter, 0))
@@ -247,6 +276,10 @@ class Engine:
     def _encode(self, step_id: int, out: SchedulerOutput) -> bytes:
         plan = pb.StepPlan(step_id=step_id, finished_req_ids=out.finished_req_ids,
                            preempted_req_ids=out.preempted_req_ids)
+        if out.swap_out:
+            plan.swap_out_src[:], plan.swap_out_dst[:] = zip(*out.swap_out, strict=True)
+        if out.swap_in:
+            plan.swap_in_src[:], plan.swap_in_dst[:] = zip(*out.swap_in, strict=True)
         blocks = self.scheduler.blocks
         for req, n in out.new:
             plan.new_requests.add(

@@ -44,6 +44,8 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
     if isinstance(exc, InvalidRequest):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, EngineError):
+        if exc.retry_after_s is not None:
+            context.set_trailing_metadata((("retry-after-ms", str(int(exc.retry_after_s * 1e3))),))
         await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
     raise exc
 

@@ -17,8 +17,15 @@ class Metrics:
         self.free_blocks = Gauge(p + "num_free_kv_blocks", "KV blocks on the free list",
                                  registry=r)
         self.total_blocks = Gauge(p + "num_kv_blocks", "KV blocks the executor holds", registry=r)
-        self.preemptions = Counter(p + "num_preemptions", "Requests preempted (recomputed)",
-                                   registry=r)
+        self.preemptions = Counter(p + "num_preemptions", "Requests preempted, by mode",
+                                   ["mode"], registry=r)
+        self.swapped = Gauge(p + "num_requests_swapped", "Requests whose KV is in host memory",
+                             registry=r)
+        self.priority_preemptions = Counter(
+            p + "num_priority_preemptions",
+            "Running requests preempted to admit a higher-priority one", registry=r)
+        self.refused = Counter(p + "num_requests_refused", "Requests refused at admission",
+                               ["reason"], registry=r)
         self.prefix_queries = Counter(p + "prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache", registry=r)
         self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found cached",

@@ -40,10 +40,14 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     on_executor: bool = False  # the executor holds this request's state
     num_preemptions: int = 0
-    sort_key: tuple[int, int] = field(init=False)
+    sort_key: tuple[int, int] = field(init=False)  # (priority, arrival): running order
+    effective_priority: int = 0  # priority improved by aging while waiting
+    queued_at_step: int = 0  # scheduler step at which it (re)entered the waiting queue
+    swapped_blocks: list[int] = field(default_factory=list)  # host blocks while swapped out
 
     def __post_init__(self) -> None:
         self.sort_key = (self.priority, self.arrival_seq)
+        self.effective_priority = self.priority
 
     @property
     def num_tokens(self) -> int:

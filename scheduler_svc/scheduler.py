@@ -3,9 +3,26 @@
 Every request has num_computed_tokens and num_tokens; a step gives each request up to
 num_tokens - num_computed_tokens tokens, running requests first (in priority order), then
 waiting ones, within max_num_batched_tokens and max_num_seqs. Long prompts are therefore
-prefilled in chunks, decodes and prefill chunks share a step, and a preempted request simply
-starts again from num_computed_tokens = 0 (recompute). When blocks run out, the least important
-running request (highest (priority, arrival)) is preempted.
+prefilled in chunks (at most long_prefill_token_threshold tokens per step each, so short
+requests behind them keep getting their turn), decodes and prefill chunks share a step, and a
+preempted request simply starts again from num_computed_tokens = 0 (recompute).
+
+Priorities (lower value first):
+- the waiting queue is ordered by (effective priority, arrival); a waiting request's effective
+  priority improves by one level for every `priority_aging_steps` steps it has waited, so low
+  priority work cannot starve;
+- when blocks run out during a step, the least important running request (highest (priority,
+  arrival)) is preempted;
+- when the head of the queue outranks the least important running request (its effective
+  priority is strictly lower) and there is no room for it (sequence slots or blocks), running
+  requests are preempted, least important first, until it fits.
+
+Preemption mode, per victim: recompute (drop its KV; it restarts from its token list, reusing
+whatever prefix is still cached) or swap (its computed blocks are copied to host memory and
+copied back on resume, so nothing is recomputed). With preemption_mode "auto", a victim is
+swapped when it has at least swap_min_tokens computed tokens and the host pool has room: long
+contexts are expensive to recompute (quadratic attention, a prefill per token) and cheap to copy,
+short ones the reverse.
 """
 
 from __future__ import annotations
@@ -13,7 +30,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.block_manager import BlockManager, HostBlockPool
 from scheduler_svc.request import Request, RequestStatus
 
 
@@ -21,10 +38,16 @@ from scheduler_svc.request import Request, RequestStatus
 class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    # Cap on one request's prefill chunk per step (0: no cap beyond the budget), so one long
-    # prompt cannot take a whole step from the others.
+    # Cap on one request's prefill chunk per step (0: only the budget caps it).
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
+    # A waiting request gains one priority level per this many steps waited (0: no aging).
+    priority_aging_steps: int = 500
+    # Bounds of the waiting queue; past them a request is refused at once (0: unbounded).
+    max_waiting_requests: int = 1024
+    max_waiting_prompt_tokens: int = 0
+    preemption_mode: str = "auto"  # "auto", "recompute" or "swap" (see the module doc)
+    swap_min_tokens: int = 256
 
 
 @dataclass(slots=True)
@@ -33,6 +56,8 @@ class SchedulerOutput:
     cached: list[tuple[Request, int, list[int]]] = field(default_factory=list)  # + new blocks
     finished_req_ids: list[int] = field(default_factory=list)
     preempted_req_ids: list[int] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     num_batched_tokens: int = 0
 
     @property
@@ -43,22 +68,48 @@ class SchedulerOutput:
         return self.new + [(r, n) for r, n, _ in self.cached]
 
 
+def _by_priority(r: Request) -> tuple[int, int]:
+    return r.sort_key
+
+
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager,
+                 host_blocks: HostBlockPool | None = None) -> None:
+        if cfg.preemption_mode not in ("auto", "recompute", "swap"):
+            raise ValueError(f"preemption_mode must be auto, recompute or swap, "
+                             f"got {cfg.preemption_mode!r}")
         self.cfg = cfg
         self.blocks = blocks
-        self.waiting: list[Request] = []  # sorted by sort_key
-        self.running: list[Request] = []  # sorted by sort_key
+        self.host_blocks = host_blocks or HostBlockPool(0)
+        self.waiting: list[Request] = []  # sorted by (effective priority, arrival)
+        self.running: list[Request] = []  # sorted by (priority, arrival)
         self.requests: dict[int, Request] = {}
+        self.step = 0
         self._finished_ids: list[int] = []  # to tell the executor in the next plan
         self._preempted_ids: list[int] = []
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0  # of num_preemptions, those swapped rather than recomputed
+        self.num_priority_preemptions = 0
+        self._swap_out: list[tuple[int, int]] = []
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of which found cached
+        self.waiting_prompt_tokens = 0
+
+    # ------------------------------------------------------------------ queue
+    def admission_error(self, prompt_len: int) -> str | None:
+        """Why a new request of prompt_len tokens cannot be queued now, or None."""
+        cfg = self.cfg
+        if cfg.max_waiting_requests and len(self.waiting) >= cfg.max_waiting_requests:
+            return f"{len(self.waiting)} requests are waiting (max_waiting_requests)"
+        if (cfg.max_waiting_prompt_tokens
+                and self.waiting_prompt_tokens + prompt_len > cfg.max_waiting_prompt_tokens):
+            return (f"{self.waiting_prompt_tokens} prompt tokens are waiting "
+                    f"(max_waiting_prompt_tokens {cfg.max_waiting_prompt_tokens})")
+        return None
 
     def add(self, req: Request) -> None:
         self.requests[req.req_id] = req
-        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+        self._enqueue(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._finished_ids or self._preempted_ids)
@@ -71,28 +122,48 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
-            self.waiting.remove(req)
+            self._dequeue(req)
         self.blocks.free(req_id)
+        self.host_blocks.free(req.swapped_blocks)
+        req.swapped_blocks = []
         if req.on_executor:
             self._finished_ids.append(req_id)
         req.status = RequestStatus.FINISHED
         return req
 
-    def preempt_all(self) -> None:
-        """The executor lost its state (a new one joined): every running request recomputes."""
+    def preempt_all(self, blocks: BlockManager, host_blocks: HostBlockPool) -> None:
+        """A new executor joined, without any of the KV: every request recomputes, on the new
+        executor's block pools."""
         for req in list(self.running):
-            self._preempt(req)
+            self._preempt(req, allow_swap=False)
         self._preempted_ids.clear()
         self._finished_ids.clear()
+        self._swap_out.clear()
         for req in self.waiting:
             req.on_executor = False
+            req.swapped_blocks = []
+            req.num_computed_tokens = 0
+        self.blocks, self.host_blocks = blocks, host_blocks
 
+    # ------------------------------------------------------------------ planning
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_ids,
-                              preempted_req_ids=self._preempted_ids)
-        self._finished_ids, self._preempted_ids = [], []
-        budget = self.cfg.max_num_batched_tokens
-        preempted = False
+        self.step += 1
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        self._age_waiting()
+        self._make_room_for_priority()
+        budget, ran_out = self._schedule_running(out, self.cfg.max_num_batched_tokens)
+        if not ran_out:
+            budget = self._admit_waiting(out, budget)
+        out.preempted_req_ids, out.swap_out = self._preempted_ids, self._swap_out
+        self._preempted_ids, self._swap_out = [], []
+        out.num_batched_tokens = self.cfg.max_num_batched_tokens - budget
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Give running requests their tokens, preempting the least important when blocks run
+        out. Returns the budget left and whether blocks ran out."""
+        ran_out = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -104,7 +175,7 @@ class Scheduler:
             while new_blocks is None:
                 victim = self.running[-1]
                 self._preempt(victim)
-                preempted = True
+                ran_out = True
                 if victim is req:
                     break
                 new_blocks = self.blocks.allocate_slots(req.req_id, req.num_computed_tokens + n)
@@ -113,29 +184,67 @@ class Scheduler:
             self._emit(out, req, n, new_blocks)
             budget -= n
             i += 1
-        out.preempted_req_ids.extend(self._preempted_ids)
-        self._preempted_ids = []
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.cfg.max_num_seqs):
+        return budget, ran_out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            prefix = self.blocks.cached_prefix(req.token_ids)
-            req.num_computed_tokens = len(prefix) * self.blocks.block_size
-            n = self._chunk(req, budget)
-            new_blocks = self.blocks.allocate_slots(req.req_id, req.num_computed_tokens + n,
-                                                    admit=bool(self.running), prefix=prefix)
-            if new_blocks is None:
-                req.num_computed_tokens = 0
+            admit = self._resume_swapped if req.swapped_blocks else self._admit_fresh
+            n = admit(out, req, budget)
+            if n is None:
                 break
-            if self.blocks.enable_caching:
-                self.prefix_queried_tokens += req.num_tokens
-                self.prefix_hit_tokens += req.num_computed_tokens
-            self.waiting.pop(0)
+            self._dequeue(req)
             req.status = RequestStatus.RUNNING
-            bisect.insort(self.running, req, key=lambda r: r.sort_key)
-            self._emit(out, req, n, new_blocks)
+            bisect.insort(self.running, req, key=_by_priority)
             budget -= n
-        out.num_batched_tokens = self.cfg.max_num_batched_tokens - budget
-        return out
+        return budget
+
+    def _admit_fresh(self, out: SchedulerOutput, req: Request, budget: int) -> int | None:
+        """Start (or restart) a request from its cached prefix; None if it does not fit."""
+        prefix = self.blocks.cached_prefix(req.token_ids)
+        req.num_computed_tokens = len(prefix) * self.blocks.block_size
+        n = self._chunk(req, budget)
+        new_blocks = self.blocks.allocate_slots(req.req_id, req.num_computed_tokens + n,
+                                                admit=bool(self.running), prefix=prefix)
+        if new_blocks is None:
+            req.num_computed_tokens = 0
+            return None
+        if self.blocks.enable_caching:
+            self.prefix_queried_tokens += req.num_tokens
+            self.prefix_hit_tokens += req.num_computed_tokens
+        self._emit(out, req, n, new_blocks)
+        return n
+
+    def _resume_swapped(self, out: SchedulerOutput, req: Request, budget: int) -> int | None:
+        """Bring a swapped request back: fresh device blocks, its host blocks copied in."""
+        n = self._chunk(req, budget)
+        table = self.blocks.allocate_slots(req.req_id, req.num_computed_tokens + n,
+                                           admit=bool(self.running))
+        if table is None:
+            return None
+        out.swap_in.extend(zip(req.swapped_blocks, table, strict=False))
+        self.host_blocks.free(req.swapped_blocks)
+        req.swapped_blocks = []
+        self._emit(out, req, n, table)
+        return n
+
+    def _make_room_for_priority(self) -> None:
+        """Preempt lower-priority running work that stands in the way of the queue's head."""
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        first_chunk = min(head.num_tokens, self.cfg.max_num_batched_tokens,
+                          self.cfg.long_prefill_token_threshold or head.num_tokens)
+        need = self.blocks.blocks_for(first_chunk) + self.blocks.watermark_blocks
+        need += sum(self._growth(r) for r in self.running)
+        while self.running and (len(self.running) >= self.cfg.max_num_seqs
+                                or self.blocks.num_free_blocks < need):
+            victim = self.running[-1]
+            if victim.priority <= head.effective_priority:
+                return
+            need -= self._growth(victim)
+            self._preempt(victim)
+            self.num_priority_preemptions += 1
 
     def update(self, req_ids: list[int], token_ids: list[int]) -> list[Request]:
         """Append sampled tokens; return the requests that got one (aborted ones are skipped)."""
@@ -147,6 +256,14 @@ class Scheduler:
             req.token_ids.append(tok)
             updated.append(req)
         return updated
+
+    # ------------------------------------------------------------------ helpers
+    def _growth(self, req: Request) -> int:
+        """Blocks a running request takes if it gets its next chunk (estimated with the whole
+        budget)."""
+        n = self._chunk(req, self.cfg.max_num_batched_tokens)
+        held = self.blocks.num_blocks_held(req.req_id)
+        return max(0, self.blocks.blocks_for(req.num_computed_tokens + n) - held)
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -163,14 +280,51 @@ class Scheduler:
         req.num_computed_tokens += n
         self.blocks.cache_full_blocks(req.req_id, req.token_ids, req.num_computed_tokens)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, allow_swap: bool = True) -> None:
         self.running.remove(req)
+        host = self._swap_target(req) if allow_swap else None
+        if host is not None:  # keep num_computed_tokens: the KV comes back on resume
+            self._swap_out.extend(zip(self.blocks.block_table(req.req_id), host, strict=False))
+            req.swapped_blocks = host
+            self.num_swap_preemptions += 1
+        else:
+            req.num_computed_tokens = 0
         self.blocks.free(req.req_id)
         if req.on_executor:
             self._preempted_ids.append(req.req_id)
         req.on_executor = False
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+        self._enqueue(req)
+
+    def _swap_target(self, req: Request) -> list[int] | None:
+        """Host blocks to swap req's computed KV into, or None to recompute it instead."""
+        mode = self.cfg.preemption_mode
+        if mode == "recompute" or req.num_computed_tokens == 0:
+            return None
+        if mode == "auto" and req.num_computed_tokens < self.cfg.swap_min_tokens:
+            return None
+        return self.host_blocks.allocate(self.blocks.blocks_for(req.num_computed_tokens))
+
+    def _enqueue(self, req: Request) -> None:
+        req.queued_at_step = self.step
+        req.effective_priority = req.priority
+        bisect.insort(self.waiting, req, key=lambda r: (r.effective_priority, r.arrival_seq))
+        self.waiting_prompt_tokens += req.num_tokens
+
+    def _dequeue(self, req: Request) -> None:
+        self.waiting.remove(req)
+        self.waiting_prompt_tokens -= req.num_tokens
+
+    def _age_waiting(self) -> None:
+        every = self.cfg.priority_aging_steps
+        if not every or not self.waiting:
+            return
+        changed = False
+        for req in self.waiting:
+            eff = req.priority - (self.step - req.queued_at_step) // every
+            if eff != req.effective_priority:
+                req.effective_priority, changed = eff, True
+        if changed:
+            self.waiting.sort(key=lambda r: (r.effective_priority, r.arrival_seq))

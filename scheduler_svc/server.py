@@ -42,7 +42,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    default=env("PAGEDSERVE_ENABLE_PREFIX_CACHING", "1") not in ("0", "false"),
                    help="reuse the KV blocks of shared prompt prefixes (default on)")
     p.add_argument("--long-prefill-token-threshold", type=int,
-                   default=int(env("PAGEDSERVE_LONG_PREFILL_TOKEN_THRESHOLD", "0")))
+                   default=int(env("PAGEDSERVE_LONG_PREFILL_TOKEN_THRESHOLD", "512")),
+                   help="most prompt tokens one request prefills per step (0: no cap)")
+    p.add_argument("--priority-aging-steps", type=int,
+                   default=int(env("PAGEDSERVE_PRIORITY_AGING_STEPS", "500")),
+                   help="a waiting request gains one priority level per this many steps")
+    p.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"],
+                   default=env("PAGEDSERVE_PREEMPTION_MODE", "auto"),
+                   help="auto: swap victims with >= --swap-min-tokens computed tokens")
+    p.add_argument("--swap-min-tokens", type=int,
+                   default=int(env("PAGEDSERVE_SWAP_MIN_TOKENS", "256")))
+    p.add_argument("--max-waiting-requests", type=int,
+                   default=int(env("PAGEDSERVE_MAX_WAITING_REQUESTS", "1024")),
+                   help="queue bound; past it requests get RESOURCE_EXHAUSTED (0: none)")
+    p.add_argument("--max-waiting-prompt-tokens", type=int,
+                   default=int(env("PAGEDSERVE_MAX_WAITING_PROMPT_TOKENS", "0")),
+                   help="bound on prompt tokens queued (0: none)")
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -53,7 +68,12 @@ async def serve(args: argparse.Namespace) -> None:
     cfg = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           long_prefill_token_threshold=args.long_prefill_token_threshold,
-                          enable_prefix_caching=args.enable_prefix_caching)
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          priority_aging_steps=args.priority_aging_steps,
+                          max_waiting_requests=args.max_waiting_requests,
+                          max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
+                          preemption_mode=args.preemption_mode,
+                          swap_min_tokens=args.swap_min_tokens)
     metrics = Metrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.host)

@@ -34,7 +34,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         limits = await self._limits()
         prompt = await asyncio.to_thread(self.inputs.prompt_ids, request)
         params = validate(request, prompt, limits)
-        stream = self.engine.submit(request.request_id, prompt, params, request.priority)
+        stream = self.engine.submit(request.request_id, prompt, params, request.priority,
+                                    timeout=context.time_remaining())
         rid = stream.req.external_id
         try:
             while True:

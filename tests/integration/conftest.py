@@ -69,7 +69,29 @@ def service(tmp_path_factory, model_dir):
 def tight_service(tmp_path_factory, model_dir):
     """So few KV blocks (16 x 16 tokens) that the 8 prompts cannot all run at once."""
     svc = Service(tmp_path_factory.mktemp("tight") / "serve.log",
-                  "--max-num-batched-tokens", "256", "--num-kv-blocks", "16")
+                  "--max-num-batched-tokens", "256", "--num-kv-blocks", "16",
+                  "--preemption-mode", "recompute")
+    svc.wait_serving()
+    yield svc
+    assert svc.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def swap_service(tmp_path_factory, model_dir):
+    """As tight_service, but victims are swapped to host memory instead of recomputed."""
+    svc = Service(tmp_path_factory.mktemp("swap") / "serve.log",
+                  "--max-num-batched-tokens", "256", "--num-kv-blocks", "16",
+                  "--preemption-mode", "swap", "--swap-space-gib", "0.25")
+    svc.wait_serving()
+    yield svc
+    assert svc.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def queue_service(tmp_path_factory, model_dir):
+    """One sequence at a time and one waiting request at most: queueing and priorities."""
+    svc = Service(tmp_path_factory.mktemp("queue") / "serve.log",
+                  "--max-num-seqs", "1", "--max-waiting-requests", "1")
     svc.wait_serving()
     yield svc
     assert svc.stop() == 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from protos.pagedserve.v1 import generate_pb2 as api
 from tests.integration.conftest import BUDGET, MAX_TOKENS, PROMPTS, prompt_ids, request_kwargs
 
@@ -52,11 +54,15 @@ def test_long_prompt_is_chunked(service, tokenizer):
         m["pagedserve:iteration_tokens_total_count"]
 
 
-def test_preemption_keeps_outputs_identical(tight_service, hf_greedy, tokenizer):
-    check_against_hf(run_all(tight_service, concurrently=True), hf_greedy, tokenizer)
-    m = tight_service.wait_idle()
-    assert m["pagedserve:num_preemptions_total"] > 0
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_outputs_identical(mode, tight_service, swap_service, hf_greedy,
+                                            tokenizer):
+    svc = tight_service if mode == "recompute" else swap_service
+    check_against_hf(run_all(svc, concurrently=True), hf_greedy, tokenizer)
+    m = svc.wait_idle()
+    assert m[f'pagedserve:num_preemptions_total{{mode="{mode}"}}'] > 0
     assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"] == 16
+    assert m["pagedserve:num_requests_swapped"] == 0
 
 
 def test_seeded_sampling_is_reproducible_alone_and_batched(service):

@@ -162,3 +162,141 @@ def test_identical_prompts_in_one_step_share_blocks():
     # same forward pass (each layer writes every row's K/V before attending)
     assert plan(out) == [("new", 1, 9), ("new", 2, 1)]
     assert s.blocks.block_table(2)[:2] == s.blocks.block_table(1)[:2]
+
+
+def run_steps(s, n):
+    for _ in range(n):
+        step(s, s.schedule())
+
+
+def test_high_priority_preempts_when_sequence_slots_are_full():
+    s = make(max_seqs=2, budget=64, num_blocks=64)
+    low1, low2 = req(1, 4, priority=5), req(2, 4, priority=5)
+    s.add(low1)
+    s.add(low2)
+    run_steps(s, 3)
+    vip = req(3, 4, priority=0)
+    s.add(vip)
+    out = s.schedule()
+    # the newest low-priority request makes room; the VIP runs in this very step
+    assert out.preempted_req_ids == [2]
+    assert ("new", 3, 4) in plan(out)
+    assert s.num_priority_preemptions == 1
+    assert [r.req_id for r in s.running] == [3, 1]
+    assert [r.req_id for r in s.waiting] == [2]
+
+
+def test_high_priority_preempts_when_blocks_are_short():
+    s = make(num_blocks=6, block_size=4, budget=64, max_seqs=8)
+    s.add(req(1, 8, priority=1))
+    s.add(req(2, 8, priority=2))
+    run_steps(s, 1)  # 1 and 2 hold 3 blocks each (9 tokens)
+    s.add(req(3, 8, priority=0))
+    out = s.schedule()
+    assert out.preempted_req_ids == [2]
+    assert ("new", 3, 8) in plan(out)
+    s.blocks.check_integrity()
+
+
+def test_equal_priority_never_preempts_for_the_queue():
+    s = make(max_seqs=1, budget=64)
+    s.add(req(1, 4))
+    run_steps(s, 2)
+    s.add(req(2, 4))
+    out = s.schedule()
+    assert out.preempted_req_ids == [] and [r.req_id for r in s.waiting] == [2]
+
+
+def test_aging_lets_low_priority_overtake():
+    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, priority_aging_steps=2,
+                          enable_prefix_caching=False)
+    s = Scheduler(cfg, BlockManager(64, 4, 0, False))
+    s.add(req(1, 4, priority=0))
+    s.schedule()
+    old = req(2, 4, priority=3)
+    s.add(old)  # queued at step 1
+    run_steps(s, 4)
+    s.add(req(3, 4, priority=1))  # queued at step 5: would go first without aging
+    s.schedule()  # step 6: request 2 waited 5 steps -> effective priority 3 - 5 // 2 = 1
+    assert old.effective_priority == 1
+    assert [r.req_id for r in s.waiting] == [2, 3]  # same level: the earlier arrival first
+
+
+def test_waiting_queue_bounds():
+    s = Scheduler(SchedulerConfig(max_waiting_requests=2, max_waiting_prompt_tokens=10,
+                                  enable_prefix_caching=False), BlockManager(8, 4))
+    assert s.admission_error(4) is None
+    s.add(req(1, 4))
+    assert "max_waiting_prompt_tokens" in s.admission_error(7)
+    s.add(req(2, 4))
+    assert "max_waiting_requests" in s.admission_error(1)
+    s.schedule()  # both admitted: the queue is empty again
+    assert s.admission_error(4) is None and s.waiting_prompt_tokens == 0
+
+
+def test_short_request_is_not_stuck_behind_a_long_prompt():
+    s = make(num_blocks=128, budget=32, threshold=16)
+    s.add(req(1, 300))
+    out = s.schedule()
+    assert plan(out) == [("new", 1, 16)]  # capped at the threshold, not the whole budget
+    s.add(req(2, 5))
+    out = s.schedule()
+    assert plan(out) == [("new", 2, 5), ("cached", 1, 16, [4, 5, 6, 7])]
+    assert [r.req_id for r in step(s, out)] == [2]  # its first token after one step
+
+
+def make_swapping(mode="swap", host_blocks=8, min_tokens=256):
+    from scheduler_svc.block_manager import HostBlockPool
+
+    cfg = SchedulerConfig(max_num_batched_tokens=16, enable_prefix_caching=False,
+                          preemption_mode=mode, swap_min_tokens=min_tokens)
+    return Scheduler(cfg, BlockManager(4, 2, 0, False), HostBlockPool(host_blocks))
+
+
+def test_swap_preemption_copies_out_and_back_without_recompute():
+    s = make_swapping()
+    a, b = req(1, 4), req(2, 4)
+    s.add(a)
+    s.add(b)
+    step(s, s.schedule())  # a: blocks [0, 1], b: [2, 3]; both have 5 tokens, 4 computed
+    out = s.schedule()
+    assert out.preempted_req_ids == [2]
+    assert out.swap_out == [(2, 0), (3, 1)]  # b's two computed blocks -> host blocks 0, 1
+    assert b.num_computed_tokens == 4 and b.swapped_blocks == [0, 1]
+    assert plan(out) == [("cached", 1, 1, [3])]
+    assert s.num_swap_preemptions == 1
+    step(s, out)
+    s.finish(1)  # free list: 2, then a's 3, 1, 0
+    out = s.schedule()
+    assert plan(out) == [("new", 2, 1)]  # resumed: only the uncomputed last token runs
+    assert s.blocks.block_table(2) == [2, 3, 1]
+    assert out.swap_in == [(0, 2), (1, 3)]
+    assert b.swapped_blocks == [] and s.host_blocks.num_free_blocks == 8
+    s.blocks.check_integrity()
+
+
+def test_auto_mode_recomputes_short_contexts_and_when_host_is_full():
+    s = make_swapping(mode="auto", min_tokens=4)
+    s.add(req(1, 4))
+    s.add(req(2, 2))
+    step(s, s.schedule())
+    out = s.schedule()
+    assert out.preempted_req_ids == [2] and out.swap_out == []  # 2 computed tokens < 4
+    s2 = make_swapping(mode="swap", host_blocks=1)
+    s2.add(req(1, 4))
+    s2.add(req(2, 4))
+    step(s2, s2.schedule())
+    out = s2.schedule()
+    assert out.preempted_req_ids == [2] and out.swap_out == []  # needs 2 host blocks, has 1
+    assert s2.requests[2].num_computed_tokens == 0
+
+
+def test_aborting_a_swapped_request_frees_its_host_blocks():
+    s = make_swapping()
+    s.add(req(1, 4))
+    s.add(req(2, 4))
+    step(s, s.schedule())
+    s.schedule()
+    assert s.host_blocks.num_free_blocks == 6
+    s.finish(2)
+    assert s.host_blocks.num_free_blocks == 8

@@ -1,0 +1,209 @@
+"""W4A16 GEMM vs bf16 torch.matmul at Llama-3.1-8B shapes (GPU only; imports only kernels/).
+
+For each shape and row count: checks every kernel config it times against a dequantize+matmul
+reference in fp32 (outputs poisoned with NaN first), times the heuristic's choice (what the
+model uses) and, with --sweep, a grid of configs, and bf16 torch.matmul in the same run.
+Records (kind w4a16_gemm) go to --out as JSONL; a table goes to stdout.
+
+    python benchmarks/quant/bench_w4a16.py --out $OUT [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.common import environment  # noqa: E402
+from kernels import w4a16  # noqa: E402
+from kernels.w4a16_reference import dequantize, pack_int4  # noqa: E402
+
+SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]  # (n, k): qkv/o, gate, down
+ROWS = [1, 4, 16, 64, 256]
+GROUP = 128
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu":  # smoke run of the script itself under TRITON_INTERPRET=1, tiny shapes
+    SHAPES, ROWS = [(64, 256)], [1, 4, 17]  # the interpreter has no bf16
+DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
+
+
+def make_weight(n, k, dtype, gen_seed):
+    g = torch.Generator(device=DEV).manual_seed(gen_seed)
+    q = torch.randint(0, 16, (k, n), device=DEV, generator=g, dtype=torch.int32)
+    groups = -(-k // GROUP)
+    s = (torch.rand(groups, n, device=DEV, generator=g) * 0.02 + 0.001).to(dtype)
+    z = torch.randint(0, 16, (groups, n), device=DEV, generator=g).to(dtype)
+    return pack_int4(q), s, z
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def decode_grid(rows):
+    grid = []
+    for bn in (32, 64, 128):
+        for target in (264, 528, 1056):
+            for dot in (True, False) if rows <= 4 else (True,):
+                for bcast in (False, True):
+                    grid.append(w4a16.DecodeConfig(block_n=bn, block_k=128, use_dot=dot,
+                                                   target_programs=target, bcast_load=bcast))
+    grid.append(w4a16.DecodeConfig(lock_reduce=False, use_dot=rows > 4))
+    return grid
+
+
+PREFILL_GRID = [
+    w4a16.PrefillConfig(bm, bn, bk, 8, warps, stages, bcast)
+    for bm, bn, bk, warps, stages in [(32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
+                                      (64, 128, 128, 8, 3), (128, 128, 64, 8, 4),
+                                      (128, 256, 64, 8, 3), (64, 256, 64, 8, 4)]
+    for bcast in (False, True)
+]
+L2_FLUSH_BYTES = 240e6  # rotate over weight copies totalling 4x the 60 MB L2
+
+
+def bench_eager(fn):
+    if DEV == "cpu":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def bench_graph(calls):
+    """Median ms per call of one CUDA graph that runs every call once (each on its own weight
+    copy, so none is read from L2): kernel time without Python launch overhead."""
+    if DEV == "cpu":
+        return bench_eager(calls[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    times = []
+    for _ in range(15):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+def copies_for(nbytes):
+    return max(1, int(-(-L2_FLUSH_BYTES // nbytes))) if DEV == "cuda" else 1
+
+
+def run_case(n, k, rows, dtype, sweep, seed):
+    qw, s, z = make_weight(n, k, dtype, seed)
+    x = torch.randn(rows, k, device=DEV, dtype=dtype)
+    w_ref = dequantize(qw, s, z, GROUP, torch.float32)  # [K, N]
+    ref = x.float() @ w_ref
+    w_dense = w_ref.t().contiguous().to(dtype)  # [N, K], what nn.Linear holds
+    del w_ref
+    dense = [w_dense] + [w_dense.clone() for _ in range(copies_for(n * k * 2) - 1)]
+    ms_dense = bench_graph([lambda w=w: torch.matmul(x, w.t()) for w in dense])
+    del dense
+    quant = [(qw, s, z)] + [(qw.clone(), s.clone(), z.clone())
+                            for _ in range(copies_for(n * k // 2) - 1)]
+    perm = torch.randperm(k, device=DEV).int()
+
+    def check(fn):
+        out = torch.full((rows, n), float("nan"), device=DEV, dtype=dtype)
+        try:
+            fn(out)
+        except Exception as e:  # a config the compiler rejects: report, keep sweeping
+            print("failed:", type(e).__name__, str(e)[:200])
+            return float("inf")
+        return rel_err(out, ref)
+
+    results = []
+    default = w4a16.pick_config(rows, n, k)
+    err = check(lambda o: w4a16.w4a16_gemm(x, qw, s, z, GROUP, out=o))
+    if not err < 1e-2:
+        raise AssertionError(f"default n={n} k={k} rows={rows} {dtype}: rel err {err}")
+    ms = bench_graph([lambda q=q: w4a16.w4a16_gemm(x, *q, GROUP) for q in quant])
+    ms_perm = bench_graph([lambda q=q: w4a16.w4a16_gemm(x, *q, GROUP, perm=perm) for q in quant])
+    ms_eager = bench_eager(lambda: w4a16.w4a16_gemm(x, qw, s, z, GROUP))
+    results.append(("awq", "default", default, ms, err))
+    results.append(("gptq", "default+act_order", default, ms_perm, err))
+    results.append(("awq", "default_eager", default, ms_eager, err))
+    if sweep:
+        configs = []
+        if rows <= w4a16.DECODE_MAX_ROWS:
+            configs += [(c, w4a16.w4a16_decode) for c in decode_grid(rows)]
+        if rows >= 16:
+            configs += [(c, w4a16.w4a16_prefill) for c in PREFILL_GRID]
+        for cfg, fn in configs:
+            err = check(lambda o, cfg=cfg, fn=fn: fn(x, qw, s, z, GROUP, out=o, config=cfg))
+            if not err < 1e-2:
+                print(f"WRONG n={n} k={k} rows={rows} {cfg}: rel err {err}")
+                results.append(("awq", "sweep_wrong", cfg, float("inf"), err))
+                continue
+            ms_c = bench_graph([lambda q=q, cfg=cfg, fn=fn: fn(x, *q, GROUP, config=cfg)
+                                for q in quant])
+            results.append(("awq", "sweep", cfg, ms_c, err))
+    return ms_dense, results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    env = environment()
+    lines = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"w4a16_gemm_{time.strftime('%Y-%m-%dT%H%M%S')}.jsonl"
+    # full-size correctness in fp16 as well (the timed runs check bf16)
+    for n, k in SHAPES:
+        for rows in (1, 16, 256) if DEV == "cuda" else (1,):
+            run_case(n, k, rows, torch.float16 if DEV == "cuda" else DTYPE, False, 1)
+    for n, k in SHAPES:
+        for rows in ROWS:
+            ms_dense, results = run_case(n, k, rows, DTYPE, args.sweep, seed=0)
+            records = []
+            records.append({**env, "kind": "w4a16_gemm", "method": "bf16", "impl": "torch_matmul",
+                            "rows": rows, "n": n, "k": k, "ms": ms_dense, "speedup_vs_bf16": 1.0})
+            for method, how, cfg, ms, err in results:
+                records.append({**env, "kind": "w4a16_gemm", "method": method, "impl": how,
+                                "config": repr(cfg), "group_size": GROUP, "rows": rows, "n": n,
+                                "k": k, "ms": ms, "speedup_vs_bf16": ms_dense / ms,
+                                "rel_err": err})
+            with path.open("a") as f:  # per case, so a run cut short keeps what it measured
+                for r in records:
+                    f.write(json.dumps(r) + "\n")
+            best = min((r for r in results if r[1] in ("default", "sweep")), key=lambda r: r[3])
+            dflt = results[0]
+            gbytes = (n * k / 2 + rows * k * 2 + rows * n * 2) / 1e9
+            print(f"{n} {k} {rows} done", flush=True)
+            lines.append(f"{n:6d} {k:6d} {rows:4d}  bf16 {ms_dense * 1e3:8.1f}us  "
+                         f"w4 {dflt[3] * 1e3:8.1f}us ({ms_dense / dflt[3]:4.2f}x, "
+                         f"{gbytes / dflt[3] * 1e3 / 1e3:5.2f} TB/s)  act-order "
+                         f"{ms_dense / results[1][3]:4.2f}x  best {best[3] * 1e3:8.1f}us "
+                         f"({ms_dense / best[3]:4.2f}x) eager {results[2][3] * 1e3:6.1f}us "
+                         f"{best[2]}")
+    print(env["gpu"], "torch", torch.__version__, "triton", triton.__version__)
+    print("     n      k rows")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The quantized linear layer and the checkpoint conversion that feeds it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from executor_svc.quantization.config import QuantConfig, QuantizationError
+from executor_svc.quantization.formats import from_awq, from_gptq
+
+_PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales")}
+
+
+class W4Linear(nn.Module):
+    """y = x @ dequant(W) + b, with W in the kernels' layout (kernels/w4a16.py). Fused layers
+    (qkv, gate_up) concatenate their parts along N; act-order parts must share one perm."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant: QuantConfig,
+                 ops: Any) -> None:
+        super().__init__()
+        if in_features % 8 or out_features % 8:
+            raise QuantizationError(f"a {in_features}x{out_features} linear cannot be packed "
+                                    "in 4 bits (both sizes must be multiples of 8)")
+        groups = -(-in_features // quant.group_size)
+
+        def frozen(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.qweight = frozen(in_features // 8, out_features, dtype=torch.int32)
+        self.scales = frozen(groups, out_features)
+        self.zeros = frozen(groups, out_features)
+        self.perm = frozen(in_features, dtype=torch.int64) if quant.act_order else None
+        self.bias = frozen(out_features) if bias else None
+        self.group_size, self.ops = quant.group_size, ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.w4a16_gemm(x, self.qweight, self.scales, self.zeros, self.group_size,
+                                   self.bias, self.perm)
+
+
+def convert_checkpoint(
+    weights: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF AWQ/GPTQ tensors -> `<module>.qweight/.scales/.zeros[/.perm]` in the kernels' layout;
+    other tensors pass through. A module's parts may arrive in any order (and any file)."""
+    needed = _PARTS[quant.method] + (("g_idx",) if quant.method == "gptq" else ())
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        module, _, part = name.rpartition(".")
+        if part not in needed:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(module, {})
+        parts[part] = tensor
+        if all(p in parts for p in needed):
+            del pending[module]
+            yield from ((f"{module}.{k}", v) for k, v in _convert(module, parts, quant).items())
+    for module, parts in pending.items():  # g_idx is optional without act-order
+        if quant.method == "gptq" and not quant.act_order and set(parts) == set(_PARTS["gptq"]):
+            yield from ((f"{module}.{k}", v) for k, v in _convert(module, parts, quant).items())
+            continue
+        missing = sorted(set(needed) - set(parts))
+        raise QuantizationError(f"{module}: checkpoint lacks {', '.join(missing)}")
+
+
+def _convert(module: str, p: dict[str, torch.Tensor], quant: QuantConfig) -> dict:
+    if quant.method == "awq":
+        return from_awq(module, p["qweight"], p["qzeros"], p["scales"], quant.group_size)
+    return from_gptq(module, p["qweight"], p["qzeros"], p["scales"], p.get("g_idx"),
+                     quant.group_size, quant.zero_offset, quant.act_order)

@@ -1,0 +1,45 @@
+"""Host-memory swap space for preempted requests' KV blocks.
+
+The scheduler decides what moves where; this copies. Layout mirrors the device cache:
+per layer, K and V tensors of [num_swap_blocks, block_size, num_kv_heads, head_dim], pinned when
+the device is a GPU so that copies run at full PCIe speed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SwapSpace:
+    def __init__(self, num_blocks: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.num_blocks = num_blocks
+        pin = bool(like) and like[0][0].is_cuda
+        self.host = [
+            tuple(torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+                  for t in layer)
+            for layer in like
+        ] if num_blocks > 0 else []
+
+    def swap_out(self, device_kv: list[tuple[torch.Tensor, torch.Tensor]], src: list[int],
+                 dst: list[int]) -> None:
+        """Device blocks src[i] -> host blocks dst[i], for every layer, K and V."""
+        if not src:
+            return
+        src_t = torch.tensor(src, device=device_kv[0][0].device)
+        dst_t = torch.tensor(dst)
+        for dev_layer, host_layer in zip(device_kv, self.host, strict=True):
+            for dev, host in zip(dev_layer, host_layer, strict=True):
+                host.index_copy_(0, dst_t, dev.index_select(0, src_t).cpu())
+
+    def swap_in(self, device_kv: list[tuple[torch.Tensor, torch.Tensor]], src: list[int],
+                dst: list[int]) -> None:
+        """Host blocks src[i] -> device blocks dst[i], for every layer, K and V."""
+        if not src:
+            return
+        device = device_kv[0][0].device
+        src_t = torch.tensor(src)
+        dst_t = torch.tensor(dst, device=device)
+        for dev_layer, host_layer in zip(device_kv, self.host, strict=True):
+            for dev, host in zip(dev_layer, host_layer, strict=True):
+                dev.index_copy_(0, dst_t, host.index_select(0, src_t).to(device,
+                                                                         non_blocking=True))

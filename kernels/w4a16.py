@@ -1,0 +1,338 @@
+"""W4A16 GEMM: out[M, N] = x[M, K] @ dequant(W)[K, N] (+ bias), 4-bit weights dequantized in
+registers, 16/32-bit activations, fp32 accumulation.
+
+Internal packed layout (AWQ and GPTQ checkpoints are repacked into it at load time):
+
+    qweight [K/8, N] int32   nibble j (bits 4j..4j+3) of word [i, n] is q[8i + j, n], 0..15
+    scales  [ceil(K/G), N]   activation dtype
+    zeros   [ceil(K/G), N]   activation dtype, integer-valued 0..15
+    W[k, n] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]
+    perm    [K] int32 or None  act-order: row k of W multiplies input channel perm[k], so groups
+                               are contiguous rows; the launcher gathers x's columns once
+
+Packing along K (like GPTQ, unlike AWQ's N-packing) puts 8 consecutive k of one output column
+in a word: a [BLOCK_K/8, BLOCK_N] tile load is coalesced along N and unpacks with shifts by a
+constant per k%8 (no gathers), and a K tile never straddles two groups when BLOCK_K divides G.
+A last partial group (K % G != 0, e.g. K=576 at G=128) is allowed.
+
+The nibble becomes a float without an int->float convert (a slow instruction): OR-ing it into
+the mantissa of 2^23 gives 2^23 + q exactly, and subtracting (2^23 + z) gives q - z exactly, so
+the kernel's W is bit-identical to the torch reference's before rounding to the activation dtype.
+
+Two kernels:
+- decode (M <= 16): split-K; each program owns BLOCK_N columns and K/split rows, so a GEMV with
+  few column tiles still fills the GPU. Partials go to fp32 [split, M, N], summed by a small
+  reduce kernel (split 1 writes out directly). Rows are reduced with tl.dot (16-row minimum) or,
+  for 1-4 rows, with broadcast multiply-and-sum on the CUDA cores.
+- prefill (M > 16): a tiled GEMM with grouped program order for L2 reuse of the weight tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import FLOAT_DTYPES, check_contiguous, check_inner_contiguous, check_tensor
+
+_MAGIC = 8388608.0  # 2^23
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 0  # 0: derive from the shape so that about `target_programs` run
+    num_warps: int = 4
+    num_stages: int = 3
+    use_dot: bool = True
+    target_programs: int = 528  # 4 per SM on an H100/H200
+    bcast_load: bool = False
+    lock_reduce: bool = True  # split-K sum by the last program (one launch), else a 2nd kernel
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+    bcast_load: bool = False
+
+
+DECODE_MAX_ROWS = 16
+
+
+@triton.jit
+def _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
+               BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BCAST_LOAD: tl.constexpr):
+    """Rows k0..k0+BLOCK_K of W, dequantized: [BLOCK_K, BLOCK_N] float32."""
+    if BCAST_LOAD:  # each word loaded by its 8 rows (L1 hits): no register reshuffle
+        offs_k = tl.arange(0, BLOCK_K)
+        k8 = k0 // 8 + offs_k // 8
+        qw = tl.load(qw_ptr + k8[:, None] * N + offs_n[None, :],
+                     mask=(k8 < K // 8)[:, None] & n_ok[None, :], other=0)
+        q = (qw >> ((offs_k % 8) * 4)[:, None]) & 0xF
+    else:  # each word loaded once, unpacked to [BLOCK_K/8, 8, BLOCK_N] and reshaped
+        k8 = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        qw = tl.load(qw_ptr + k8[:, None] * N + offs_n[None, :],
+                     mask=(k8 < K // 8)[:, None] & n_ok[None, :], other=0)
+        shifts = tl.arange(0, 8) * 4
+        q = tl.reshape((qw[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+    g = k0 // group_size  # BLOCK_K divides group_size: one group per tile
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    zb = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32) + 8388608.0
+    qf = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q, exactly
+    return (qf - zb[None, :]) * s[None, :]
+
+
+@triton.jit
+def _w4a16_decode_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, group_size, k_per_split, stride_xm, stride_om,
+    HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, USE_DOT: tl.constexpr,
+    BCAST_LOAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                    mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        w = _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
+                       BLOCK_K, BLOCK_N, BCAST_LOAD)
+        if USE_DOT:
+            acc += tl.dot(x, w.to(x.dtype))
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+    mn_ok = m_ok[:, None] & n_ok[None, :]
+    if REDUCE != 0:  # split-K partial, summed by the last program of this column tile (2)
+        part_offs = offs_m[:, None] * N + offs_n[None, :]  # or by _splitk_reduce_kernel (1)
+        tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=mn_ok)
+        if REDUCE == 2:
+            tl.debug_barrier()  # all of this program's stores before the release below
+            arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == tl.num_programs(1) - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(tl.num_programs(1)):
+                    acc += tl.load(part_ptr + s * M * N + part_offs, mask=mn_ok, other=0.0,
+                                   cache_modifier=".cg")
+                _store_out(acc, bias_ptr, out_ptr, offs_m, offs_n, n_ok, mn_ok, stride_om,
+                           HAS_BIAS)
+                tl.atomic_xchg(lock_ptr + pid_n, 0)  # leave the lock zeroed for the next call
+    else:
+        _store_out(acc, bias_ptr, out_ptr, offs_m, offs_n, n_ok, mn_ok, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _store_out(acc, bias_ptr, out_ptr, offs_m, offs_n, n_ok, mn_ok, stride_om,
+               HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mn_ok)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLIT, stride_om,
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(part_ptr + (s * M + m) * N + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _w4a16_prefill_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+    M, N, K, group_size, stride_xm, stride_om,
+    HAS_BIAS: tl.constexpr, BCAST_LOAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows
+    pid_n = (pid % per_group) // rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k[None, :],
+                    mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        w = _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
+                       BLOCK_K, BLOCK_N, BCAST_LOAD)
+        acc += tl.dot(x, w.to(x.dtype))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _check(x, qweight, scales, zeros, group_size, bias, perm):
+    check_tensor("x", x, 2, FLOAT_DTYPES)
+    check_inner_contiguous("x", x)
+    m, k = x.shape
+    check_tensor("qweight", qweight, 2, (torch.int32,), x.device)
+    check_contiguous("qweight", qweight)
+    n = qweight.shape[1]
+    if k % 8 or qweight.shape[0] * 8 != k:
+        raise ValueError(f"qweight shape {tuple(qweight.shape)} does not pack K={k} (K/8 rows)")
+    if group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(f"group_size must be a power of two >= 16, got {group_size}")
+    groups = -(-k // group_size)
+    for name, t in (("scales", scales), ("zeros", zeros)):
+        check_tensor(name, t, 2, FLOAT_DTYPES, x.device)
+        check_contiguous(name, t)
+        if tuple(t.shape) != (groups, n):
+            raise ValueError(f"{name} shape {tuple(t.shape)} != ({groups}, {n})")
+    if bias is not None:
+        check_tensor("bias", bias, 1, FLOAT_DTYPES, x.device)
+        if bias.shape[0] != n or bias.stride(0) != 1:
+            raise ValueError(f"bias must be contiguous [{n}], got {tuple(bias.shape)}")
+    if perm is not None:
+        check_tensor("perm", perm, 1, (torch.int32, torch.int64), x.device)
+        if perm.shape[0] != k:
+            raise ValueError(f"perm has {perm.shape[0]} entries, K={k}")
+    return m, n, k
+
+
+def _out(out, m, n, x):
+    if out is None:
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
+    check_tensor("out", out, 2, (x.dtype,), x.device)
+    if tuple(out.shape) != (m, n):
+        raise ValueError(f"out shape {tuple(out.shape)} != ({m}, {n})")
+    check_inner_contiguous("out", out)
+    return out
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _locks(device: torch.device, count: int) -> torch.Tensor:
+    """Split-K arrival counters, zero between calls (the last program of a tile resets its own);
+    a cache, not state: any zeroed buffer of this size works."""
+    locks = _LOCKS.get(device)
+    if locks is None or locks.numel() < count:
+        locks = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _LOCKS[device] = locks
+    return locks
+
+
+def w4a16_decode(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
+                 config: DecodeConfig = DecodeConfig()) -> torch.Tensor:
+    """Split-K kernel for few rows (M <= 16); no act-order gather (w4a16_gemm does that)."""
+    m, n, k = _check(x, qweight, scales, zeros, group_size, bias, None)
+    if m > DECODE_MAX_ROWS:
+        raise ValueError(f"decode kernel takes at most {DECODE_MAX_ROWS} rows, got {m}")
+    out = _out(out, m, n, x)
+    if m == 0:
+        return out
+    block_k = min(config.block_k, group_size)
+    block_m = 16 if config.use_dot else triton.next_power_of_2(m)
+    num_n = triton.cdiv(n, config.block_n)
+    k_tiles = triton.cdiv(k, block_k)
+    split = config.split_k or max(1, min(k_tiles, config.target_programs // num_n))
+    tiles_per_split = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, tiles_per_split)
+    part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    reduce = 0 if split == 1 else 2 if config.lock_reduce else 1
+    locks = _locks(x.device, num_n) if reduce == 2 else part
+    dummy = bias if bias is not None else out
+    _w4a16_decode_kernel[(num_n, split)](
+        x, qweight, scales, zeros, dummy, out, part, locks, m, n, k, group_size,
+        tiles_per_split * block_k, x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, REDUCE=reduce, USE_DOT=config.use_dot,
+        BCAST_LOAD=config.bcast_load, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if reduce == 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+            part, dummy, out, m, n, split, out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )
+    return out
+
+
+def w4a16_prefill(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
+                  config: PrefillConfig = PrefillConfig()) -> torch.Tensor:
+    """Tiled kernel for many rows; no act-order gather (w4a16_gemm does that)."""
+    m, n, k = _check(x, qweight, scales, zeros, group_size, bias, None)
+    out = _out(out, m, n, x)
+    if m == 0:
+        return out
+    block_k = min(config.block_k, group_size)
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    _w4a16_prefill_kernel[grid](
+        x, qweight, scales, zeros, bias if bias is not None else out, out,
+        m, n, k, group_size, x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BCAST_LOAD=config.bcast_load, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def pick_config(m: int, n: int, k: int) -> DecodeConfig | PrefillConfig:
+    """Winners of the sweep in benchmarks/quant/bench_w4a16.py on an H200 (bf16, G=128,
+    Llama-3.1-8B shapes; benchmarks/results/w4a16_gemm_2026-11-29T202704.jsonl)."""
+    wide = n > 4096
+    if m <= 2:  # CUDA-core GEMV beats a 16-row tl.dot here
+        return DecodeConfig(block_n=128, use_dot=False, target_programs=1056)
+    if m <= DECODE_MAX_ROWS:
+        return DecodeConfig(block_n=128 if wide or k > 4096 else 64, target_programs=528)
+    if m <= 64:
+        if wide:
+            return PrefillConfig(block_m=64, block_n=64, block_k=128)
+        return PrefillConfig(block_m=32, block_n=64, block_k=128, bcast_load=True)
+    if wide and k <= 4096:
+        return PrefillConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+    return PrefillConfig(block_m=64, block_n=64, block_k=128)
+
+
+def w4a16_gemm(
+    x: torch.Tensor,  # [M, K] activations
+    qweight: torch.Tensor,  # [K/8, N] int32
+    scales: torch.Tensor,  # [ceil(K/G), N]
+    zeros: torch.Tensor,  # [ceil(K/G), N]
+    group_size: int,
+    bias: torch.Tensor | None = None,  # [N]
+    perm: torch.Tensor | None = None,  # [K] act-order
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [M, N]
+    if perm is not None:
+        _check(x, qweight, scales, zeros, group_size, bias, perm)
+        x = x.index_select(1, perm)
+    m, k = x.shape
+    cfg = pick_config(m, qweight.shape[1], k)
+    if isinstance(cfg, DecodeConfig):
+        return w4a16_decode(x, qweight, scales, zeros, group_size, bias, out=out, config=cfg)
+    return w4a16_prefill(x, qweight, scales, zeros, group_size, bias, out=out, config=cfg)

@@ -1,0 +1,181 @@
+"""AWQ/GPTQ checkpoints: packing against AutoAWQ's and AutoGPTQ's packers (re-implemented here
+from their code), loading into the fused model vs HF with dequantized weights, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from executor_svc.config import ModelConfig
+from executor_svc.loader import build_model, iter_safetensors
+from executor_svc.quantization import QuantizationError, convert_checkpoint, resolve_quantization
+from executor_svc.quantization.algorithms import gptq, rtn
+from executor_svc.quantization.formats import from_awq, from_gptq
+from executor_svc.quantization.pipeline import QuantizeOptions, quantization_config, save_checkpoint
+from kernels import get_ops
+from kernels.w4a16_reference import dequantize
+
+OPS = get_ops("torch")
+
+
+def autoawq_pack(intweight):  # AutoAWQ WQLinear_GEMM.from_linear, intweight [in, out]
+    order_map = [0, 2, 4, 6, 1, 3, 5, 7]
+    qweight = torch.zeros((intweight.shape[0], intweight.shape[1] // 8), dtype=torch.int32)
+    for col in range(intweight.shape[1] // 8):
+        for i in range(8):
+            qweight[:, col] |= intweight[:, col * 8 + order_map[i]].int() << (i * 4)
+    return qweight
+
+
+def autogptq_pack_zeros(zeros):  # [groups, out], stored minus one (v1)
+    qz = torch.zeros((zeros.shape[0], zeros.shape[1] // 8), dtype=torch.int64)
+    for col in range(qz.shape[1]):
+        for j in range(8):
+            qz[:, col] |= ((zeros[:, col * 8 + j].long() - 1) & 0xF) << (4 * j)
+    return _int32(qz)
+
+
+def _int32(x):
+    return (x - (x >= 2**31).long() * 2**32).to(torch.int32)
+
+
+def test_awq_unpacks_autoawq_layout():
+    k, n, g = 64, 16, 32
+    q, z = torch.randint(0, 16, (k, n)), torch.randint(0, 16, (k // g, n))
+    s = torch.rand(k // g, n).half()
+    out = from_awq("m", autoawq_pack(q), autoawq_pack(z), s, g)
+    w = dequantize(out["qweight"], out["scales"], out["zeros"], g, torch.float32)
+    expect = (q - z.repeat_interleave(g, 0)).float() * s.float().repeat_interleave(g, 0)
+    assert torch.equal(w, expect)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_unpacks_autogptq_layout_with_zero_plus_one(act_order):
+    k, n, g = 128, 16, 32
+    q, z = torch.randint(0, 16, (k, n)), torch.randint(1, 17, (k // g, n))  # v1: zeros 1..16
+    s = torch.rand(k // g, n).half()
+    g_idx = torch.arange(k) // g
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(0))]
+    qw = torch.zeros((k // 8, n), dtype=torch.int64)
+    for j in range(8):
+        qw |= q[j::8].long() << (4 * j)
+    out = from_gptq("m", _int32(qw), autogptq_pack_zeros(z), s, g_idx.int(), g, 1, act_order)
+    w = dequantize(out["qweight"], out["scales"], out["zeros"], g, torch.float32)
+    expect = (q - z[g_idx]).float() * s.float()[g_idx]  # row k uses group g_idx[k]
+    if act_order:
+        expect = expect[out["perm"]]
+    assert torch.equal(w, expect)
+
+
+TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+            max_position_embeddings=128)
+
+
+def _quantized_tiny(tmp_path, method, group, sym=False, act_order=True):
+    """A random tiny model quantized by our pipeline (no calibration needed for rtn; gptq and
+    awq get random activations), written as a checkpoint."""
+    from executor_svc.quantization.pipeline import quantize_model
+
+    torch.manual_seed(0)
+    d = dict(TINY)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d),
+                                          dtype=torch.float32).eval()
+    src = tmp_path / "src"
+    hf.save_pretrained(src)
+    opt = QuantizeOptions(method, group, sym, act_order)
+    quantized = quantize_model(hf, torch.randint(0, 256, (4, 32)), opt)
+    save_checkpoint(hf, quantized, src, tmp_path / "q", opt)
+    return hf, tmp_path / "q"  # hf now holds the dequantized weights
+
+
+@pytest.mark.parametrize("method,group,sym,act_order", [
+    ("awq", 32, False, False), ("gptq", 64, True, True), ("gptq", 32, False, False),
+    ("rtn", 128, False, False),
+])
+def test_checkpoint_loads_fused_and_matches_dequantized_hf(tmp_path, method, group, sym,
+                                                          act_order):
+    hf, qdir = _quantized_tiny(tmp_path, method, group, sym, act_order)
+    quant = resolve_quantization(qdir)
+    assert quant.method == ("awq" if method == "awq" else "gptq")
+    assert quant.act_order == (act_order and method == "gptq")
+    cfg = ModelConfig.from_pretrained(qdir)
+    ours = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, qdir, quant=quant)
+    from tests.executor_svc.test_model import run_paged
+
+    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = run_paged(ours, cfg, [seq], [(12,)])[0][-1]
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0, -1]
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def _write_config(tmp_path, qc):
+    cfg = dict(TINY, quantization_config=qc)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.mark.parametrize("qc,requested,match", [
+    ({"quant_method": "awq", "bits": 8, "group_size": 128}, "auto", "only 4-bit"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 256}, "auto", "group_size 256"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "auto", "per-channel"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "auto", "gemv"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "auto",
+     "zero_point"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "awq", "says 'gptq'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "none", "--quantization gptq"),
+    ({"quant_method": "fp8"}, "auto", "not supported"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128,
+      "modules_to_not_convert": ["mlp.down_proj"]}, "auto", "modules_to_not_convert"),
+])
+def test_refused_with_reason(tmp_path, qc, requested, match):
+    with pytest.raises(QuantizationError, match=match):
+        resolve_quantization(_write_config(tmp_path, qc), requested)
+
+
+def test_float_checkpoint_and_explicit_method(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    assert resolve_quantization(tmp_path) is None
+    with pytest.raises(QuantizationError, match="no quantization_config"):
+        resolve_quantization(tmp_path, "gptq")
+
+
+def test_mismatched_g_idx_in_fused_qkv_is_refused(tmp_path):
+    hf, qdir = _quantized_tiny(tmp_path, "gptq", 32, act_order=True)
+    tensors = dict(iter_safetensors(qdir))
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()  # still valid alone, differs from q's
+    save_file(tensors, qdir / "model.safetensors")
+    quant = resolve_quantization(qdir)
+    with pytest.raises(QuantizationError, match="g_idx differs"):
+        build_model(ModelConfig.from_pretrained(qdir), OPS, torch.float32, torch.device("cpu"),
+                    128, qdir, quant=quant)
+
+
+def test_permuted_g_idx_without_desc_act_is_refused(tmp_path):
+    hf, qdir = _quantized_tiny(tmp_path, "gptq", 32, act_order=True)
+    config = json.loads((qdir / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = False
+    (qdir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantizationError, match="desc_act is false"):
+        list(convert_checkpoint(iter_safetensors(qdir), resolve_quantization(qdir)))
+
+
+def test_writers_match_quantization_config_keys():
+    assert quantization_config(QuantizeOptions("awq"))["version"] == "gemm"
+    qc = quantization_config(QuantizeOptions("gptq", 64, sym=True))
+    assert (qc["desc_act"], qc["sym"], qc["checkpoint_format"]) == (True, True, "gptq")
+
+
+def test_algorithms_zero_range_for_gptq_v1():
+    w = torch.rand(8, 64)  # all positive: min/max rounding would pick zero 0
+    assert rtn(w, 32).zeros.min() == 0
+    assert rtn(w, 32, min_zero=1).zeros.min() >= 1
+    h = torch.eye(64)
+    assert gptq(w, h, 32, min_zero=1).zeros.min() >= 1

@@ -1,0 +1,25 @@
+import torch
+
+from executor_svc.swap import SwapSpace
+
+
+def test_blocks_round_trip_through_host_memory():
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(6, 4, 2, 8, generator=g), torch.randn(6, 4, 2, 8, generator=g))
+          for _ in range(3)]
+    saved = [(k[[1, 4]].clone(), v[[1, 4]].clone()) for k, v in kv]
+    swap = SwapSpace(5, kv)
+    swap.swap_out(kv, src=[1, 4], dst=[3, 0])
+    for k, v in kv:  # the device blocks get reused by someone else
+        k.fill_(float("nan"))
+        v.fill_(float("nan"))
+    swap.swap_in(kv, src=[3, 0], dst=[5, 2])
+    for (k, v), (k_want, v_want) in zip(kv, saved, strict=True):
+        assert torch.equal(k[[5, 2]], k_want) and torch.equal(v[[5, 2]], v_want)
+        assert torch.isnan(k[0]).all()  # nothing else was written
+
+
+def test_no_swap_space_is_a_no_op():
+    swap = SwapSpace(0, [])
+    swap.swap_out([], [], [])
+    assert swap.num_blocks == 0

@@ -1,0 +1,109 @@
+"""W4A16 GEMM kernels against the torch dequantize+matmul reference (interpreter on the CPU at
+small sizes; bf16/fp16 at model sizes on CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import rel_err
+
+from kernels import w4a16
+from kernels.w4a16_reference import dequantize, pack_int4, unpack_int4
+from kernels.w4a16_reference import w4a16_gemm as reference
+
+CUDA = torch.cuda.is_available()
+
+
+def make(m, n, k, group, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), generator=g)
+    groups = -(-k // group)
+    s = torch.rand(groups, n, generator=g) * 0.1 + 0.01
+    z = torch.randint(0, 17, (groups, n), generator=g).float()  # GPTQ v1 zeros reach 16
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    to = {"device": device, "dtype": dtype}
+    return x.to(**to), pack_int4(q).to(device), s.to(**to), z.to(**to), bias.to(**to)
+
+
+def poisoned(m, n, dtype, device):
+    return torch.full((m, n), float("nan"), dtype=dtype, device=device)
+
+
+def test_pack_roundtrip():
+    q = torch.randint(0, 16, (24, 5))
+    assert torch.equal(unpack_int4(pack_int4(q)), q)
+    assert pack_int4(torch.arange(8)[:, None])[0, 0].item() == 0x76543210
+
+
+DECODE = [
+    w4a16.DecodeConfig(block_n=16, block_k=32),  # split-K, last program reduces
+    w4a16.DecodeConfig(block_n=16, block_k=32, lock_reduce=False),  # reduce kernel
+    w4a16.DecodeConfig(block_n=32, block_k=64, split_k=1, bcast_load=True),  # no split
+    w4a16.DecodeConfig(block_n=16, block_k=32, use_dot=False),  # CUDA-core GEMV
+]
+
+
+@pytest.mark.parametrize("cfg", DECODE, ids=["lock", "reduce-kernel", "direct-bcast", "gemv"])
+@pytest.mark.parametrize("m,n,k,group", [(1, 48, 96, 32), (3, 40, 576, 128), (16, 24, 128, 64)])
+def test_decode_kernel(device, cfg, m, n, k, group):
+    x, qw, s, z, bias = make(m, n, k, group, torch.float32, device)
+    ref = reference(x, qw, s, z, group, bias)
+    out = w4a16.w4a16_decode(x, qw, s, z, group, bias, out=poisoned(m, n, x.dtype, device),
+                             config=cfg)
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("bcast", [False, True])
+@pytest.mark.parametrize("m,n,k,group", [(37, 40, 576, 128), (20, 64, 192, 32)])
+def test_prefill_kernel(device, bcast, m, n, k, group):
+    x, qw, s, z, bias = make(m, n, k, group, torch.float32, device, seed=1)
+    ref = reference(x, qw, s, z, group, bias)
+    cfg = w4a16.PrefillConfig(block_m=16, block_n=32, block_k=64, bcast_load=bcast)
+    out = w4a16.w4a16_prefill(x, qw, s, z, group, bias, out=poisoned(m, n, x.dtype, device),
+                              config=cfg)
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 5, 24])
+def test_gemm_act_order_and_strided_rows(device, m):
+    """The dispatching entry point: act-order gather, x rows strided (a slice of a wider
+    tensor), no bias."""
+    k, n, group = 128, 32, 32
+    x, qw, s, z, _ = make(m, n, k, group, torch.float32, device, seed=2)
+    wide = torch.cat((x, torch.randn_like(x)), 1)[:, :k]
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(3)).to(device)
+    ref = reference(wide, qw, s, z, group, None, perm)
+    out = w4a16.w4a16_gemm(wide, qw, s, z, group, perm=perm, out=poisoned(m, n, x.dtype, device))
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_dequantize_matches_formula():
+    q = torch.randint(0, 16, (64, 8))
+    s, z = torch.rand(2, 8), torch.randint(0, 16, (2, 8)).float()
+    w = dequantize(pack_int4(q), s, z, 32, torch.float32)
+    assert torch.equal(w, (q.float() - z.repeat_interleave(32, 0)) * s.repeat_interleave(32, 0))
+
+
+def test_argument_checks(device):
+    x, qw, s, z, _ = make(2, 16, 64, 32, torch.float32, device)
+    with pytest.raises(ValueError, match="group_size"):
+        w4a16.w4a16_gemm(x, qw, s, z, 48)
+    with pytest.raises(ValueError, match="scales shape"):
+        w4a16.w4a16_gemm(x, qw, s[:1], z, 32)
+    with pytest.raises(ValueError, match="qweight"):
+        w4a16.w4a16_gemm(x[:, :56], qw, s, z, 32)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        w4a16.w4a16_decode(torch.randn(17, 64, device=device), qw, s, z, 32)
+
+
+@pytest.mark.skipif(not CUDA, reason="half precision at model sizes needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("n,k,group", [(4096, 4096, 128), (6144, 4096, 64), (4096, 14336, 32)])
+def test_gemm_cuda_model_sizes(dtype, m, n, k, group):
+    x, qw, s, z, bias = make(m, n, k, group, dtype, torch.device("cuda"))
+    s = s / 10
+    ref = x.float() @ dequantize(qw, s, z, group, torch.float32) + bias.float()
+    out = w4a16.w4a16_gemm(x, qw, s, z, group, bias, out=poisoned(m, n, dtype, x.device))
+    assert rel_err(out, ref) < 1e-2
