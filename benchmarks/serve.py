@@ -39,6 +39,7 @@ class Outcome:
     priority: int
     prompt_len: int
     output_len: int
+    sent_at: float = 0.0  # seconds since the run started
     ttft: float = math.nan
     e2el: float = math.nan
     itls: list[float] = field(default_factory=list)
@@ -82,7 +83,7 @@ async def drive(address: str, rate: float, shapes: list[tuple[int, int]], prefix
                 await asyncio.sleep(rng.exponential(1.0 / rate))
             priority = 0 if rng.random() < high_fraction else 10
             ids = prefix + rng.integers(100, vocab, prompt_len).tolist()
-            out = Outcome(priority, len(ids), output_len)
+            out = Outcome(priority, len(ids), output_len, time.perf_counter() - start)
             outcomes.append(out)
             tasks.append(asyncio.create_task(one(stub, ids, out, timeout)))
         await asyncio.gather(*tasks)
@@ -127,6 +128,18 @@ def by_priority(outcomes: list[Outcome]) -> dict[str, dict]:
     return res
 
 
+def dump(folder: Path, rate: str, outcomes: list[Outcome], svc) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / f"requests_rate{rate}.csv").open("w") as f:
+        f.write("sent_at_s,priority,prompt_len,output_len,ttft_ms,e2el_ms,error\n")
+        for o in outcomes:
+            f.write(f"{o.sent_at:.4f},{o.priority},{o.prompt_len},{o.output_len},"
+                    f"{o.ttft * 1e3:.1f},{o.e2el * 1e3:.1f},{o.error}\n")
+    metrics = svc.metrics()
+    (folder / f"metrics_rate{rate}.txt").write_text(
+        "\n".join(f"{k} {v}" for k, v in sorted(metrics.items()) if "bucket" not in k))
+
+
 def main() -> None:
     from transformers import AutoConfig
 
@@ -147,6 +160,7 @@ def main() -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=250)
     p.add_argument("--slo-tpot-ms", type=float, default=30)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dump", help="write per-request outcomes (CSV) and the final /metrics here")
     p.add_argument("--overload", type=float, default=0.0,
                    help="first measure capacity at rate inf, then run at this multiple of it")
     args = p.parse_args()
@@ -189,6 +203,8 @@ def main() -> None:
             if args.high_priority_fraction:
                 for cls, stats in by_priority(outcomes).items():
                     print(f"  {cls}: {stats}", flush=True)
+            if args.dump:
+                dump(Path(args.dump), rate_s, outcomes, svc)
     finally:
         svc.stop()
     print("wrote", write_records(f"serve_{args.workload}", records))
