@@ -67,9 +67,10 @@ def service(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="session")
 def tight_service(tmp_path_factory, model_dir):
-    """So few KV blocks (16 x 16 tokens) that the 8 prompts cannot all run at once."""
+    """So few KV blocks (10 x 16 tokens) that the long prompt, 126 tokens with its answer, needs
+    8 of them: with the 8 prompts sent together, requests must be preempted."""
     svc = Service(tmp_path_factory.mktemp("tight") / "serve.log",
-                  "--max-num-batched-tokens", "256", "--num-kv-blocks", "16",
+                  "--max-num-batched-tokens", "256", "--num-kv-blocks", "10",
                   "--preemption-mode", "recompute")
     svc.wait_serving()
     yield svc
@@ -80,7 +81,7 @@ def tight_service(tmp_path_factory, model_dir):
 def swap_service(tmp_path_factory, model_dir):
     """As tight_service, but victims are swapped to host memory instead of recomputed."""
     svc = Service(tmp_path_factory.mktemp("swap") / "serve.log",
-                  "--max-num-batched-tokens", "256", "--num-kv-blocks", "16",
+                  "--max-num-batched-tokens", "256", "--num-kv-blocks", "10",
                   "--preemption-mode", "swap", "--swap-space-gib", "0.25")
     svc.wait_serving()
     yield svc
