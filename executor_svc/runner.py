@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
+from executor_svc.block_table import BlockTableArray
 from executor_svc.model import AttentionMetadata, LlamaForCausalLM
 from executor_svc.sampler import Sampler, SamplingSpec
 from executor_svc.swap import SwapSpace
@@ -15,7 +18,7 @@ from protos.pagedserve.internal.v1 import executor_pb2 as pb
 @dataclass(slots=True)
 class RequestState:
     token_ids: list[int]  # prompt + generated (the executor appends what it samples)
-    block_ids: list[int]  # block table, mirrored from the plans
+    row: int  # its row in the runner's BlockTableArray (the block table, mirrored from plans)
     num_computed: int  # tokens whose KV is in the cache
     sampling: SamplingSpec
 
@@ -38,28 +41,33 @@ class ModelRunner:
         self.swap = swap or SwapSpace(0, [])
         self.block_size, self.device, self.sampler = block_size, device, sampler
         self.requests: dict[int, RequestState] = {}
+        self.tables = BlockTableArray()
 
     def reset(self) -> None:
         self.requests.clear()
+        self.tables = BlockTableArray()
 
     def execute(self, plan: pb.StepPlan) -> tuple[list[int], list[int]]:
         """Run one step; return (req_ids, sampled token ids) of requests that sampled."""
         for rid in (*plan.finished_req_ids, *plan.preempted_req_ids):
-            self.requests.pop(rid, None)
+            if (st := self.requests.pop(rid, None)) is not None:
+                self.tables.remove(st.row)
         if plan.swap_out_src or plan.swap_in_src:
             self.swap.swap_out(self.kv_caches, list(plan.swap_out_src), list(plan.swap_out_dst))
             self.swap.swap_in(self.kv_caches, list(plan.swap_in_src), list(plan.swap_in_dst))
         batch: list[tuple[int, int]] = []  # (req_id, num tokens scheduled)
         for new, n in zip(plan.new_requests, plan.new_num_scheduled_tokens, strict=True):
             self.requests[new.req_id] = RequestState(
-                list(new.token_ids), list(new.block_ids), new.num_computed_tokens,
-                sampling_spec(new.sampling),
+                list(new.token_ids), self.tables.add(list(new.block_ids)),
+                new.num_computed_tokens, sampling_spec(new.sampling),
             )
             batch.append((new.req_id, n))
         offset = 0
         for rid, n, nb in zip(plan.cached_req_ids, plan.cached_num_scheduled_tokens,
                               plan.cached_num_new_blocks, strict=True):
-            self.requests[rid].block_ids.extend(plan.cached_new_block_ids[offset:offset + nb])
+            if nb:
+                self.tables.append(self.requests[rid].row,
+                                   plan.cached_new_block_ids[offset:offset + nb])
             offset += nb
             batch.append((rid, n))
         if not batch:
@@ -67,48 +75,52 @@ class ModelRunner:
         return self._run(batch)
 
     def _run(self, batch: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        cu_q = [0]
-        logits_rows: list[int] = []
-        samplers: list[tuple[int, RequestState]] = []
-        for rid, n in batch:
-            st = self.requests[rid]
-            start, end = st.num_computed, st.num_computed + n
-            if end > len(st.token_ids) or end > len(st.block_ids) * bs:
-                raise ValueError(f"request {rid}: plan runs past its tokens or blocks")
-            input_ids.extend(st.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = st.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            cu_q.append(cu_q[-1] + n)
-            if end == len(st.token_ids):
-                logits_rows.append(cu_q[-1] - 1)
-                samplers.append((rid, st))
-        max_blocks = max(len(self.requests[rid].block_ids) for rid, _ in batch)
-        tables = [table + [0] * (max_blocks - len(table))
-                  for table in (self.requests[rid].block_ids for rid, _ in batch)]
-        dev = self.device
+        bs, dev = self.block_size, self.device
+        states = [self.requests[rid] for rid, _ in batch]
+        b = len(batch)
+        ns = np.fromiter((n for _, n in batch), np.int64, b)
+        starts = np.fromiter((st.num_computed for st in states), np.int64, b)
+        ends = starts + ns
+        known = np.fromiter((len(st.token_ids) for st in states), np.int64, b)
+        rows = np.fromiter((st.row for st in states), np.int64, b)
+        num_blocks = self.tables.lengths[rows]
+        bad = (ends > known) | (ends > num_blocks * bs)
+        if bad.any():
+            rid = batch[int(np.argmax(bad))][0]
+            raise ValueError(f"request {rid}: plan runs past its tokens or blocks")
+        cu_q = np.zeros(b + 1, np.int64)
+        np.cumsum(ns, out=cu_q[1:])
+        if cu_q[-1] == b:  # decode only: one token each
+            positions, token_rows = starts, rows
+            input_ids = [st.token_ids[st.num_computed] for st in states]
+        else:
+            seq_of_token = np.repeat(np.arange(b), ns)
+            positions = starts[seq_of_token] + np.arange(cu_q[-1]) - cu_q[:-1][seq_of_token]
+            token_rows = rows[seq_of_token]
+            input_ids = list(chain.from_iterable(
+                st.token_ids[s:e] for st, s, e in zip(states, starts.tolist(), ends.tolist(),
+                                                      strict=True)))
+        table = self.tables.array
+        slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        sample = ends == known  # prompt (or chunk) complete: its last row's logits are needed
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
-            max_query_len=max(n for _, n in batch),
-            max_seq_len=max(seq_lens),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            block_tables=torch.from_numpy(table[rows, :int(num_blocks.max())]).to(dev),
+            seq_lens=torch.from_numpy(ends.astype(np.int32)).to(dev),
+            cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)).to(dev),
+            max_query_len=int(ns.max()),
+            max_seq_len=int(ends.max()),
         )
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
+            torch.from_numpy(positions).to(dev),
             self.kv_caches, meta,
-            torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            torch.from_numpy(cu_q[1:][sample] - 1).to(dev),
         )
-        for rid, n in batch:
-            self.requests[rid].num_computed += n
+        for st, n in zip(states, ns.tolist(), strict=True):
+            st.num_computed += n
+        samplers = [(rid, st) for (rid, _), st, s in zip(batch, states, sample.tolist(),
+                                                        strict=True) if s]
         if not samplers:
             return [], []
         tokens = self.sampler(logits, [st.sampling for _, st in samplers],

@@ -85,6 +85,8 @@ class BlockManager:
         nothing) if the pool cannot. A new admission (`admit`) must also leave the watermark
         free, so that running requests can still grow without being preempted at once."""
         table = self._tables.get(req_id)
+        if table is not None and num_tokens <= len(table) * self.block_size:
+            return []  # the common decode step: the last block still has room
         prefix = prefix if table is None and prefix else []
         have = len(table) if table is not None else len(prefix)
         need = self.blocks_for(num_tokens) - have

@@ -1,0 +1,20 @@
+import numpy as np
+
+from executor_svc.block_table import BlockTableArray
+
+
+def test_rows_grow_append_and_are_reused():
+    t = BlockTableArray(rows=2, cols=2)
+    a = t.add([5, 6])
+    b = t.add([7])
+    c = t.add([1, 2, 3])  # a third row and a wider table: both dimensions grow
+    assert (a, b, c) == (0, 1, 2)
+    t.append(b, [8, 9, 10])
+    assert t.array[a, :2].tolist() == [5, 6]
+    assert t.array[b, :4].tolist() == [7, 8, 9, 10]
+    assert t.array[c, :3].tolist() == [1, 2, 3]
+    assert t.lengths[[a, b, c]].tolist() == [2, 4, 3]
+    t.remove(b)
+    d = t.add([4])
+    assert d == b and t.lengths[d] == 1 and t.array[d, 0] == 4
+    assert t.array.dtype == np.int32
