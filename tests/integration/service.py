@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,11 +17,41 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.client import Client
 
+READINESS = "pagedserve.v1.Generation"  # health service name; "" is liveness
+_SAMPLE = re.compile(r'^([^{\s]+)(?:\{(.*)\})? (\S+)$')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def health(channel: grpc.Channel, service: str = READINESS) -> int | None:
+    """The health status of `service`, or None if the server does not answer."""
+    try:
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=2).status
+    except grpc.RpcError:
+        return None
+
+
+def scrape(port: int, model_name: str = "default") -> dict[str, float]:
+    """/metrics as {name{labels}: value}; every sample must carry model_name, which the keys
+    leave out (so 'pagedserve:num_preemptions_total{mode="swap"}')."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, labels, value = _SAMPLE.match(line).groups()
+        pairs = _LABEL.findall(labels or "")
+        if name.startswith("pagedserve:"):
+            assert ("model_name", model_name) in pairs, line
+        rest = ",".join(f'{k}="{v}"' for k, v in pairs if k != "model_name")
+        out[f"{name}{{{rest}}}" if rest else name] = float(value)
+    return out
 
 
 class Service:
@@ -37,29 +68,18 @@ class Service:
         self.client = Client(self.address)
 
     def wait_serving(self, timeout: float = 180.0) -> None:
-        stub = health_pb2_grpc.HealthStub(self.client.channel)
+        """Wait for readiness (an executor connected)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve exited early:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
+            if health(self.client.channel) == health_pb2.HealthCheckResponse.SERVING:
+                return
             time.sleep(0.5)
         raise TimeoutError(f"not serving after {timeout}s:\n{self.log_path.read_text()[-3000:]}")
 
     def metrics(self) -> dict[str, float]:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return scrape(self.metrics_port)
 
     def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
         """Wait until no request runs or waits; return the metrics then."""
@@ -83,3 +103,50 @@ class Service:
             code = -9
         self.log.close()
         return code
+
+
+class Stack:
+    """`pagedserve scheduler` and `pagedserve executor` as two processes, as compose runs them,
+    so that a test can kill, pause or replace the executor."""
+
+    def __init__(self, tmp: Path, *scheduler_flags: str) -> None:
+        self.tmp = tmp
+        self.port, self.zmq_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.scheduler = self._start("scheduler", "--host", "127.0.0.1", "--port", str(self.port),
+                                     "--executor-bind", f"tcp://127.0.0.1:{self.zmq_port}",
+                                     "--metrics-port", str(self.metrics_port), *scheduler_flags)
+        self.executors = 0
+        self.executor = self.start_executor()
+        self.client = Client(self.address)
+
+    def _start(self, command: str, *flags: str, log_name: str = "") -> subprocess.Popen:
+        log = open(self.tmp / f"{log_name or command}.log", "w")  # noqa: SIM115 (child keeps it)
+        return subprocess.Popen([sys.executable, "-m", "pagedserve.cli", command, *flags],
+                                stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def start_executor(self) -> subprocess.Popen:
+        self.executors += 1
+        return self._start("executor", "--scheduler-address", f"tcp://127.0.0.1:{self.zmq_port}",
+                           log_name=f"executor{self.executors}")
+
+    def wait_health(self, status: int, service: str = READINESS, timeout: float = 120.0) -> float:
+        """Seconds until `service` reports status."""
+        start = time.monotonic()
+        while health(self.client.channel, service) != status:
+            if self.scheduler.poll() is not None or time.monotonic() - start > timeout:
+                raise AssertionError(f"health never became {status}:\n{self.logs()}")
+            time.sleep(0.1)
+        return time.monotonic() - start
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}"
+                         for p in sorted(self.tmp.glob("*.log")))
+
+    def stop(self) -> None:
+        self.client.close()
+        for proc in (self.scheduler, self.executor):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

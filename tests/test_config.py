@@ -1,0 +1,114 @@
+"""One configuration: flag > environment > config file > default, for both processes."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from pagedserve import cli, config
+from pagedserve.cli import _forward, _parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse(argv: list[str], file_values: dict | None = None, env: dict | None = None):
+    return _parser(file_values or {}, env or {}).parse_args(argv)
+
+
+@pytest.mark.parametrize("command", ["serve", "scheduler"])
+def test_precedence_flag_over_env_over_file_over_default(command):
+    assert parse([command]).max_num_seqs == 128
+    assert parse([command], {"max_num_seqs": 64}).max_num_seqs == 64
+    env = {"PAGEDSERVE_MAX_NUM_SEQS": "32"}
+    assert parse([command], {"max_num_seqs": 64}, env).max_num_seqs == 32
+    assert parse([command, "--max-num-seqs", "16"], {"max_num_seqs": 64}, env).max_num_seqs == 16
+
+
+def test_booleans_from_each_source():
+    assert parse(["scheduler"]).enable_prefix_caching is True
+    assert parse(["scheduler"], {"enable_prefix_caching": False}).enable_prefix_caching is False
+    env = {"PAGEDSERVE_ENABLE_PREFIX_CACHING": "no"}
+    assert parse(["scheduler"], {"enable_prefix_caching": True}, env).enable_prefix_caching is False
+    args = parse(["scheduler", "--enable-prefix-caching"], {}, env)
+    assert args.enable_prefix_caching is True
+    assert parse(["executor"], {"enforce_eager": "true"}).enforce_eager is True
+
+
+def test_vllm_swap_space_is_our_swap_space_gib(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("swap-space: 2\nmax_model_len: 1024\n")
+    values = config.load_file(path)
+    assert values == {"swap_space_gib": 2, "max_model_len": 1024}
+    assert parse(["executor"], values).swap_space_gib == 2.0
+    assert parse(["executor"], values, {"PAGEDSERVE_SWAP_SPACE": "3"}).swap_space_gib == 3.0
+    env = {"PAGEDSERVE_SWAP_SPACE": "3", "PAGEDSERVE_SWAP_SPACE_GIB": "5"}
+    assert parse(["executor"], values, env).swap_space_gib == 5.0  # the canonical name wins
+    assert parse(["executor", "--swap-space", "1"], values, env).swap_space_gib == 1.0
+
+
+def test_one_file_serves_both_processes():
+    values = {"max_num_seqs": 8, "block_size": 32}  # a scheduler key and an executor key
+    assert parse(["scheduler"], values).max_num_seqs == 8
+    assert parse(["executor"], values).block_size == 32
+    args = parse(["serve"], values)
+    assert (args.max_num_seqs, args.block_size) == (8, 32)
+
+
+@pytest.mark.parametrize("values, env, message", [
+    ({"max_num_seq": 8}, {}, "unknown keys max_num_seq"),
+    ({"max_num_seqs": "many"}, {}, "config file: max_num_seqs: invalid literal"),
+    ({"max_num_seqs": 0.5}, {}, "max_num_seqs"),
+    ({}, {"PAGEDSERVE_BLOCK_SIZE": "x"}, "PAGEDSERVE_BLOCK_SIZE"),
+    ({"preemption_mode": "never"}, {}, "preemption_mode: must be one of auto, recompute, swap"),
+    ({}, {"PAGEDSERVE_ENFORCE_EAGER": "maybe"}, "PAGEDSERVE_ENFORCE_EAGER: expected true"),
+])
+def test_bad_values_name_their_source(values, env, message):
+    with pytest.raises(config.ConfigError, match=message):
+        parse(["serve"], values, env)
+
+
+def test_main_reads_config_from_flag_or_env(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("max_num_seqs: [1, 2]\n")
+    assert config.config_path(["scheduler", "--config", str(path)], {}) == str(path)
+    assert config.config_path(["scheduler"], {"PAGEDSERVE_CONFIG": "x.yaml"}) == "x.yaml"
+    assert cli.main(["scheduler", "--config", str(path)]) == 2
+    assert "max_num_seqs" in capsys.readouterr().err
+    path.write_text("- a list\n")
+    with pytest.raises(config.ConfigError, match="expected a mapping"):
+        config.load_file(path)
+
+
+def test_the_example_file_is_valid_and_complete():
+    values = config.load_file(ROOT / "pagedserve.example.yaml")
+    args = parse(["serve"], values)  # no unknown keys, every value converts
+    vllm = {"gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+            "block_size", "enforce_eager", "quantization", "swap_space_gib",
+            "enable_prefix_caching"}
+    assert vllm <= set(values)
+    assert args.metrics_port == 8000
+
+
+@pytest.mark.parametrize("command", ["serve", "scheduler", "executor"])
+def test_every_flag_explains_itself_and_names_its_env_var(command):
+    parser = _parser({}, {})
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for action in sub.choices[command]._actions:
+        if action.dest in ("help", "config"):
+            continue
+        assert action.help and f"[env PAGEDSERVE_{action.dest.upper()}]" in action.help, \
+            action.dest
+
+
+def test_serve_forwards_the_resolved_values_to_each_process():
+    from executor_svc import server as executor
+    from scheduler_svc import server as scheduler
+
+    args = parse(["serve", "--max-num-seqs", "7"], {"swap_space": 2, "enforce_eager": True},
+                 {"PAGEDSERVE_DRAIN_TIMEOUT_S": "5"})
+    sched = parse(["scheduler", *_forward(scheduler.add_args, args)])
+    execu = parse(["executor", *_forward(executor.add_args, args)])
+    assert (sched.max_num_seqs, sched.drain_timeout_s) == (7, 5.0)
+    assert (execu.swap_space_gib, execu.enforce_eager) == (2.0, True)
