@@ -16,6 +16,6 @@ for caching in on off; do
     --num-requests 400 --rate 8 --server-flag=$flag 2>&1 | grep -v INFO | tail -2
 done
 python3 -m benchmarks.serve "${M[@]}" --workload overload-priority --num-requests 400 \
-  --overload 1.5 --high-priority-fraction 0.1 --server-flag=--max-waiting-requests \
+  --rate 12 --overload 1.5 --high-priority-fraction 0.1 --server-flag=--max-waiting-requests \
   --server-flag=64 2>&1 | grep -v INFO | tail -6
 find benchmarks/results -name "serve_*.jsonl" -newer "$OUT/.start" -exec cp {} "$OUT/" \;

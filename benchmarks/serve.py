@@ -162,7 +162,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dump", help="write per-request outcomes (CSV) and the final /metrics here")
     p.add_argument("--overload", type=float, default=0.0,
-                   help="first measure capacity at rate inf, then run at this multiple of it")
+                   help="first measure capacity (completed req/s) at the first --rate, then run "
+                        "at this multiple of it")
     args = p.parse_args()
     vocab = AutoConfig.from_pretrained(resolve_model(args.model)).vocab_size
     rng = np.random.default_rng(args.seed + 7)
@@ -179,8 +180,8 @@ def main() -> None:
                                                                args.shared_prefix),
                           prefix, 0.0, vocab, args.seed + 99, timeout=600))
         rates = args.rate or ["inf"]
-        if args.overload:
-            rates = ["inf", "overload"]
+        if args.overload:  # capacity = completions/s at the first --rate (a paced run above
+            rates = [rates[0], "overload"]  # capacity measures it; a burst at inf does not)
         for rate_s in rates:
             if rate_s == "overload":  # a multiple of the capacity just measured
                 rate_s = f"{args.overload * records[0]['request_rps']:.2f}"

@@ -40,6 +40,9 @@ def stub_executor(address: str, num_blocks: int, block_size: int) -> None:
                                max_model_len=4096, vocab_size=VOCAB, dtype="none",
                                device="cpu", attention_backend="stub", model="stub")
 
+        def memory(self) -> tuple[int, int]:
+            return 0, 0
+
     ExecutorServer(StubWorker(), address).serve_forever()
 
 
