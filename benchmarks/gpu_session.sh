@@ -3,11 +3,7 @@
 # Run from the repo root on the device machine with .whl and protos carried:
 #   PAGEDSERVE_COMMIT=<sha> bash benchmarks/gpu_session.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv
 python3 -c "import torch, triton, transformers, grpc, zmq, google.protobuf as p; \
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', \

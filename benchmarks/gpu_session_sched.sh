@@ -3,11 +3,7 @@
 # W3 with a shared 1,000-token system prompt, prefix caching on vs off; and overload at 1.5x
 # capacity with 10 % high-priority requests and a bounded queue.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 M=(--model benchmarks/models/smollm2-135m --load-format random)
 touch "$OUT/.start"
 for caching in on off; do

@@ -7,6 +7,7 @@ from tests.integration.service import Service
 
 MAX_TOKENS = 24
 BUDGET = 64  # max_num_batched_tokens of the main service: the long prompt is chunked
+TIGHT = ("--max-num-batched-tokens", "256", "--num-kv-blocks", "10")  # forces preemption
 
 LONG_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes "
@@ -40,6 +41,14 @@ def request_kwargs(kind, content):
     return {"text": content} if kind == "text" else {"chat": [("user", content)]}
 
 
+def _serving(tmp_path_factory, name: str, *flags: str):
+    """Run `pagedserve serve` with flags for the whole session; it must stop cleanly."""
+    svc = Service(tmp_path_factory.mktemp(name) / "serve.log", *flags)
+    svc.wait_serving()
+    yield svc
+    assert svc.stop() == 0
+
+
 @pytest.fixture(scope="session")
 def hf_greedy(model_dir, tokenizer):
     """HF transformers greedy continuations (fp32), the oracle every path must reproduce."""
@@ -58,41 +67,26 @@ def hf_greedy(model_dir, tokenizer):
 
 @pytest.fixture(scope="session")
 def service(tmp_path_factory, model_dir):
-    svc = Service(tmp_path_factory.mktemp("svc") / "serve.log",
-                  "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "16")
-    svc.wait_serving()
-    yield svc
-    assert svc.stop() == 0
+    yield from _serving(tmp_path_factory, "svc",
+                        "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "16")
 
 
 @pytest.fixture(scope="session")
 def tight_service(tmp_path_factory, model_dir):
     """So few KV blocks (10 x 16 tokens) that the long prompt, 126 tokens with its answer, needs
     8 of them: with the 8 prompts sent together, requests must be preempted."""
-    svc = Service(tmp_path_factory.mktemp("tight") / "serve.log",
-                  "--max-num-batched-tokens", "256", "--num-kv-blocks", "10",
-                  "--preemption-mode", "recompute")
-    svc.wait_serving()
-    yield svc
-    assert svc.stop() == 0
+    yield from _serving(tmp_path_factory, "tight", *TIGHT, "--preemption-mode", "recompute")
 
 
 @pytest.fixture(scope="session")
 def swap_service(tmp_path_factory, model_dir):
     """As tight_service, but victims are swapped to host memory instead of recomputed."""
-    svc = Service(tmp_path_factory.mktemp("swap") / "serve.log",
-                  "--max-num-batched-tokens", "256", "--num-kv-blocks", "10",
-                  "--preemption-mode", "swap", "--swap-space-gib", "0.25")
-    svc.wait_serving()
-    yield svc
-    assert svc.stop() == 0
+    yield from _serving(tmp_path_factory, "swap", *TIGHT, "--preemption-mode", "swap",
+                        "--swap-space-gib", "0.25")
 
 
 @pytest.fixture(scope="session")
 def queue_service(tmp_path_factory, model_dir):
     """One sequence at a time and one waiting request at most: queueing and priorities."""
-    svc = Service(tmp_path_factory.mktemp("queue") / "serve.log",
-                  "--max-num-seqs", "1", "--max-waiting-requests", "1")
-    svc.wait_serving()
-    yield svc
-    assert svc.stop() == 0
+    yield from _serving(tmp_path_factory, "queue", "--max-num-seqs", "1",
+                        "--max-waiting-requests", "1")
