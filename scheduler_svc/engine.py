@@ -203,10 +203,7 @@ class Engine:
     def abort(self, stream: RequestStream) -> None:
         """Drop a request (client gone); its blocks are free before the next step is planned."""
         if not stream.finished and self.scheduler is not None:
-            stream.finished = True
-            self.telemetry.finished(stream, "abort", time.monotonic())
-            self.scheduler.finish(stream.req.req_id)
-            self.streams.pop(stream.req.req_id, None)
+            self._end(stream, "abort", time.monotonic())
             self._update_gauges(self.scheduler)
             self._wake.set()
 
@@ -413,20 +410,21 @@ class Engine:
         chunk = Chunk(text, [token])
         self.telemetry.token(stream, now)
         if finish:
-            self.telemetry.finished(stream, finish, now)
             chunk.finish_reason, chunk.stop_reason = finish, stop_reason
             chunk.prompt_tokens, chunk.completion_tokens = req.prompt_len, req.num_output_tokens
-            stream.finished = True
-            self.scheduler.finish(req.req_id)
-            self.streams.pop(req.req_id, None)
+            self._end(stream, finish, now)
         stream.queue.put_nowait(chunk)
 
     def _fail(self, stream: RequestStream, code: str, message: str) -> None:
+        self._end(stream, code.lower(), time.monotonic())
+        stream.queue.put_nowait(EngineError(code, message))
+
+    def _end(self, stream: RequestStream, reason: str, now: float) -> None:
+        """The one way a request leaves the engine: logged, its blocks freed at once."""
         stream.finished = True
-        self.telemetry.finished(stream, code.lower(), time.monotonic())
+        self.telemetry.finished(stream, reason, now)
         self.scheduler.finish(stream.req.req_id)
         self.streams.pop(stream.req.req_id, None)
-        stream.queue.put_nowait(EngineError(code, message))
 
 
 def _crash_on_error(task: asyncio.Task) -> None:
