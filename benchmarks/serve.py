@@ -149,6 +149,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="default")
     p.add_argument("--load-format", default="auto")
+    p.add_argument("--tokenizer", default="", help="tokenizer directory (config-only models)")
     p.add_argument("--rate", action="append", default=[], help="req/s or inf (repeatable)")
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--shared-prefix", type=int, default=0)
@@ -170,6 +171,8 @@ def main() -> None:
     prefix = rng.integers(100, vocab, args.shared_prefix).tolist()
     shapes = sharegpt_like(args.num_requests, args.seed, args.shared_prefix)
     flags = ["--model", args.model, "--load-format", args.load_format, *args.server_flag]
+    if args.tokenizer:
+        flags += ["--tokenizer", args.tokenizer]
     svc = Service(Path(tempfile.mkdtemp()) / "serve.log", *flags)
     records = []
     try:

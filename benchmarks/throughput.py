@@ -1,14 +1,21 @@
-"""Throughput: N concurrent requests through the real gRPC service vs HF `generate`.
+"""Offline throughput through the real service, beside HF transformers and the roofline.
 
-Random prompt token ids (fixed seed), greedy, EOS ignored so every request makes exactly
---output tokens. pagedserve: `pagedserve serve` started with the given flags, all requests sent
-at once through gRPC; wall time from the first send to the last token; TTFT per request. HF: one
-static batch of the same prompts on the same device and weights (random weights when
---load-format random).
+All requests are sent at once through gRPC to `pagedserve serve` (both processes), random
+prompt token ids (fixed seed), greedy, EOS ignored so every request makes exactly its output
+length; wall time from the first send to the last token. Peers on the same device and
+(random) weights in the same run: HF `generate` in static batches (arrival order, left-padded,
+each batch runs to its longest output) and HF `generate_batch` (continuous batching).
+
+Workloads (../shared/BENCHMARKS.md): W1 = 256 x 512 -> 128; W2 = 256 requests, prompt and
+output lengths uniform in [100, 1024] (seed 0); or --requests/--prompt/--output.
+
+The roofline: a lower bound on the workload's time from the ceilings measured in this run
+(copy bandwidth, bf16 GEMM rate): prefill at the GEMM rate, then each decode step of all the
+sequences still running at once, max(bytes of weights + KV read / bandwidth, FLOPs / rate).
 
     python -m benchmarks.throughput --requests 16 --prompt 128 --output 64            # CPU
-    python -m benchmarks.throughput --model benchmarks/models/smollm2-135m \\
-        --load-format random --requests 256 --prompt 512 --output 128               # GPU
+    python -m benchmarks.throughput --workload W1 --model benchmarks/models/llama3.1-8b \\
+        --load-format random --tokenizer benchmarks/models/smollm2-135m --hf generate:256
 """
 
 from __future__ import annotations
@@ -20,113 +27,242 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from benchmarks.common import write_records
 
-
-def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(100, vocab, (n, length), generator=g).tolist()
+PROMPT_VOCAB = 32000  # prompt ids below every tokenizer's size here (random ids either way)
 
 
-def run_pagedserve(batch: list[list[int]], output: int, flags: list[str]) -> dict:
-    from tests.integration.service import Service
+def workload(name: str, requests: int, prompt: int, output: int,
+             seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = np.random.default_rng(seed)
+    if name == "W1":
+        requests, p_lens, outs = 256, np.full(256, 512), np.full(256, 128)
+    elif name == "W2":
+        requests = 256
+        p_lens = rng.integers(100, 1025, requests)
+        outs = rng.integers(100, 1025, requests)
+    else:
+        p_lens, outs = np.full(requests, prompt), np.full(requests, output)
+    prompts = [rng.integers(100, PROMPT_VOCAB, n).tolist() for n in p_lens.tolist()]
+    return prompts, outs.tolist()
+
+
+def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str]) -> dict:
+    from tests.integration.service import Service, scrape
 
     svc = Service(Path(tempfile.mkdtemp()) / "serve.log", *flags)
     try:
-        svc.wait_serving(timeout=600)
+        svc.wait_serving(timeout=900)
         info = svc.client.model_info()
-        svc.client.complete(token_ids=batch[0], max_tokens=4, temperature=0)  # warm-up
+        svc.client.complete(token_ids=prompts[0], max_tokens=4, temperature=0)  # warm-up
+        before = scrape(svc.metrics_port, info.model)
 
-        def one(ids):
+        def one(job):
+            ids, n_out = job
             sent = time.perf_counter()
             ttft, n = None, 0
-            for chunk in svc.client.generate(token_ids=ids, max_tokens=output, temperature=0,
+            for chunk in svc.client.generate(token_ids=ids, max_tokens=n_out, temperature=0,
                                              ignore_eos=True, timeout=3600):
                 if ttft is None:
                     ttft = time.perf_counter() - sent
                 n += len(chunk.token_ids)
-            assert n == output
+            assert n == n_out, (n, n_out)
             return ttft, time.perf_counter() - sent
 
         start = time.perf_counter()
-        with ThreadPoolExecutor(len(batch)) as pool:
-            lat = list(pool.map(one, batch))
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            lat = list(pool.map(one, zip(prompts, outputs, strict=True)))
         wall = time.perf_counter() - start
+        after = scrape(svc.metrics_port, info.model)
     finally:
         svc.stop()
     ttfts = sorted(t for t, _ in lat)
-    tpots = sorted((e - t) / (output - 1) for t, e in lat)
-    return {"output_tok_s": len(batch) * output / wall, "wall_s": wall,
+    tpots = sorted((e - t) / max(1, o - 1) for (t, e), o in zip(lat, outputs, strict=True))
+
+    def steps(mode):
+        key = f'pagedserve:executor_steps_total{{mode="{mode}"}}'
+        return after.get(key, 0) - before.get(key, 0)
+
+    return {"output_tok_s": sum(outputs) / wall, "wall_s": wall,
             "ttft_p50_ms": 1e3 * statistics.median(ttfts),
             "ttft_p99_ms": 1e3 * ttfts[int(0.99 * (len(ttfts) - 1))],
             "tpot_p50_ms": 1e3 * statistics.median(tpots),
+            "graph_steps": steps("cuda_graph"), "eager_steps": steps("eager"),
+            "kv_token_utilization_at_peak":
+                after.get("pagedserve:kv_cache_token_utilization_at_peak"),
+            "num_kv_blocks": after.get("pagedserve:num_kv_blocks"),
             "device": info.device, "dtype": info.dtype, "attention_backend": info.attention_backend}
 
 
-def run_hf(batch: list[list[int]], output: int, model_dir: Path, random_weights: bool,
-           device: str, dtype: torch.dtype) -> float:
+def hf_model(model_dir: Path, random_weights: bool, device: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    torch.manual_seed(0)
     if random_weights:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir),
-                                                 dtype=dtype)
+        with torch.device(device):  # initialise on the device: an 8B init on a CPU takes minutes
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir),
+                                                     dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
-    model = model.to(device).eval()
-    ids = torch.tensor(batch, device=device)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
+    return model.eval()
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def run_hf_generate(model, prompts: list[list[int]], outputs: list[int], batch: int,
+                    device: str) -> float:
+    """Static batches in arrival order, left-padded; min = max new tokens = the batch's longest
+    output (the shorter requests' extra tokens are not counted)."""
     with torch.no_grad():
-        model.generate(ids[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
-        if device != "cpu":
-            torch.cuda.synchronize()
+        model.generate(torch.tensor([prompts[0][:8]], device=device), max_new_tokens=4,
+                       do_sample=False, pad_token_id=0)
+        _sync(device)
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output,
-                             min_new_tokens=output, do_sample=False, pad_token_id=0)
-        if device != "cpu":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-    assert out.shape[1] == ids.shape[1] + output
-    return len(batch) * output / elapsed
+        for i in range(0, len(prompts), batch):
+            chunk, outs = prompts[i:i + batch], outputs[i:i + batch]
+            width = max(map(len, chunk))
+            ids = torch.zeros((len(chunk), width), dtype=torch.int64)
+            mask = torch.zeros_like(ids)
+            for r, p in enumerate(chunk):
+                ids[r, width - len(p):] = torch.tensor(p)
+                mask[r, width - len(p):] = 1
+            n = max(outs)
+            out = model.generate(ids.to(device), attention_mask=mask.to(device),
+                                 max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 pad_token_id=0)
+            assert out.shape[1] == width + n
+        _sync(device)
+    return sum(outputs) / (time.perf_counter() - start)
+
+
+def run_hf_continuous(model, prompts: list[list[int]], outputs: list[int],
+                      device: str) -> float:
+    """transformers' continuous batching (`generate_batch`); one max_new_tokens for all, so
+    only for workloads of equal output lengths."""
+    from transformers import GenerationConfig
+
+    if len(set(outputs)) != 1:
+        raise ValueError("generate_batch takes one max_new_tokens: equal outputs only")
+    cfg = GenerationConfig(max_new_tokens=outputs[0], do_sample=False, eos_token_id=None,
+                           pad_token_id=0)
+    model.generate_batch(prompts[:4], generation_config=cfg)  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    res = model.generate_batch(prompts, generation_config=cfg)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    made = sum(len(r.generated_tokens) for r in res.values())
+    return made / elapsed
+
+
+def ceilings(device: str) -> dict:
+    """Copy bandwidth (bytes read + written) and the bf16 GEMM rate, measured now."""
+    import triton.testing
+
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)  # 1 GiB, ~17x the L2
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), rep=200)
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    gemm_ms = triton.testing.do_bench(lambda: x @ y, rep=200)
+    return {"copy_tbps": 2 * a.numel() / ms / 1e9, "gemm_tflops": 2 * 8192**3 / gemm_ms / 1e9}
+
+
+def roofline_seconds(cfg, prompt_lens: list[int], outputs: list[int], tbps: float,
+                     tflops: float) -> float:
+    """Lower bound on the workload's time on a device with these ceilings (module doc)."""
+    h, layers, d = cfg.hidden_size, cfg.num_layers, cfg.head_dim
+    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h \
+        + 3 * h * cfg.intermediate_size
+    body, head = layers * per_layer, cfg.vocab_size * h
+    kv_tok = cfg.kv_bytes_per_token(2)
+    attn = 4 * layers * cfg.num_heads * d  # FLOPs per (query, key) pair: QK^T and PV
+    bw, rate = tbps * 1e12, tflops * 1e12
+    p = np.asarray(prompt_lens, np.float64)
+    o = np.asarray(outputs)
+    prefill = 2 * body * p.sum() + 2 * head * len(p) + attn * (p * (p + 1) / 2).sum()
+    t = prefill / rate
+    for i in range(1, int(o.max())):  # the first token of each comes from its prefill
+        live = o > i
+        ctx = p[live] + i
+        n = int(live.sum())
+        read = 2 * (body + head) + kv_tok * ctx.sum()
+        flops = 2 * (body + head) * n + attn * ctx.sum()
+        t += max(read / bw, flops / rate)
+    return t
 
 
 def main() -> None:
+    from executor_svc.config import ModelConfig
     from pagedserve.models import resolve_model
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="default")
     p.add_argument("--load-format", default="auto", choices=["auto", "random"])
+    p.add_argument("--tokenizer", default="", help="tokenizer directory (config-only models)")
+    p.add_argument("--workload", default="", choices=["", "W1", "W2"])
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--server-flag", action="append", default=[],
+                   help="extra flag for pagedserve serve (repeatable)")
+    p.add_argument("--hf", action="append", default=None,
+                   help="peers: generate:BATCH or cb (repeatable; default generate:<all>; "
+                        "none: no peer)")
     args = p.parse_args()
     model_dir = resolve_model(args.model)
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-    batch = prompts(args.requests, args.prompt, vocab)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    prompts, outputs = workload(args.workload, args.requests, args.prompt, args.output)
     flags = ["--model", args.model, "--load-format", args.load_format,
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--max-num-seqs", str(args.max_num_seqs)]
-    ours = run_pagedserve(batch, args.output, flags)
-    workload = f"{args.requests}x{args.prompt}->{args.output}"
-    common = {"workload": workload, "model": Path(str(model_dir)).name,
-              "weights": args.load_format, "device": ours["device"], "dtype": ours["dtype"]}
-    records = [{**common, "engine": "pagedserve", **ours}]
-    line = f"{workload} on {ours['device']}: pagedserve {ours['output_tok_s']:.1f} out tok/s"
-    if not args.no_hf:
+             "--max-num-seqs", str(args.max_num_seqs), *args.server_flag]
+    if args.tokenizer:
+        flags += ["--tokenizer", args.tokenizer]
+    ours = run_pagedserve(prompts, outputs, flags)
+    name = args.workload or f"{len(prompts)}x{args.prompt}->{args.output}"
+    common = {"workload": name, "model": Path(str(model_dir)).name,
+              "weights": args.load_format, "device": ours["device"], "dtype": ours["dtype"],
+              "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+              "output_tokens": sum(outputs)}
+    on_gpu = ours["device"] != "cpu"
+    if on_gpu:
+        ceil = ceilings("cuda")
+        bound = sum(outputs) / roofline_seconds(cfg, list(map(len, prompts)), outputs,
+                                                ceil["copy_tbps"], ceil["gemm_tflops"])
+        common.update(ceil, bound_output_tok_s=bound)
+    records = [{**common, "engine": "pagedserve", "server_flags": " ".join(args.server_flag),
+                **ours}]
+    line = f"{name} {common['model']} on {ours['device']}: pagedserve " \
+           f"{ours['output_tok_s']:.0f} out tok/s"
+    if on_gpu:
+        line += f" ({ours['output_tok_s'] / bound:.2f} of the bound {bound:.0f})"
+    peers = args.hf if args.hf is not None else [f"generate:{len(prompts)}"]
+    if peers != ["none"]:
         dtype = torch.float32 if ours["dtype"] == "float32" else torch.bfloat16
-        device = "cpu" if ours["device"] == "cpu" else "cuda"
-        hf = run_hf(batch, args.output, model_dir, args.load_format == "random", device, dtype)
-        records.append({**common, "engine": "hf_generate", "batch": args.requests,
-                        "output_tok_s": hf})
-        ratio = ours["output_tok_s"] / hf
-        line += f", HF generate (bs={args.requests}) {hf:.1f}, ratio {ratio:.2f}"
-    print(line)
+        device = "cuda" if on_gpu else "cpu"
+        model = hf_model(model_dir, args.load_format == "random", device, dtype)
+        for peer in peers:
+            if peer == "cb":
+                tok_s, rec = run_hf_continuous(model, prompts, outputs, device), {
+                    "engine": "hf_continuous_batching"}
+            else:
+                bs = int(peer.split(":")[1])
+                tok_s = run_hf_generate(model, prompts, outputs, bs, device)
+                rec = {"engine": "hf_generate", "batch": bs}
+            records.append({**common, **rec, "output_tok_s": tok_s})
+            line += f"; {rec['engine']}{'' if peer == 'cb' else ' bs' + str(bs)} {tok_s:.0f}"
+    for r in records:
+        if on_gpu:
+            r["roofline_fraction"] = r["output_tok_s"] / bound
+    print(line, flush=True)
     print("wrote", write_records("throughput", records))
 
 

@@ -44,12 +44,13 @@ def build_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if weights_dir is None:
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        # drawn on the model's device: an 8B model's 8e9 draws take minutes on a CPU
+        gen = torch.Generator(device=device).manual_seed(seed)
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.data.fill_(1.0)
             else:
-                p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                p.data.normal_(0.0, 0.02, generator=gen)
     elif quant is not None:
         model.load_weights(convert_checkpoint(iter_safetensors(weights_dir), quant))
     else:

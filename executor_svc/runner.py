@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from executor_svc.block_table import BlockTableArray
+from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.model import AttentionMetadata, LlamaForCausalLM
 from executor_svc.sampler import Sampler, SamplingSpec
 from executor_svc.swap import SwapSpace
@@ -42,6 +43,8 @@ class ModelRunner:
         self.block_size, self.device, self.sampler = block_size, device, sampler
         self.requests: dict[int, RequestState] = {}
         self.tables = BlockTableArray()
+        self.graphs: DecodeGraphs | None = None  # set by the worker after capture (CUDA)
+        self.last_step_graphed = False  # whether the last step replayed a CUDA graph
 
     def reset(self) -> None:
         self.requests.clear()
@@ -103,20 +106,30 @@ class ModelRunner:
         table = self.tables.array
         slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         sample = ends == known  # prompt (or chunk) complete: its last row's logits are needed
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(table[rows, :int(num_blocks.max())]).to(dev),
-            seq_lens=torch.from_numpy(ends.astype(np.int32)).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)).to(dev),
-            max_query_len=int(ns.max()),
-            max_seq_len=int(ends.max()),
-        )
-        logits = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.from_numpy(positions).to(dev),
-            self.kv_caches, meta,
-            torch.from_numpy(cu_q[1:][sample] - 1).to(dev),
-        )
+        max_blocks = int(num_blocks.max())
+        graphs = self.graphs
+        self.last_step_graphed = (graphs is not None and cu_q[-1] == b
+                                  and graphs.fits(b, max_blocks))
+        if self.last_step_graphed:
+            logits = graphs.run(np.asarray(input_ids, np.int64), positions, slots,
+                                table[rows, :max_blocks], ends)
+            if not sample.all():  # a one-token prefill chunk shares the step: no logits wanted
+                logits = logits[torch.from_numpy(np.flatnonzero(sample)).to(dev)]
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=torch.from_numpy(slots).to(dev),
+                block_tables=torch.from_numpy(table[rows, :max_blocks]).to(dev),
+                seq_lens=torch.from_numpy(ends.astype(np.int32)).to(dev),
+                cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)).to(dev),
+                max_query_len=int(ns.max()),
+                max_seq_len=int(ends.max()),
+            )
+            logits = self.model(
+                torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.from_numpy(positions).to(dev),
+                self.kv_caches, meta,
+                torch.from_numpy(cu_q[1:][sample] - 1).to(dev),
+            )
         for st, n in zip(states, ns.tolist(), strict=True):
             st.num_computed += n
         samplers = [(rid, st) for (rid, _), st, s in zip(batch, states, sample.tolist(),

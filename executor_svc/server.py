@@ -12,6 +12,7 @@ import uuid
 import zmq
 
 from executor_svc.worker import ExecutorConfig, Worker
+from pagedserve.config import add_step_args
 from protos.pagedserve.internal.v1 import executor_pb2 as pb
 
 log = logging.getLogger("pagedserve.executor")
@@ -60,7 +61,8 @@ class ExecutorServer:
         return pb.StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=tokens,
                              execute_seconds=time.perf_counter() - start,
                              device_memory_used_bytes=used, device_memory_total_bytes=total,
-                             execution_mode=pb.EXECUTION_MODE_EAGER)
+                             execution_mode=pb.EXECUTION_MODE_CUDA_GRAPH
+                             if self.worker.runner.last_step_graphed else pb.EXECUTION_MODE_EAGER)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -91,8 +93,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=["auto", "none", "awq", "gptq"], default="auto",
                    help="4-bit weights; auto: from config.json's quantization_config")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
-                   help="accepted for vLLM compatibility; a no-op until CUDA graphs exist "
-                        "(every step runs eagerly today)")
+                   help="CUDA: run every step eagerly instead of replaying captured CUDA graphs "
+                        "for decode steps")
+    add_step_args(p)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -105,6 +108,8 @@ def run(args: argparse.Namespace) -> None:
         swap_space_bytes=int(args.swap_space_gib * (1 << 30)),
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend, quantization=args.quantization,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
     )
     worker = Worker(cfg)
     worker.warm_up()

@@ -9,13 +9,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from executor_svc.config import ModelConfig
+from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.loader import build_model
+from executor_svc.model import AttentionMetadata, LlamaForCausalLM
 from executor_svc.quantization import resolve_quantization
 from executor_svc.runner import ModelRunner
-from executor_svc.sampler import Sampler
+from executor_svc.sampler import Sampler, SamplingSpec
 from executor_svc.swap import SwapSpace
 from protos.pagedserve.internal.v1 import executor_pb2 as pb
 
@@ -36,7 +39,9 @@ class ExecutorConfig:
     num_kv_blocks: int = 0  # exact block count; overrides both budgets when > 0
     swap_space_bytes: int = 4 * GiB  # host memory for swapped-out KV blocks
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the card this process may use
-    gpu_activation_reserve_bytes: int = 2 * GiB  # CUDA: kept free for activations and logits
+    max_num_batched_tokens: int = 2048  # CUDA: the largest step, profiled at start
+    max_num_seqs: int = 128  # CUDA: most sequences in a step; decode graphs up to this batch
+    enforce_eager: bool = False  # CUDA: no graphs, every step launches its kernels eagerly
     attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
     quantization: str = "auto"  # "auto" (config.json's quantization_config), "none", "awq", "gptq"
 
@@ -72,12 +77,22 @@ class Worker:
         max_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
         model = build_model(self.model_cfg, load_ops(backend), self.dtype, self.device,
                             max_len, weights, quant=quant)
-        self.num_blocks = self._num_blocks(cfg)
+        self.block_size = cfg.block_size
+        self.sampler = Sampler(self.device)
+        self.num_blocks = self._num_blocks(cfg, model, max_len)
         if self.num_blocks < 1:
             raise RuntimeError("no memory left for the KV cache: lower the model size or raise "
                                "the memory budget")
-        self.block_size = cfg.block_size
-        self.max_model_len = min(max_len, self.num_blocks * cfg.block_size)
+        capacity_tokens = self.num_blocks * cfg.block_size
+        if cfg.max_model_len > capacity_tokens:
+            raise RuntimeError(
+                f"max_model_len {cfg.max_model_len} does not fit in the KV cache: "
+                f"{self.num_blocks} blocks hold {capacity_tokens} tokens; lower --max-model-len "
+                f"or give the cache more memory (--gpu-memory-utilization, --kv-cache-gib)")
+        if max_len > capacity_tokens:
+            log.warning("the model's max_model_len %d is more than the KV cache holds; serving "
+                        "at most %d tokens per sequence", max_len, capacity_tokens)
+        self.max_model_len = min(max_len, capacity_tokens)
         shape = (self.num_blocks, cfg.block_size, self.model_cfg.num_kv_heads,
                  self.model_cfg.head_dim)
         # uninitialised on purpose: attention never reads a slot before it is written
@@ -85,14 +100,25 @@ class Worker:
                torch.empty(shape, dtype=self.dtype, device=self.device))
               for _ in range(self.model_cfg.num_layers)]
         per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.dtype.itemsize)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%d sequences of "
+                 "max_model_len %d at once)", self.num_blocks, cfg.block_size, capacity_tokens,
+                 self.num_blocks * per_block / GiB, capacity_tokens // self.max_model_len,
+                 self.max_model_len)
         self.swap = SwapSpace(cfg.swap_space_bytes // per_block, kv)
-        self.runner = ModelRunner(model, kv, cfg.block_size, self.device, Sampler(self.device),
+        self.runner = ModelRunner(model, kv, cfg.block_size, self.device, self.sampler,
                                   self.swap)
+        self.graphs: DecodeGraphs | None = None
+        if on_cuda and backend == "triton" and not cfg.enforce_eager:
+            self.graphs = DecodeGraphs(model, kv, cfg.max_num_seqs, self.max_model_len,
+                                       cfg.block_size, self.device)
+        profiled = on_cuda and cfg.num_kv_blocks <= 0
         self.capacity = pb.Capacity(
             num_kv_blocks=self.num_blocks, block_size=cfg.block_size,
             max_model_len=self.max_model_len, vocab_size=self.model_cfg.vocab_size,
             dtype=dtype_name, device=str(self.device), attention_backend=backend, model=cfg.model,
             num_swap_blocks=self.swap.num_blocks,
+            max_num_batched_tokens=cfg.max_num_batched_tokens if profiled else 0,
+            max_num_seqs=cfg.max_num_seqs if profiled else 0,
         )
         self._memory_at, self._memory = 0.0, (0, 0)
         log.info("executor ready: %d KV blocks of %d tokens, max_model_len %d, %s on %s (%s)",
@@ -101,7 +127,8 @@ class Worker:
 
     def warm_up(self) -> None:
         """One small forward pass and sample before the executor says hello, so that the first
-        real step pays no lazy initialisation and a broken model fails before it is announced."""
+        real step pays no lazy initialisation and a broken model fails before it is announced;
+        then the CUDA graphs are captured."""
         n = min(8, self.block_size, self.max_model_len)
         req = pb.NewRequest(req_id=0, token_ids=[0] * n, num_computed_tokens=0, block_ids=[0],
                             sampling=pb.Sampling(temperature=0.0, top_p=1.0))
@@ -110,6 +137,9 @@ class Worker:
                                         new_num_scheduled_tokens=[n]))
         self.runner.reset()  # block 0's slots hold garbage now; nothing reads them unwritten
         log.info("warm-up forward of %d tokens: %.2f s", n, time.perf_counter() - start)
+        if self.graphs is not None:
+            self.graphs.capture()
+            self.runner.graphs = self.graphs
 
     def memory(self) -> tuple[int, int]:
         """(used, total) device memory in bytes; on CUDA at most one query per second."""
@@ -118,17 +148,74 @@ class Worker:
             self._memory_at, self._memory = now, _memory_of(self.device)
         return self._memory
 
-    def _num_blocks(self, cfg: ExecutorConfig) -> int:
+    def _num_blocks(self, cfg: ExecutorConfig, model: LlamaForCausalLM, max_len: int) -> int:
         if cfg.num_kv_blocks > 0:
             return cfg.num_kv_blocks
         per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.dtype.itemsize)
         if self.device.type != "cuda":
             return cfg.kv_cache_bytes // per_block
+        peak = self._profile(model, cfg, max_len, prefill=True)
+        graph_peak = 0 if cfg.enforce_eager else self._profile(model, cfg, max_len, prefill=False)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        budget = int(total * cfg.gpu_memory_utilization) - used - cfg.gpu_activation_reserve_bytes
-        return max(0, budget) // per_block
+        used = total - free  # CUDA context, weights, anything else on the card
+        budget = int(total * cfg.gpu_memory_utilization) - used - peak - graph_peak
+        log.info("memory profile: %.2f GiB in use after loading, step peak %.2f GiB "
+                 "(%d tokens), decode-graph peak %.2f GiB; %.2f GiB of %.2f x %.0f GiB left "
+                 "for the KV cache", used / GiB, peak / GiB, cfg.max_num_batched_tokens,
+                 graph_peak / GiB, max(0, budget) / GiB, cfg.gpu_memory_utilization,
+                 total / GiB)
+        if budget < per_block:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: {used / GiB:.2f} GiB in use after "
+                f"loading, a step of {cfg.max_num_batched_tokens} tokens peaks at "
+                f"{peak / GiB:.2f} GiB, and gpu_memory_utilization {cfg.gpu_memory_utilization} "
+                f"allows {total * cfg.gpu_memory_utilization / GiB:.2f} GiB; raise it or lower "
+                f"--max-num-batched-tokens")
+        return budget // per_block
 
+    @torch.inference_mode()
+    def _profile(self, model: LlamaForCausalLM, cfg: ExecutorConfig, max_len: int,
+                 prefill: bool) -> int:
+        """Peak bytes allocated beyond what is held now by the largest step the scheduler may
+        plan: prefill=True runs max_num_batched_tokens tokens over as many sequences as may
+        sample (logits and top-k/top-p sampling of each); prefill=False one decode token for
+        each of max_num_seqs sequences (what a CUDA graph's private pool holds). K/V writes
+        are skipped and attention reads a one-block dummy cache: memory, not values, matters.
+        """
+        dev, mc = self.device, self.model_cfg
+        seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        tokens = cfg.max_num_batched_tokens if prefill else seqs
+        seqs = max(seqs, -(-tokens // max_len))
+        q_lens = np.full(seqs, tokens // seqs, np.int64)
+        q_lens[: tokens % seqs] += 1
+        cu_q = np.zeros(seqs + 1, np.int64)
+        np.cumsum(q_lens, out=cu_q[1:])
+        shape = (1, self.block_size, mc.num_kv_heads, mc.head_dim)
+        kv = [(torch.zeros(shape, dtype=self.dtype, device=dev),
+               torch.zeros(shape, dtype=self.dtype, device=dev)) for _ in range(mc.num_layers)]
+        width = -(-int(q_lens.max()) // self.block_size)
+        positions = np.concatenate([np.arange(n) for n in q_lens.tolist()])
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros((seqs, width), dtype=torch.int32, device=dev),
+            seq_lens=torch.from_numpy(q_lens.astype(np.int32)).to(dev),
+            cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)).to(dev),
+            max_query_len=int(q_lens.max()), max_seq_len=int(q_lens.max()))
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        logits = model(torch.zeros(tokens, dtype=torch.int64, device=dev),
+                       torch.from_numpy(positions).to(dev), kv, meta,
+                       torch.from_numpy(cu_q[1:] - 1).to(dev))
+        if prefill:  # the sampler's temporaries on the largest logits a step can make
+            spec = SamplingSpec(temperature=1.0, top_k=50, top_p=0.9, seed=0)
+            self.sampler(logits, [spec] * seqs, [1] * seqs)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del logits, kv, meta
+        return peak
 
 def _memory_of(device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":

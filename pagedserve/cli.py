@@ -29,7 +29,9 @@ def _model_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _process_parser(sub, name: str, help: str, *adders) -> argparse.ArgumentParser:
-    p = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # "resolve": both processes' flags go into `serve`, and the step bounds belong to both
+    p = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       conflict_handler="resolve")
     p.add_argument("--config", help=CONFIG_HELP)
     _model_arg(p)
     for add_args in adders:

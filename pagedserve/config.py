@@ -105,3 +105,11 @@ def _convert(action: argparse.Action, raw: Any, where: str) -> Any:
         raise ConfigError(f"{where}: must be one of {', '.join(map(str, action.choices))}, "
                           f"got {value!r}")
     return value
+
+
+def add_step_args(p: argparse.ArgumentParser) -> None:
+    """Step bounds, shared by both processes: the scheduler plans steps within them, the
+    executor profiles its memory and captures its decode CUDA graphs for them."""
+    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step (prefill chunks + decodes)")

@@ -12,7 +12,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
@@ -27,6 +27,7 @@ from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from scheduler_svc.telemetry import Telemetry
 
 log = logging.getLogger("pagedserve.scheduler")
+INTEGRITY_CHECK_S = 10.0  # least time between two full block-accounting checks when idle
 
 
 @dataclass(slots=True)
@@ -100,6 +101,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv_watermark = kv_watermark
         self.capacity: pb.Capacity | None = None
+        self._peak_blocks_used = 0
+        self._checked_at = -INTEGRITY_CHECK_S  # last full block-accounting check when idle
         self.scheduler: Scheduler | None = None
         self.streams: dict[int, RequestStream] = {}
         self.timings: deque[StepTiming] = deque(maxlen=4096)
@@ -264,7 +267,7 @@ class Engine:
                               enable_caching=self.cfg.enable_prefix_caching)
         host_blocks = HostBlockPool(cap.num_swap_blocks)
         if self.scheduler is None:
-            self.scheduler = Scheduler(self.cfg, blocks, host_blocks)
+            self.scheduler = Scheduler(self._fit_step(cap), blocks, host_blocks)
         else:  # a new executor has none of the KV: everything running is recomputed
             self.scheduler.preempt_all(blocks, host_blocks)
             for stream in list(self.streams.values()):
@@ -282,6 +285,18 @@ class Engine:
         self._notify_readiness()
         self._wake.set()
 
+    def _fit_step(self, cap: pb.Capacity) -> SchedulerConfig:
+        """This scheduler's config with its step bounds lowered to what the executor's memory
+        profile covered (a larger step could run it out of memory)."""
+        cfg = self.cfg
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            limit, ours = getattr(cap, name), getattr(cfg, name)
+            if 0 < limit < ours:
+                log.warning("%s %d is more than the executor profiled its memory for; using %d",
+                            name, ours, limit)
+                cfg = replace(cfg, **{name: limit})
+        return cfg
+
     # ----------------------------------------------------------------- step loop
     async def _step_loop(self) -> None:
         while True:
@@ -292,7 +307,11 @@ class Engine:
             self._expire_deadlines()
             self._update_gauges(sched)
             if not sched.has_work():
-                sched.blocks.check_integrity()
+                # the full check is O(blocks): tens of ms on a GPU-sized pool, which a request
+                # arriving meanwhile would wait for; so at most every INTEGRITY_CHECK_S
+                if time.monotonic() - self._checked_at >= INTEGRITY_CHECK_S:
+                    sched.blocks.check_integrity()
+                    self._checked_at = time.monotonic()
                 if sched.blocks.num_free_blocks != sched.blocks.num_blocks:
                     raise AssertionError("idle engine holds KV blocks: leak")
                 self._wake.clear()
@@ -358,8 +377,17 @@ class Engine:
         m = self.metrics
         m.running.set(len(sched.running))
         m.waiting.set(len(sched.waiting))
-        m.kv_usage.set(sched.blocks.usage())
-        m.free_blocks.set(sched.blocks.num_free_blocks)
+        blocks = sched.blocks
+        m.kv_usage.set(blocks.usage())
+        m.free_blocks.set(blocks.num_free_blocks)
+        used = blocks.num_blocks - blocks.num_free_blocks
+        if used:
+            tokens = sum(r.num_computed_tokens for r in sched.running)
+            util = tokens / (used * blocks.block_size)
+            m.kv_token_util.set(util)
+            if used >= self._peak_blocks_used:
+                self._peak_blocks_used = used
+                m.kv_token_util_at_peak.set(util)
         seen = self._counters_seen
         swaps = sched.num_swap_preemptions
         m.swapped.set(sum(1 for r in sched.waiting if r.swapped_blocks))

@@ -63,6 +63,12 @@ class Metrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use")
         self.free_blocks = gauge("num_free_kv_blocks", "KV blocks on the free list")
         self.total_blocks = gauge("num_kv_blocks", "KV blocks the executor holds")
+        self.kv_token_util = gauge("kv_cache_token_utilization",
+                                   "Tokens in the running requests' KV / the capacity of the "
+                                   "blocks in use (what paging wastes is 1 minus this)")
+        self.kv_token_util_at_peak = gauge(
+            "kv_cache_token_utilization_at_peak",
+            "kv_cache_token_utilization when the most KV blocks were in use")
         self.preemptions = by(Counter, "num_preemptions", "Requests preempted, by mode", "mode",
                               PREEMPTION_MODES)
         self.priority_preemptions = counter(

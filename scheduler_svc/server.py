@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagedserve.config import add_step_args
 from pagedserve.models import read_generation_eos, resolve_model
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_svc.engine import Engine, LinkConfig
@@ -38,12 +39,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="ZeroMQ address the executor connects to (tcp:// or ipc://)")
     p.add_argument("--metrics-port", type=int, default=8000,
                    help="Prometheus /metrics HTTP port (0 disables)")
+    p.add_argument("--tokenizer", default="",
+                   help="directory of the tokenizer (empty: --model's); e.g. for a config-only "
+                        "directory served with --load-format random")
     p.add_argument("--served-model-name", default="",
                    help="model name in GetModelInfo and the metrics' model_name label "
                         "(empty: --model)")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step (prefill chunks + decodes)")
+    add_step_args(p)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV blocks of shared prompt prefixes")
     p.add_argument("--long-prefill-token-threshold", type=int, default=512,
@@ -74,7 +76,8 @@ async def serve(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     model_dir = resolve_model(args.model)
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(model_dir))
+    tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
     model_name = args.served_model_name or args.model
     metrics = Metrics(model_name)
     if args.metrics_port:

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One device call for issue 4 (and issue 5's overload run): GPU tests of the CUDA graphs and
+# the memory profile, then W1/W2 offline throughput on random-weight Llama-3.2-1B and
+# Llama-3.1-8B (bf16) beside HF transformers, then W3 serving on 8B.
+#   PAGEDSERVE_COMMIT=<sha> PARTS="tests w1 overload" bash benchmarks/gpu_session_speed.sh
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+PARTS=${PARTS:-tests w1}
+TOK=(--tokenizer benchmarks/models/smollm2-135m)
+M1=(--model benchmarks/models/llama3.2-1b --load-format random "${TOK[@]}")
+M8=(--model benchmarks/models/llama3.1-8b --load-format random "${TOK[@]}")
+touch "$OUT/.start"
+start=$(date +%s)
+stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
+save() { find benchmarks/results -name "*.jsonl" -newer "$OUT/.start" -exec cp {} "$OUT/" \; ; }
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+for part in $PARTS; do
+  stamp "$part"
+  case $part in
+    tests)
+      python3 -m pytest -q -rs tests/executor_svc/test_cuda_graphs.py \
+        tests/executor_svc/test_model_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
+    w1)
+      python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf generate:256 2>&1 \
+        | grep -v INFO | tail -3
+      python3 -m benchmarks.throughput --workload W1 "${M8[@]}" --hf generate:256 2>&1 \
+        | grep -v INFO | tail -3 ;;
+    w1eager)
+      python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf none \
+        --server-flag=--enforce-eager 2>&1 | grep -v INFO | tail -3 ;;
+    w1cb)
+      python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf cb 2>&1 \
+        | grep -v INFO | tail -3 ;;
+    w2)
+      for m in M1 M8; do
+        declare -n ref=$m
+        python3 -m benchmarks.throughput --workload W2 "${ref[@]}" --hf none 2>&1 \
+          | grep -v INFO | tail -3
+      done ;;
+    w3)
+      python3 -m benchmarks.serve "${M8[@]}" \
+        --workload W3 --num-requests 300 ${RATES:---rate 4 --rate 8 --rate 16 --rate inf} \
+        2>&1 | grep -v INFO | tail -8 ;;
+    overload)
+      python3 -m benchmarks.serve --model benchmarks/models/smollm2-135m --load-format random \
+        --workload overload-priority --num-requests 400 --rate 12 --overload 1.5 \
+        --high-priority-fraction 0.1 --server-flag=--max-waiting-requests \
+        --server-flag=64 2>&1 | grep -v INFO | tail -8 ;;
+  esac
+  save
+done
+stamp done

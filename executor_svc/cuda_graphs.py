@@ -1,0 +1,116 @@
+"""CUDA graphs for decode-only steps.
+
+A decode step of B requests launches the same few hundred kernels whatever the tokens are;
+eagerly, the host spends more time launching them than a small model spends running them. At
+start the executor captures the model's forward once per batch size in ``capture_sizes`` into
+static input buffers; a decode step of B requests then pads to the next captured size, copies
+its inputs into those buffers and replays the graph (one launch).
+
+Padding rows have slot -1 (their K/V is not written) and context length 0 (attention reads no
+key); their outputs are garbage nobody reads. The graphs were captured with max_seq_len =
+max_model_len, so the attention kernels' split decision covers any context the cache can hold,
+and a block-table width of max_model_len / block_size.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import numpy as np
+import torch
+
+from executor_svc.model import AttentionMetadata, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, then every multiple of 8 up to max_batch (vLLM's ladder): at most 7 padding
+    rows per step past 8."""
+    sizes = [s for s in (1, 2, 4) if s < max_batch]
+    sizes += range(8, max_batch + 1, 8)
+    if not sizes or sizes[-1] < max_batch:
+        sizes.append(max_batch)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 max_batch: int, max_model_len: int, block_size: int,
+                 device: torch.device) -> None:
+        self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        n = self.max_batch
+        i64, i32 = torch.int64, torch.int32
+        self.input_ids = torch.zeros(n, dtype=i64, device=device)
+        self.positions = torch.zeros(n, dtype=i64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=i64, device=device)
+        self.block_tables = torch.zeros((n, self.max_blocks), dtype=i32, device=device)
+        self.seq_lens = torch.zeros(n, dtype=i32, device=device)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=i32, device=device)
+        self.logits_indices = torch.arange(n, dtype=i64, device=device)
+        # one pinned staging row per step: ids, positions, slots, seq lens (int64)
+        self._stage = torch.zeros((4, n), dtype=i64, pin_memory=True)
+        self._stage_dev = torch.zeros((4, n), dtype=i64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._last_size = 0  # padding rows past the last step's batch are already reset
+
+    def _args(self, bs: int):
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
+            seq_lens=self.seq_lens[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
+            max_query_len=1, max_seq_len=self.max_model_len)
+        return (self.input_ids[:bs], self.positions[:bs], self.kv_caches, meta,
+                self.logits_indices[:bs])
+
+    def capture(self) -> None:
+        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
+        start = time.perf_counter()
+        before = torch.cuda.mem_get_info(self.device)[0]
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.sizes):
+                args = self._args(bs)
+                self.model(*args)  # compiles and autotunes this shape outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[bs] = self.model(*args)
+                pool = graph.pool()
+                self.graphs[bs] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        used = before - torch.cuda.mem_get_info(self.device)[0]
+        log.info("captured %d CUDA graphs (decode batch %d..%d) in %.1f s, %.0f MiB",
+                 len(self.sizes), self.sizes[0], self.max_batch, time.perf_counter() - start,
+                 used / (1 << 20))
+
+    def fits(self, batch: int, num_blocks: int) -> bool:
+        return batch <= self.max_batch and num_blocks <= self.max_blocks
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+            tables: np.ndarray, seq_lens: np.ndarray) -> torch.Tensor:
+        """Logits [B, vocab] float32 of a decode step of B = len(input_ids) requests."""
+        b = len(input_ids)
+        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        stage = self._stage.numpy()
+        stage[0, :b], stage[1, :b], stage[2, :b], stage[3, :b] = (input_ids, positions, slots,
+                                                                  seq_lens)
+        stage[2, b:bs], stage[3, b:bs] = -1, 0  # padding: write nothing, attend to nothing
+        self._stage_dev[:, :bs].copy_(self._stage[:, :bs], non_blocking=True)
+        self.input_ids[:bs].copy_(self._stage_dev[0, :bs])
+        self.positions[:bs].copy_(self._stage_dev[1, :bs])
+        self.slot_mapping[:bs].copy_(self._stage_dev[2, :bs])
+        self.seq_lens[:bs].copy_(self._stage_dev[3, :bs])
+        nb = tables.shape[1]
+        self.block_tables[:b, :nb].copy_(torch.from_numpy(tables), non_blocking=True)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b]

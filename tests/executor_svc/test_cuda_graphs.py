@@ -1,0 +1,120 @@
+"""Decode CUDA graphs and the start-up memory profile (CUDA parts skip without a GPU)."""
+
+import gc
+
+import pytest
+import torch
+
+from executor_svc.cuda_graphs import capture_sizes
+from executor_svc.worker import ExecutorConfig, Worker
+from protos.pagedserve.internal.v1 import executor_pb2 as pb
+from tests.executor_svc.test_model_gpu import save_random_llama
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+
+
+def test_max_model_len_past_the_cache_is_refused(tmp_path):
+    save_random_llama(tmp_path, "d64")
+    with pytest.raises(RuntimeError, match="max_model_len 100 does not fit in the KV cache: "
+                                           "4 blocks hold 64 tokens"):
+        Worker(ExecutorConfig(model=str(tmp_path), device="cpu", num_kv_blocks=4,
+                              max_model_len=100))
+    # the model's own limit (2048) is capped to what the cache holds, with a warning
+    assert Worker(ExecutorConfig(model=str(tmp_path), device="cpu",
+                                 num_kv_blocks=4)).max_model_len == 64
+
+
+def greedy_run(worker, prompts, steps, finish_at=None):
+    """Prefill all prompts, then decode; request 0 finishes after `finish_at` steps."""
+    plan = pb.StepPlan(step_id=1)
+    for i, p in enumerate(prompts):
+        plan.new_requests.add(req_id=i, token_ids=p, block_ids=list(range(i * 20, i * 20 + 20)))
+        plan.new_num_scheduled_tokens.append(len(p))
+    got, graphed = {i: [] for i in range(len(prompts))}, 0
+    for step in range(steps):
+        for rid, tok in zip(*worker.runner.execute(plan), strict=True):
+            got[rid].append(tok)
+        graphed += worker.runner.last_step_graphed
+        live = [r for r in got if not (r == 0 and finish_at is not None and step >= finish_at)]
+        plan = pb.StepPlan(step_id=step + 2, cached_req_ids=live,
+                           cached_num_scheduled_tokens=[1] * len(live),
+                           cached_num_new_blocks=[0] * len(live),
+                           finished_req_ids=[0] if finish_at == step else [])
+    return got, graphed
+
+
+@cuda
+def test_graph_replay_gives_hf_greedy_tokens(tmp_path):
+    hf = save_random_llama(tmp_path, "d128", init=0.1).cuda()
+    worker = Worker(ExecutorConfig(model=str(tmp_path), device="cuda", dtype="float32",
+                                   num_kv_blocks=64, max_num_seqs=8))
+    worker.warm_up()  # captures graphs for 1, 2, 4, 8
+    assert sorted(worker.graphs.graphs) == [1, 2, 4, 8]
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (40, 200, 9)]
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16,
+                              do_sample=False, pad_token_id=0, eos_token_id=None)
+        want.append(out[0, len(p):].tolist())
+    # 3 requests pad to the graph of 4; after request 0 finishes, 2 run the graph of 2
+    got, graphed = greedy_run(worker, prompts, 16, finish_at=5)
+    assert graphed == 15  # every step but the prefill
+    assert got[0] == want[0][:6]
+    assert [got[1], got[2]] == [want[1], want[2]]
+
+
+@cuda
+def test_graph_and_eager_agree_in_bf16(tmp_path):
+    save_random_llama(tmp_path, "d64", init=0.1)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (17, 64, 5, 33, 90)]
+    runs = []
+    for eager in (True, False):
+        worker = Worker(ExecutorConfig(model=str(tmp_path), device="cuda", num_kv_blocks=128,
+                                       max_num_seqs=16, enforce_eager=eager))
+        worker.warm_up()
+        runs.append(greedy_run(worker, prompts, 12))
+    assert runs[0][1] == 0 and runs[1][1] == 11
+    assert runs[0][0] == runs[1][0]
+
+
+@cuda
+def test_memory_profile_keeps_within_the_utilization(tmp_path):
+    save_random_llama(tmp_path, "d128")
+    gc.collect()
+    torch.cuda.empty_cache()
+    free0, total = torch.cuda.mem_get_info()
+    util = (total - free0) / total + 0.1  # 10 % of the card on top of what is in use now
+    worker = Worker(ExecutorConfig(model=str(tmp_path), device="cuda", max_num_seqs=64,
+                                   max_num_batched_tokens=4096, gpu_memory_utilization=util))
+    worker.warm_up()
+    cap = worker.capacity
+    assert (cap.max_num_batched_tokens, cap.max_num_seqs) == (4096, 64)
+    per_block = 16 * 2 * 4 * 2 * 128 * 2  # block x (k, v) x layers x kv heads x head dim x bf16
+    kv_bytes = cap.num_kv_blocks * per_block
+    assert kv_bytes > 0.8 * 0.1 * total  # the KV cache got most of the 10 %
+    # the largest steps the scheduler may plan: a 4096-token prefill over 64 sampled rows...
+    plan = pb.StepPlan(step_id=1)
+    for i in range(64):
+        plan.new_requests.add(req_id=i, token_ids=[7] * 64, block_ids=[4 * i + j for j in range(4)],
+                              sampling=pb.Sampling(temperature=1.0, top_k=50, top_p=0.9))
+        plan.new_num_scheduled_tokens.append(64)
+    worker.runner.execute(plan)
+    # ...and graphed decodes of all 64
+    worker.runner.execute(pb.StepPlan(step_id=2, cached_req_ids=list(range(64)),
+                                      cached_num_scheduled_tokens=[1] * 64,
+                                      cached_num_new_blocks=[0] * 64))
+    assert worker.runner.last_step_graphed
+    torch.cuda.synchronize()
+    used = total - torch.cuda.mem_get_info()[0]
+    assert used <= util * total + (64 << 20), f"{used / 2**30:.2f} GiB used, {util:.3f} allowed"
