@@ -22,9 +22,12 @@ for part in $PARTS; do
         tests/executor_svc/test_model_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
     w1)
       python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf generate:256 2>&1 \
-        | grep -v INFO | tail -3
+        | grep -v INFO | tail -4
       python3 -m benchmarks.throughput --workload W1 "${M8[@]}" --hf generate:256 2>&1 \
-        | grep -v INFO | tail -3 ;;
+        | grep -v INFO | tail -4 ;;
+    w1si8)
+      python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf none \
+        --server-flag=--stream-interval --server-flag=8 2>&1 | grep -v INFO | tail -4 ;;
     w1eager)
       python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf none \
         --server-flag=--enforce-eager 2>&1 | grep -v INFO | tail -3 ;;
@@ -35,15 +38,15 @@ for part in $PARTS; do
       for m in M1 M8; do
         declare -n ref=$m
         python3 -m benchmarks.throughput --workload W2 "${ref[@]}" --hf none 2>&1 \
-          | grep -v INFO | tail -3
+          | grep -v INFO | tail -4
       done ;;
     w3)
       python3 -m benchmarks.serve "${M8[@]}" \
-        --workload W3 --num-requests 300 ${RATES:---rate 4 --rate 8 --rate 16 --rate inf} \
+        --workload W3 --num-requests 200 ${RATES:---rate 4 --rate 8 --rate 12 --rate inf} \
         2>&1 | grep -v INFO | tail -8 ;;
     overload)
       python3 -m benchmarks.serve --model benchmarks/models/smollm2-135m --load-format random \
-        --workload overload-priority --num-requests 400 --rate 12 --overload 1.5 \
+        --workload overload-priority --num-requests 400 --rate 60 --overload 1.5 \
         --high-priority-fraction 0.1 --server-flag=--max-waiting-requests \
         --server-flag=64 2>&1 | grep -v INFO | tail -8 ;;
   esac

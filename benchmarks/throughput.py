@@ -21,10 +21,10 @@ sequences still running at once, max(bytes of weights + KV read / bandwidth, FLO
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +50,36 @@ def workload(name: str, requests: int, prompt: int, output: int,
     return prompts, outs.tolist()
 
 
+async def _send_all(address: str, prompts: list[list[int]],
+                    outputs: list[int]) -> tuple[list[tuple[float, float]], float]:
+    """All requests at once from one asyncio client (threads would contend for the GIL and
+    read tokens later than the server sends them); (TTFT, E2EL) each, and the wall time."""
+    import grpc
+
+    from protos.pagedserve.v1 import generate_pb2 as api
+    from protos.pagedserve.v1 import generate_pb2_grpc
+
+    async def one(stub, ids: list[int], n_out: int) -> tuple[float, float]:
+        req = api.GenerateRequest(token_ids=api.TokenIds(ids=ids),
+                                  sampling=api.SamplingParams(max_tokens=n_out, temperature=0.0,
+                                                              ignore_eos=True))
+        sent = time.perf_counter()
+        ttft, n = None, 0
+        async for chunk in stub.Generate(req, timeout=3600):
+            if ttft is None:
+                ttft = time.perf_counter() - sent
+            n += len(chunk.token_ids)
+        assert n == n_out, (n, n_out)
+        return ttft, time.perf_counter() - sent
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        start = time.perf_counter()
+        lat = await asyncio.gather(*(one(stub, p, o) for p, o in zip(prompts, outputs,
+                                                                        strict=True)))
+        return lat, time.perf_counter() - start
+
+
 def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str]) -> dict:
     from tests.integration.service import Service, scrape
 
@@ -60,37 +90,33 @@ def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str
         svc.client.complete(token_ids=prompts[0], max_tokens=4, temperature=0)  # warm-up
         before = scrape(svc.metrics_port, info.model)
 
-        def one(job):
-            ids, n_out = job
-            sent = time.perf_counter()
-            ttft, n = None, 0
-            for chunk in svc.client.generate(token_ids=ids, max_tokens=n_out, temperature=0,
-                                             ignore_eos=True, timeout=3600):
-                if ttft is None:
-                    ttft = time.perf_counter() - sent
-                n += len(chunk.token_ids)
-            assert n == n_out, (n, n_out)
-            return ttft, time.perf_counter() - sent
-
-        start = time.perf_counter()
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            lat = list(pool.map(one, zip(prompts, outputs, strict=True)))
-        wall = time.perf_counter() - start
+        lat, wall = asyncio.run(_send_all(svc.address, prompts, outputs))
         after = scrape(svc.metrics_port, info.model)
     finally:
         svc.stop()
     ttfts = sorted(t for t, _ in lat)
     tpots = sorted((e - t) / max(1, o - 1) for (t, e), o in zip(lat, outputs, strict=True))
 
+    def delta(key):
+        return after.get(f"pagedserve:{key}", 0) - before.get(f"pagedserve:{key}", 0)
+
     def steps(mode):
-        key = f'pagedserve:executor_steps_total{{mode="{mode}"}}'
-        return after.get(key, 0) - before.get(key, 0)
+        return delta(f'executor_steps_total{{mode="{mode}"}}')
+
+    def mean_ms(hist):
+        return 1e3 * delta(f"{hist}_sum") / max(1, delta(f"{hist}_count"))
 
     return {"output_tok_s": sum(outputs) / wall, "wall_s": wall,
             "ttft_p50_ms": 1e3 * statistics.median(ttfts),
             "ttft_p99_ms": 1e3 * ttfts[int(0.99 * (len(ttfts) - 1))],
             "tpot_p50_ms": 1e3 * statistics.median(tpots),
             "graph_steps": steps("cuda_graph"), "eager_steps": steps("eager"),
+            # where a step's time goes: wall / steps = plan + round trip + the rest (delivering
+            # tokens to streams, gRPC writes); round trip = executor time + the link
+            "step_ms": 1e3 * wall / max(1, steps("cuda_graph") + steps("eager")),
+            "plan_ms": mean_ms("scheduler_plan_seconds"),
+            "round_trip_ms": mean_ms("step_round_trip_seconds"),
+            "execute_ms": mean_ms("executor_step_seconds"),
             "kv_token_utilization_at_peak":
                 after.get("pagedserve:kv_cache_token_utilization_at_peak"),
             "num_kv_blocks": after.get("pagedserve:num_kv_blocks"),
@@ -263,6 +289,10 @@ def main() -> None:
         if on_gpu:
             r["roofline_fraction"] = r["output_tok_s"] / bound
     print(line, flush=True)
+    print("  per step: {step_ms:.1f} ms = plan {plan_ms:.2f} + round trip {round_trip_ms:.2f} "
+          "(executor {execute_ms:.2f}) + the rest; {graph_steps:.0f} graphed, {eager_steps:.0f} "
+          "eager steps; KV token utilization at peak {kv_token_utilization_at_peak}".format(**ours),
+          flush=True)
     print("wrote", write_records("throughput", records))
 
 

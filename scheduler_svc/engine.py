@@ -41,6 +41,12 @@ class Chunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
+    def then(self, later: Chunk) -> Chunk:
+        """This chunk followed by a later one, as one (the later one's finish and usage win)."""
+        return Chunk(self.text + later.text, self.token_ids + later.token_ids,
+                     later.finish_reason, later.stop_reason, later.prompt_tokens,
+                     later.completion_tokens)
+
 
 class EngineError(Exception):
     """A request failed inside the engine; `code` is a grpc.StatusCode name."""
@@ -65,6 +71,7 @@ class RequestStream:
     last_token_at: float = 0.0
     deadline: float = float("inf")
     priority_class: str = "0"  # the metrics' priority label
+    held: Chunk | None = None  # tokens not yet queued (stream_interval)
 
 
 @dataclass(slots=True)
@@ -89,13 +96,17 @@ class Engine:
                  eos_token_ids: list[int], kv_watermark: float = 0.01,
                  metrics: Metrics | None = None, link: LinkConfig | None = None,
                  telemetry: Telemetry | None = None,
-                 on_readiness: Callable[[bool], None] | None = None) -> None:
+                 on_readiness: Callable[[bool], None] | None = None,
+                 stream_interval: int = 1) -> None:
         self.metrics = metrics or Metrics()
         self.telemetry = telemetry or Telemetry(self.metrics, tokenizer)
         self.link = link or LinkConfig()
         self.on_readiness = on_readiness
         self.draining = False
         self.cfg = cfg
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval
         self.address = address
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -299,6 +310,12 @@ class Engine:
 
     # ----------------------------------------------------------------- step loop
     async def _step_loop(self) -> None:
+        # Tokens of step N are delivered (detokenized, stop strings matched, queued for their
+        # streams) after step N+1 is sent, while the executor runs it: the scheduler's
+        # per-token work hides behind the GPU. EOS, stop tokens and max_tokens are checked
+        # before N+1 is planned, so only a stop *string* costs one extra token of compute.
+        pending: list[tuple[RequestStream, int, str | None, str]] = []
+        arrived = 0.0
         while True:
             if not self._connected.is_set():
                 await self._connected.wait()
@@ -307,6 +324,7 @@ class Engine:
             self._expire_deadlines()
             self._update_gauges(sched)
             if not sched.has_work():
+                pending = self._deliver(pending, arrived)
                 # the full check is O(blocks): tens of ms on a GPU-sized pool, which a request
                 # arriving meanwhile would wait for; so at most every INTEGRITY_CHECK_S
                 if time.monotonic() - self._checked_at >= INTEGRITY_CHECK_S:
@@ -320,6 +338,7 @@ class Engine:
             t0 = time.perf_counter()
             out = sched.schedule()
             if out.is_empty:  # nothing fits right now; wait for a finish or abort
+                pending = self._deliver(pending, arrived)
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -333,6 +352,7 @@ class Engine:
                 self._results.get_nowait()
             self._in_flight_since = time.monotonic()
             await self.sock.send_multipart([self._executor_ident, data])
+            pending = self._deliver(pending, arrived)
             result = await self._results.get()
             while result is not None and result.step_id != step_id:
                 result = await self._results.get()  # a stale reply
@@ -346,14 +366,21 @@ class Engine:
             t2 = time.perf_counter()
             self.timings.append(StepTiming(len(out.new) + len(out.cached), out.num_batched_tokens,
                                            t1 - t0, t2 - t1, result.execute_seconds))
+            self.metrics.plan_time.observe(t1 - t0)
+            self.metrics.round_trip.observe(t2 - t1)
             if result.error:
                 self._fail_step(out, "INTERNAL", f"executor step failed: {result.error}")
                 continue
             updated = sched.update(list(result.req_ids), list(result.sampled_token_ids))
             self.telemetry.step(result, out.num_batched_tokens, len(updated))
-            now = time.monotonic()
+            arrived = time.monotonic()
             for req in updated:
-                self._on_token(self.streams[req.req_id], req.token_ids[-1], now)
+                stream = self.streams[req.req_id]
+                token = req.token_ids[-1]
+                finish, stop_reason = self._finish_reason(stream, token)
+                if finish:  # out of the next plan; the stream ends when the token is delivered
+                    sched.finish(req.req_id)
+                pending.append((stream, token, finish, stop_reason))
 
     def _fail_step(self, out: SchedulerOutput, code: str, message: str) -> None:
         for req, _ in out.scheduled():
@@ -422,26 +449,45 @@ class Engine:
         return pb.SchedulerMessage(plan=plan).SerializeToString()
 
     # ----------------------------------------------------------------- outputs
-    def _on_token(self, stream: RequestStream, token: int, now: float) -> None:
+    def _finish_reason(self, stream: RequestStream, token: int) -> tuple[str | None, str]:
+        """(finish reason, stop reason) from the token alone: stop tokens, EOS, max_tokens."""
         req, params = stream.req, stream.req.params
-        finish, stop_reason = None, ""
         if token in params.stop_token_ids or token in self.eos_token_ids and not params.ignore_eos:
-            finish, stop_reason = "stop", str(token)
-        elif req.num_output_tokens >= params.max_tokens:
-            finish = "length"
-        delta = stream.detok.push(token)
-        if finish:
-            delta += stream.detok.flush()
-        text, matched = stream.matcher.feed(delta, final=finish is not None)
-        if matched is not None:
-            finish, stop_reason = "stop", matched
-        chunk = Chunk(text, [token])
-        self.telemetry.token(stream, now)
-        if finish:
-            chunk.finish_reason, chunk.stop_reason = finish, stop_reason
-            chunk.prompt_tokens, chunk.completion_tokens = req.prompt_len, req.num_output_tokens
-            self._end(stream, finish, now)
-        stream.queue.put_nowait(chunk)
+            return "stop", str(token)
+        if req.num_output_tokens >= params.max_tokens:
+            return "length", ""
+        return None, ""
+
+    def _deliver(self, pending: list[tuple[RequestStream, int, str | None, str]],
+                 now: float) -> list:
+        """Detokenize each sampled token, match stop strings and queue the chunk for its
+        stream; a stream that ended meanwhile (aborted, failed) gets nothing. Returns []."""
+        for stream, token, finish, stop_reason in pending:
+            if stream.finished:
+                continue
+            delta = stream.detok.push(token)
+            if finish:
+                delta += stream.detok.flush()
+            text, matched = stream.matcher.feed(delta, final=finish is not None)
+            if matched is not None:
+                finish, stop_reason = "stop", matched
+            chunk = Chunk(text, [token])
+            self.telemetry.token(stream, now)
+            req = stream.req
+            if finish:
+                chunk.finish_reason, chunk.stop_reason = finish, stop_reason
+                chunk.prompt_tokens, chunk.completion_tokens = req.prompt_len, req.num_output_tokens
+            if stream.held is not None:
+                chunk = stream.held.then(chunk)
+                stream.held = None
+            n = req.num_output_tokens
+            if not finish and n > 1 and n % self.stream_interval:
+                stream.held = chunk  # the first token goes out at once, then every interval
+                continue
+            if finish:
+                self._end(stream, finish, now)
+            stream.queue.put_nowait(chunk)
+        return []
 
     def _fail(self, stream: RequestStream, code: str, message: str) -> None:
         self._end(stream, code.lower(), time.monotonic())

@@ -98,6 +98,12 @@ class Metrics:
                                 (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
         self.step_time = hist("executor_step_seconds", "Executor time per step (its report)",
                               (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10))
+        self.plan_time = hist("scheduler_plan_seconds", "Scheduler time to plan a step",
+                              (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1))
+        self.round_trip = hist("step_round_trip_seconds",
+                               "Plan sent to result received, per step (the executor's time "
+                               "plus the link)",
+                               (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10))
         self.steps = by(Counter, "executor_steps", "Executor steps, by how the forward ran",
                         "mode", EXECUTION_MODES)
         self.device_memory_used = gauge(

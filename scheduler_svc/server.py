@@ -46,6 +46,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="model name in GetModelInfo and the metrics' model_name label "
                         "(empty: --model)")
     add_step_args(p)
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per streamed message after the first (1: every token at once; "
+                        "larger: fewer gRPC messages, less host work per token, for "
+                        "throughput-bound batch clients)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV blocks of shared prompt prefixes")
     p.add_argument("--long-prefill-token-threshold", type=int, default=512,
@@ -97,7 +101,7 @@ async def serve(args: argparse.Namespace) -> None:
                     read_generation_eos(model_dir), metrics=metrics,
                     link=LinkConfig(args.executor_timeout_s, args.executor_heartbeat_timeout_s),
                     telemetry=Telemetry(metrics, tokenizer, args.log_prompts),
-                    on_readiness=on_readiness)
+                    on_readiness=on_readiness, stream_interval=args.stream_interval)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])
     generate_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(engine, InputProcessor(tokenizer), model_name), server)

@@ -44,7 +44,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 item = await stream.queue.get()
                 if isinstance(item, EngineError):
                     raise item
+                # Chunks that queued while the last write was on its way go out as one message:
+                # a slow client or a busy server sends fewer, larger messages, not a backlog.
+                error = None
+                while not item.finish_reason and not stream.queue.empty():
+                    nxt = stream.queue.get_nowait()
+                    if isinstance(nxt, EngineError):
+                        error = nxt
+                        break
+                    item = item.then(nxt)
                 yield _response(rid, item)
+                if error is not None:
+                    raise error
                 if item.finish_reason:
                     return
         finally:  # client cancelled, or the stream ended: free the request's blocks now

@@ -106,7 +106,7 @@ def test_memory_profile_keeps_within_the_utilization(tmp_path):
     # the largest steps the scheduler may plan: a 4096-token prefill over 64 sampled rows...
     plan = pb.StepPlan(step_id=1)
     for i in range(64):
-        plan.new_requests.add(req_id=i, token_ids=[7] * 64, block_ids=[4 * i + j for j in range(4)],
+        plan.new_requests.add(req_id=i, token_ids=[7] * 64, block_ids=[5 * i + j for j in range(5)],
                               sampling=pb.Sampling(temperature=1.0, top_k=50, top_p=0.9))
         plan.new_num_scheduled_tokens.append(64)
     worker.runner.execute(plan)
