@@ -25,6 +25,18 @@ for part in $PARTS; do
         | grep -v INFO | tail -4
       python3 -m benchmarks.throughput --workload W1 "${M8[@]}" --hf generate:256 2>&1 \
         | grep -v INFO | tail -4 ;;
+    cpu)
+      nproc; cat /sys/fs/cgroup/cpu.max 2>/dev/null
+      python3 -c "import os; print('affinity', len(os.sched_getaffinity(0)))" ;;
+    big)  # throughput settings: 8 tokens per streamed message, 8192-token steps
+      for m in M8 M1; do
+        declare -n ref=$m
+        for w in W1 W2; do
+          python3 -m benchmarks.throughput --workload $w "${ref[@]}" --hf none \
+            --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8 \
+            2>&1 | grep -v INFO | tail -4
+        done
+      done ;;
     w1si8)
       python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf none \
         --server-flag=--stream-interval --server-flag=8 2>&1 | grep -v INFO | tail -4 ;;

@@ -24,6 +24,9 @@ from protos.pagedserve.internal.v1 import executor_pb2 as pb
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
+# CUDA: what the profile cannot see: cuBLAS workspaces of the capture stream, the graphs'
+# own allocations, pinned staging buffers (measured on the H200: ~100 MiB beyond the profile)
+MARGIN = 512 << 20
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -140,6 +143,10 @@ class Worker:
         if self.graphs is not None:
             self.graphs.capture()
             self.runner.graphs = self.graphs
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            log.info("GPU memory in use after start: %.2f of %.2f GiB", (total - free) / GiB,
+                     total / GiB)
 
     def memory(self) -> tuple[int, int]:
         """(used, total) device memory in bytes; on CUDA at most one query per second."""
@@ -159,12 +166,12 @@ class Worker:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free  # CUDA context, weights, anything else on the card
-        budget = int(total * cfg.gpu_memory_utilization) - used - peak - graph_peak
+        budget = int(total * cfg.gpu_memory_utilization) - used - peak - graph_peak - MARGIN
         log.info("memory profile: %.2f GiB in use after loading, step peak %.2f GiB "
-                 "(%d tokens), decode-graph peak %.2f GiB; %.2f GiB of %.2f x %.0f GiB left "
-                 "for the KV cache", used / GiB, peak / GiB, cfg.max_num_batched_tokens,
-                 graph_peak / GiB, max(0, budget) / GiB, cfg.gpu_memory_utilization,
-                 total / GiB)
+                 "(%d tokens), decode-graph peak %.2f GiB, margin %.2f GiB; %.2f GiB of "
+                 "%.2f x %.0f GiB left for the KV cache", used / GiB, peak / GiB,
+                 cfg.max_num_batched_tokens, graph_peak / GiB, MARGIN / GiB,
+                 max(0, budget) / GiB, cfg.gpu_memory_utilization, total / GiB)
         if budget < per_block:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache: {used / GiB:.2f} GiB in use after "
@@ -205,7 +212,7 @@ class Worker:
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
+        base = torch.cuda.memory_reserved(dev)
         logits = model(torch.zeros(tokens, dtype=torch.int64, device=dev),
                        torch.from_numpy(positions).to(dev), kv, meta,
                        torch.from_numpy(cu_q[1:] - 1).to(dev))
@@ -213,7 +220,8 @@ class Worker:
             spec = SamplingSpec(temperature=1.0, top_k=50, top_p=0.9, seed=0)
             self.sampler(logits, [spec] * seqs, [1] * seqs)
         torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - base
+        # reserved, not allocated: the caching allocator's segments and rounding count too
+        peak = torch.cuda.max_memory_reserved(dev) - base
         del logits, kv, meta
         return peak
 
