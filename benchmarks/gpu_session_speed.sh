@@ -37,6 +37,13 @@ for part in $PARTS; do
             2>&1 | grep -v INFO | tail -4
         done
       done ;;
+    w1big)  # W1 only, throughput settings as in "big"
+      for m in M8 M1; do
+        declare -n ref=$m
+        python3 -m benchmarks.throughput --workload W1 "${ref[@]}" --hf none \
+          --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8 \
+          2>&1 | grep -v INFO | tail -4
+      done ;;
     w1si8)
       python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf none \
         --server-flag=--stream-interval --server-flag=8 2>&1 | grep -v INFO | tail -4 ;;
@@ -54,7 +61,7 @@ for part in $PARTS; do
       done ;;
     w3)
       python3 -m benchmarks.serve "${M8[@]}" \
-        --workload W3 --num-requests 200 ${RATES:---rate 4 --rate 8 --rate 12 --rate inf} \
+        --workload W3 --num-requests 200 ${RATES:---rate 8 --rate 16 --rate 24 --rate 32 --rate inf} \
         2>&1 | grep -v INFO | tail -8 ;;
     overload)
       python3 -m benchmarks.serve --model benchmarks/models/smollm2-135m --load-format random \

@@ -74,7 +74,10 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# Ints that change from step to step are not specialised on (Triton would compile a variant
+# for each of value == 1 / divisible by 16 / other: measured on the H200, such compiles in the
+# first steps of a fresh server cost seconds).
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_q_len"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -154,7 +157,7 @@ def _paged_attn_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, cu_q_ptr, num_heads, num_splits,
     stride_ot, stride_oh,

@@ -90,7 +90,7 @@ def _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
     return (qf - zb[None, :]) * s[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # rows change every step (see paged_attention.py)
 def _w4a16_decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, group_size, k_per_split, stride_xm, stride_om,
@@ -146,7 +146,7 @@ def _store_out(acc, bias_ptr, out_ptr, offs_m, offs_n, n_ok, mn_ok, stride_om,
              acc.to(out_ptr.dtype.element_ty), mask=mn_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLIT, stride_om,
                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     m = tl.program_id(0)
@@ -160,7 +160,7 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLIT, stride_om,
     tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _w4a16_prefill_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, K, group_size, stride_xm, stride_om,
