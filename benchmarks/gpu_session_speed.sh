@@ -12,7 +12,8 @@ M8=(--model benchmarks/models/llama3.1-8b --load-format random "${TOK[@]}")
 touch "$OUT/.start"
 start=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
-save() { find benchmarks/results -name "*.jsonl" -newer "$OUT/.start" -exec cp {} "$OUT/" \; ; }
+save() { find benchmarks/results -name "*.jsonl" -newer "$OUT/.start" -exec cp {} "$OUT/" \; ;
+  [ -d benchmarks/results/dumps ] && cp -r benchmarks/results/dumps "$OUT/"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 for part in $PARTS; do
   stamp "$part"
@@ -61,7 +62,7 @@ for part in $PARTS; do
       done ;;
     w3)
       python3 -m benchmarks.serve "${M8[@]}" \
-        --workload W3 --num-requests 200 ${RATES:---rate 8 --rate 16 --rate 24 --rate 32 --rate inf} \
+        --workload W3 --num-requests 200 --dump benchmarks/results/dumps/w3_8b_$(date +%H%M) ${RATES:---rate 8 --rate 16 --rate 24 --rate 32 --rate inf} \
         2>&1 | grep -v INFO | tail -8 ;;
     overload)
       python3 -m benchmarks.serve --model benchmarks/models/smollm2-135m --load-format random \
