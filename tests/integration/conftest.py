@@ -72,6 +72,12 @@ def service(tmp_path_factory, model_dir):
 
 
 @pytest.fixture(scope="session")
+def interval_service(tmp_path_factory, model_dir):
+    """Streams one message per 4 tokens after the first (--stream-interval 4)."""
+    yield from _serving(tmp_path_factory, "interval", "--stream-interval", "4")
+
+
+@pytest.fixture(scope="session")
 def tight_service(tmp_path_factory, model_dir):
     """So few KV blocks (10 x 16 tokens) that the long prompt, 126 tokens with its answer, needs
     8 of them: with the 8 prompts sent together, requests must be preempted."""

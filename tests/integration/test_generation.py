@@ -89,6 +89,22 @@ def test_stop_string_and_stop_token(service, hf_greedy, tokenizer):
     assert ids == hf_greedy[4][:3] and last.stop_reason == str(stop_id)
 
 
+def test_stream_interval_sends_fewer_messages_with_the_same_tokens(interval_service, hf_greedy,
+                                                                   tokenizer):
+    check_against_hf(run_all(interval_service, concurrently=True), hf_greedy, tokenizer)
+    msgs = list(interval_service.client.generate(chat=[("user", PROMPTS[4][1])], temperature=0,
+                                                 max_tokens=10, ignore_eos=True))
+    sizes = [len(m.token_ids) for m in msgs]
+    # the first token at once, then tokens 2-4, 5-8 and 9-10 (the finish flushes); messages a
+    # slow reader left queued are merged, never split
+    assert sizes[0] == 1 and sizes[1:] in ([3, 4, 2], [7, 2], [3, 6], [9])
+    ids = [t for m in msgs for t in m.token_ids]
+    assert "".join(m.text for m in msgs) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert msgs[-1].finish_reason == api.FINISH_REASON_LENGTH
+    assert [m.finish_reason for m in msgs[:-1]] == [api.FINISH_REASON_UNSPECIFIED] * (
+        len(msgs) - 1)
+
+
 def test_ignore_eos_runs_to_max_tokens(service):
     _, ids, last = service.client.complete(chat=[("user", PROMPTS[4][1])], temperature=0,
                                            max_tokens=30, ignore_eos=True)
