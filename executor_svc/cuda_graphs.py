@@ -97,8 +97,10 @@ class DecodeGraphs:
         return batch <= self.max_batch and num_blocks <= self.max_blocks
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-            tables: np.ndarray, seq_lens: np.ndarray) -> torch.Tensor:
-        """Logits [B, vocab] float32 of a decode step of B = len(input_ids) requests."""
+            tables: np.ndarray, seq_lens: np.ndarray,
+            patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits [B, vocab] float32 of a decode step of B = len(input_ids) requests;
+        patch = (rows, ids on the device) overrides those rows' input ids."""
         b = len(input_ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
         stage = self._stage.numpy()
@@ -107,6 +109,8 @@ class DecodeGraphs:
         stage[2, b:bs], stage[3, b:bs] = -1, 0  # padding: write nothing, attend to nothing
         self._stage_dev[:, :bs].copy_(self._stage[:, :bs], non_blocking=True)
         self.input_ids[:bs].copy_(self._stage_dev[0, :bs])
+        if patch is not None:
+            self.input_ids[patch[0]] = patch[1]
         self.positions[:bs].copy_(self._stage_dev[1, :bs])
         self.slot_mapping[:bs].copy_(self._stage_dev[2, :bs])
         self.seq_lens[:bs].copy_(self._stage_dev[3, :bs])

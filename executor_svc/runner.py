@@ -15,6 +15,19 @@ from executor_svc.sampler import Sampler, SamplingSpec
 from executor_svc.swap import SwapSpace
 from protos.pagedserve.internal.v1 import executor_pb2 as pb
 
+PENDING = -1  # token_ids entry of a token sampled on the device and not yet read back
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step whose forward pass and sampling are queued on the device, tokens unread."""
+
+    req_ids: list[int]
+    states: list[RequestState]
+    indices: list[int]  # where each state's token goes in its token_ids
+    tokens: torch.Tensor  # [S] int64 on the device
+    graphed: bool
+
 
 @dataclass(slots=True)
 class RequestState:
@@ -22,6 +35,8 @@ class RequestState:
     row: int  # its row in the runner's BlockTableArray (the block table, mirrored from plans)
     num_computed: int  # tokens whose KV is in the cache
     sampling: SamplingSpec
+    # the launched step whose token is this request's last (PENDING) entry, and its row there
+    pending: tuple[Launched, int] | None = None
 
 
 def sampling_spec(s: pb.Sampling) -> SamplingSpec:
@@ -52,6 +67,22 @@ class ModelRunner:
 
     def execute(self, plan: pb.StepPlan) -> tuple[list[int], list[int]]:
         """Run one step; return (req_ids, sampled token ids) of requests that sampled."""
+        launched = self.launch(plan)
+        return self.finish(launched) if launched is not None else ([], [])
+
+    def finish(self, launched: Launched) -> tuple[list[int], list[int]]:
+        """Wait for a launched step's tokens and put them in place of its PENDING entries."""
+        tokens = launched.tokens.tolist()
+        for st, i, tok in zip(launched.states, launched.indices, tokens, strict=True):
+            st.token_ids[i] = tok
+            if st.pending is not None and st.pending[0] is launched:
+                st.pending = None  # else a later launch's token is the pending one now
+        return launched.req_ids, tokens
+
+    def launch(self, plan: pb.StepPlan) -> Launched | None:
+        """Apply a plan and queue its forward pass and sampling on the device; None if nothing
+        samples. A decode row whose input is the token of a step launched but not finished
+        reads it on the device, so step N+1 can be launched before N's tokens are read."""
         for rid in (*plan.finished_req_ids, *plan.preempted_req_ids):
             if (st := self.requests.pop(rid, None)) is not None:
                 self.tables.remove(st.row)
@@ -74,10 +105,10 @@ class ModelRunner:
             offset += nb
             batch.append((rid, n))
         if not batch:
-            return [], []
+            return None
         return self._run(batch)
 
-    def _run(self, batch: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    def _run(self, batch: list[tuple[int, int]]) -> Launched | None:
         bs, dev = self.block_size, self.device
         states = [self.requests[rid] for rid, _ in batch]
         b = len(batch)
@@ -103,6 +134,21 @@ class ModelRunner:
             input_ids = list(chain.from_iterable(
                 st.token_ids[s:e] for st, s, e in zip(states, starts.tolist(), ends.tolist(),
                                                       strict=True)))
+        # rows whose token is still on the device (the previous launch's sample): (row, source)
+        # (a request with a PENDING token computed everything before it: it is the last input)
+        fixes = [(i, st.pending) for i, st in zip((cu_q[1:] - 1).tolist(), states, strict=True)
+                 if st.pending is not None]
+        patch = None
+        if fixes:
+            by_launch: dict[int, tuple[Launched, list[int], list[int]]] = {}
+            for i, (src, row) in fixes:  # one launch in practice (the step before this one)
+                by_launch.setdefault(id(src), (src, [], []))
+                by_launch[id(src)][1].append(i)
+                by_launch[id(src)][2].append(row)
+            patch = (torch.tensor([i for _, pos, _ in by_launch.values() for i in pos], device=dev),
+                     torch.cat([src.tokens[torch.tensor(rows, device=dev)]
+                                for src, _, rows in by_launch.values()]))
+            input_ids = [0 if t == PENDING else t for t in input_ids]
         table = self.tables.array
         slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         sample = ends == known  # prompt (or chunk) complete: its last row's logits are needed
@@ -112,7 +158,7 @@ class ModelRunner:
                                   and graphs.fits(b, max_blocks))
         if self.last_step_graphed:
             logits = graphs.run(np.asarray(input_ids, np.int64), positions, slots,
-                                table[rows, :max_blocks], ends)
+                                table[rows, :max_blocks], ends, patch)
             if not sample.all():  # a one-token prefill chunk shares the step: no logits wanted
                 logits = logits[torch.from_numpy(np.flatnonzero(sample)).to(dev)]
         else:
@@ -124,8 +170,11 @@ class ModelRunner:
                 max_query_len=int(ns.max()),
                 max_seq_len=int(ends.max()),
             )
+            ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+            if patch is not None:
+                ids[patch[0]] = patch[1]
             logits = self.model(
-                torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                ids,
                 torch.from_numpy(positions).to(dev),
                 self.kv_caches, meta,
                 torch.from_numpy(cu_q[1:][sample] - 1).to(dev),
@@ -135,9 +184,13 @@ class ModelRunner:
         samplers = [(rid, st) for (rid, _), st, s in zip(batch, states, sample.tolist(),
                                                         strict=True) if s]
         if not samplers:
-            return [], []
-        tokens = self.sampler(logits, [st.sampling for _, st in samplers],
-                              [len(st.token_ids) for _, st in samplers])
-        for (_, st), tok in zip(samplers, tokens, strict=True):
-            st.token_ids.append(tok)
-        return [rid for rid, _ in samplers], tokens
+            return None
+        tokens = self.sampler.sample(logits, [st.sampling for _, st in samplers],
+                                     [len(st.token_ids) for _, st in samplers])
+        launched = Launched([rid for rid, _ in samplers], [st for _, st in samplers],
+                            [len(st.token_ids) for _, st in samplers], tokens,
+                            self.last_step_graphed)
+        for row, (_, st) in enumerate(samplers):
+            st.token_ids.append(PENDING)
+            st.pending = (launched, row)
+        return launched

@@ -39,12 +39,17 @@ class Sampler:
         specs: list[SamplingSpec],
         positions: list[int],  # position each sampled token will occupy
     ) -> list[int]:
+        return self.sample(logits, specs, positions).tolist()
+
+    def sample(self, logits: torch.Tensor, specs: list[SamplingSpec],
+               positions: list[int]) -> torch.Tensor:
+        """The sampled ids [S] int64 on the logits' device, without waiting for them."""
         out = logits.argmax(dim=-1)
         rows = [i for i, s in enumerate(specs) if not s.greedy]
         if rows:
             out[rows] = self._sample(logits[rows], [specs[i] for i in rows],
                                      [positions[i] for i in rows])
-        return out.tolist()
+        return out
 
     def _sample(
         self, logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int]

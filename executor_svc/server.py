@@ -11,6 +11,7 @@ import uuid
 
 import zmq
 
+from executor_svc.runner import Launched
 from executor_svc.worker import ExecutorConfig, Worker
 from pagedserve.config import add_step_args
 from protos.pagedserve.internal.v1 import executor_pb2 as pb
@@ -35,34 +36,68 @@ class ExecutorServer:
 
     def serve_forever(self) -> None:
         welcomed = False
+        # A launched step whose tokens are not read yet: its result goes out once the next plan
+        # (if one is already waiting: async scheduling) has been launched behind it, so the
+        # device never waits for this process to build the next step's inputs.
+        launched: tuple[int, Launched, float] | None = None
         self._hello(heartbeat=False)
         while not self.stopping:
-            if not self.sock.poll(int(HELLO_INTERVAL_S * 1000)):
-                self._hello(heartbeat=welcomed)
+            if not self.sock.poll(0 if launched else int(HELLO_INTERVAL_S * 1000)):
+                if launched is not None:
+                    self._send(self._finish(*launched))
+                    launched = None
+                else:
+                    self._hello(heartbeat=welcomed)
                 continue
             msg = pb.SchedulerMessage.FromString(self.sock.recv())
             kind = msg.WhichOneof("kind")
             if kind == "welcome":
+                launched = None  # a new scheduler session: whatever ran is forgotten
                 self.worker.runner.reset()
                 welcomed = True
                 log.info("joined scheduler")
             elif kind == "plan":
-                self.sock.send(pb.ExecutorMessage(result=self._step(msg.plan)).SerializeToString())
+                plan, start = msg.plan, time.perf_counter()
+                try:
+                    nxt = self.worker.runner.launch(plan)
+                except Exception as e:  # report, keep serving: the scheduler aborts the step
+                    if launched is not None:
+                        self._send(self._finish(*launched))
+                        launched = None
+                    self._send(self._failed(plan.step_id, e))
+                    continue
+                if launched is not None:
+                    self._send(self._finish(*launched))
+                launched = None
+                if nxt is None:  # nothing samples (prefill chunks only): answer at once
+                    self._send(self._result(plan.step_id, [], [], start, graphed=False))
+                else:
+                    launched = (plan.step_id, nxt, start)
         self.sock.close()
 
-    def _step(self, plan: pb.StepPlan) -> pb.StepResult:
-        start = time.perf_counter()
+    def _send(self, result: pb.StepResult) -> None:
+        self.sock.send(pb.ExecutorMessage(result=result).SerializeToString())
+
+    def _finish(self, step_id: int, launched: Launched, start: float) -> pb.StepResult:
         try:
-            req_ids, tokens = self.worker.runner.execute(plan)
-        except Exception as e:  # report, keep serving: the scheduler aborts this step's requests
-            log.error("step %d failed:\n%s", plan.step_id, traceback.format_exc())
-            return pb.StepResult(step_id=plan.step_id, error=f"{type(e).__name__}: {e}")
+            req_ids, tokens = self.worker.runner.finish(launched)
+        except Exception as e:
+            return self._failed(step_id, e)
+        return self._result(step_id, req_ids, tokens, start, launched.graphed)
+
+    @staticmethod
+    def _failed(step_id: int, e: Exception) -> pb.StepResult:
+        log.error("step %d failed:\n%s", step_id, traceback.format_exc())
+        return pb.StepResult(step_id=step_id, error=f"{type(e).__name__}: {e}")
+
+    def _result(self, step_id: int, req_ids: list[int], tokens: list[int], start: float,
+                graphed: bool) -> pb.StepResult:
         used, total = self.worker.memory()
-        return pb.StepResult(step_id=plan.step_id, req_ids=req_ids, sampled_token_ids=tokens,
+        return pb.StepResult(step_id=step_id, req_ids=req_ids, sampled_token_ids=tokens,
                              execute_seconds=time.perf_counter() - start,
                              device_memory_used_bytes=used, device_memory_total_bytes=total,
-                             execution_mode=pb.EXECUTION_MODE_CUDA_GRAPH
-                             if self.worker.runner.last_step_graphed else pb.EXECUTION_MODE_EAGER)
+                             execution_mode=pb.EXECUTION_MODE_CUDA_GRAPH if graphed
+                             else pb.EXECUTION_MODE_EAGER)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -83,6 +83,17 @@ class StepTiming:
     execute_s: float  # executor-reported
 
 
+@dataclass(slots=True)
+class InFlight:
+    """A step sent to the executor whose result has not arrived."""
+
+    step_id: int
+    out: SchedulerOutput
+    generation: int  # the executor it went to
+    t0: float  # planning started
+    t1: float  # planned (perf_counter)
+
+
 @dataclass(frozen=True, slots=True)
 class LinkConfig:
     """When the executor counts as lost (then readiness is NOT_SERVING until a new one joins)."""
@@ -97,7 +108,7 @@ class Engine:
                  metrics: Metrics | None = None, link: LinkConfig | None = None,
                  telemetry: Telemetry | None = None,
                  on_readiness: Callable[[bool], None] | None = None,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, async_scheduling: bool = False) -> None:
         self.metrics = metrics or Metrics()
         self.telemetry = telemetry or Telemetry(self.metrics, tokenizer)
         self.link = link or LinkConfig()
@@ -107,6 +118,7 @@ class Engine:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.stream_interval = stream_interval
+        self.async_scheduling = async_scheduling
         self.address = address
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -314,8 +326,12 @@ class Engine:
         # streams) after step N+1 is sent, while the executor runs it: the scheduler's
         # per-token work hides behind the GPU. EOS, stop tokens and max_tokens are checked
         # before N+1 is planned, so only a stop *string* costs one extra token of compute.
+        # With async scheduling, step N+1 is also planned and sent before N's result arrives
+        # (requests sampling in N get placeholder tokens; see Scheduler.schedule(ahead=True)).
         pending: list[tuple[RequestStream, int, str | None, str]] = []
         arrived = 0.0
+        inflight: deque[InFlight] = deque()
+        depth = 2 if self.async_scheduling else 1
         while True:
             if not self._connected.is_set():
                 await self._connected.wait()
@@ -323,60 +339,74 @@ class Engine:
             assert sched is not None
             self._expire_deadlines()
             self._update_gauges(sched)
-            if not sched.has_work():
-                pending = self._deliver(pending, arrived)
-                # the full check is O(blocks): tens of ms on a GPU-sized pool, which a request
-                # arriving meanwhile would wait for; so at most every INTEGRITY_CHECK_S
-                if time.monotonic() - self._checked_at >= INTEGRITY_CHECK_S:
-                    sched.blocks.check_integrity()
-                    self._checked_at = time.monotonic()
-                if sched.blocks.num_free_blocks != sched.blocks.num_blocks:
-                    raise AssertionError("idle engine holds KV blocks: leak")
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            t0 = time.perf_counter()
-            out = sched.schedule()
-            if out.is_empty:  # nothing fits right now; wait for a finish or abort
-                pending = self._deliver(pending, arrived)
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            step_id = self._current_step = next(self._step_ids)
-            data = self._encode(step_id, out)
-            generation = self._generation
-            t1 = time.perf_counter()
-            for req, _ in out.new:
-                self.telemetry.scheduled(self.streams[req.req_id], time.monotonic())
-            while not self._results.empty():  # a wake-up left by a lost executor
-                self._results.get_nowait()
-            self._in_flight_since = time.monotonic()
-            await self.sock.send_multipart([self._executor_ident, data])
+            if len(inflight) < depth and sched.has_work():
+                t0 = time.perf_counter()
+                out = sched.schedule(ahead=bool(inflight))
+                if not out.is_empty:
+                    step_id = next(self._step_ids)
+                    data = self._encode(step_id, out)
+                    if self.async_scheduling:  # after encoding: new requests' ids go as they are
+                        sched.expect_tokens(out)
+                    t1 = time.perf_counter()
+                    for req, _ in out.new:
+                        self.telemetry.scheduled(self.streams[req.req_id], time.monotonic())
+                    if not inflight:
+                        while not self._results.empty():  # a wake-up left by a lost executor
+                            self._results.get_nowait()
+                        self._current_step, self._in_flight_since = step_id, time.monotonic()
+                    inflight.append(InFlight(step_id, out, self._generation, t0, t1))
+                    await self.sock.send_multipart([self._executor_ident, data])
+                    self.metrics.plan_time.observe(t1 - t0)
+                    continue  # deliver, or plan one more ahead, then wait
             pending = self._deliver(pending, arrived)
-            result = await self._results.get()
-            while result is not None and result.step_id != step_id:
-                result = await self._results.get()  # a stale reply
-            self._in_flight_since = 0.0
-            if self._timed_out_step == step_id:
-                self._fail_step(out, "UNAVAILABLE", f"the executor did not answer step {step_id} "
-                                f"within {self.link.step_timeout_s:g} s")
+            if not inflight:
+                if not sched.has_work():
+                    # the full check is O(blocks): tens of ms on a GPU-sized pool, which a
+                    # request arriving meanwhile would wait for; so at most every
+                    # INTEGRITY_CHECK_S
+                    if time.monotonic() - self._checked_at >= INTEGRITY_CHECK_S:
+                        sched.blocks.check_integrity()
+                        self._checked_at = time.monotonic()
+                    if sched.blocks.num_free_blocks != sched.blocks.num_blocks:
+                        raise AssertionError("idle engine holds KV blocks: leak")
+                # idle, or nothing fits right now: wait for a request, a finish or an abort
+                self._wake.clear()
+                await self._wake.wait()
                 continue
-            if generation != self._generation or result is None:
-                continue  # the executor was replaced mid-step; its requests were preempted
+            step = inflight[0]
+            result = await self._results.get()
+            while result is not None and result.step_id < step.step_id:
+                result = await self._results.get()  # a stale reply
+            inflight.popleft()
+            if inflight:  # the executor starts on the next one now
+                self._current_step, self._in_flight_since = inflight[0].step_id, time.monotonic()
+            else:
+                self._in_flight_since = 0.0
+            if self._timed_out_step == step.step_id:
+                self._fail_step(step.out, "UNAVAILABLE", f"the executor did not answer step "
+                                f"{step.step_id} within {self.link.step_timeout_s:g} s")
+                inflight.clear()  # the executor is gone; its requests were preempted
+                continue
+            if step.generation != self._generation or result is None \
+                    or result.step_id != step.step_id:
+                inflight.clear()  # the executor was replaced mid-step; requests were preempted
+                continue
             t2 = time.perf_counter()
+            out = step.out
             self.timings.append(StepTiming(len(out.new) + len(out.cached), out.num_batched_tokens,
-                                           t1 - t0, t2 - t1, result.execute_seconds))
-            self.metrics.plan_time.observe(t1 - t0)
-            self.metrics.round_trip.observe(t2 - t1)
+                                           step.t1 - step.t0, t2 - step.t1,
+                                           result.execute_seconds))
+            self.metrics.round_trip.observe(t2 - step.t1)
             if result.error:
                 self._fail_step(out, "INTERNAL", f"executor step failed: {result.error}")
                 continue
             updated = sched.update(list(result.req_ids), list(result.sampled_token_ids))
             self.telemetry.step(result, out.num_batched_tokens, len(updated))
             arrived = time.monotonic()
+            tokens = dict(zip(result.req_ids, result.sampled_token_ids, strict=True))
             for req in updated:
                 stream = self.streams[req.req_id]
-                token = req.token_ids[-1]
+                token = tokens[req.req_id]
                 finish, stop_reason = self._finish_reason(stream, token)
                 if finish:  # out of the next plan; the stream ends when the token is delivered
                     sched.finish(req.req_id)
@@ -454,7 +484,7 @@ class Engine:
         req, params = stream.req, stream.req.params
         if token in params.stop_token_ids or token in self.eos_token_ids and not params.ignore_eos:
             return "stop", str(token)
-        if req.num_output_tokens >= params.max_tokens:
+        if req.num_known_output_tokens >= params.max_tokens:
             return "length", ""
         return None, ""
 
@@ -476,11 +506,12 @@ class Engine:
             req = stream.req
             if finish:
                 chunk.finish_reason, chunk.stop_reason = finish, stop_reason
-                chunk.prompt_tokens, chunk.completion_tokens = req.prompt_len, req.num_output_tokens
+                chunk.prompt_tokens = req.prompt_len
+                chunk.completion_tokens = req.num_known_output_tokens
             if stream.held is not None:
                 chunk = stream.held.then(chunk)
                 stream.held = None
-            n = req.num_output_tokens
+            n = req.num_known_output_tokens
             if not finish and n > 1 and n % self.stream_interval:
                 stream.held = chunk  # the first token goes out at once, then every interval
                 continue

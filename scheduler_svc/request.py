@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+PLACEHOLDER = -1  # a token an in-flight step will sample (async scheduling)
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, never run or preempted (then recomputed from scratch)
@@ -44,6 +46,9 @@ class Request:
     effective_priority: int = 0  # priority improved by aging while waiting
     queued_at_step: int = 0  # scheduler step at which it (re)entered the waiting queue
     swapped_blocks: list[int] = field(default_factory=list)  # host blocks while swapped out
+    # Async scheduling: the last num_pending entries of token_ids are PLACEHOLDERs for tokens
+    # that steps in flight will sample; each result fills the oldest.
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         self.sort_key = (self.priority, self.arrival_seq)
@@ -56,6 +61,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_known_output_tokens(self) -> int:
+        """Output tokens sampled and received (not counting placeholders)."""
+        return len(self.token_ids) - self.num_pending - self.prompt_len
+
+    def drop_placeholders(self) -> None:
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     @property
     def output_ids(self) -> list[int]:

@@ -31,7 +31,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from scheduler_svc.block_manager import BlockManager, HostBlockPool
-from scheduler_svc.request import Request, RequestStatus
+from scheduler_svc.request import PLACEHOLDER, Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +119,7 @@ class Scheduler:
         req = self.requests.pop(req_id, None)
         if req is None:
             return None
+        req.drop_placeholders()  # an in-flight step's token for it will be ignored
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
@@ -134,6 +135,8 @@ class Scheduler:
     def preempt_all(self, blocks: BlockManager, host_blocks: HostBlockPool) -> None:
         """A new executor joined, without any of the KV: every request recomputes, on the new
         executor's block pools."""
+        for req in self.requests.values():
+            req.drop_placeholders()  # the steps that would have sampled them are lost
         for req in list(self.running):
             self._preempt(req, allow_swap=False)
         self._preempted_ids.clear()
@@ -146,13 +149,21 @@ class Scheduler:
         self.blocks, self.host_blocks = blocks, host_blocks
 
     # ------------------------------------------------------------------ planning
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, ahead: bool = False) -> SchedulerOutput:
+        """Plan the next step. ahead=True: another step is still in flight (async
+        scheduling); then nothing is preempted (a request in flight has placeholder tokens whose
+        KV is being computed), and if the queue's head needs a priority preemption the plan is
+        empty, so the engine waits for the in-flight step and plans again with ahead=False."""
+        if ahead and self._make_room_for_priority(dry_run=True):
+            return SchedulerOutput()
         self.step += 1
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
         self._age_waiting()
-        self._make_room_for_priority()
-        budget, ran_out = self._schedule_running(out, self.cfg.max_num_batched_tokens)
+        if not ahead:
+            self._make_room_for_priority()
+        budget, ran_out = self._schedule_running(out, self.cfg.max_num_batched_tokens,
+                                                 preempt=not ahead)
         if not ran_out:
             budget = self._admit_waiting(out, budget)
         out.preempted_req_ids, out.swap_out = self._preempted_ids, self._swap_out
@@ -160,9 +171,11 @@ class Scheduler:
         out.num_batched_tokens = self.cfg.max_num_batched_tokens - budget
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          preempt: bool = True) -> tuple[int, bool]:
         """Give running requests their tokens, preempting the least important when blocks run
-        out. Returns the budget left and whether blocks ran out."""
+        out (unless preempt is False: then stop there). Returns the budget left and whether
+        blocks ran out."""
         ran_out = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -172,6 +185,8 @@ class Scheduler:
                 i += 1
                 continue
             new_blocks = self.blocks.allocate_slots(req.req_id, req.num_computed_tokens + n)
+            if new_blocks is None and not preempt:
+                return budget, True
             while new_blocks is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -228,10 +243,12 @@ class Scheduler:
         self._emit(out, req, n, table)
         return n
 
-    def _make_room_for_priority(self) -> None:
-        """Preempt lower-priority running work that stands in the way of the queue's head."""
+    def _make_room_for_priority(self, dry_run: bool = False) -> bool:
+        """Preempt lower-priority running work that stands in the way of the queue's head;
+        whether it did (dry_run: whether it would, preempting nothing)."""
         if not self.waiting:
-            return
+            return False
+        did = False
         head = self.waiting[0]
         first_chunk = min(head.num_tokens, self.cfg.max_num_batched_tokens,
                           self.cfg.long_prefill_token_threshold or head.num_tokens)
@@ -241,21 +258,40 @@ class Scheduler:
                                 or self.blocks.num_free_blocks < need):
             victim = self.running[-1]
             if victim.priority <= head.effective_priority:
-                return
+                return did
+            if dry_run:
+                return True
             need -= self._growth(victim)
             self._preempt(victim)
             self.num_priority_preemptions += 1
+            did = True
+        return did
 
     def update(self, req_ids: list[int], token_ids: list[int]) -> list[Request]:
-        """Append sampled tokens; return the requests that got one (aborted ones are skipped)."""
+        """Record sampled tokens (filling the oldest placeholder, else appending); return the
+        requests that got one (finished and aborted ones are skipped)."""
         updated = []
         for rid, tok in zip(req_ids, token_ids, strict=True):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            req.token_ids.append(tok)
+            if req.num_pending:
+                req.token_ids[len(req.token_ids) - req.num_pending] = tok
+                req.num_pending -= 1
+            else:
+                req.token_ids.append(tok)
             updated.append(req)
         return updated
+
+    def expect_tokens(self, out: SchedulerOutput) -> None:
+        """Async scheduling: give every request that samples in `out` a placeholder for its
+        token, so the next step can be planned before the result arrives. None for a request
+        that reaches max_tokens with it: that one is not scheduled again."""
+        for req, _ in out.scheduled():
+            if (req.num_computed_tokens == req.num_tokens
+                    and req.num_output_tokens + 1 < req.params.max_tokens):
+                req.token_ids.append(PLACEHOLDER)
+                req.num_pending += 1
 
     # ------------------------------------------------------------------ helpers
     def _growth(self, req: Request) -> int:
@@ -278,7 +314,10 @@ class Scheduler:
             out.new.append((req, n))
             req.on_executor = True
         req.num_computed_tokens += n
-        self.blocks.cache_full_blocks(req.req_id, req.token_ids, req.num_computed_tokens)
+        # blocks holding a placeholder are registered once its token is known (a later step)
+        known = req.num_tokens - req.num_pending
+        self.blocks.cache_full_blocks(req.req_id, req.token_ids,
+                                      min(req.num_computed_tokens, known))
 
     def _preempt(self, req: Request, allow_swap: bool = True) -> None:
         self.running.remove(req)

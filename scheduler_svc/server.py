@@ -50,6 +50,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per streamed message after the first (1: every token at once; "
                         "larger: fewer gRPC messages, less host work per token, for "
                         "throughput-bound batch clients)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="plan and send step N+1 before step N's result arrives (hides the "
+                        "scheduler's time per step; a request that stops costs one more token "
+                        "of compute)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV blocks of shared prompt prefixes")
     p.add_argument("--long-prefill-token-threshold", type=int, default=512,
@@ -101,7 +105,8 @@ async def serve(args: argparse.Namespace) -> None:
                     read_generation_eos(model_dir), metrics=metrics,
                     link=LinkConfig(args.executor_timeout_s, args.executor_heartbeat_timeout_s),
                     telemetry=Telemetry(metrics, tokenizer, args.log_prompts),
-                    on_readiness=on_readiness, stream_interval=args.stream_interval)
+                    on_readiness=on_readiness, stream_interval=args.stream_interval,
+                    async_scheduling=args.async_scheduling)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])
     generate_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(engine, InputProcessor(tokenizer), model_name), server)

@@ -118,3 +118,43 @@ def test_memory_profile_keeps_within_the_utilization(tmp_path):
     torch.cuda.synchronize()
     used = total - torch.cuda.mem_get_info()[0]
     assert used <= util * total + (64 << 20), f"{used / 2**30:.2f} GiB used, {util:.3f} allowed"
+
+
+def test_launching_the_next_step_before_reading_tokens_changes_nothing(tmp_path):
+    """Async scheduling: step N+1 is launched while N's tokens are still on the device (its
+    decode rows read them there); the tokens equal those of one step at a time. On CUDA the
+    graph path's input patching is covered too."""
+    save_random_llama(tmp_path, "d64", init=0.1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (12, 40, 7)]
+    runs = []
+    for pipelined in (False, True):
+        worker = Worker(ExecutorConfig(model=str(tmp_path), device=device, dtype="float32",
+                                       num_kv_blocks=64, max_num_seqs=8))
+        worker.warm_up()
+        runner = worker.runner
+        plan = pb.StepPlan(step_id=1)
+        for i, p in enumerate(prompts):
+            plan.new_requests.add(req_id=i, token_ids=p, block_ids=list(range(i * 20, i * 20 + 20)),
+                                  sampling=pb.Sampling(temperature=0.0, top_p=1.0))
+            plan.new_num_scheduled_tokens.append(len(p))
+        got = {i: [] for i in range(len(prompts))}
+        launched = None
+        for step in range(10):
+            nxt = runner.launch(plan)
+            if not pipelined:
+                launched, nxt = nxt, None
+            if launched is not None:
+                for rid, tok in zip(*runner.finish(launched), strict=True):
+                    got[rid].append(tok)
+            launched = nxt
+            plan = pb.StepPlan(step_id=step + 2, cached_req_ids=[0, 1, 2],
+                               cached_num_scheduled_tokens=[1, 1, 1],
+                               cached_num_new_blocks=[0, 0, 0])
+        if launched is not None:
+            for rid, tok in zip(*runner.finish(launched), strict=True):
+                got[rid].append(tok)
+        runs.append(got)
+    assert runs[0] == runs[1]
+    assert all(len(t) == 10 for t in runs[0].values())

@@ -78,6 +78,20 @@ def interval_service(tmp_path_factory, model_dir):
 
 
 @pytest.fixture(scope="session")
+def async_service(tmp_path_factory, model_dir):
+    """The main service's flags with --async-scheduling."""
+    yield from _serving(tmp_path_factory, "async", "--async-scheduling",
+                        "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "16")
+
+
+@pytest.fixture(scope="session")
+def async_tight_service(tmp_path_factory, model_dir):
+    """--async-scheduling with the tight KV pool: preemptions happen between in-flight steps."""
+    yield from _serving(tmp_path_factory, "async_tight", "--async-scheduling", *TIGHT,
+                        "--preemption-mode", "recompute")
+
+
+@pytest.fixture(scope="session")
 def tight_service(tmp_path_factory, model_dir):
     """So few KV blocks (10 x 16 tokens) that the long prompt, 126 tokens with its answer, needs
     8 of them: with the 8 prompts sent together, requests must be preempted."""

@@ -1,5 +1,5 @@
 from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.request import Request, RequestStatus, SamplingParams
+from scheduler_svc.request import PLACEHOLDER, Request, RequestStatus, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
 
@@ -300,3 +300,87 @@ def test_aborting_a_swapped_request_frees_its_host_blocks():
     assert s.host_blocks.num_free_blocks == 6
     s.finish(2)
     assert s.host_blocks.num_free_blocks == 8
+
+
+# ------------------------------------------------------------------ async scheduling
+def test_ahead_plan_uses_placeholders_filled_by_results_in_order():
+    s = make(budget=16, caching=True)
+    a = req(1, 4)
+    s.add(a)
+    out1 = s.schedule()
+    s.expect_tokens(out1)
+    assert a.token_ids[-1] == PLACEHOLDER and a.num_pending == 1
+    out2 = s.schedule(ahead=True)  # before step 1's result: decodes the placeholder's position
+    s.expect_tokens(out2)
+    assert plan(out2) == [("cached", 1, 1, [1])]  # position 4 opens a second block
+    assert a.num_pending == 2 and a.num_computed_tokens == 5
+    assert s.update([1], [41]) == [a]  # step 1's result fills the oldest placeholder
+    assert a.token_ids == [100, 101, 102, 103, 41, PLACEHOLDER] and a.num_known_output_tokens == 1
+    # the block [100..103] was registered at step 1; [41, ...] is not full yet
+    assert s.blocks.num_cached_blocks == 1
+    out3 = s.schedule(ahead=True)
+    s.expect_tokens(out3)
+    assert plan(out3) == [("cached", 1, 1, [])]
+    s.update([1], [42])
+    s.update([1], [43])
+    assert a.token_ids == [100, 101, 102, 103, 41, 42, 43] and a.num_pending == 0
+    s.blocks.check_integrity()
+
+
+def test_ahead_plan_never_preempts():
+    s = make(num_blocks=4, block_size=2, budget=16)
+    a, b = req(1, 4), req(2, 4)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    s.expect_tokens(out)
+    # both need a third block for their 5th token and the pool is full: an ahead plan stops
+    # instead of preempting a request whose step is in flight
+    out = s.schedule(ahead=True)
+    assert plan(out) == [] and out.preempted_req_ids == []
+    assert a.status == b.status == RequestStatus.RUNNING
+    s.update([1, 2], [7, 7])
+    out = s.schedule()  # nothing in flight: the usual plan, which preempts b
+    assert out.preempted_req_ids == [2] and plan(out) == [("cached", 1, 1, [3])]
+    s.blocks.check_integrity()
+
+
+def test_ahead_plan_waits_for_a_priority_preemption():
+    s = make(max_seqs=1)
+    low = req(1, 4, priority=5)
+    s.add(low)
+    s.expect_tokens(s.schedule())
+    s.add(req(2, 4, priority=0))
+    assert s.schedule(ahead=True).is_empty  # the head needs low's seat: wait for the result
+    assert low.status == RequestStatus.RUNNING
+    s.update([1], [7])
+    out = s.schedule()
+    assert out.preempted_req_ids == [1] and plan(out) == [("new", 2, 4)]
+
+
+def test_no_placeholder_for_the_last_token_and_finish_drops_them():
+    s = make()
+    a = Request(1, "r1", 2, [5, 6], SamplingParams(max_tokens=2), arrival_seq=1)
+    s.add(a)
+    out = s.schedule()
+    s.expect_tokens(out)
+    assert a.num_pending == 1
+    s.expect_tokens(s.schedule(ahead=True))
+    assert a.num_pending == 1  # its second token is its last: nothing is planned past it
+    assert s.schedule(ahead=True).is_empty
+    s.update([1], [9])
+    s.finish(1)  # e.g. EOS: the in-flight step's placeholder goes
+    assert a.token_ids == [5, 6, 9]
+
+
+def test_a_block_is_cached_only_once_its_placeholder_is_known():
+    s = make(budget=16, caching=True)
+    a = req(1, 3)
+    s.add(a)
+    s.expect_tokens(s.schedule())
+    s.expect_tokens(s.schedule(ahead=True))  # computes position 3: block 0 full, one unknown
+    assert a.num_computed_tokens == 4 and s.blocks.num_cached_blocks == 0
+    s.update([1], [41])
+    s.expect_tokens(s.schedule(ahead=True))
+    assert s.blocks.num_cached_blocks == 1
+    assert s.blocks.cached_prefix([100, 101, 102, 41, 0]) == s.blocks.block_table(1)[:1]
