@@ -3,6 +3,8 @@
 # the memory profile, then W1/W2 offline throughput on random-weight Llama-3.2-1B and
 # Llama-3.1-8B (bf16) beside HF transformers, then W3 serving on 8B.
 #   PAGEDSERVE_COMMIT=<sha> PARTS="tests w1 overload" bash benchmarks/gpu_session_speed.sh
+# Parts: cpu, tests, w1 (W1 with HF generate bs256), big (W1+W2, throughput settings), w1big,
+# w1async, w1si8, w1eager, w1cb (HF continuous batching), w2, w3 (8B rates), overload (135M).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 PARTS=${PARTS:-tests w1}
@@ -45,6 +47,13 @@ for part in $PARTS; do
           --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8 \
           2>&1 | grep -v INFO | tail -4
       done ;;
+    w1async)  # as w1big, with async scheduling
+      for m in M8 M1; do
+        declare -n ref=$m
+        python3 -m benchmarks.throughput --workload W1 "${ref[@]}" --hf none \
+          --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8 \
+          --server-flag=--async-scheduling 2>&1 | grep -v INFO | tail -4
+      done ;;
     w1si8)
       python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf none \
         --server-flag=--stream-interval --server-flag=8 2>&1 | grep -v INFO | tail -4 ;;
@@ -61,8 +70,9 @@ for part in $PARTS; do
           | grep -v INFO | tail -4
       done ;;
     w3)
-      python3 -m benchmarks.serve "${M8[@]}" \
-        --workload W3 --num-requests 200 --dump benchmarks/results/dumps/w3_8b_$(date +%H%M) ${RATES:---rate 8 --rate 16 --rate 24 --rate 32 --rate inf} \
+      python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 200 \
+        --dump "benchmarks/results/dumps/w3_8b_$(date +%H%M)" \
+        ${RATES:---rate 8 --rate 16 --rate 24 --rate 32 --rate inf} \
         2>&1 | grep -v INFO | tail -8 ;;
     overload)
       python3 -m benchmarks.serve --model benchmarks/models/smollm2-135m --load-format random \
