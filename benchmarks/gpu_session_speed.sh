@@ -16,6 +16,12 @@ start=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
 save() { find benchmarks/results -name "*.jsonl" -newer "$OUT/.start" -exec cp {} "$OUT/" \; ;
   [ -d benchmarks/results/dumps ] && cp -r benchmarks/results/dumps "$OUT/"; }
+throughput() {  # workload, model array name, extra flags: throughput settings, no HF peer
+  local w=$1; declare -n model=$2; shift 2
+  python3 -m benchmarks.throughput --workload "$w" "${model[@]}" --hf none \
+    --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8 "$@" 2>&1 \
+    | grep -v INFO | tail -4
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 for part in $PARTS; do
   stamp "$part"
@@ -32,28 +38,9 @@ for part in $PARTS; do
       nproc; cat /sys/fs/cgroup/cpu.max 2>/dev/null
       python3 -c "import os; print('affinity', len(os.sched_getaffinity(0)))" ;;
     big)  # throughput settings: 8 tokens per streamed message, 8192-token steps
-      for m in M8 M1; do
-        declare -n ref=$m
-        for w in W1 W2; do
-          python3 -m benchmarks.throughput --workload $w "${ref[@]}" --hf none \
-            --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8 \
-            2>&1 | grep -v INFO | tail -4
-        done
-      done ;;
-    w1big)  # W1 only, throughput settings as in "big"
-      for m in M8 M1; do
-        declare -n ref=$m
-        python3 -m benchmarks.throughput --workload W1 "${ref[@]}" --hf none \
-          --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8 \
-          2>&1 | grep -v INFO | tail -4
-      done ;;
-    w1async)  # as w1big, with async scheduling
-      for m in M8 M1; do
-        declare -n ref=$m
-        python3 -m benchmarks.throughput --workload W1 "${ref[@]}" --hf none \
-          --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8 \
-          --server-flag=--async-scheduling 2>&1 | grep -v INFO | tail -4
-      done ;;
+      for m in M8 M1; do throughput W1 $m; throughput W2 $m; done ;;
+    w1big) for m in M8 M1; do throughput W1 $m; done ;;
+    w1async) for m in M8 M1; do throughput W1 $m --server-flag=--async-scheduling; done ;;
     w1si8)
       python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf none \
         --server-flag=--stream-interval --server-flag=8 2>&1 | grep -v INFO | tail -4 ;;

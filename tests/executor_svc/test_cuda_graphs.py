@@ -8,7 +8,7 @@ import torch
 from executor_svc.cuda_graphs import capture_sizes
 from executor_svc.worker import ExecutorConfig, Worker
 from protos.pagedserve.internal.v1 import executor_pb2 as pb
-from tests.executor_svc.test_model_gpu import save_random_llama
+from tests.executor_svc.test_model_gpu import hf_greedy_tokens, save_random_llama
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -58,14 +58,7 @@ def test_graph_replay_gives_hf_greedy_tokens(tmp_path):
                                    num_kv_blocks=64, max_num_seqs=8))
     worker.warm_up()  # captures graphs for 1, 2, 4, 8
     assert sorted(worker.graphs.graphs) == [1, 2, 4, 8]
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (40, 200, 9)]
-    want = []
-    for p in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16,
-                              do_sample=False, pad_token_id=0, eos_token_id=None)
-        want.append(out[0, len(p):].tolist())
+    prompts, want = hf_greedy_tokens(hf)
     # 3 requests pad to the graph of 4; after request 0 finishes, 2 run the graph of 2
     got, graphed = greedy_run(worker, prompts, 16, finish_at=5)
     assert graphed == 15  # every step but the prefill

@@ -31,6 +31,19 @@ def save_random_llama(path, name, init=0.02):
     return hf
 
 
+def hf_greedy_tokens(hf, new_tokens=16):
+    """Three random prompts (40, 200, 9 tokens) and HF's greedy continuation of each."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (40, 200, 9)]
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0, eos_token_id=None)
+        want.append(out[0, len(p):].tolist())
+    return prompts, want
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_bf16_logits_match_hf(tmp_path, name, block_size):
@@ -58,14 +71,7 @@ def test_fp32_greedy_tokens_match_hf_generate(tmp_path):
     hf = save_random_llama(tmp_path, "d128", init=0.1).cuda()
     worker = Worker(ExecutorConfig(model=str(tmp_path), device="cuda", dtype="float32",
                                    attention_backend="triton", num_kv_blocks=64))
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (40, 200, 9)]
-    want = []
-    for p in prompts:
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16,
-                              do_sample=False, pad_token_id=0, eos_token_id=None)
-        want.append(out[0, len(p):].tolist())
+    prompts, want = hf_greedy_tokens(hf)
     plan = pb.StepPlan(step_id=1)
     for i, p in enumerate(prompts):
         plan.new_requests.add(req_id=i, token_ids=p, block_ids=list(range(i * 20, i * 20 + 20)))
