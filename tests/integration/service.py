@@ -58,6 +58,8 @@ class Service:
     def __init__(self, log_path: Path, *flags: str) -> None:
         self.port, self.zmq_port, self.metrics_port = free_port(), free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
+        named = dict(zip(flags, flags[1:], strict=False))  # the metrics' model_name label
+        self.model_name = named.get("--served-model-name") or named.get("--model", "default")
         self.log_path = log_path
         cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--host", "127.0.0.1",
                "--port", str(self.port), "--executor-bind", f"tcp://127.0.0.1:{self.zmq_port}",
@@ -79,7 +81,7 @@ class Service:
         raise TimeoutError(f"not serving after {timeout}s:\n{self.log_path.read_text()[-3000:]}")
 
     def metrics(self) -> dict[str, float]:
-        return scrape(self.metrics_port)
+        return scrape(self.metrics_port, self.model_name)
 
     def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
         """Wait until no request runs or waits; return the metrics then."""
