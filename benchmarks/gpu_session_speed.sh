@@ -4,7 +4,8 @@
 # Llama-3.1-8B (bf16) beside HF transformers, then W3 serving on 8B.
 #   PAGEDSERVE_COMMIT=<sha> PARTS="tests w1 overload" bash benchmarks/gpu_session_speed.sh
 # Parts: cpu, tests, w1 (W1 with HF generate bs256), big (W1+W2, throughput settings), w1big,
-# w1async, w1si8, w1eager, w1cb (HF continuous batching), w2, w3 (8B rates), overload (135M).
+# w1async, profile (torch profiles, W1 8B), w1si8, w1eager, w1cb (HF continuous batching), w2,
+# w3 (8B rates), overload (135M).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 PARTS=${PARTS:-tests w1}
@@ -41,6 +42,9 @@ for part in $PARTS; do
       for m in M8 M1; do throughput W1 $m; throughput W2 $m; done ;;
     w1big) for m in M8 M1; do throughput W1 $m; done ;;
     w1async) for m in M8 M1; do throughput W1 $m --server-flag=--async-scheduling; done ;;
+    profile)  # torch profiles of W1 8B: two prefill steps, then four graphed decodes
+      throughput W1 M8 --server-flag=--torch-profile-dir --server-flag="$OUT/profile_8b" \
+        --server-flag=--torch-profile-steps --server-flag=5:2,80:4 ;;
     w1si8)
       python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf none \
         --server-flag=--stream-interval --server-flag=8 2>&1 | grep -v INFO | tail -4 ;;

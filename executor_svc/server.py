@@ -11,6 +11,7 @@ import uuid
 
 import zmq
 
+from executor_svc.profiling import StepProfiler
 from executor_svc.runner import Launched
 from executor_svc.worker import ExecutorConfig, Worker
 from pagedserve.config import add_step_args
@@ -21,8 +22,10 @@ HELLO_INTERVAL_S = 1.0  # resend hello until welcomed, and as a heartbeat while 
 
 
 class ExecutorServer:
-    def __init__(self, worker: Worker, scheduler_address: str) -> None:
+    def __init__(self, worker: Worker, scheduler_address: str,
+                 profiler: StepProfiler | None = None) -> None:
         self.worker = worker
+        self.profiler = profiler
         self.executor_id = uuid.uuid4().hex
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -58,6 +61,8 @@ class ExecutorServer:
                 log.info("joined scheduler")
             elif kind == "plan":
                 plan, start = msg.plan, time.perf_counter()
+                if self.profiler is not None:
+                    self.profiler.step()
                 try:
                     nxt = self.worker.runner.launch(plan)
                 except Exception as e:  # report, keep serving: the scheduler aborts the step
@@ -130,6 +135,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="CUDA: run every step eagerly instead of replaying captured CUDA graphs "
                         "for decode steps")
+    p.add_argument("--torch-profile-dir", default="",
+                   help="record a torch profiler trace of --torch-profile-steps steps here "
+                        "(Chrome trace and an op table; empty: off)")
+    p.add_argument("--torch-profile-steps", default="40:4",
+                   help="START:COUNT[,START:COUNT...]: the steps to profile, counted from the "
+                        "first plan")
     add_step_args(p)
 
 
@@ -148,7 +159,9 @@ def run(args: argparse.Namespace) -> None:
     )
     worker = Worker(cfg)
     worker.warm_up()
-    server = ExecutorServer(worker, args.scheduler_address)
+    profiler = (StepProfiler(args.torch_profile_dir, args.torch_profile_steps)
+                if args.torch_profile_dir else None)
+    server = ExecutorServer(worker, args.scheduler_address, profiler)
 
     def stop(*_: object) -> None:
         server.stopping = True
