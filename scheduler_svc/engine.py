@@ -290,9 +290,10 @@ class Engine:
                               enable_caching=self.cfg.enable_prefix_caching)
         host_blocks = HostBlockPool(cap.num_swap_blocks)
         if self.scheduler is None:
-            self.scheduler = Scheduler(self._fit_step(cap), blocks, host_blocks)
+            self.scheduler = Scheduler(fit_step_bounds(self.cfg, cap), blocks, host_blocks)
         else:  # a new executor has none of the KV: everything running is recomputed
             self.scheduler.preempt_all(blocks, host_blocks)
+            self.scheduler.cfg = fit_step_bounds(self.cfg, cap)
             for stream in list(self.streams.values()):
                 if stream.req.prompt_len + stream.req.params.max_tokens > cap.max_model_len:
                     self._fail(stream, "UNAVAILABLE", "the new executor's max_model_len is "
@@ -307,18 +308,6 @@ class Engine:
         self._connected.set()
         self._notify_readiness()
         self._wake.set()
-
-    def _fit_step(self, cap: pb.Capacity) -> SchedulerConfig:
-        """This scheduler's config with its step bounds lowered to what the executor's memory
-        profile covered (a larger step could run it out of memory)."""
-        cfg = self.cfg
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
-            limit, ours = getattr(cap, name), getattr(cfg, name)
-            if 0 < limit < ours:
-                log.warning("%s %d is more than the executor profiled its memory for; using %d",
-                            name, ours, limit)
-                cfg = replace(cfg, **{name: limit})
-        return cfg
 
     # ----------------------------------------------------------------- step loop
     async def _step_loop(self) -> None:
@@ -530,6 +519,18 @@ class Engine:
         self.telemetry.finished(stream, reason, now)
         self.scheduler.finish(stream.req.req_id)
         self.streams.pop(stream.req.req_id, None)
+
+
+def fit_step_bounds(cfg: SchedulerConfig, cap: pb.Capacity) -> SchedulerConfig:
+    """cfg with its step bounds lowered to what the executor's memory profile covered (a
+    larger step could run it out of memory); 0 in cap means unbounded (CPU)."""
+    for name in ("max_num_batched_tokens", "max_num_seqs"):
+        limit, ours = getattr(cap, name), getattr(cfg, name)
+        if 0 < limit < ours:
+            log.warning("%s %d is more than the executor profiled its memory for; using %d",
+                        name, ours, limit)
+            cfg = replace(cfg, **{name: limit})
+    return cfg
 
 
 def _crash_on_error(task: asyncio.Task) -> None:
