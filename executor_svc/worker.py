@@ -25,7 +25,8 @@ from protos.pagedserve.internal.v1 import executor_pb2 as pb
 log = logging.getLogger(__name__)
 GiB = 1 << 30
 # CUDA: what the profile cannot see: cuBLAS workspaces of the capture stream, the graphs'
-# own allocations, pinned staging buffers (measured on the H200: ~100 MiB beyond the profile)
+# own allocations, pinned staging buffers (on the H200, a profile of allocated rather than
+# reserved memory left a test process 40 MiB over its limit)
 MARGIN = 512 << 20
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
