@@ -54,12 +54,14 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=i32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=i32, device=device)
         self.logits_indices = torch.arange(n, dtype=i64, device=device)
-        # one pinned staging row per step: ids, positions, slots, seq lens (int64)
-        self._stage = torch.zeros((4, n), dtype=i64, pin_memory=True)
+        # pinned staging rows (ids, positions, slots, seq lens), two sets used in turn: with
+        # async scheduling step N+1 is staged before step N's tokens are read, so N's copy may
+        # not have run yet; N-1's has (its tokens were read before N+1 is launched)
+        self._stages = [torch.zeros((4, n), dtype=i64, pin_memory=True) for _ in range(2)]
+        self._turn = 0
         self._stage_dev = torch.zeros((4, n), dtype=i64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self._last_size = 0  # padding rows past the last step's batch are already reset
 
     def _args(self, bs: int):
         meta = AttentionMetadata(
@@ -103,11 +105,13 @@ class DecodeGraphs:
         patch = (rows, ids on the device) overrides those rows' input ids."""
         b = len(input_ids)
         bs = self.sizes[bisect.bisect_left(self.sizes, b)]
-        stage = self._stage.numpy()
+        pinned = self._stages[self._turn]
+        self._turn ^= 1
+        stage = pinned.numpy()
         stage[0, :b], stage[1, :b], stage[2, :b], stage[3, :b] = (input_ids, positions, slots,
                                                                   seq_lens)
         stage[2, b:bs], stage[3, b:bs] = -1, 0  # padding: write nothing, attend to nothing
-        self._stage_dev[:, :bs].copy_(self._stage[:, :bs], non_blocking=True)
+        self._stage_dev[:, :bs].copy_(pinned[:, :bs], non_blocking=True)
         self.input_ids[:bs].copy_(self._stage_dev[0, :bs])
         if patch is not None:
             self.input_ids[patch[0]] = patch[1]
