@@ -17,11 +17,15 @@ start=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
 save() { find benchmarks/results -name "*.jsonl" -newer "$OUT/.start" -exec cp {} "$OUT/" \; ;
   [ -d benchmarks/results/dumps ] && cp -r benchmarks/results/dumps "$OUT/"; }
-throughput() {  # workload, model array name, extra flags: throughput settings, no HF peer
+tp() {  # workload, model array name, extra benchmarks.throughput flags
   local w=$1; declare -n model=$2; shift 2
-  python3 -m benchmarks.throughput --workload "$w" "${model[@]}" --hf none \
-    --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8 "$@" 2>&1 \
-    | grep -v INFO | tail -4
+  python3 -m benchmarks.throughput --workload "$w" "${model[@]}" "$@" 2>&1 | grep -v INFO \
+    | tail -4
+}
+throughput() {  # as tp, with the throughput settings and no HF peer
+  local w=$1 m=$2; shift 2
+  tp "$w" "$m" --hf none --max-num-batched-tokens 8192 --server-flag=--stream-interval \
+    --server-flag=8 "$@"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 for part in $PARTS; do
@@ -30,11 +34,7 @@ for part in $PARTS; do
     tests)
       python3 -m pytest -q -rs tests/executor_svc/test_cuda_graphs.py \
         tests/executor_svc/test_model_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
-    w1)
-      python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf generate:256 2>&1 \
-        | grep -v INFO | tail -4
-      python3 -m benchmarks.throughput --workload W1 "${M8[@]}" --hf generate:256 2>&1 \
-        | grep -v INFO | tail -4 ;;
+    w1) for m in M1 M8; do tp W1 $m --hf generate:256; done ;;
     cpu)
       nproc; cat /sys/fs/cgroup/cpu.max 2>/dev/null
       python3 -c "import os; print('affinity', len(os.sched_getaffinity(0)))" ;;
@@ -45,21 +45,10 @@ for part in $PARTS; do
     profile)  # torch profiles of W1 8B: two prefill steps, then four graphed decodes
       throughput W1 M8 --server-flag=--torch-profile-dir --server-flag="$OUT/profile_8b" \
         --server-flag=--torch-profile-steps --server-flag=5:2,80:4 ;;
-    w1si8)
-      python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf none \
-        --server-flag=--stream-interval --server-flag=8 2>&1 | grep -v INFO | tail -4 ;;
-    w1eager)
-      python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf none \
-        --server-flag=--enforce-eager 2>&1 | grep -v INFO | tail -3 ;;
-    w1cb)
-      python3 -m benchmarks.throughput --workload W1 "${M1[@]}" --hf cb 2>&1 \
-        | grep -v INFO | tail -3 ;;
-    w2)
-      for m in M1 M8; do
-        declare -n ref=$m
-        python3 -m benchmarks.throughput --workload W2 "${ref[@]}" --hf none 2>&1 \
-          | grep -v INFO | tail -4
-      done ;;
+    w1si8) tp W1 M1 --hf none --server-flag=--stream-interval --server-flag=8 ;;
+    w1eager) tp W1 M1 --hf none --server-flag=--enforce-eager ;;
+    w1cb) tp W1 M1 --hf cb ;;
+    w2) for m in M1 M8; do tp W2 $m --hf none; done ;;
     w3)
       python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 200 \
         --dump "benchmarks/results/dumps/w3_8b_$(date +%H%M)" \
