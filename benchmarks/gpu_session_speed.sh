@@ -5,7 +5,7 @@
 #   PAGEDSERVE_COMMIT=<sha> PARTS="tests w1 overload" bash benchmarks/gpu_session_speed.sh
 # Parts: cpu, tests, w1 (W1 with HF generate bs256), big (W1+W2, throughput settings), w1big,
 # w1async, profile (torch profiles, W1 8B), w1si8, w1eager, w1cb (HF continuous batching), w2,
-# w3 (8B rates), overload (135M).
+# w3 (8B rates), overload (135M: 46 req/s, sustainable, then 70 = 1.5x).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 PARTS=${PARTS:-tests w1}
@@ -56,7 +56,7 @@ for part in $PARTS; do
         2>&1 | grep -v INFO | tail -8 ;;
     overload)
       python3 -m benchmarks.serve --model benchmarks/models/smollm2-135m --load-format random \
-        --workload overload-priority --num-requests 400 --rate 60 --overload 1.5 \
+        --workload overload-priority --num-requests 400 --rate 46 --rate 70 \
         --high-priority-fraction 0.1 --server-flag=--max-waiting-requests \
         --server-flag=64 2>&1 | grep -v INFO | tail -8 ;;
   esac
