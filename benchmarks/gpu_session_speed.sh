@@ -5,7 +5,10 @@
 #   PAGEDSERVE_COMMIT=<sha> PARTS="tests w1 overload" bash benchmarks/gpu_session_speed.sh
 # Parts: cpu, tests, w1 (W1 with HF generate bs256), big (W1+W2, throughput settings), w1big,
 # w1async, profile (torch profiles, W1 8B), w1si8, w1eager, w1cb (HF continuous batching), w2,
-# w3 (8B rates), overload (135M: 46 req/s, sustainable, then 70 = 1.5x).
+# w3 (8B rates), overload (135M: 46 req/s, sustainable, then 70 = 1.5x), profile1b (torch
+# profiles of W1 1B), quant (W4A16 GPU tests and GEMM bench with the nibble-plane sweep), awq
+# (W1 and W2 on 8B with random AWQ weights, and W2 bf16 beside them).
+# Everything new comes back in one archive, $OUT/bundle.tgz (the device returns at most 8 files).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 PARTS=${PARTS:-tests w1}
@@ -13,10 +16,12 @@ TOK=(--tokenizer benchmarks/models/smollm2-135m)
 M1=(--model benchmarks/models/llama3.2-1b --load-format random "${TOK[@]}")
 M8=(--model benchmarks/models/llama3.1-8b --load-format random "${TOK[@]}")
 touch "$OUT/.start"
+B=/tmp/bundle; mkdir -p $B
 start=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
-save() { find benchmarks/results -name "*.jsonl" -newer "$OUT/.start" -exec cp {} "$OUT/" \; ;
-  [ -d benchmarks/results/dumps ] && cp -r benchmarks/results/dumps "$OUT/"; }
+save() { find benchmarks/results -name "*.jsonl" -newer "$OUT/.start" -exec cp {} $B/ \; ;
+  [ -d benchmarks/results/dumps ] && cp -r benchmarks/results/dumps $B/;
+  tar czf "$OUT/bundle.tgz" -C $B .; }
 tp() {  # workload, model array name, extra benchmarks.throughput flags
   local w=$1; declare -n model=$2; shift 2
   python3 -m benchmarks.throughput --workload "$w" "${model[@]}" "$@" 2>&1 | grep -v INFO \
@@ -33,7 +38,7 @@ for part in $PARTS; do
   case $part in
     tests)
       python3 -m pytest -q -rs tests/executor_svc/test_cuda_graphs.py \
-        tests/executor_svc/test_model_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
+        tests/executor_svc/test_model_gpu.py 2>&1 | tee $B/pytest_gpu.log | tail -15 ;;
     w1) for m in M1 M8; do tp W1 $m --hf generate:256; done ;;
     cpu)
       nproc; cat /sys/fs/cgroup/cpu.max 2>/dev/null
@@ -43,8 +48,22 @@ for part in $PARTS; do
     w1big) for m in M8 M1; do throughput W1 $m; done ;;
     w1async) for m in M8 M1; do throughput W1 $m --server-flag=--async-scheduling; done ;;
     profile)  # torch profiles of W1 8B: two prefill steps, then four graphed decodes
-      throughput W1 M8 --server-flag=--torch-profile-dir --server-flag="$OUT/profile_8b" \
-        --server-flag=--torch-profile-steps --server-flag=5:2,80:4 ;;
+      throughput W1 M8 --server-flag=--torch-profile-dir --server-flag=/tmp/profile_8b \
+        --server-flag=--torch-profile-steps --server-flag=5:2,80:4
+      mkdir -p $B/profile_8b && cp /tmp/profile_8b/ops_* $B/profile_8b/ ;;
+    profile1b)  # the same on 1B, whose decode steps are host-bound
+      throughput W1 M1 --server-flag=--torch-profile-dir --server-flag=/tmp/profile_1b \
+        --server-flag=--torch-profile-steps --server-flag=5:2,80:4
+      mkdir -p $B/profile_1b && cp /tmp/profile_1b/ops_* $B/profile_1b/
+      tail -12 /tmp/profile_1b/ops_*_80.txt ;;
+    quant)
+      python3 -m pytest -q -rs tests/kernels/test_w4a16.py 2>&1 | tee $B/pytest_w4a16.log \
+        | tail -4
+      python3 benchmarks/quant/bench_w4a16.py --out $B --sweep planes 2>&1 \
+        | tee $B/bench_w4a16.log | grep -v " done$" | tail -30 ;;
+    awq)
+      throughput W2 M8
+      for w in W1 W2; do throughput $w M8 --server-flag=--quantization --server-flag=awq; done ;;
     w1si8) tp W1 M1 --hf none --server-flag=--stream-interval --server-flag=8 ;;
     w1eager) tp W1 M1 --hf none --server-flag=--enforce-eager ;;
     w1cb) tp W1 M1 --hf cb ;;
@@ -63,3 +82,4 @@ for part in $PARTS; do
   save
 done
 stamp done
+cp $B/*.log "$OUT/" 2>/dev/null; ls -R $B | head -40

@@ -120,6 +120,8 @@ def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str
             "kv_token_utilization_at_peak":
                 after.get("pagedserve:kv_cache_token_utilization_at_peak"),
             "num_kv_blocks": after.get("pagedserve:num_kv_blocks"),
+            "kv_capacity_tokens": after.get("pagedserve:kv_cache_capacity_tokens"),
+            "weight_gib": after.get("pagedserve:model_weight_bytes", 0) / 2**30,
             "device": info.device, "dtype": info.dtype, "attention_backend": info.attention_backend}
 
 
@@ -291,7 +293,8 @@ def main() -> None:
     print(line, flush=True)
     print("  per step: {step_ms:.1f} ms = plan {plan_ms:.2f} + round trip {round_trip_ms:.2f} "
           "(executor {execute_ms:.2f}) + the rest; {graph_steps:.0f} graphed, {eager_steps:.0f} "
-          "eager steps; KV token utilization at peak {kv_token_utilization_at_peak}".format(**ours),
+          "eager steps; KV token utilization at peak {kv_token_utilization_at_peak}; weights "
+          "{weight_gib:.2f} GiB, KV cache {kv_capacity_tokens:.0f} tokens".format(**ours),
           flush=True)
     print("wrote", write_records("throughput", records))
 

@@ -10,7 +10,9 @@ from safetensors import safe_open
 
 from executor_svc.config import ModelConfig
 from executor_svc.model import LlamaForCausalLM, Ops, rope_cos_sin_cache
-from executor_svc.quantization import QuantConfig, QuantizationError, convert_checkpoint
+from executor_svc.quantization import QuantConfig, convert_checkpoint
+
+RANDOM_SCALE = 0.02 / 4.6  # random 4-bit weights spread like the N(0, 0.02) float ones
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -34,9 +36,8 @@ def build_model(
     quant: QuantConfig | None = None,
 ) -> LlamaForCausalLM:
     """Load from `weights_dir`, or random N(0, 0.02) weights when it is None (benchmarks).
-    With `quant`, decoder linears are 4-bit (executor_svc/quantization)."""
-    if quant is not None and weights_dir is None:
-        raise QuantizationError("random weights are not supported for a quantized model")
+    With `quant`, decoder linears are 4-bit (executor_svc/quantization); random 4-bit weights
+    are uniform nibbles around zero point 8 with scales that give them about the same spread."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, ops, max_pos, quant)
     model = model.to_empty(device=device).to(dtype)
@@ -49,6 +50,14 @@ def build_model(
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.data.fill_(1.0)
+            elif name.endswith(".qweight"):  # 8 uniform nibbles per word
+                p.data.random_(-(2**31), 2**31, generator=gen)
+            elif name.endswith(".zeros"):
+                p.data.fill_(8.0)
+            elif name.endswith(".scales"):  # std of (q - 8) for uniform q in 0..15 is 4.6
+                p.data.uniform_(0.9 * RANDOM_SCALE, 1.1 * RANDOM_SCALE, generator=gen)
+            elif name.endswith(".perm"):
+                p.data.copy_(torch.arange(p.numel(), device=device))
             else:
                 p.data.normal_(0.0, 0.02, generator=gen)
     elif quant is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import time
@@ -19,6 +20,10 @@ from protos.pagedserve.internal.v1 import executor_pb2 as pb
 
 log = logging.getLogger("pagedserve.executor")
 HELLO_INTERVAL_S = 1.0  # resend hello until welcomed, and as a heartbeat while idle
+
+
+def _no_phase(_name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 class ExecutorServer:
@@ -44,6 +49,7 @@ class ExecutorServer:
         # device never waits for this process to build the next step's inputs.
         launched: tuple[int, Launched, float] | None = None
         self._hello(heartbeat=False)
+        phase = self._phase
         while not self.stopping:
             if not self.sock.poll(0 if launched else int(HELLO_INTERVAL_S * 1000)):
                 if launched is not None:
@@ -52,7 +58,8 @@ class ExecutorServer:
                 else:
                     self._hello(heartbeat=welcomed)
                 continue
-            msg = pb.SchedulerMessage.FromString(self.sock.recv())
+            with phase("recv"):
+                msg = pb.SchedulerMessage.FromString(self.sock.recv())
             kind = msg.WhichOneof("kind")
             if kind == "welcome":
                 launched = None  # a new scheduler session: whatever ran is forgotten
@@ -64,7 +71,8 @@ class ExecutorServer:
                 if self.profiler is not None:
                     self.profiler.step()
                 try:
-                    nxt = self.worker.runner.launch(plan)
+                    with phase("launch"):
+                        nxt = self.worker.runner.launch(plan)
                 except Exception as e:  # report, keep serving: the scheduler aborts the step
                     if launched is not None:
                         self._send(self._finish(*launched))
@@ -81,11 +89,16 @@ class ExecutorServer:
         self.sock.close()
 
     def _send(self, result: pb.StepResult) -> None:
-        self.sock.send(pb.ExecutorMessage(result=result).SerializeToString())
+        with self._phase("send"):
+            self.sock.send(pb.ExecutorMessage(result=result).SerializeToString())
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager:
+        return self.profiler.phase(name) if self.profiler is not None else _no_phase(name)
 
     def _finish(self, step_id: int, launched: Launched, start: float) -> pb.StepResult:
         try:
-            req_ids, tokens = self.worker.runner.finish(launched)
+            with self._phase("finish"):
+                req_ids, tokens = self.worker.runner.finish(launched)
         except Exception as e:
             return self._failed(step_id, e)
         return self._result(step_id, req_ids, tokens, start, launched.graphed)

@@ -76,11 +76,14 @@ class Worker:
         if cfg.load_format not in ("auto", "random"):
             raise ValueError(f"load format must be auto or random, got {cfg.load_format!r}")
         self.model_cfg = ModelConfig.from_pretrained(cfg.model)
-        quant = resolve_quantization(cfg.model, cfg.quantization)
         weights = Path(cfg.model) if cfg.load_format == "auto" else None
+        quant = resolve_quantization(cfg.model, cfg.quantization, random=weights is None)
         max_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
         model = build_model(self.model_cfg, load_ops(backend), self.dtype, self.device,
                             max_len, weights, quant=quant)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        log.info("model weights: %.2f GiB on %s%s", self.weight_bytes / GiB, self.device,
+                 f" ({quant.method} 4-bit, group {quant.group_size})" if quant else "")
         self.block_size = cfg.block_size
         self.sampler = Sampler(self.device)
         self.num_blocks = self._num_blocks(cfg, model, max_len)
@@ -123,6 +126,7 @@ class Worker:
             num_swap_blocks=self.swap.num_blocks,
             max_num_batched_tokens=cfg.max_num_batched_tokens if profiled else 0,
             max_num_seqs=cfg.max_num_seqs if profiled else 0,
+            weight_bytes=self.weight_bytes,
         )
         self._memory_at, self._memory = 0.0, (0, 0)
         log.info("executor ready: %d KV blocks of %d tokens, max_model_len %d, %s on %s (%s)",

@@ -301,6 +301,8 @@ class Engine:
             self._generation += 1
             self._results.put_nowait(None)  # wake a step waiting on the old executor
         self.metrics.total_blocks.set(cap.num_kv_blocks)
+        self.metrics.kv_capacity_tokens.set(cap.num_kv_blocks * cap.block_size)
+        self.metrics.weight_bytes.set(cap.weight_bytes)
         self.sock.send_multipart(
             [ident, pb.SchedulerMessage(welcome=pb.Welcome(executor_id=hello.executor_id))
              .SerializeToString()])

@@ -63,6 +63,10 @@ class Metrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use")
         self.free_blocks = gauge("num_free_kv_blocks", "KV blocks on the free list")
         self.total_blocks = gauge("num_kv_blocks", "KV blocks the executor holds")
+        self.kv_capacity_tokens = gauge("kv_cache_capacity_tokens",
+                                        "Tokens the executor's KV blocks hold")
+        self.weight_bytes = gauge("model_weight_bytes",
+                                  "Bytes of model parameters on the executor's device")
         self.kv_token_util = gauge("kv_cache_token_utilization",
                                    "Tokens in the running requests' KV / the capacity of the "
                                    "blocks in use (what paging wastes is 1 minus this)")

@@ -5,7 +5,7 @@ reference in fp32 (outputs poisoned with NaN first), times the heuristic's choic
 model uses) and, with --sweep, a grid of configs, and bf16 torch.matmul in the same run.
 Records (kind w4a16_gemm) go to --out as JSONL; a table goes to stdout.
 
-    python benchmarks/quant/bench_w4a16.py --out $OUT [--sweep]
+    python benchmarks/quant/bench_w4a16.py --out $OUT [--sweep [all|planes]]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kernels import w4a16  # noqa: E402
 from kernels.w4a16_reference import dequantize, pack_int4  # noqa: E402
 
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]  # (n, k): qkv/o, gate, down
-ROWS = [1, 4, 16, 64, 256]
+ROWS = [1, 4, 16, 64, 128, 256]
 GROUP = 128
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu":  # smoke run of the script itself under TRITON_INTERPRET=1, tiny shapes
@@ -48,6 +48,24 @@ def rel_err(out, ref):
     if not torch.isfinite(out).all():
         return float("inf")
     return ((out - ref).norm() / ref.norm()).item()
+
+
+def planes_grid(rows):
+    """The nibble-plane variants (--sweep planes): CUDA-core GEMV for 1-2 rows, one tl.dot per
+    plane above."""
+    grid = []
+    for bn in (64, 128, 256):
+        for target in (264, 528, 1056):
+            for warps in (4, 8):
+                if rows <= 4:
+                    grid.append(w4a16.DecodeConfig(block_n=bn, block_k=128, use_dot=False,
+                                                   target_programs=target, num_warps=warps,
+                                                   planes=True))
+                if rows >= 2 and bn <= 128:
+                    grid.append(w4a16.DecodeConfig(block_n=bn, block_k=128, use_dot=True,
+                                                   target_programs=target, num_warps=warps,
+                                                   planes=True))
+    return grid
 
 
 def decode_grid(rows):
@@ -145,7 +163,30 @@ def run_case(n, k, rows, dtype, sweep, seed):
     results.append(("awq", "default", default, ms, err))
     results.append(("gptq", "default+act_order", default, ms_perm, err))
     results.append(("awq", "default_eager", default, ms_eager, err))
-    if sweep:
+    if rows >= 16:  # where the dequantize-then-cuBLAS path could win
+        err = check(lambda o: w4a16.w4a16_dequant_matmul(x, qw, s, z, GROUP, out=o))
+        ms_dq = bench_graph([lambda q=q: w4a16.w4a16_dequant_matmul(x, *q, GROUP) for q in quant])
+        results.append(("awq", "dequant_matmul", None, ms_dq, err))
+    if rows >= w4a16.DEQUANT_MIN_ROWS:  # the tiled Triton kernel the dispatcher skips here
+        cfg = w4a16.pick_config(rows, n, k)
+        err = check(lambda o: w4a16.w4a16_prefill(x, qw, s, z, GROUP, out=o, config=cfg))
+        ms_tri = bench_graph([lambda q=q: w4a16.w4a16_prefill(x, *q, GROUP, config=cfg)
+                              for q in quant])
+        results.append(("awq", "triton_prefill", cfg, ms_tri, err))
+    if sweep == "planes":
+        if rows <= w4a16.DECODE_MAX_ROWS:
+            for cfg in planes_grid(rows):
+                err = check(lambda o, cfg=cfg: w4a16.w4a16_decode(x, qw, s, z, GROUP, out=o,
+                                                                  config=cfg))
+                if not err < 1e-2:
+                    print(f"WRONG n={n} k={k} rows={rows} {cfg}: rel err {err}")
+                    results.append(("awq", "sweep_wrong", cfg, float("inf"), err))
+                    continue
+                ms_c = bench_graph([lambda q=q, cfg=cfg: w4a16.w4a16_decode(x, *q, GROUP,
+                                                                            config=cfg)
+                                    for q in quant])
+                results.append(("awq", "sweep", cfg, ms_c, err))
+    elif sweep:
         configs = []
         if rows <= w4a16.DECODE_MAX_ROWS:
             configs += [(c, w4a16.w4a16_decode) for c in decode_grid(rows)]
@@ -166,7 +207,9 @@ def run_case(n, k, rows, dtype, sweep, seed):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", nargs="?", const="all", default="",
+                    help="time a grid of configs too: all (every kernel option) or planes "
+                         "(the nibble-plane decode variants)")
     args = ap.parse_args()
     env = environment()
     lines = []
@@ -190,7 +233,8 @@ def main() -> None:
             with path.open("a") as f:  # per case, so a run cut short keeps what it measured
                 for r in records:
                     f.write(json.dumps(r) + "\n")
-            best = min((r for r in results if r[1] in ("default", "sweep")), key=lambda r: r[3])
+            best = min((r for r in results if r[1] in ("default", "sweep", "dequant_matmul",
+                                                       "triton_prefill")), key=lambda r: r[3])
             dflt = results[0]
             gbytes = (n * k / 2 + rows * k * 2 + rows * n * 2) / 1e9
             print(f"{n} {k} {rows} done", flush=True)

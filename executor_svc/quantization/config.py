@@ -30,8 +30,14 @@ def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
     return cfg.get("quantization_config")
 
 
-def resolve_quantization(model_dir: str | Path, requested: str = "auto") -> QuantConfig | None:
-    """None for a float checkpoint; raises QuantizationError for what cannot be served."""
+RANDOM_GROUP_SIZE = 128
+
+
+def resolve_quantization(model_dir: str | Path, requested: str = "auto",
+                         random: bool = False) -> QuantConfig | None:
+    """None for a float checkpoint; raises QuantizationError for what cannot be served.
+    random: the weights will be drawn, not loaded (benchmarks), so `--quantization awq|gptq`
+    of a float config means random 4-bit weights at group size 128."""
     if requested not in METHODS:
         raise QuantizationError(f"quantization must be one of {', '.join(METHODS)}, "
                                 f"got {requested!r}")
@@ -43,6 +49,8 @@ def resolve_quantization(model_dir: str | Path, requested: str = "auto") -> Quan
                                     f"--quantization {found} or auto")
         return None
     if qc is None:
+        if random and requested in ("awq", "gptq"):
+            return QuantConfig(requested, RANDOM_GROUP_SIZE)
         if requested == "auto":
             return None
         raise QuantizationError(f"--quantization {requested}: {model_dir}/config.json has no "

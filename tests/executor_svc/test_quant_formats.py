@@ -146,6 +146,29 @@ def test_float_checkpoint_and_explicit_method(tmp_path):
         resolve_quantization(tmp_path, "gptq")
 
 
+def test_random_weights_of_a_float_config_take_an_explicit_method(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    assert resolve_quantization(tmp_path, "auto", random=True) is None
+    quant = resolve_quantization(tmp_path, "awq", random=True)
+    assert (quant.method, quant.group_size, quant.act_order) == ("awq", 128, False)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    fp = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 64, None)
+    q = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 64, None, quant=quant)
+    lin = q.layers[0].mlp.down_proj
+    assert (lin.zeros == 8.0).all()
+    nibbles = torch.stack([(lin.qweight >> (4 * j)) & 0xF for j in range(8)])
+    assert set(nibbles.unique().tolist()) == set(range(16))  # every 4-bit value drawn
+    w = dequantize(lin.qweight, lin.scales, lin.zeros, quant.group_size)
+    assert 0.015 < w.std().item() < 0.025  # the spread of the N(0, 0.02) float weights
+    float_bytes = sum(p.numel() * p.element_size() for p in fp.layers.parameters())
+    quant_bytes = sum(p.numel() * p.element_size() for p in q.layers.parameters())
+    assert quant_bytes < 0.3 * float_bytes  # 4-bit words plus a scale and a zero per 128
+    from tests.executor_svc.test_model import run_paged
+
+    logits = run_paged(q, cfg, [[1, 2, 3, 4]], [(4,)])[0][-1]
+    assert logits.shape == (256,) and torch.isfinite(logits).all()
+
+
 def test_mismatched_g_idx_in_fused_qkv_is_refused(tmp_path):
     hf, qdir = _quantized_tiny(tmp_path, "gptq", 32, act_order=True)
     tensors = dict(iter_safetensors(qdir))
