@@ -59,7 +59,7 @@ for part in $PARTS; do
     quant)
       python3 -m pytest -q -rs tests/kernels/test_w4a16.py 2>&1 | tee $B/pytest_w4a16.log \
         | tail -4
-      python3 benchmarks/quant/bench_w4a16.py --out $B --sweep planes 2>&1 \
+      timeout ${QUANT_S:-300} python3 benchmarks/quant/bench_w4a16.py --out $B --sweep planes 2>&1 \
         | tee $B/bench_w4a16.log | grep -v " done$" | tail -30 ;;
     awq)
       throughput W2 M8
