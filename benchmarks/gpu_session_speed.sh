@@ -6,7 +6,7 @@
 # Parts: cpu, tests, w1 (W1 with HF generate bs256), big (W1+W2, throughput settings), w1big,
 # w1async, profile (torch profiles, W1 8B), w1si8, w1eager, w1cb (HF continuous batching), w2,
 # w3 (8B rates), overload (135M: 46 req/s, sustainable, then 70 = 1.5x), profile1b (torch
-# profiles of W1 1B), quant (W4A16 GPU tests and GEMM bench with the nibble-plane sweep), awq
+# profiles of W1 1B), quant (W4A16 GPU tests and GEMM bench), awq
 # (W1 and W2 on 8B with random AWQ weights, and W2 bf16 beside them).
 # Everything new comes back in one archive, $OUT/bundle.tgz (the device returns at most 8 files).
 set -uo pipefail
@@ -59,7 +59,7 @@ for part in $PARTS; do
     quant)
       python3 -m pytest -q -rs tests/kernels/test_w4a16.py 2>&1 | tee $B/pytest_w4a16.log \
         | tail -4
-      timeout ${QUANT_S:-300} python3 benchmarks/quant/bench_w4a16.py --out $B --sweep planes 2>&1 \
+      timeout ${QUANT_S:-300} python3 benchmarks/quant/bench_w4a16.py --out $B 2>&1 \
         | tee $B/bench_w4a16.log | grep -v " done$" | tail -30 ;;
     awq)
       throughput W2 M8

@@ -83,7 +83,8 @@ async def _send_all(address: str, prompts: list[list[int]],
 def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str]) -> dict:
     from tests.integration.service import Service, scrape
 
-    svc = Service(Path(tempfile.mkdtemp()) / "serve.log", *flags)
+    log_path = Path(tempfile.mkdtemp()) / "serve.log"
+    svc = Service(log_path, *flags)
     try:
         svc.wait_serving(timeout=900)
         info = svc.client.model_info()
@@ -96,6 +97,10 @@ def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str
         svc.stop()
     ttfts = sorted(t for t, _ in lat)
     tpots = sorted((e - t) / max(1, o - 1) for (t, e), o in zip(lat, outputs, strict=True))
+    compiles = [line.strip() for line in log_path.read_text(errors="replace").splitlines()
+                if "compiled a kernel variant mid-serving" in line]
+    for line in compiles:
+        print("  server:", line[:400], flush=True)
 
     def delta(key):
         return after.get(f"pagedserve:{key}", 0) - before.get(f"pagedserve:{key}", 0)
@@ -120,6 +125,7 @@ def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str
             "kv_token_utilization_at_peak":
                 after.get("pagedserve:kv_cache_token_utilization_at_peak"),
             "num_kv_blocks": after.get("pagedserve:num_kv_blocks"),
+            "jit_compiles_mid_run": len(compiles),
             "kv_capacity_tokens": after.get("pagedserve:kv_cache_capacity_tokens"),
             "weight_gib": after.get("pagedserve:model_weight_bytes", 0) / 2**30,
             "device": info.device, "dtype": info.dtype, "attention_backend": info.attention_backend}

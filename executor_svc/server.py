@@ -12,6 +12,7 @@ import uuid
 
 import zmq
 
+from executor_svc.jit_watch import JitWatch
 from executor_svc.profiling import StepProfiler
 from executor_svc.runner import Launched
 from executor_svc.worker import ExecutorConfig, Worker
@@ -172,6 +173,8 @@ def run(args: argparse.Namespace) -> None:
     )
     worker = Worker(cfg)
     worker.warm_up()
+    if worker.device.type == "cuda":
+        JitWatch().install()
     profiler = (StepProfiler(args.torch_profile_dir, args.torch_profile_steps)
                 if args.torch_profile_dir else None)
     server = ExecutorServer(worker, args.scheduler_address, profiler)

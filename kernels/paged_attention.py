@@ -76,8 +76,10 @@ def _attend_tile(
 
 # Ints that change from step to step are not specialised on (Triton would compile a variant
 # for each of value == 1 / divisible by 16 / other: measured on the H200, such compiles in the
-# first steps of a fresh server cost seconds).
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_q_len"])
+# first steps of a fresh server cost seconds). stride_bt is one of them: an eager step's block
+# table is as wide as its longest sequence needs (a CUDA graph's is fixed), so its divisibility
+# by 16 changes as contexts grow. The executor logs any compile after start (jit_watch.py).
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_q_len", "stride_bt"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,

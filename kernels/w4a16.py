@@ -24,12 +24,13 @@ Two kernels:
   few column tiles still fills the GPU. Partials go to fp32 [split, M, N], summed by a small
   reduce kernel (split 1 writes out directly). Rows are reduced with tl.dot (16-row minimum) or,
   for 1-4 rows, with broadcast multiply-and-sum on the CUDA cores.
-- prefill (16 < M < DEQUANT_MIN_ROWS): a tiled GEMM with grouped program order for L2 reuse of
-  the weight tiles.
-- many rows (M >= DEQUANT_MIN_ROWS): the GEMM is compute-bound there, and a tl.dot fed from
-  registers does not reach the tensor-core rate of cuBLAS on Hopper (0.2-0.3x of bf16 at 256
-  rows, H200 sweep); so the weight is dequantized into a [K, N] scratch (one memory-bound pass,
-  ~4.5 bytes moved per weight) and multiplied by torch.matmul.
+- prefill (16 < M < 64, and wide-N shapes below 128 rows): a tiled GEMM with grouped program
+  order for L2 reuse of the weight tiles.
+- many rows (use_dequant_matmul): a tl.dot fed from registers does not reach the tensor-core
+  rate of cuBLAS on Hopper (0.21-0.33x of bf16 at 256 rows on the H200), so the weight is
+  dequantized into a [K, N] scratch (one memory-bound pass, ~4.5 bytes moved per weight) and
+  multiplied by torch.matmul: 0.53-0.62x of bf16 at 256 rows, 0.48-0.56x at 64
+  (benchmarks/results/w4a16_gemm_2026-11-30T003732.jsonl).
 """
 
 from __future__ import annotations
@@ -56,7 +57,6 @@ class DecodeConfig:
     target_programs: int = 528  # 4 per SM on an H100/H200
     bcast_load: bool = False
     lock_reduce: bool = True  # split-K sum by the last program (one launch), else a 2nd kernel
-    planes: bool = False  # nibble planes: no [K/8, 8, N] -> [K, N] reshape (see _planes_tile)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +71,15 @@ class PrefillConfig:
 
 
 DECODE_MAX_ROWS = 16
-DEQUANT_MIN_ROWS = 128  # rows from which dequantize-then-cuBLAS wins (see pick_config)
+DEQUANT_MIN_ROWS = 64  # rows from which dequantize-then-cuBLAS wins (see use_dequant_matmul)
+
+
+def use_dequant_matmul(m: int, n: int, k: int) -> bool:
+    """H200 sweep (bf16, G=128, Llama-3.1-8B shapes): dequantize + cuBLAS wins from 64 rows,
+    except the wide gate_up shape (N=14336, K=4096), where the tiled kernel still wins at 64."""
+    if m >= 2 * DEQUANT_MIN_ROWS:
+        return True
+    return m >= DEQUANT_MIN_ROWS and not (n > 8192 and k <= 4096)
 
 
 @triton.jit
@@ -97,57 +105,13 @@ def _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
     return (qf - zb[None, :]) * s[None, :]
 
 
-@triton.jit
-def _planes_tile(acc, x_ptr, qw_ptr, s_ptr, z_ptr, k0, offs_m, m_ok, offs_n, n_ok, N, K,
-                 group_size, stride_xm, USE_DOT: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """acc += x[:, k0:k0+BLOCK_K] @ W[k0:k0+BLOCK_K, :] without reshaping the unpacked nibbles.
-
-    Word row i of the tile holds k = k0 + 8i + j in nibble j; a dot product may take K in any
-    order, so the tile is 8 "planes" j = 0..7, each a [BLOCK_K/8, BLOCK_N] slice of W in the
-    loaded layout, against the matching stride-8 columns of x. The reshape's register shuffle
-    (through shared memory before tl.dot) is gone. CUDA cores (USE_DOT False, one group per
-    tile): products of x and (q - z) are summed in a 3-D register tile, scaled once per tile,
-    and reduced over K once per tile; tensor cores (BLOCK_K/8 >= 16): one tl.dot per plane,
-    each row's own group (several groups per tile when BLOCK_K > group_size).
-    """
-    K8: tl.constexpr = BLOCK_K // 8
-    k8 = k0 // 8 + tl.arange(0, K8)
-    k8_ok = k8 < K // 8
-    qw = tl.load(qw_ptr + k8[:, None] * N + offs_n[None, :], mask=k8_ok[:, None] & n_ok[None, :],
-                 other=0)
-    x_rows = x_ptr + offs_m[:, None] * stride_xm + 8 * k8[None, :]
-    x_ok = m_ok[:, None] & k8_ok[None, :]
-    if USE_DOT:
-        g = (8 * k8) // group_size
-        gn = g[:, None] * N + offs_n[None, :]
-        s = tl.load(s_ptr + gn, mask=k8_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        zb = tl.load(z_ptr + gn, mask=k8_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        zb += 8388608.0
-        for j in tl.static_range(8):
-            x = tl.load(x_rows + j, mask=x_ok, other=0.0)
-            qf = (((qw >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            acc += tl.dot(x, ((qf - zb) * s).to(x.dtype))
-    else:
-        g = k0 // group_size  # BLOCK_K <= group_size: one group per tile
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        zb = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32) + 8388608.0
-        part = tl.zeros((acc.shape[0], K8, BLOCK_N), dtype=tl.float32)
-        for j in tl.static_range(8):
-            x = tl.load(x_rows + j, mask=x_ok, other=0.0).to(tl.float32)
-            qf = (((qw >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            part += x[:, :, None] * (qf - zb[None, :])[None, :, :]
-        acc += tl.sum(part, axis=1) * s[None, :]
-    return acc
-
-
 @triton.jit(do_not_specialize=["M"])  # rows change every step (see paged_attention.py)
 def _w4a16_decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, group_size, k_per_split, stride_xm, stride_om,
     HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, USE_DOT: tl.constexpr,
     BCAST_LOAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PLANES: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -160,19 +124,15 @@ def _w4a16_decode_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if PLANES:
-            acc = _planes_tile(acc, x_ptr, qw_ptr, s_ptr, z_ptr, k0, offs_m, m_ok, offs_n, n_ok,
-                               N, K, group_size, stride_xm, USE_DOT, BLOCK_K, BLOCK_N)
+        k = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                    mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        w = _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
+                       BLOCK_K, BLOCK_N, BCAST_LOAD)
+        if USE_DOT:
+            acc += tl.dot(x, w.to(x.dtype))
         else:
-            k = k0 + offs_k
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                        mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-            w = _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
-                           BLOCK_K, BLOCK_N, BCAST_LOAD)
-            if USE_DOT:
-                acc += tl.dot(x, w.to(x.dtype))
-            else:
-                acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
     mn_ok = m_ok[:, None] & n_ok[None, :]
     if REDUCE != 0:  # split-K partial, summed by the last program of this column tile (2)
         part_offs = offs_m[:, None] * N + offs_n[None, :]  # or by _splitk_reduce_kernel (1)
@@ -348,8 +308,6 @@ def w4a16_decode(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
     if m == 0:
         return out
     block_k = min(config.block_k, group_size)
-    if config.planes and config.use_dot:  # one K-16 tl.dot per plane: any group size
-        block_k = max(config.block_k, 128)
     block_m = 16 if config.use_dot else triton.next_power_of_2(m)
     num_n = triton.cdiv(n, config.block_n)
     k_tiles = triton.cdiv(k, block_k)
@@ -365,7 +323,7 @@ def w4a16_decode(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
         tiles_per_split * block_k, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, REDUCE=reduce, USE_DOT=config.use_dot,
         BCAST_LOAD=config.bcast_load, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
-        PLANES=config.planes, num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if reduce == 1:
         block = min(1024, triton.next_power_of_2(n))
@@ -427,7 +385,7 @@ def w4a16_gemm(
         _check(x, qweight, scales, zeros, group_size, bias, perm)
         x = x.index_select(1, perm)
     m, k = x.shape
-    if m >= DEQUANT_MIN_ROWS:
+    if use_dequant_matmul(m, qweight.shape[1], k):
         return w4a16_dequant_matmul(x, qweight, scales, zeros, group_size, bias, out=out)
     cfg = pick_config(m, qweight.shape[1], k)
     if isinstance(cfg, DecodeConfig):

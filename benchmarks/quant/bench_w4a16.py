@@ -5,7 +5,7 @@ reference in fp32 (outputs poisoned with NaN first), times the heuristic's choic
 model uses) and, with --sweep, a grid of configs, and bf16 torch.matmul in the same run.
 Records (kind w4a16_gemm) go to --out as JSONL; a table goes to stdout.
 
-    python benchmarks/quant/bench_w4a16.py --out $OUT [--sweep [all|planes]]
+    python benchmarks/quant/bench_w4a16.py --out $OUT [--sweep]
 """
 
 from __future__ import annotations
@@ -48,24 +48,6 @@ def rel_err(out, ref):
     if not torch.isfinite(out).all():
         return float("inf")
     return ((out - ref).norm() / ref.norm()).item()
-
-
-def planes_grid(rows):
-    """The nibble-plane variants (--sweep planes): CUDA-core GEMV for 1-2 rows, one tl.dot per
-    plane above."""
-    grid = []
-    for bn in (64, 128, 256):
-        for target in (264, 528, 1056):
-            for warps in (4, 8):
-                if rows <= 4:
-                    grid.append(w4a16.DecodeConfig(block_n=bn, block_k=128, use_dot=False,
-                                                   target_programs=target, num_warps=warps,
-                                                   planes=True))
-                if rows >= 2 and bn <= 128:
-                    grid.append(w4a16.DecodeConfig(block_n=bn, block_k=128, use_dot=True,
-                                                   target_programs=target, num_warps=warps,
-                                                   planes=True))
-    return grid
 
 
 def decode_grid(rows):
@@ -167,26 +149,13 @@ def run_case(n, k, rows, dtype, sweep, seed):
         err = check(lambda o: w4a16.w4a16_dequant_matmul(x, qw, s, z, GROUP, out=o))
         ms_dq = bench_graph([lambda q=q: w4a16.w4a16_dequant_matmul(x, *q, GROUP) for q in quant])
         results.append(("awq", "dequant_matmul", None, ms_dq, err))
-    if rows >= w4a16.DEQUANT_MIN_ROWS:  # the tiled Triton kernel the dispatcher skips here
+    if w4a16.use_dequant_matmul(rows, n, k):  # the tiled Triton kernel the dispatcher skips
         cfg = w4a16.pick_config(rows, n, k)
         err = check(lambda o: w4a16.w4a16_prefill(x, qw, s, z, GROUP, out=o, config=cfg))
         ms_tri = bench_graph([lambda q=q: w4a16.w4a16_prefill(x, *q, GROUP, config=cfg)
                               for q in quant])
         results.append(("awq", "triton_prefill", cfg, ms_tri, err))
-    if sweep == "planes":
-        if rows <= w4a16.DECODE_MAX_ROWS:
-            for cfg in planes_grid(rows):
-                err = check(lambda o, cfg=cfg: w4a16.w4a16_decode(x, qw, s, z, GROUP, out=o,
-                                                                  config=cfg))
-                if not err < 1e-2:
-                    print(f"WRONG n={n} k={k} rows={rows} {cfg}: rel err {err}")
-                    results.append(("awq", "sweep_wrong", cfg, float("inf"), err))
-                    continue
-                ms_c = bench_graph([lambda q=q, cfg=cfg: w4a16.w4a16_decode(x, *q, GROUP,
-                                                                            config=cfg)
-                                    for q in quant])
-                results.append(("awq", "sweep", cfg, ms_c, err))
-    elif sweep:
+    if sweep:
         configs = []
         if rows <= w4a16.DECODE_MAX_ROWS:
             configs += [(c, w4a16.w4a16_decode) for c in decode_grid(rows)]
@@ -207,9 +176,7 @@ def run_case(n, k, rows, dtype, sweep, seed):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--sweep", nargs="?", const="all", default="",
-                    help="time a grid of configs too: all (every kernel option) or planes "
-                         "(the nibble-plane decode variants)")
+    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     env = environment()
     lines = []

@@ -12,6 +12,8 @@ from kernels.w4a16_reference import dequantize, pack_int4, unpack_int4
 from kernels.w4a16_reference import w4a16_gemm as reference
 
 CUDA = torch.cuda.is_available()
+# fp32 through tl.dot runs as TF32 on a GPU's tensor cores (10-bit mantissa): ~1e-3 relative
+FP32_TOL = 2e-3 if CUDA else 1e-5
 
 
 def make(m, n, k, group, dtype, device, seed=0):
@@ -41,20 +43,17 @@ DECODE = [
     w4a16.DecodeConfig(block_n=16, block_k=32, lock_reduce=False),  # reduce kernel
     w4a16.DecodeConfig(block_n=32, block_k=64, split_k=1, bcast_load=True),  # no split
     w4a16.DecodeConfig(block_n=16, block_k=32, use_dot=False),  # CUDA-core GEMV
-    w4a16.DecodeConfig(block_n=16, block_k=32, use_dot=False, planes=True),
-    w4a16.DecodeConfig(block_n=16, block_k=128, planes=True),  # tl.dot per nibble plane
 ]
 
 
-@pytest.mark.parametrize("cfg", DECODE, ids=["lock", "reduce-kernel", "direct-bcast", "gemv",
-                                             "gemv-planes", "dot-planes"])
+@pytest.mark.parametrize("cfg", DECODE, ids=["lock", "reduce-kernel", "direct-bcast", "gemv"])
 @pytest.mark.parametrize("m,n,k,group", [(1, 48, 96, 32), (3, 40, 576, 128), (16, 24, 128, 64)])
 def test_decode_kernel(device, cfg, m, n, k, group):
     x, qw, s, z, bias = make(m, n, k, group, torch.float32, device)
     ref = reference(x, qw, s, z, group, bias)
     out = w4a16.w4a16_decode(x, qw, s, z, group, bias, out=poisoned(m, n, x.dtype, device),
                              config=cfg)
-    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, ref) < FP32_TOL
 
 
 @pytest.mark.parametrize("bcast", [False, True])
@@ -65,7 +64,7 @@ def test_prefill_kernel(device, bcast, m, n, k, group):
     cfg = w4a16.PrefillConfig(block_m=16, block_n=32, block_k=64, bcast_load=bcast)
     out = w4a16.w4a16_prefill(x, qw, s, z, group, bias, out=poisoned(m, n, x.dtype, device),
                               config=cfg)
-    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, ref) < FP32_TOL
 
 
 @pytest.mark.parametrize("m", [1, 5, 24])
@@ -78,15 +77,16 @@ def test_gemm_act_order_and_strided_rows(device, m):
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(3)).to(device)
     ref = reference(wide, qw, s, z, group, None, perm)
     out = w4a16.w4a16_gemm(wide, qw, s, z, group, perm=perm, out=poisoned(m, n, x.dtype, device))
-    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, ref) < FP32_TOL
 
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("n,k,group", [(40, 576, 128), (136, 96, 32)])
 def test_dequant_matmul_path(device, bias, n, k, group):
     """Many rows: the kernel's dequantized weight is the reference's bit for bit, and the
-    entry point sends M >= DEQUANT_MIN_ROWS there (act-order gather included)."""
-    m = w4a16.DEQUANT_MIN_ROWS
+    entry point sends 2 * DEQUANT_MIN_ROWS rows there (act-order gather included)."""
+    m = 2 * w4a16.DEQUANT_MIN_ROWS
+    assert w4a16.use_dequant_matmul(m, n, k)
     x, qw, s, z, b = make(m, n, k, group, torch.float32, device, seed=4)
     assert torch.equal(w4a16.dequantize_weight(qw, s, z, group, torch.float32),
                        dequantize(qw, s, z, group, torch.float32))
@@ -94,7 +94,7 @@ def test_dequant_matmul_path(device, bias, n, k, group):
     perm = torch.randperm(k, generator=torch.Generator().manual_seed(5)).to(device)
     ref = reference(x, qw, s, z, group, b, perm)
     out = w4a16.w4a16_gemm(x, qw, s, z, group, b, perm, out=poisoned(m, n, x.dtype, device))
-    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, ref) < FP32_TOL
 
 
 def test_dequantize_matches_formula():
