@@ -6,7 +6,10 @@ mirrors state, builds the batch tensors and samples. So `plan` is schedule() + p
 encoding, and `round trip` is send -> result (ZeroMQ both ways, executor decode, input
 preparation, sampling, encode): the time a GPU step would have to hide.
 
-    python -m benchmarks.step_overhead --running 16 64 256
+    python -m benchmarks.step_overhead --running 16 64 256 [--tokenizer DIR] [--async-scheduling]
+
+`step period` is the whole loop's time per step (plan, round trip, delivering tokens to the
+streams): the host's ceiling on steps per second, which a GPU step shorter than it cannot beat.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import statistics
+import time
 
 from benchmarks.common import write_records
 
@@ -46,7 +50,8 @@ def stub_executor(address: str, num_blocks: int, block_size: int) -> None:
     ExecutorServer(StubWorker(), address).serve_forever()
 
 
-async def measure(running: int, steps: int, address: str) -> dict:
+async def measure(running: int, steps: int, address: str, tokenizer: str | None = None,
+                  async_scheduling: bool = False) -> dict:
     from scheduler_svc.engine import Engine
     from scheduler_svc.request import SamplingParams
     from scheduler_svc.scheduler import SchedulerConfig
@@ -55,18 +60,25 @@ async def measure(running: int, steps: int, address: str) -> dict:
         def decode(self, ids, skip_special_tokens=True):
             return "x" * len(ids)
 
+    tok = NullTokenizer()
+    if tokenizer is not None:  # a real one: detokenization is part of a step's host work
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer)
     engine = Engine(SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=8192),
-                    address, NullTokenizer(), eos_token_ids=[])
+                    address, tok, eos_token_ids=[], async_scheduling=async_scheduling)
     await engine.start()
     proc = mp.get_context("spawn").Process(target=stub_executor, args=(address, 65536, 16),
                                            daemon=True)
     proc.start()
     await engine.wait_ready()
     params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
     streams = [engine.submit(f"r{i}", [1] * 128, params) for i in range(running)]
     for s in streams:  # wait for every request to finish
         while not (await s.queue.get()).finish_reason:
             pass
+    wall = time.perf_counter() - start
     decode = [t for t in engine.timings if t.num_reqs == running and t.num_tokens == running]
     proc.terminate()
     await engine.close()
@@ -76,7 +88,11 @@ async def measure(running: int, steps: int, address: str) -> dict:
             "plan_us_p50": statistics.median(plan), "plan_us_mean": statistics.fmean(plan),
             "round_trip_us_p50": statistics.median(rtt),
             "round_trip_us_mean": statistics.fmean(rtt),
-            "executor_us_p50": statistics.median(t.execute_s * 1e6 for t in decode)}
+            "executor_us_p50": statistics.median(t.execute_s * 1e6 for t in decode),
+            # the whole loop with a model that takes no time: the host's ceiling on steps/s
+            "step_period_us": wall * 1e6 / len(engine.timings),
+            "tokenizer": "null" if tokenizer is None else tokenizer,
+            "async_scheduling": async_scheduling}
 
 
 def main() -> None:
@@ -84,12 +100,17 @@ def main() -> None:
     p.add_argument("--running", type=int, nargs="+", default=[16, 64])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--address", default="ipc:///tmp/pagedserve-bench-overhead")
+    p.add_argument("--tokenizer", default=None,
+                   help="detokenize with this tokenizer (a model directory); default: none")
+    p.add_argument("--async-scheduling", action="store_true")
     args = p.parse_args()
-    records = [asyncio.run(measure(n, args.steps, args.address)) for n in args.running]
-    print(f"{'running':>8} {'plan p50 us':>12} {'round trip p50 us':>18} {'executor p50 us':>16}")
+    records = [asyncio.run(measure(n, args.steps, args.address, args.tokenizer,
+                                   args.async_scheduling)) for n in args.running]
+    print(f"{'running':>8} {'plan p50 us':>12} {'round trip p50 us':>18} {'executor p50 us':>16} "
+          f"{'step period us':>15}")
     for r in records:
         print(f"{r['running']:>8} {r['plan_us_p50']:>12.0f} {r['round_trip_us_p50']:>18.0f} "
-              f"{r['executor_us_p50']:>16.0f}")
+              f"{r['executor_us_p50']:>16.0f} {r['step_period_us']:>15.0f}")
     print("wrote", write_records("step_overhead", records))
 
 

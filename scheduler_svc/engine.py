@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from protos.pagedserve.internal.v1 import executor_pb2 as pb
 from scheduler_svc.block_manager import BlockManager, HostBlockPool
-from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher, decoder_of
 from scheduler_svc.metrics import Metrics, priority_class
 from scheduler_svc.request import Request, SamplingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -121,6 +121,7 @@ class Engine:
         self.async_scheduling = async_scheduling
         self.address = address
         self.tokenizer = tokenizer
+        self._decode = decoder_of(tokenizer)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv_watermark = kv_watermark
         self.capacity: pb.Capacity | None = None
@@ -215,7 +216,8 @@ class Engine:
                                top_p=params.top_p, has_seed=params.seed is not None,
                                seed=params.seed or 0)
         stream = RequestStream(req, IncrementalDetokenizer(self.tokenizer,
-                                                           params.skip_special_tokens),
+                                                           params.skip_special_tokens,
+                                                           self._decode),
                                StopStringMatcher(params.stop), sampling)
         if timeout is not None:
             stream.deadline = stream.arrival + timeout
@@ -509,6 +511,7 @@ class Engine:
             if finish:
                 self._end(stream, finish, now)
             stream.queue.put_nowait(chunk)
+        self.telemetry.flush()
         return []
 
     def _fail(self, stream: RequestStream, code: str, message: str) -> None:

@@ -12,6 +12,8 @@ Children are bound once here, so the engine's hot path does no label lookups.
 
 from __future__ import annotations
 
+import bisect
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -30,6 +32,27 @@ REFUSAL_REASONS = ("queue_full",)
 _LATENCY = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 _LONG = (.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL = (.005, .01, .02, .03, .05, .075, .1, .15, .2, .3, .5, 1, 2.5)
+
+
+def observe_many(hist: Histogram, values: list[float]) -> None:
+    """hist.observe(v) for each v, as one update per bucket: with hundreds of running requests
+    the per-token inter-token-latency observations were a fifth of the scheduler's time per
+    step. Uses the client's bucket counters (prometheus_client's Histogram internals), and
+    falls back to observe() where they are not there."""
+    bounds = getattr(hist, "_upper_bounds", None)
+    buckets = getattr(hist, "_buckets", None)
+    total = getattr(hist, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for v in values:
+            hist.observe(v)
+        return
+    counts = [0] * len(bounds)
+    for v in values:
+        counts[bisect.bisect_left(bounds, v)] += 1  # first bound >= v, as observe() picks
+    for bucket, n in zip(buckets, counts, strict=True):
+        if n:
+            bucket.inc(n)
+    total.inc(sum(values))
 
 
 def priority_class(priority: int) -> str:

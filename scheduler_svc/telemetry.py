@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from protos.pagedserve.internal.v1 import executor_pb2 as pb
-from scheduler_svc.metrics import Metrics
+from scheduler_svc.metrics import Metrics, observe_many
 
 if TYPE_CHECKING:
     from scheduler_svc.engine import RequestStream
@@ -29,6 +29,7 @@ class Telemetry:
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.log_prompts = log_prompts
+        self._itl: list[float] = []  # inter-token latencies of this delivery, see flush()
 
     def scheduled(self, stream: RequestStream, now: float) -> None:
         if not stream.scheduled_at:
@@ -38,12 +39,18 @@ class Telemetry:
     def token(self, stream: RequestStream, now: float) -> None:
         m = self.metrics
         if stream.first_token_at:
-            m.itl.observe(now - stream.last_token_at)
+            self._itl.append(now - stream.last_token_at)
         else:
             stream.first_token_at = now
             m.ttft[stream.priority_class].observe(now - stream.arrival)
             m.prefill_time.observe(now - (stream.scheduled_at or stream.arrival))
         stream.last_token_at = now
+
+    def flush(self) -> None:
+        """Record the inter-token latencies gathered by token() since the last flush."""
+        if self._itl:
+            observe_many(self.metrics.itl, self._itl)
+            self._itl = []
 
     def finished(self, stream: RequestStream, reason: str, now: float) -> None:
         """reason: "stop" or "length" (counted as successes), else "abort" or a status code."""

@@ -1,6 +1,6 @@
 import pytest
 
-from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher, decoder_of
 
 TEXTS = [
     "Hello, world! The capital of France is Paris.",
@@ -16,6 +16,36 @@ def test_incremental_equals_full_decode_and_never_breaks_utf8(tokenizer, text):
     deltas = [detok.push(t) for t in ids] + [detok.flush()]
     assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
     assert all("\ufffd" not in d for d in deltas)
+
+
+def test_fast_decoder_is_the_backends_and_decodes_the_same(tokenizer):
+    decode = decoder_of(tokenizer)
+    assert decode == tokenizer._tokenizer.decode  # the default model's tokenizer is BPE
+    ids = [t for text in TEXTS for t in tokenizer.encode(text)] + [2, 1, 2]
+    for skip in (True, False):
+        for end in range(0, len(ids), 7):
+            assert decode(ids[:end], skip_special_tokens=skip) == tokenizer.decode(
+                ids[:end], skip_special_tokens=skip)
+
+
+class _WordPiece:  # a tokenizer whose wrapper's clean-up pass changes text
+    class _tokenizer:  # noqa: N801
+        class model:  # noqa: N801
+            pass
+
+        @staticmethod
+        def decode(ids, skip_special_tokens=True):
+            return "raw"
+
+    clean_up_tokenization_spaces = True
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=True):
+        return "cleaned"
+
+
+def test_wrapper_kept_where_it_cleans_up():
+    assert decoder_of(_WordPiece)([1]) == "cleaned"
 
 
 def test_multibyte_character_is_held_until_complete(tokenizer):
