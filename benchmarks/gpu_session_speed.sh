@@ -7,7 +7,8 @@
 # w1async, profile (torch profiles, W1 8B), w1si8, w1eager, w1cb (HF continuous batching), w2,
 # w3 (8B rates), overload (135M: 46 req/s, sustainable, then 70 = 1.5x), profile1b (torch
 # profiles of W1 1B), quant (W4A16 GPU tests and GEMM bench), awq
-# (W1 and W2 on 8B with random AWQ weights, and W2 bf16 beside them).
+# (W1 and W2 on 8B with random AWQ weights, and W2 bf16 beside them), bigasync (big with
+# --async-scheduling), kernels (every kernel test on the GPU).
 # Everything new comes back in one archive, $OUT/bundle.tgz (the device returns at most 8 files).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -46,6 +47,11 @@ for part in $PARTS; do
     big)  # throughput settings: 8 tokens per streamed message, 8192-token steps
       for m in M8 M1; do throughput W1 $m; throughput W2 $m; done ;;
     w1big) for m in M8 M1; do throughput W1 $m; done ;;
+    bigasync)  # big, with --async-scheduling
+      for m in M8 M1; do for w in W1 W2; do
+        throughput $w $m --server-flag=--async-scheduling; done; done ;;
+    kernels)
+      python3 -m pytest -q -rs tests/kernels 2>&1 | tee $B/pytest_kernels.log | tail -4 ;;
     w1async) for m in M8 M1; do throughput W1 $m --server-flag=--async-scheduling; done ;;
     profile)  # torch profiles of W1 8B: two prefill steps, then four graphed decodes
       throughput W1 M8 --server-flag=--torch-profile-dir --server-flag=/tmp/profile_8b \
