@@ -8,7 +8,8 @@
 # w3 (8B rates), overload (135M: 46 req/s, sustainable, then 70 = 1.5x), profile1b (torch
 # profiles of W1 1B), quant (W4A16 GPU tests and GEMM bench), awq
 # (W1 and W2 on 8B with random AWQ weights, and W2 bf16 beside them), bigasync (big with
-# --async-scheduling), kernels (every kernel test on the GPU).
+# --async-scheduling), awqasync (awq's AWQ runs with --async-scheduling), kernels (every kernel
+# test on the GPU). W3_N and RATES override the w3 part's request count and rates.
 # Everything new comes back in one archive, $OUT/bundle.tgz (the device returns at most 8 files).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -70,12 +71,15 @@ for part in $PARTS; do
     awq)
       throughput W2 M8
       for w in W1 W2; do throughput $w M8 --server-flag=--quantization --server-flag=awq; done ;;
+    awqasync)  # AWQ with --async-scheduling (compare with bigasync)
+      for w in W1 W2; do throughput $w M8 --server-flag=--quantization --server-flag=awq \
+        --server-flag=--async-scheduling; done ;;
     w1si8) tp W1 M1 --hf none --server-flag=--stream-interval --server-flag=8 ;;
-    w1eager) tp W1 M1 --hf none --server-flag=--enforce-eager ;;
+    w1eager) throughput W1 M1 --server-flag=--enforce-eager ;;  # compare: w1big's 1B
     w1cb) tp W1 M1 --hf cb ;;
     w2) for m in M1 M8; do tp W2 $m --hf none; done ;;
     w3)
-      python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 200 \
+      python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests ${W3_N:-200} \
         --dump "benchmarks/results/dumps/w3_8b_$(date +%H%M)" \
         ${RATES:---rate 8 --rate 16 --rate 24 --rate 32 --rate inf} \
         2>&1 | grep -v INFO | tail -8 ;;
