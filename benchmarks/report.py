@@ -39,10 +39,11 @@ def _flag(command: str, name: str, default: str) -> str:
 
 
 def throughput_table() -> list[str]:
-    rows = ["| run | commit | workload | model | step budget | stream interval | pagedserve "
-            "out tok/s | bound | fraction (target) | HF generate bs256, same run | per step: "
-            "total = plan + executor + rest (ms) | KV token use at peak |",
-            "| --- " * 12 + "|"]
+    rows = ["| run | commit | workload | model | step budget | stream interval | other flags | "
+            "pagedserve out tok/s | bound | fraction (target) | HF generate bs256, same run | "
+            "per step: total = plan + executor + rest (ms) | KV token use at peak | weights GiB "
+            "| KV tokens |",
+            "| --- " * 15 + "|"]
     for name, recs in load("throughput_*.jsonl"):
         ours = next((r for r in recs if r["engine"] == "pagedserve"), None)
         if ours is None or not str(ours.get("model", "")).startswith("llama"):
@@ -50,22 +51,30 @@ def throughput_table() -> list[str]:
         key = (ours["workload"], ours["model"])
         hf = next((r for r in recs if r["engine"] == "hf_generate"), None)
         cmd = ours["command"]
-        if "step_ms" in ours:
+        flags = ours.get("server_flags", "")
+        other = " ".join(f for f in re.sub(r"--stream-interval \S+", "", flags).split()) or "-"
+        if "--async-scheduling" in flags and "step_ms" in ours:
+            # two steps in flight: their times overlap, so they do not add up to the step
+            step = f"{ours['step_ms']:.1f} (overlapped: plan {ours['plan_ms']:.1f}, executor " \
+                   f"{ours['execute_ms']:.1f})"
+        elif "step_ms" in ours:
             rest = ours["step_ms"] - ours["plan_ms"] - ours["execute_ms"]
             step = f"{ours['step_ms']:.1f} = {ours['plan_ms']:.1f} + " \
                    f"{ours['execute_ms']:.1f} + {rest:.1f}"
         else:
             step = ""
+        weights = f"{ours['weight_gib']:.2f}" if ours.get("weight_gib") else "-"
+        kv = f"{ours['kv_capacity_tokens']:,.0f}" if ours.get("kv_capacity_tokens") else "-"
         util = ours.get("kv_token_utilization_at_peak")
         hf_tok = f"{hf['output_tok_s']:,.0f}" if hf else "-"
         rows.append(
             f"| {name.removeprefix('throughput_').removesuffix('.jsonl')} | {ours['commit']} | "
             f"{key[0]} | {key[1]} | {_flag(cmd, '--max-num-batched-tokens', '2048')} | "
-            f"{_flag(ours.get('server_flags', ''), '--stream-interval', '1')} | "
+            f"{_flag(flags, '--stream-interval', '1')} | {other} | "
             f"{ours['output_tok_s']:,.0f} | "
             f"{ours['bound_output_tok_s']:,.0f} | {ours['roofline_fraction']:.2f} "
             f"({TARGETS.get(key, '-')}) | {hf_tok} | "
-            f"{step} | {f'{util:.3f}' if util else '-'} |")
+            f"{step} | {f'{util:.3f}' if util else '-'} | {weights} | {kv} |")
     rows += ["", "Peers measured on this H200 by the issue's author (output tok/s): " + "; ".join(
         f"{w} {m}: {a}" for (w, m), a in ANCHORS.items()) + "."]
     return rows
