@@ -76,7 +76,8 @@ for part in $PARTS; do
         --server-flag=--async-scheduling; done ;;
     w1si8) tp W1 M1 --hf none --server-flag=--stream-interval --server-flag=8 ;;
     w1eager) throughput W1 M1 --server-flag=--enforce-eager ;;  # compare: w1big's 1B
-    w1cb) tp W1 M1 --hf cb ;;
+    w1cb)  # HF continuous batching and generate bs256 beside pagedserve's settings, one run
+      throughput W1 M1 --hf cb --hf generate:256 --server-flag=--async-scheduling ;;
     w2) for m in M1 M8; do tp W2 $m --hf none; done ;;
     w3)
       python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests ${W3_N:-200} \

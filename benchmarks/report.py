@@ -40,7 +40,8 @@ def _flag(command: str, name: str, default: str) -> str:
 
 def throughput_table() -> list[str]:
     rows = ["| run | commit | workload | model | step budget | stream interval | other flags | "
-            "pagedserve out tok/s | bound | fraction (target) | HF generate bs256, same run | "
+            "pagedserve out tok/s | bound | fraction (target) | "
+            "HF generate bs256 / HF CB, same run | "
             "per step: total = plan + executor + rest (ms) | KV token use at peak | weights GiB "
             "| KV tokens |",
             "| --- " * 15 + "|"]
@@ -66,7 +67,8 @@ def throughput_table() -> list[str]:
         weights = f"{ours['weight_gib']:.2f}" if ours.get("weight_gib") else "-"
         kv = f"{ours['kv_capacity_tokens']:,.0f}" if ours.get("kv_capacity_tokens") else "-"
         util = ours.get("kv_token_utilization_at_peak")
-        hf_tok = f"{hf['output_tok_s']:,.0f}" if hf else "-"
+        cb = next((r for r in recs if r["engine"] == "hf_continuous_batching"), None)
+        hf_tok = " / ".join(f"{r['output_tok_s']:,.0f}" if r else "-" for r in (hf, cb))
         rows.append(
             f"| {name.removeprefix('throughput_').removesuffix('.jsonl')} | {ours['commit']} | "
             f"{key[0]} | {key[1]} | {_flag(cmd, '--max-num-batched-tokens', '2048')} | "

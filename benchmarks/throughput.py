@@ -279,7 +279,8 @@ def main() -> None:
     if on_gpu:
         line += f" ({ours['output_tok_s'] / bound:.2f} of the bound {bound:.0f})"
     peers = args.hf if args.hf is not None else [f"generate:{len(prompts)}"]
-    if peers != ["none"]:
+    peers = [peer for peer in peers if peer != "none"]  # none: no peer (ignored beside others)
+    if peers:
         dtype = torch.float32 if ours["dtype"] == "float32" else torch.bfloat16
         device = "cuda" if on_gpu else "cpu"
         model = hf_model(model_dir, args.load_format == "random", device, dtype)

@@ -19,7 +19,7 @@ The nibble becomes a float without an int->float convert (a slow instruction): O
 the mantissa of 2^23 gives 2^23 + q exactly, and subtracting (2^23 + z) gives q - z exactly, so
 the kernel's W is bit-identical to the torch reference's before rounding to the activation dtype.
 
-Two kernels:
+Three paths:
 - decode (M <= 16): split-K; each program owns BLOCK_N columns and K/split rows, so a GEMV with
   few column tiles still fills the GPU. Partials go to fp32 [split, M, N], summed by a small
   reduce kernel (split 1 writes out directly). Rows are reduced with tl.dot (16-row minimum) or,
