@@ -78,6 +78,8 @@ class StopStringMatcher:
 
     def feed(self, delta: str, final: bool) -> tuple[str, str | None]:
         """Add text; return (text to send now, matched stop string or None)."""
+        if not self.stops:  # nothing to match or hold back: no need to keep the text
+            return delta, None
         start = max(0, len(self.text) - self.hold)
         self.text += delta
         if self.stops:
