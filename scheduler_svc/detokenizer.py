@@ -82,13 +82,12 @@ class StopStringMatcher:
             return delta, None
         start = max(0, len(self.text) - self.hold)
         self.text += delta
-        if self.stops:
-            hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
-            if hits:
-                idx, stop = min(hits)
-                out = self.text[self.sent:idx]
-                self.sent = idx
-                return out, stop
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            idx, stop = min(hits)
+            out = self.text[self.sent:idx]
+            self.sent = idx
+            return out, stop
         end = len(self.text) if final else len(self.text) - self._partial_match()
         out = self.text[self.sent:end]
         self.sent = end
