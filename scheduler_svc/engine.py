@@ -464,11 +464,12 @@ class Engine:
                 block_ids=blocks.block_table(req.req_id),
                 sampling=self.streams[req.req_id].sampling)
             plan.new_num_scheduled_tokens.append(n)
-        for req, n, new_blocks in out.cached:
-            plan.cached_req_ids.append(req.req_id)
-            plan.cached_num_scheduled_tokens.append(n)
-            plan.cached_num_new_blocks.append(len(new_blocks))
-            plan.cached_new_block_ids.extend(new_blocks)
+        if out.cached:  # column by column: one extend per field, not one append per request
+            cached = out.cached
+            plan.cached_req_ids.extend([req.req_id for req, _, _ in cached])
+            plan.cached_num_scheduled_tokens.extend([n for _, n, _ in cached])
+            plan.cached_num_new_blocks.extend([len(b) for _, _, b in cached])
+            plan.cached_new_block_ids.extend([i for _, _, b in cached for i in b])
         return pb.SchedulerMessage(plan=plan).SerializeToString()
 
     # ----------------------------------------------------------------- outputs
