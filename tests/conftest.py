@@ -21,26 +21,9 @@ if _ROOT not in sys.path:  # plain `pytest` does not put the repo root on sys.pa
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import triton.runtime.interpreter as _interp  # noqa: E402
+from kernels._interpreter import fix_interpreter_index  # noqa: E402
 
-
-def _fix_interpreter_index() -> None:
-    # Triton 3.6's interpreter holds scalars as shape-(1,) arrays and converts them with int(),
-    # which numpy >= 2.4 rejects, so `range(runtime_bound)` fails inside kernels. Convert via
-    # the single element instead.
-    orig = _interp._patch_lang_tensor
-    if getattr(orig, "_pagedserve_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._pagedserve_fixed = True
-    _interp._patch_lang_tensor = patched
-
-
-_fix_interpreter_index()
+fix_interpreter_index()
 
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # tests share 2 cores with server processes

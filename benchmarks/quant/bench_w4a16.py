@@ -30,7 +30,10 @@ ROWS = [1, 4, 16, 64, 128, 256]
 GROUP = 128
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu":  # smoke run of the script itself under TRITON_INTERPRET=1, tiny shapes
-    SHAPES, ROWS = [(64, 256)], [1, 4, 17]  # the interpreter has no bf16
+    SHAPES, ROWS = [(64, 256)], [1, 4, 17, 128]  # the interpreter has no bf16
+    from kernels._interpreter import fix_interpreter_index
+
+    fix_interpreter_index()
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
 
 
