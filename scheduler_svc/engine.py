@@ -351,7 +351,13 @@ class Engine:
                     await self.sock.send_multipart([self._executor_ident, data])
                     self.metrics.plan_time.observe(t1 - t0)
                     continue  # deliver, or plan one more ahead, then wait
-            pending = self._deliver(pending, arrived)
+            if pending:
+                pending = self._deliver(pending, arrived)
+                # let the streams' servicers write what was just queued: with a result already
+                # waiting (async scheduling, a host-bound loop) this loop would otherwise go on
+                # to deliver the next step first, and a stream's first message would carry two
+                # tokens (one step of TTFT)
+                await asyncio.sleep(0)
             if not inflight:
                 if not sched.has_work():
                     # the full check is O(blocks): tens of ms on a GPU-sized pool, which a
