@@ -23,10 +23,6 @@ log = logging.getLogger("pagedserve.executor")
 HELLO_INTERVAL_S = 1.0  # resend hello until welcomed, and as a heartbeat while idle
 
 
-def _no_phase(_name: str) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
-
-
 class ExecutorServer:
     def __init__(self, worker: Worker, scheduler_address: str,
                  profiler: StepProfiler | None = None) -> None:
@@ -50,7 +46,6 @@ class ExecutorServer:
         # device never waits for this process to build the next step's inputs.
         launched: tuple[int, Launched, float] | None = None
         self._hello(heartbeat=False)
-        phase = self._phase
         while not self.stopping:
             if not self.sock.poll(0 if launched else int(HELLO_INTERVAL_S * 1000)):
                 if launched is not None:
@@ -59,7 +54,7 @@ class ExecutorServer:
                 else:
                     self._hello(heartbeat=welcomed)
                 continue
-            with phase("recv"):
+            with self._phase("recv"):
                 msg = pb.SchedulerMessage.FromString(self.sock.recv())
             kind = msg.WhichOneof("kind")
             if kind == "welcome":
@@ -72,7 +67,7 @@ class ExecutorServer:
                 if self.profiler is not None:
                     self.profiler.step()
                 try:
-                    with phase("launch"):
+                    with self._phase("launch"):
                         nxt = self.worker.runner.launch(plan)
                 except Exception as e:  # report, keep serving: the scheduler aborts the step
                     if launched is not None:
@@ -94,7 +89,7 @@ class ExecutorServer:
             self.sock.send(pb.ExecutorMessage(result=result).SerializeToString())
 
     def _phase(self, name: str) -> contextlib.AbstractContextManager:
-        return self.profiler.phase(name) if self.profiler is not None else _no_phase(name)
+        return self.profiler.phase(name) if self.profiler is not None else contextlib.nullcontext()
 
     def _finish(self, step_id: int, launched: Launched, start: float) -> pb.StepResult:
         try:

@@ -352,7 +352,8 @@ class Engine:
                     self.metrics.plan_time.observe(t1 - t0)
                     continue  # deliver, or plan one more ahead, then wait
             if pending:
-                pending = self._deliver(pending, arrived)
+                self._deliver(pending, arrived)
+                pending = []
                 # let the streams' servicers write what was just queued: with a result already
                 # waiting (async scheduling, a host-bound loop) this loop would otherwise go on
                 # to deliver the next step first, and a stream's first message would carry two
@@ -489,9 +490,9 @@ class Engine:
         return None, ""
 
     def _deliver(self, pending: list[tuple[RequestStream, int, str | None, str]],
-                 now: float) -> list:
+                 now: float) -> None:
         """Detokenize each sampled token, match stop strings and queue the chunk for its
-        stream; a stream that ended meanwhile (aborted, failed) gets nothing. Returns []."""
+        stream; a stream that ended meanwhile (aborted, failed) gets nothing."""
         for stream, token, finish, stop_reason in pending:
             if stream.finished:
                 continue
@@ -503,15 +504,13 @@ class Engine:
                 finish, stop_reason = "stop", matched
             chunk = Chunk(text, [token])
             self.telemetry.token(stream, now)
-            req = stream.req
+            n = stream.req.num_known_output_tokens
             if finish:
                 chunk.finish_reason, chunk.stop_reason = finish, stop_reason
-                chunk.prompt_tokens = req.prompt_len
-                chunk.completion_tokens = req.num_known_output_tokens
+                chunk.prompt_tokens, chunk.completion_tokens = stream.req.prompt_len, n
             if stream.held is not None:
                 chunk = stream.held.then(chunk)
                 stream.held = None
-            n = req.num_known_output_tokens
             if not finish and n > 1 and n % self.stream_interval:
                 stream.held = chunk  # the first token goes out at once, then every interval
                 continue
@@ -519,7 +518,6 @@ class Engine:
                 self._end(stream, finish, now)
             stream.queue.put_nowait(chunk)
         self.telemetry.flush()
-        return []
 
     def _fail(self, stream: RequestStream, code: str, message: str) -> None:
         self._end(stream, code.lower(), time.monotonic())
