@@ -6,7 +6,8 @@
 # Parts: cpu, tests, w1 (W1 with HF generate bs256), big (W1+W2, throughput settings), w1big,
 # w1async, profile (torch profiles, W1 8B), w1si8, w1eager, w1cb (HF continuous batching), w2,
 # w3 (8B rates), overload (135M: 46 req/s, sustainable, then 70 = 1.5x), profile1b (torch
-# profiles of W1 1B), quant (W4A16 GPU tests and GEMM bench), awq
+# profiles of W1 1B), quant (W4A16 GPU tests and GEMM bench), quantpacked (its sweep of
+# the packed-pair dequantization, QROWS rows), awq
 # (W1 and W2 on 8B with random AWQ weights, and W2 bf16 beside them), bigasync (big with
 # --async-scheduling), awqasync (awq's AWQ runs with --async-scheduling), kernels (every kernel
 # test on the GPU). W3_N and RATES override the w3 part's request count and rates.
@@ -68,6 +69,12 @@ for part in $PARTS; do
         | tail -4
       timeout ${QUANT_S:-300} python3 benchmarks/quant/bench_w4a16.py --out $B 2>&1 \
         | tee $B/bench_w4a16.log | grep -v " done$" | tail -30 ;;
+    quantpacked)  # issue 7: the packed-pair (inline PTX) dequantization, GPU tests and a sweep
+      python3 -m pytest -q -rs tests/kernels/test_w4a16.py 2>&1 | tee $B/pytest_w4a16.log \
+        | tail -4
+      timeout ${QUANT_S:-420} python3 benchmarks/quant/bench_w4a16.py --out $B --packed \
+        --rows ${QROWS:-1 4 16 64 256} 2>&1 | tee $B/bench_w4a16_packed.log \
+        | grep -v " done$" | tail -30 ;;
     awq)
       throughput W2 M8
       for w in W1 W2; do throughput $w M8 --server-flag=--quantization --server-flag=awq; done ;;

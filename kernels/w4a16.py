@@ -57,6 +57,10 @@ class DecodeConfig:
     target_programs: int = 528  # 4 per SM on an H100/H200
     bcast_load: bool = False
     lock_reduce: bool = True  # split-K sum by the last program (one launch), else a 2nd kernel
+    # "fp32": nibbles to fp32 by the 2^23 trick (runs everywhere, the interpreter included);
+    # "x2": two nibbles per instruction into a packed bf16x2/f16x2 register by inline PTX,
+    # reshaped to [BLOCK_K, BLOCK_N]; "x2planes": the same, one dot per nibble plane, no reshape
+    dequant: str = "fp32"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,7 @@ class PrefillConfig:
     num_warps: int = 4
     num_stages: int = 4
     bcast_load: bool = False
+    dequant: str = "fp32"  # as DecodeConfig.dequant
 
 
 DECODE_MAX_ROWS = 16
@@ -105,13 +110,104 @@ def _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
     return (qf - zb[None, :]) * s[None, :]
 
 
+# Eight nibbles of a word become four packed 16-bit pairs: (q >> 4i) & 0x000F000F sets nibbles
+# i and i+4 as the low mantissa bits of two halves whose exponent is that of 128 (bf16) or
+# 1024 (fp16), so each half reads 128 + q (1024 + q) exactly; one fma per pair subtracts
+# (128 + z), exact, and one multiplies by the scale, one rounding: bit-identical to the fp32
+# path rounded to the activation dtype. fma (not sub/mul.bf16x2, sm_90 only) keeps sm_80.
+_X2_ASM = """{
+.reg .b32 w, t0, t1, t2, t3, one, nz;
+mov.b32 one, ONE;
+mov.b32 nz, NEGZERO;
+mov.b32 w, $8;
+lop3.b32 t0, w, 0x000f000f, MAGIC, 0xea;
+shr.u32 w, w, 4;
+lop3.b32 t1, w, 0x000f000f, MAGIC, 0xea;
+shr.u32 w, w, 4;
+lop3.b32 t2, w, 0x000f000f, MAGIC, 0xea;
+shr.u32 w, w, 4;
+lop3.b32 t3, w, 0x000f000f, MAGIC, 0xea;
+fma.rn.TY t0, t0, one, $9;
+fma.rn.TY t1, t1, one, $9;
+fma.rn.TY t2, t2, one, $9;
+fma.rn.TY t3, t3, one, $9;
+fma.rn.TY t0, t0, $10, nz;
+fma.rn.TY t1, t1, $10, nz;
+fma.rn.TY t2, t2, $10, nz;
+fma.rn.TY t3, t3, $10, nz;
+mov.b32 {$0, $4}, t0;
+mov.b32 {$1, $5}, t1;
+mov.b32 {$2, $6}, t2;
+mov.b32 {$3, $7}, t3;
+}"""
+_X2_ASM_BF16 = tl.constexpr(_X2_ASM.replace("TY", "bf16x2").replace("MAGIC", "0x43004300")
+                            .replace("ONE", "0x3f803f80").replace("NEGZERO", "0x80008000"))
+_X2_ASM_FP16 = tl.constexpr(_X2_ASM.replace("TY", "f16x2").replace("MAGIC", "0x64006400")
+                            .replace("ONE", "0x3c003c00").replace("NEGZERO", "0x80008000"))
+
+
+@triton.jit
+def _pair(v):
+    """[N] 16-bit floats -> [1, N] int32 words holding v twice (an operand of _X2_ASM)."""
+    b = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return (b | (b << 16))[None, :]
+
+
+@triton.jit
+def _load_planes_x2(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
+                    BLOCK_K: tl.constexpr):
+    """Rows k0..k0+BLOCK_K of W as eight [BLOCK_K/8, BLOCK_N] planes in the activation dtype:
+    plane j holds rows k0 + 8i + j."""
+    k8 = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    qw = tl.load(qw_ptr + k8[:, None] * N + offs_n[None, :],
+                 mask=(k8 < K // 8)[:, None] & n_ok[None, :], other=0)
+    g = k0 // group_size
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)
+    z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0)
+    if s_ptr.dtype.element_ty == tl.bfloat16:
+        negz = _pair((-(z.to(tl.float32) + 128.0)).to(tl.bfloat16))
+        planes = tl.inline_asm_elementwise(
+            _X2_ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [qw, negz, _pair(s)],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    else:
+        negz = _pair((-(z.to(tl.float32) + 1024.0)).to(tl.float16))
+        planes = tl.inline_asm_elementwise(
+            _X2_ASM_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [qw, negz, _pair(s)],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    return planes
+
+
+@triton.jit
+def _split_planes(x):
+    """[R, C, 2, 2, 2] (column 8c + 4a + 2b + d at [r, c, a, b, d]) -> its eight [R, C] planes,
+    plane j holding columns 8c + j."""
+    d0, d1 = tl.split(x)
+    d0b0, d0b1 = tl.split(d0)
+    d1b0, d1b1 = tl.split(d1)
+    p0, p4 = tl.split(d0b0)
+    p2, p6 = tl.split(d0b1)
+    p1, p5 = tl.split(d1b0)
+    p3, p7 = tl.split(d1b1)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _join_planes(p):
+    """Eight [R, C] planes -> [8R, C] with row 8i + j = plane j's row i."""
+    a = tl.join(tl.join(tl.join(p[0], p[1]), tl.join(p[2], p[3])),
+                tl.join(tl.join(p[4], p[5]), tl.join(p[6], p[7])))  # [R, C, b2, b1, b0]
+    R: tl.constexpr = p[0].shape[0]
+    C: tl.constexpr = p[0].shape[1]
+    return tl.reshape(tl.permute(a, (0, 2, 3, 4, 1)), (8 * R, C))  # j = 4 b2 + 2 b1 + b0
+
+
 @triton.jit(do_not_specialize=["M"])  # rows change every step (see paged_attention.py)
 def _w4a16_decode_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, group_size, k_per_split, stride_xm, stride_om,
     HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, USE_DOT: tl.constexpr,
-    BCAST_LOAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BCAST_LOAD: tl.constexpr, DEQUANT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -124,15 +220,30 @@ def _w4a16_decode_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                    mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-        w = _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
-                       BLOCK_K, BLOCK_N, BCAST_LOAD)
-        if USE_DOT:
-            acc += tl.dot(x, w.to(x.dtype))
+        if DEQUANT == "x2planes":  # one [BLOCK_M, BLOCK_K/8] x [BLOCK_K/8, BLOCK_N] per plane
+            planes = _load_planes_x2(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
+                                     BLOCK_K)
+            k = k0 + offs_k
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                        mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            xp = _split_planes(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 2, 2)))
+            for j in tl.static_range(8):  # tl.dot only (w4a16_decode checks)
+                acc += tl.dot(xp[j], planes[j])
         else:
-            acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+            k = k0 + offs_k
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                        mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            if DEQUANT == "x2":
+                w = _join_planes(_load_planes_x2(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K,
+                                                 group_size, BLOCK_K))
+            else:
+                w = _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
+                               BLOCK_K, BLOCK_N, BCAST_LOAD)
+            if USE_DOT:
+                acc += tl.dot(x, w.to(x.dtype))
+            else:
+                acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :],
+                              axis=1)
     mn_ok = m_ok[:, None] & n_ok[None, :]
     if REDUCE != 0:  # split-K partial, summed by the last program of this column tile (2)
         part_offs = offs_m[:, None] * N + offs_n[None, :]  # or by _splitk_reduce_kernel (1)
@@ -179,8 +290,8 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLIT, stride_om,
 def _w4a16_prefill_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, K, group_size, stride_xm, stride_om,
-    HAS_BIAS: tl.constexpr, BCAST_LOAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BCAST_LOAD: tl.constexpr, DEQUANT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -200,9 +311,20 @@ def _w4a16_prefill_kernel(
         k = k0 + offs_k
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k[None, :],
                     mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-        w = _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
-                       BLOCK_K, BLOCK_N, BCAST_LOAD)
-        acc += tl.dot(x, w.to(x.dtype))
+        if DEQUANT == "x2planes":
+            planes = _load_planes_x2(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
+                                     BLOCK_K)
+            xp = _split_planes(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 2, 2)))
+            for j in tl.static_range(8):
+                acc += tl.dot(xp[j], planes[j])
+        else:
+            if DEQUANT == "x2":
+                w = _join_planes(_load_planes_x2(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K,
+                                                 group_size, BLOCK_K))
+            else:
+                w = _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
+                               BLOCK_K, BLOCK_N, BCAST_LOAD)
+            acc += tl.dot(x, w.to(x.dtype))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
@@ -298,6 +420,16 @@ def _locks(device: torch.device, count: int) -> torch.Tensor:
     return locks
 
 
+def _dequant(dequant: str, x: torch.Tensor, block_k: int) -> str:
+    """The packed-pair paths run inline PTX: CUDA and 16-bit activations only (the interpreter
+    and fp32 take the fp32 path). One dot per plane needs K >= 16 per plane: BLOCK_K 128."""
+    if dequant == "fp32" or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return "fp32"
+    if dequant == "x2planes" and block_k < 128:
+        return "x2"
+    return dequant
+
+
 def w4a16_decode(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
                  config: DecodeConfig = DecodeConfig()) -> torch.Tensor:
     """Split-K kernel for few rows (M <= 16); no act-order gather (w4a16_gemm does that)."""
@@ -309,6 +441,9 @@ def w4a16_decode(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
         return out
     block_k = min(config.block_k, group_size)
     block_m = 16 if config.use_dot else triton.next_power_of_2(m)
+    dequant = _dequant(config.dequant, x, block_k)
+    if dequant == "x2planes" and not config.use_dot:
+        raise ValueError("dequant='x2planes' multiplies with tl.dot (use_dot=True)")
     num_n = triton.cdiv(n, config.block_n)
     k_tiles = triton.cdiv(k, block_k)
     split = config.split_k or max(1, min(k_tiles, config.target_programs // num_n))
@@ -322,7 +457,8 @@ def w4a16_decode(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
         x, qweight, scales, zeros, dummy, out, part, locks, m, n, k, group_size,
         tiles_per_split * block_k, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, REDUCE=reduce, USE_DOT=config.use_dot,
-        BCAST_LOAD=config.bcast_load, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
+        BCAST_LOAD=config.bcast_load, DEQUANT=dequant, BLOCK_M=block_m,
+        BLOCK_N=config.block_n, BLOCK_K=block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if reduce == 1:
@@ -346,7 +482,8 @@ def w4a16_prefill(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
     _w4a16_prefill_kernel[grid](
         x, qweight, scales, zeros, bias if bias is not None else out, out,
         m, n, k, group_size, x.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BCAST_LOAD=config.bcast_load, BLOCK_M=config.block_m,
+        HAS_BIAS=bias is not None, BCAST_LOAD=config.bcast_load,
+        DEQUANT=_dequant(config.dequant, x, block_k), BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -53,6 +53,24 @@ def rel_err(out, ref):
     return ((out - ref).norm() / ref.norm()).item()
 
 
+def packed_decode_grid(rows):
+    """The packed-pair (inline PTX) dequantization, tl.dot on every row count."""
+    return [w4a16.DecodeConfig(block_n=bn, block_k=128, num_warps=warps, target_programs=target,
+                               dequant=dq)
+            for dq in ("x2planes", "x2") for bn in (64, 128, 256) for warps in (4, 8)
+            for target in (264, 528, 1056)]
+
+
+PACKED_PREFILL_GRID = [
+    w4a16.PrefillConfig(bm, bn, bk, 8, warps, stages, dequant=dq)
+    for dq in ("x2planes", "x2")
+    for bm, bn, bk, warps, stages in [(64, 128, 128, 4, 3), (128, 128, 128, 8, 3),
+                                      (128, 256, 128, 8, 3), (64, 256, 128, 8, 3),
+                                      (128, 128, 64, 8, 4), (128, 256, 64, 8, 3)]
+    if dq == "x2" or bk == 128
+]
+
+
 def decode_grid(rows):
     grid = []
     for bn in (32, 64, 128):
@@ -114,7 +132,7 @@ def copies_for(nbytes):
     return max(1, int(-(-L2_FLUSH_BYTES // nbytes))) if DEV == "cuda" else 1
 
 
-def run_case(n, k, rows, dtype, sweep, seed):
+def run_case(n, k, rows, dtype, sweep, seed, packed=False):
     qw, s, z = make_weight(n, k, dtype, seed)
     x = torch.randn(rows, k, device=DEV, dtype=dtype)
     w_ref = dequantize(qw, s, z, GROUP, torch.float32)  # [K, N]
@@ -158,12 +176,14 @@ def run_case(n, k, rows, dtype, sweep, seed):
         ms_tri = bench_graph([lambda q=q: w4a16.w4a16_prefill(x, *q, GROUP, config=cfg)
                               for q in quant])
         results.append(("awq", "triton_prefill", cfg, ms_tri, err))
-    if sweep:
+    if sweep or packed:
         configs = []
         if rows <= w4a16.DECODE_MAX_ROWS:
-            configs += [(c, w4a16.w4a16_decode) for c in decode_grid(rows)]
+            grid = packed_decode_grid(rows) if packed else decode_grid(rows)
+            configs += [(c, w4a16.w4a16_decode) for c in grid]
         if rows >= 16:
-            configs += [(c, w4a16.w4a16_prefill) for c in PREFILL_GRID]
+            grid = PACKED_PREFILL_GRID if packed else PREFILL_GRID
+            configs += [(c, w4a16.w4a16_prefill) for c in grid]
         for cfg, fn in configs:
             err = check(lambda o, cfg=cfg, fn=fn: fn(x, qw, s, z, GROUP, out=o, config=cfg))
             if not err < 1e-2:
@@ -180,6 +200,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--packed", action="store_true",
+                    help="sweep only the packed-pair dequantization configs")
+    ap.add_argument("--rows", type=int, nargs="+", default=ROWS)
     args = ap.parse_args()
     env = environment()
     lines = []
@@ -190,8 +213,9 @@ def main() -> None:
         for rows in (1, 16, 256) if DEV == "cuda" else (1,):
             run_case(n, k, rows, torch.float16 if DEV == "cuda" else DTYPE, False, 1)
     for n, k in SHAPES:
-        for rows in ROWS:
-            ms_dense, results = run_case(n, k, rows, DTYPE, args.sweep, seed=0)
+        for rows in args.rows if DEV == "cuda" else ROWS:
+            ms_dense, results = run_case(n, k, rows, DTYPE, args.sweep, seed=0,
+                                         packed=args.packed)
             records = []
             records.append({**env, "kind": "w4a16_gemm", "method": "bf16", "impl": "torch_matmul",
                             "rows": rows, "n": n, "k": k, "ms": ms_dense, "speedup_vs_bf16": 1.0})

@@ -126,3 +126,39 @@ def test_gemm_cuda_model_sizes(dtype, m, n, k, group):
     ref = x.float() @ dequantize(qw, s, z, group, torch.float32) + bias.float()
     out = w4a16.w4a16_gemm(x, qw, s, z, group, bias, out=poisoned(m, n, dtype, x.device))
     assert rel_err(out, ref) < 1e-2
+
+
+PACKED = [  # (kernel, config) pairs taking the packed-pair (inline PTX) dequantization
+    ("decode", w4a16.DecodeConfig(block_n=64, block_k=128, dequant="x2planes")),
+    ("decode", w4a16.DecodeConfig(block_n=32, block_k=128, split_k=1, dequant="x2planes")),
+    ("decode", w4a16.DecodeConfig(block_n=64, block_k=128, dequant="x2", lock_reduce=False)),
+    ("decode", w4a16.DecodeConfig(block_n=128, block_k=64, dequant="x2planes")),  # -> x2
+    ("prefill", w4a16.PrefillConfig(block_m=64, block_n=128, block_k=128, dequant="x2planes")),
+    ("prefill", w4a16.PrefillConfig(block_m=64, block_n=64, block_k=64, dequant="x2")),
+]
+
+
+@pytest.mark.skipif(not CUDA, reason="the packed-pair dequantization is inline PTX")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel,cfg", PACKED, ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("n,k,group", [(200, 576, 128), (4096, 4096, 128), (96, 384, 64)])
+def test_packed_pair_dequant_is_exact(dtype, kernel, cfg, n, k, group):
+    """One-hot rows of x pick rows of W, so each output is a dequantized weight, which must equal
+    the reference's bit for bit: rows at every nibble position, group edges and the tail."""
+    dev = torch.device("cuda")
+    _, qw, s, z, _ = make(16 if kernel == "decode" else 40, n, k, group, dtype, dev, seed=6)
+    picks = sorted({0, 1, 2, 3, 4, 5, 6, 7, 9, group - 1, group, group + 3, k // 2 + 5, k - 8,
+                    k - 2, k - 1})[:16]
+    m = len(picks) if kernel == "decode" else 40
+    x = torch.zeros(m, k, dtype=dtype, device=dev)
+    rows = [picks[i % len(picks)] for i in range(m)]
+    x[torch.arange(m), torch.tensor(rows)] = 1
+    w = dequantize(qw, s, z, group, dtype)  # [K, N] rounded once, as the kernels must
+    run = w4a16.w4a16_decode if kernel == "decode" else w4a16.w4a16_prefill
+    out = run(x, qw, s, z, group, out=poisoned(m, n, dtype, dev), config=cfg)
+    assert torch.equal(out, w[rows])
+    # and a dense x against the fp32 reference, with a bias
+    x, _, _, _, bias = make(m, n, k, group, dtype, dev, seed=7)
+    ref = x.float() @ dequantize(qw, s, z, group, torch.float32) + bias.float()
+    out = run(x, qw, s, z, group, bias, out=poisoned(m, n, dtype, dev), config=cfg)
+    assert rel_err(out, ref) < 1e-2

@@ -1,0 +1,147 @@
+"""Static look at the W4A16 decode kernel's machine code, without a GPU.
+
+Triton compiles for sm_90 on any machine (the wheel ships ptxas and nvdisasm), so the inner
+K loop's instructions can be counted here. The count predicts the instruction-issue bound:
+
+    cycles per K tile per SM  = loop instructions x warps / 4   (4 schedulers, 1 issue/clk)
+    weight bytes per second   = BLOCK_K x BLOCK_N / 2 / (that) x SMs x clock
+
+which is the bound the decode kernels hit on the H200 (0.6-1.2 TB/s measured, NOTES.md, "W4A16
+on the H200"); HBM is ~4.8 TB/s. A variant is worth device time only if it moves this number.
+
+    python benchmarks/quant/sass_w4a16.py [--rows 1 4 16] [--dump DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from kernels import w4a16  # noqa: E402
+
+SMS, CLOCK_HZ, HBM_TBS = 132, 1.98e9, 4.8  # H200 SXM
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+_BRA = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+`?\(?\.(L_x_\d+)")
+_LABEL = re.compile(r"^\.(L_x_\d+):")
+
+
+def sass(kernel, signature, constexprs, num_warps, num_stages, divisible=()):
+    attrs = {(list(signature).index(a),): [["tt.divisibility", 16]] for a in divisible}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def main_loop(text):
+    """Instructions of the largest backward-branch loop: [(address, opcode)]."""
+    labels, insns, branches = {}, [], []
+    pending = []
+    for line in text.splitlines():
+        if m := _LABEL.match(line.strip()):
+            pending.append(m.group(1))
+            continue
+        if m := _INSN.search(line):
+            addr = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            insns.append((addr, m.group(2)))
+            if b := _BRA.search(line):
+                branches.append((addr, b.group(2)))
+    best = []
+    for addr, label in branches:
+        start = labels.get(label, addr + 1)
+        if start < addr:
+            body = [(a, op) for a, op in insns if start <= a <= addr]
+            if len(body) > len(best):
+                best = body
+    return best
+
+
+def classify(op):
+    base = op.split(".")[0]
+    groups = {
+        "global load": ("LDG", "LDGSTS"), "shared": ("LDS", "STS", "LDSM", "LDGDEPBAR"),
+        "tensor core": ("HMMA", "HGMMA"), "fp32": ("FFMA", "FADD", "FMUL", "FMNMX"),
+        "packed 16-bit": ("HFMA2", "HADD2", "HMUL2"), "convert": ("F2F", "F2FP", "I2F", "F2I"),
+        "int/logic": ("LOP3", "SHF", "IADD3", "IMAD", "PRMT", "LEA", "ISETP", "SEL", "MOV",
+                      "IABS", "BFE"),
+        "shuffle": ("SHFL",),
+    }
+    for name, ops in groups.items():
+        if base in ops:
+            return name
+    return "other"
+
+
+def decode_signature():
+    ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
+           "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"}
+    ints = {n: "i32" for n in ("M", "N", "K", "group_size", "k_per_split", "stride_xm",
+                               "stride_om")}
+    const = {n: "constexpr" for n in ("HAS_BIAS", "REDUCE", "USE_DOT", "BCAST_LOAD", "DEQUANT",
+                                      "BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    return {**ptr, **ints, **const}
+
+
+def analyse(rows, cfg: w4a16.DecodeConfig, dump: Path | None):
+    block_m = 16 if cfg.use_dot else triton.next_power_of_2(rows)
+    consts = {"HAS_BIAS": False, "REDUCE": 2, "USE_DOT": cfg.use_dot, "BCAST_LOAD": cfg.bcast_load,
+              "DEQUANT": cfg.dequant, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n,
+              "BLOCK_K": cfg.block_k}
+    sig = decode_signature()
+    divisible = [n for n, t in sig.items() if t.startswith("*")] + ["N", "K", "group_size",
+                                                                     "k_per_split", "stride_xm",
+                                                                     "stride_om"]
+    text = sass(w4a16._w4a16_decode_kernel, sig, consts, cfg.num_warps, cfg.num_stages, divisible)
+    loop = main_loop(text)
+    if dump:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / f"decode_m{rows}_{cfg.dequant}_dot{int(cfg.use_dot)}.sass").write_text(text)
+    mix = collections.Counter(classify(op) for _, op in loop)
+    elems = cfg.block_k * cfg.block_n
+    cycles = len(loop) * cfg.num_warps / 4
+    tbs = elems / 2 / cycles * SMS * CLOCK_HZ / 1e12
+    return len(loop), mix, tbs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--dump", type=Path)
+    args = ap.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)
+    print(f"issue bound of the K loop on an H200 ({SMS} SMs, {CLOCK_HZ / 1e9} GHz); "
+          f"HBM {HBM_TBS} TB/s")
+    for rows in args.rows:
+        base = w4a16.pick_config(rows, 4096, 4096)
+        for dq in ("fp32", "x2", "x2planes"):
+            cfg = dataclasses.replace(base, dequant=dq)
+            n, mix, tbs = analyse(rows, cfg, args.dump)
+            per = ", ".join(f"{k} {v}" for k, v in mix.most_common())
+            print(f"rows {rows:>2} {dq:<7} dot={int(cfg.use_dot)} BN={cfg.block_n} "
+                  f"BK={cfg.block_k} warps={cfg.num_warps}: {n} insns/iter -> "
+                  f"{tbs:.2f} TB/s of int4 weight  [{per}]")
+
+
+if __name__ == "__main__":
+    main()
