@@ -194,11 +194,12 @@ def _split_planes(x):
 @triton.jit
 def _join_planes(p):
     """Eight [R, C] planes -> [8R, C] with row 8i + j = plane j's row i."""
+    # join adds a last axis: [r, c, d, e, f] = p[4f + 2e + d]
     a = tl.join(tl.join(tl.join(p[0], p[1]), tl.join(p[2], p[3])),
-                tl.join(tl.join(p[4], p[5]), tl.join(p[6], p[7])))  # [R, C, b2, b1, b0]
+                tl.join(tl.join(p[4], p[5]), tl.join(p[6], p[7])))
     R: tl.constexpr = p[0].shape[0]
     C: tl.constexpr = p[0].shape[1]
-    return tl.reshape(tl.permute(a, (0, 2, 3, 4, 1)), (8 * R, C))  # j = 4 b2 + 2 b1 + b0
+    return tl.reshape(tl.permute(a, (0, 4, 3, 2, 1)), (8 * R, C))  # row 8r + 4f + 2e + d
 
 
 @triton.jit(do_not_specialize=["M"])  # rows change every step (see paged_attention.py)
@@ -491,13 +492,14 @@ def w4a16_prefill(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
 
 
 def pick_config(m: int, n: int, k: int) -> DecodeConfig | PrefillConfig:
-    """Winners of the sweep in benchmarks/quant/bench_w4a16.py on an H200 (bf16, G=128,
-    Llama-3.1-8B shapes; benchmarks/results/w4a16_gemm_2026-11-29T202704.jsonl)."""
+    """Winners of the sweeps in benchmarks/quant/bench_w4a16.py on an H200 (bf16, G=128,
+    Llama-3.1-8B shapes; benchmarks/results/w4a16_gemm_2026-11-29T202704.jsonl, and --packed
+    for the decode rows). Off CUDA, or with fp32 activations, dequant falls back to fp32."""
     wide = n > 4096
-    if m <= 2:  # CUDA-core GEMV beats a 16-row tl.dot here
-        return DecodeConfig(block_n=128, use_dot=False, target_programs=1056)
-    if m <= DECODE_MAX_ROWS:
-        return DecodeConfig(block_n=128 if wide or k > 4096 else 64, target_programs=528)
+    if m <= DECODE_MAX_ROWS:  # packed pairs, one dot per plane: 1.3-1.5x of bf16 from 1 to 16
+        big = n * k > 32 * 1024 * 1024  # rows (results/w4a16_gemm_2026-11-30T024437.jsonl)
+        return DecodeConfig(block_n=256 if big else 64, target_programs=264 if big else 528,
+                            dequant="x2planes")
     if m <= 64:
         if wide:
             return PrefillConfig(block_m=64, block_n=64, block_k=128)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -54,21 +55,44 @@ def rel_err(out, ref):
 
 
 def packed_decode_grid(rows):
-    """The packed-pair (inline PTX) dequantization, tl.dot on every row count."""
-    return [w4a16.DecodeConfig(block_n=bn, block_k=128, num_warps=warps, target_programs=target,
-                               dequant=dq)
-            for dq in ("x2planes", "x2") for bn in (64, 128, 256) for warps in (4, 8)
-            for target in (264, 528, 1056)]
+    """The packed-pair (inline PTX) dequantization, one tl.dot per nibble plane; the first
+    sweep (results/w4a16_gemm_2026-11-30T024437.jsonl) found 4 warps and programs covering
+    ~1024 of K best, so this one varies split, column tile and pipeline depth around that."""
+    return [w4a16.DecodeConfig(block_n=bn, block_k=128, split_k=split, num_stages=stages,
+                               dequant="x2planes")
+            for bn in (64, 128, 256) for stages in (3, 4, 5) for split in (2, 4, 6, 8, 12, 16)]
 
 
-PACKED_PREFILL_GRID = [
-    w4a16.PrefillConfig(bm, bn, bk, 8, warps, stages, dequant=dq)
-    for dq in ("x2planes", "x2")
+PACKED_PREFILL_GRID = [  # x2planes here measured 0.07-0.58x of bf16 (8 K=16 wgmmas per tile)
+    w4a16.PrefillConfig(bm, bn, bk, 8, warps, stages, dequant="x2")
     for bm, bn, bk, warps, stages in [(64, 128, 128, 4, 3), (128, 128, 128, 8, 3),
                                       (128, 256, 128, 8, 3), (64, 256, 128, 8, 3),
                                       (128, 128, 64, 8, 4), (128, 256, 64, 8, 3)]
-    if dq == "x2" or bk == 128
 ]
+
+
+@triton.jit
+def _stream_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """Reads n int32 (each program a contiguous chunk), writes one word per program: the time
+    any kernel needs to read the packed weight once, launch included."""
+    start = tl.program_id(0) * BLOCK * 16
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for i in range(16):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        acc ^= tl.load(src_ptr + offs, mask=offs < n, other=0)
+    tl.store(dst_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+def read_floor(quant):
+    """Median ms to stream each copy's qweight once (the int4 GEMV's memory floor)."""
+    if DEV != "cuda":
+        return float("nan")
+    n = quant[0][0].numel()
+    block = 1024
+    grid = (triton.cdiv(n, block * 16),)
+    dst = torch.empty(grid[0], dtype=torch.int32, device=DEV)
+    return bench_graph([lambda q=q: _stream_kernel[grid](q[0], dst, n, BLOCK=block, num_warps=4)
+                        for q in quant])
 
 
 def decode_grid(rows):
@@ -193,7 +217,14 @@ def run_case(n, k, rows, dtype, sweep, seed, packed=False):
             ms_c = bench_graph([lambda q=q, cfg=cfg, fn=fn: fn(x, *q, GROUP, config=cfg)
                                 for q in quant])
             results.append(("awq", "sweep", cfg, ms_c, err))
+    if rows == 1:  # last: the table reads results[0..2] by position
+        results.append(("int4_read", "stream_floor", None, read_floor(quant), 0.0))
     return ms_dense, results
+
+
+def floor_note(results, ms_dense):
+    floor = [r[3] for r in results if r[1] == "stream_floor"]
+    return f"read-floor {floor[0] * 1e3:5.1f}us ({ms_dense / floor[0]:4.2f}x) " if floor else ""
 
 
 def main() -> None:
@@ -237,6 +268,7 @@ def main() -> None:
                          f"{gbytes / dflt[3] * 1e3 / 1e3:5.2f} TB/s)  act-order "
                          f"{ms_dense / results[1][3]:4.2f}x  best {best[3] * 1e3:8.1f}us "
                          f"({ms_dense / best[3]:4.2f}x) eager {results[2][3] * 1e3:6.1f}us "
+                         f"{floor_note(results, ms_dense)}"
                          f"{best[2]}")
     print(env["gpu"], "torch", torch.__version__, "triton", triton.__version__)
     print("     n      k rows")

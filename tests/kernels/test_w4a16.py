@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from kernel_utils import rel_err
 
 from kernels import w4a16
@@ -162,3 +164,32 @@ def test_packed_pair_dequant_is_exact(dtype, kernel, cfg, n, k, group):
     ref = x.float() @ dequantize(qw, s, z, group, torch.float32) + bias.float()
     out = run(x, qw, s, z, group, bias, out=poisoned(m, n, dtype, dev), config=cfg)
     assert rel_err(out, ref) < 1e-2
+
+
+@triton.jit
+def _planes_roundtrip_kernel(x_ptr, planes_ptr, joined_ptr, R: tl.constexpr, C: tl.constexpr):
+    offs = tl.arange(0, 8 * R)[:, None] * C + tl.arange(0, C)[None, :]
+    x = tl.load(x_ptr + offs)  # [8R, C]
+    # split as the kernels split x's columns (here rows): plane j holds rows 8i + j
+    xp = w4a16._split_planes(tl.reshape(tl.trans(x), (C, R, 2, 2, 2)))
+    offs_p = tl.arange(0, C)[:, None] * R + tl.arange(0, R)[None, :]
+    for j in tl.static_range(8):
+        tl.store(planes_ptr + j * R * C + offs_p, xp[j])
+    # join as the kernels join dequantized planes: plane j's row i is row 8i + j
+    i = tl.arange(0, R)[:, None] * 8 * C + tl.arange(0, C)[None, :]
+    p = (tl.load(x_ptr + i), tl.load(x_ptr + i + C), tl.load(x_ptr + i + 2 * C),
+         tl.load(x_ptr + i + 3 * C), tl.load(x_ptr + i + 4 * C), tl.load(x_ptr + i + 5 * C),
+         tl.load(x_ptr + i + 6 * C), tl.load(x_ptr + i + 7 * C))
+    tl.store(joined_ptr + offs, w4a16._join_planes(p))
+
+
+def test_split_and_join_planes_orders():
+    """The plane helpers of the packed-pair paths (their PTX needs CUDA; these do not)."""
+    r, c = 4, 8
+    x = torch.arange(8 * r * c, dtype=torch.int32).reshape(8 * r, c)
+    planes = torch.empty(8, c, r, dtype=torch.int32)
+    joined = torch.empty_like(x)
+    _planes_roundtrip_kernel[(1,)](x, planes, joined, R=r, C=c)
+    for j in range(8):
+        assert torch.equal(planes[j], x[j::8].t())
+    assert torch.equal(joined, x)
