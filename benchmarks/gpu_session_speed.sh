@@ -8,7 +8,8 @@
 # w3 (8B rates), overload (135M: 46 req/s, sustainable, then 70 = 1.5x), profile1b (torch
 # profiles of W1 1B), quant (W4A16 GPU tests and GEMM bench), quantpacked (its sweep of
 # the packed-pair dequantization, QROWS rows), awq
-# (W1 and W2 on 8B with random AWQ weights, and W2 bf16 beside them), bigasync (big with
+# (W1 and W2 on 8B with random AWQ weights, and W2 bf16 beside them), awqlat (8B decode at
+# 1 and 16 running requests, bf16 and AWQ), bigasync (big with
 # --async-scheduling), awqasync (awq's AWQ runs with --async-scheduling), kernels (every kernel
 # test on the GPU). W3_N and RATES override the w3 part's request count and rates.
 # Everything new comes back in one archive, $OUT/bundle.tgz (the device returns at most 8 files).
@@ -78,6 +79,11 @@ for part in $PARTS; do
     awq)
       throughput W2 M8
       for w in W1 W2; do throughput $w M8 --server-flag=--quantization --server-flag=awq; done ;;
+    awqlat)  # 8B decode at 1 and 16 running requests, bf16 then AWQ: where the GEMV rows matter
+      for q in none awq; do for seqs in 1 16; do
+        tp "" M8 --hf none --requests $(( seqs * 2 )) --prompt 128 --output 512 \
+          --max-num-seqs $seqs --server-flag=--quantization --server-flag=$q
+      done; done ;;
     awqasync)  # AWQ with --async-scheduling (compare with bigasync)
       for w in W1 W2; do throughput $w M8 --server-flag=--quantization --server-flag=awq \
         --server-flag=--async-scheduling; done ;;

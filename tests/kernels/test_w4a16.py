@@ -183,11 +183,11 @@ def _planes_roundtrip_kernel(x_ptr, planes_ptr, joined_ptr, R: tl.constexpr, C: 
     tl.store(joined_ptr + offs, w4a16._join_planes(p))
 
 
-def test_split_and_join_planes_orders():
+def test_split_and_join_planes_orders(device):
     """The plane helpers of the packed-pair paths (their PTX needs CUDA; these do not)."""
     r, c = 4, 8
-    x = torch.arange(8 * r * c, dtype=torch.int32).reshape(8 * r, c)
-    planes = torch.empty(8, c, r, dtype=torch.int32)
+    x = torch.arange(8 * r * c, dtype=torch.int32, device=device).reshape(8 * r, c)
+    planes = torch.empty(8, c, r, dtype=torch.int32, device=device)
     joined = torch.empty_like(x)
     _planes_roundtrip_kernel[(1,)](x, planes, joined, R=r, C=c)
     for j in range(8):
