@@ -19,11 +19,19 @@ The nibble becomes a float without an int->float convert (a slow instruction): O
 the mantissa of 2^23 gives 2^23 + q exactly, and subtracting (2^23 + z) gives q - z exactly, so
 the kernel's W is bit-identical to the torch reference's before rounding to the activation dtype.
 
+With bf16/fp16 activations on CUDA, the decode path goes further (dequant="x2planes", see
+_X2_ASM): one lop3 turns two nibbles into a packed bf16x2/f16x2 pair, two packed fmas subtract
+the zero and apply the scale (still bit-identical), and each of a word's eight nibble planes
+[BLOCK_K/8, BLOCK_N] is multiplied by the matching stride-8 columns of x in its own tl.dot, so
+the dequantized weight reaches the tensor cores without a trip through shared memory. Counted
+by benchmarks/quant/sass_w4a16.py: 333 instead of 573 sm_90 instructions per K tile.
+
 Three paths:
 - decode (M <= 16): split-K; each program owns BLOCK_N columns and K/split rows, so a GEMV with
-  few column tiles still fills the GPU. Partials go to fp32 [split, M, N], summed by a small
-  reduce kernel (split 1 writes out directly). Rows are reduced with tl.dot (16-row minimum) or,
-  for 1-4 rows, with broadcast multiply-and-sum on the CUDA cores.
+  few column tiles still fills the GPU. Partials go to fp32 [split, M, N], summed by the last
+  program of each column tile (or a reduce kernel; split 1 writes out directly). Rows are
+  reduced with tl.dot (16-row minimum) or, in fp32, with broadcast multiply-and-sum on the CUDA
+  cores. H200: 1.31-1.55x of bf16 at 1-16 rows (results/w4a16_gemm_2026-11-30T025314.jsonl).
 - prefill (16 < M < 64, and wide-N shapes below 128 rows): a tiled GEMM with grouped program
   order for L2 reuse of the weight tiles.
 - many rows (use_dequant_matmul): a tl.dot fed from registers does not reach the tensor-core
@@ -72,7 +80,8 @@ class PrefillConfig:
     num_warps: int = 4
     num_stages: int = 4
     bcast_load: bool = False
-    dequant: str = "fp32"  # as DecodeConfig.dequant
+    dequant: str = "fp32"  # "fp32" or "x2" (see DecodeConfig.dequant)
+    swap_ab: bool = False  # compute out^T = W^T x^T (the weight is the register operand)
 
 
 DECODE_MAX_ROWS = 16
@@ -88,9 +97,27 @@ def use_dequant_matmul(m: int, n: int, k: int) -> bool:
 
 
 @triton.jit
+def _load_scale_zero(s_ptr, z_ptr, k0, offs_n, n_ok, N, group_size):
+    """The scales and zeros of the group holding row k0 (BLOCK_K divides group_size: one group
+    per tile), in the activation dtype."""
+    g = k0 // group_size
+    s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)
+    z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0)
+    return s, z
+
+
+@triton.jit
 def _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BCAST_LOAD: tl.constexpr):
     """Rows k0..k0+BLOCK_K of W, dequantized: [BLOCK_K, BLOCK_N] float32."""
+    s, z = _load_scale_zero(s_ptr, z_ptr, k0, offs_n, n_ok, N, group_size)
+    return _dequant_tile(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K, BLOCK_N, BCAST_LOAD)
+
+
+@triton.jit
+def _dequant_tile(qw_ptr, s, z, k0, offs_n, n_ok, N, K,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BCAST_LOAD: tl.constexpr):
+    """_load_tile with the tile's scales and zeros given."""
     if BCAST_LOAD:  # each word loaded by its 8 rows (L1 hits): no register reshuffle
         offs_k = tl.arange(0, BLOCK_K)
         k8 = k0 // 8 + offs_k // 8
@@ -103,11 +130,9 @@ def _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
                      mask=(k8 < K // 8)[:, None] & n_ok[None, :], other=0)
         shifts = tl.arange(0, 8) * 4
         q = tl.reshape((qw[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
-    g = k0 // group_size  # BLOCK_K divides group_size: one group per tile
-    s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    zb = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32) + 8388608.0
+    zb = z.to(tl.float32) + 8388608.0
     qf = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q, exactly
-    return (qf - zb[None, :]) * s[None, :]
+    return (qf - zb[None, :]) * s.to(tl.float32)[None, :]
 
 
 # Eight nibbles of a word become four packed 16-bit pairs: (q >> 4i) & 0x000F000F sets nibbles
@@ -158,13 +183,17 @@ def _load_planes_x2(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
                     BLOCK_K: tl.constexpr):
     """Rows k0..k0+BLOCK_K of W as eight [BLOCK_K/8, BLOCK_N] planes in the activation dtype:
     plane j holds rows k0 + 8i + j."""
+    s, z = _load_scale_zero(s_ptr, z_ptr, k0, offs_n, n_ok, N, group_size)
+    return _dequant_planes_x2(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K)
+
+
+@triton.jit
+def _dequant_planes_x2(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K: tl.constexpr):
+    """_load_planes_x2 with the tile's scales and zeros given."""
     k8 = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     qw = tl.load(qw_ptr + k8[:, None] * N + offs_n[None, :],
                  mask=(k8 < K // 8)[:, None] & n_ok[None, :], other=0)
-    g = k0 // group_size
-    s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0)
-    z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0.0)
-    if s_ptr.dtype.element_ty == tl.bfloat16:
+    if s.dtype == tl.bfloat16:
         negz = _pair((-(z.to(tl.float32) + 128.0)).to(tl.bfloat16))
         planes = tl.inline_asm_elementwise(
             _X2_ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [qw, negz, _pair(s)],
@@ -287,12 +316,24 @@ def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLIT, stride_om,
     tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _prefill_tile(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BCAST_LOAD: tl.constexpr, DEQUANT: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] of W: packed pairs joined back in the activation dtype ("x2"), or
+    float32."""
+    if DEQUANT == "fp32":
+        return _dequant_tile(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K, BLOCK_N, BCAST_LOAD)
+    else:
+        return _join_planes(_dequant_planes_x2(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K))
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_prefill_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, K, group_size, stride_xm, stride_om,
     HAS_BIAS: tl.constexpr, BCAST_LOAD: tl.constexpr, DEQUANT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -307,25 +348,34 @@ def _w4a16_prefill_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k[None, :],
-                    mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-        if DEQUANT == "x2planes":
-            planes = _load_planes_x2(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
-                                     BLOCK_K)
-            xp = _split_planes(tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 2, 2)))
-            for j in tl.static_range(8):
-                acc += tl.dot(xp[j], planes[j])
-        else:
-            if DEQUANT == "x2":
-                w = _join_planes(_load_planes_x2(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K,
-                                                 group_size, BLOCK_K))
-            else:
-                w = _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
-                               BLOCK_K, BLOCK_N, BCAST_LOAD)
+    # scales and zeros are loaded one tile ahead: the compiler pipelines the weight and x loads
+    # into shared memory but not these, whose latency would otherwise stall every tile
+    s, z = _load_scale_zero(s_ptr, z_ptr, 0, offs_n, n_ok, N, group_size)
+    if SWAP_AB:  # out^T = W^T x^T: the dequantized weight is wgmma's A operand, from registers
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            s_next, z_next = _load_scale_zero(s_ptr, z_ptr, k0 + BLOCK_K, offs_n,
+                                              n_ok & (k0 + BLOCK_K < K), N, group_size)
+            k = k0 + offs_k
+            xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + k[:, None],
+                         mask=m_ok[None, :] & (k < K)[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
+            w = _prefill_tile(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K, BLOCK_N,
+                              BCAST_LOAD, DEQUANT)
+            acc_t += tl.dot(tl.trans(w.to(xt.dtype)), xt)
+            s, z = s_next, z_next
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            s_next, z_next = _load_scale_zero(s_ptr, z_ptr, k0 + BLOCK_K, offs_n,
+                                              n_ok & (k0 + BLOCK_K < K), N, group_size)
+            k = k0 + offs_k
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k[None, :],
+                        mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            w = _prefill_tile(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K, BLOCK_N,
+                              BCAST_LOAD, DEQUANT)
             acc += tl.dot(x, w.to(x.dtype))
+            s, z = s_next, z_next
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
@@ -484,7 +534,8 @@ def w4a16_prefill(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
         x, qweight, scales, zeros, bias if bias is not None else out, out,
         m, n, k, group_size, x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BCAST_LOAD=config.bcast_load,
-        DEQUANT=_dequant(config.dequant, x, block_k), BLOCK_M=config.block_m,
+        DEQUANT=_dequant(config.dequant, x, block_k).replace("x2planes", "x2"),
+        SWAP_AB=config.swap_ab, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

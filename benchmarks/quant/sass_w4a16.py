@@ -6,8 +6,9 @@ K loop's instructions can be counted here. The count predicts the instruction-is
     cycles per K tile per SM  = loop instructions x warps / 4   (4 schedulers, 1 issue/clk)
     weight bytes per second   = BLOCK_K x BLOCK_N / 2 / (that) x SMs x clock
 
-which is the bound the decode kernels hit on the H200 (0.6-1.2 TB/s measured, NOTES.md, "W4A16
-on the H200"); HBM is ~4.8 TB/s. A variant is worth device time only if it moves this number.
+An upper bound: the old fp32 decode kernel measured 0.43 of it on the H200, the packed-pair
+one 0.26-0.32 (NOTES.md, "W4A16 packed pairs"); HBM is ~4.8 TB/s. It ranks variants before any
+device time is spent, and shows which instructions a change removed.
 
     python benchmarks/quant/sass_w4a16.py [--rows 1 4 16] [--dump DIR]
 """

@@ -58,12 +58,13 @@ def test_decode_kernel(device, cfg, m, n, k, group):
     assert rel_err(out, ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("bcast", [False, True])
+@pytest.mark.parametrize("bcast,swap", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("m,n,k,group", [(37, 40, 576, 128), (20, 64, 192, 32)])
-def test_prefill_kernel(device, bcast, m, n, k, group):
+def test_prefill_kernel(device, bcast, swap, m, n, k, group):
     x, qw, s, z, bias = make(m, n, k, group, torch.float32, device, seed=1)
     ref = reference(x, qw, s, z, group, bias)
-    cfg = w4a16.PrefillConfig(block_m=16, block_n=32, block_k=64, bcast_load=bcast)
+    cfg = w4a16.PrefillConfig(block_m=16, block_n=32, block_k=64, bcast_load=bcast,
+                              swap_ab=swap)
     out = w4a16.w4a16_prefill(x, qw, s, z, group, bias, out=poisoned(m, n, x.dtype, device),
                               config=cfg)
     assert rel_err(out, ref) < FP32_TOL
@@ -135,8 +136,11 @@ PACKED = [  # (kernel, config) pairs taking the packed-pair (inline PTX) dequant
     ("decode", w4a16.DecodeConfig(block_n=32, block_k=128, split_k=1, dequant="x2planes")),
     ("decode", w4a16.DecodeConfig(block_n=64, block_k=128, dequant="x2", lock_reduce=False)),
     ("decode", w4a16.DecodeConfig(block_n=128, block_k=64, dequant="x2planes")),  # -> x2
-    ("prefill", w4a16.PrefillConfig(block_m=64, block_n=128, block_k=128, dequant="x2planes")),
     ("prefill", w4a16.PrefillConfig(block_m=64, block_n=64, block_k=64, dequant="x2")),
+    ("prefill", w4a16.PrefillConfig(block_m=64, block_n=128, block_k=64, dequant="x2",
+                                    swap_ab=True)),
+    ("prefill", w4a16.PrefillConfig(block_m=128, block_n=128, block_k=128, num_warps=8,
+                                    swap_ab=True)),  # fp32 dequantization, swapped
 ]
 
 
@@ -193,3 +197,22 @@ def test_split_and_join_planes_orders(device):
     for j in range(8):
         assert torch.equal(planes[j], x[j::8].t())
     assert torch.equal(joined, x)
+
+
+def test_packed_planes_compile_for_sm90_with_fewer_instructions():
+    """Triton compiles for sm_90 without a GPU: the packed-pair decode kernel must build (its
+    inline PTX assembles) and its K loop must be shorter than the fp32 path's."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "benchmarks/quant/sass_w4a16.py", "--rows", "16"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    counts = dict(re.findall(r"rows 16 (\w+)\s.*?: (\d+) insns/iter.*tensor core", run.stdout))
+    assert set(counts) == {"fp32", "x2", "x2planes"}, run.stdout
+    assert int(counts["x2planes"]) < int(counts["x2"]) < int(counts["fp32"])
