@@ -82,6 +82,7 @@ class PrefillConfig:
     bcast_load: bool = False
     dequant: str = "fp32"  # "fp32" or "x2" (see DecodeConfig.dequant)
     swap_ab: bool = False  # compute out^T = W^T x^T (the weight is the register operand)
+    split_k: int = 1  # K parts per output tile, summed by the last program of each tile
 
 
 DECODE_MAX_ROWS = 16
@@ -274,13 +275,24 @@ def _w4a16_decode_kernel(
             else:
                 acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :],
                               axis=1)
+    _finish(acc, part_ptr, lock_ptr, pid_n, pid_k, offs_m, offs_n, m_ok, n_ok, M, N, bias_ptr,
+            out_ptr, stride_om, HAS_BIAS, REDUCE, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _finish(acc, part_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, m_ok, n_ok, M, N, bias_ptr,
+            out_ptr, stride_om, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Writes a program's [BLOCK_M, BLOCK_N] result: directly (REDUCE 0), or as a split-K partial
+    in fp32 [split, M, N] that the last program of this output tile sums (2, one launch) or
+    _splitk_reduce_kernel does (1)."""
     mn_ok = m_ok[:, None] & n_ok[None, :]
-    if REDUCE != 0:  # split-K partial, summed by the last program of this column tile (2)
-        part_offs = offs_m[:, None] * N + offs_n[None, :]  # or by _splitk_reduce_kernel (1)
+    if REDUCE != 0:
+        part_offs = offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptr + pid_k * M * N + part_offs, acc, mask=mn_ok)
         if REDUCE == 2:
             tl.debug_barrier()  # all of this program's stores before the release below
-            arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+            arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
             if arrived == tl.num_programs(1) - 1:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for s in range(tl.num_programs(1)):
@@ -288,7 +300,7 @@ def _w4a16_decode_kernel(
                                    cache_modifier=".cg")
                 _store_out(acc, bias_ptr, out_ptr, offs_m, offs_n, n_ok, mn_ok, stride_om,
                            HAS_BIAS)
-                tl.atomic_xchg(lock_ptr + pid_n, 0)  # leave the lock zeroed for the next call
+                tl.atomic_xchg(lock_ptr + tile, 0)  # leave the lock zeroed for the next call
     else:
         _store_out(acc, bias_ptr, out_ptr, offs_m, offs_n, n_ok, mn_ok, stride_om, HAS_BIAS)
 
@@ -329,13 +341,16 @@ def _prefill_tile(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K: tl.constexpr,
 
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_prefill_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
-    M, N, K, group_size, stride_xm, stride_om,
-    HAS_BIAS: tl.constexpr, BCAST_LOAD: tl.constexpr, DEQUANT: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, group_size, k_per_split, stride_xm, stride_om,
+    HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, BCAST_LOAD: tl.constexpr, DEQUANT: tl.constexpr,
     SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)  # split-K part (grid axis 1 is 1 without a split)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -350,12 +365,12 @@ def _w4a16_prefill_kernel(
     n_ok = offs_n < N
     # scales and zeros are loaded one tile ahead: the compiler pipelines the weight and x loads
     # into shared memory but not these, whose latency would otherwise stall every tile
-    s, z = _load_scale_zero(s_ptr, z_ptr, 0, offs_n, n_ok, N, group_size)
+    s, z = _load_scale_zero(s_ptr, z_ptr, k_start, offs_n, n_ok, N, group_size)
     if SWAP_AB:  # out^T = W^T x^T: the dequantized weight is wgmma's A operand, from registers
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_end, BLOCK_K):
             s_next, z_next = _load_scale_zero(s_ptr, z_ptr, k0 + BLOCK_K, offs_n,
-                                              n_ok & (k0 + BLOCK_K < K), N, group_size)
+                                              n_ok & (k0 + BLOCK_K < k_end), N, group_size)
             k = k0 + offs_k
             xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + k[:, None],
                          mask=m_ok[None, :] & (k < K)[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
@@ -366,9 +381,9 @@ def _w4a16_prefill_kernel(
         acc = tl.trans(acc_t)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_end, BLOCK_K):
             s_next, z_next = _load_scale_zero(s_ptr, z_ptr, k0 + BLOCK_K, offs_n,
-                                              n_ok & (k0 + BLOCK_K < K), N, group_size)
+                                              n_ok & (k0 + BLOCK_K < k_end), N, group_size)
             k = k0 + offs_k
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k[None, :],
                         mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
@@ -376,11 +391,8 @@ def _w4a16_prefill_kernel(
                               BCAST_LOAD, DEQUANT)
             acc += tl.dot(x, w.to(x.dtype))
             s, z = s_next, z_next
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
+    _finish(acc, part_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, m_ok, n_ok, M, N, bias_ptr,
+            out_ptr, stride_om, HAS_BIAS, REDUCE, BLOCK_M, BLOCK_N)
 
 @triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size,
@@ -529,11 +541,20 @@ def w4a16_prefill(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
     if m == 0:
         return out
     block_k = min(config.block_k, group_size)
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-    _w4a16_prefill_kernel[grid](
-        x, qweight, scales, zeros, bias if bias is not None else out, out,
-        m, n, k, group_size, x.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BCAST_LOAD=config.bcast_load,
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    k_tiles = triton.cdiv(k, block_k)
+    tiles_per_split = triton.cdiv(k_tiles, max(1, min(config.split_k, k_tiles)))
+    split = triton.cdiv(k_tiles, tiles_per_split)
+    part = out
+    if split > 1:
+        if split * m * n >= 2**31:
+            raise ValueError(f"split-K partials of {split}x{m}x{n} overflow int32 offsets")
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    locks = _locks(x.device, tiles) if split > 1 else part
+    _w4a16_prefill_kernel[(tiles, split)](
+        x, qweight, scales, zeros, bias if bias is not None else out, out, part, locks,
+        m, n, k, group_size, tiles_per_split * block_k, x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, REDUCE=2 if split > 1 else 0, BCAST_LOAD=config.bcast_load,
         DEQUANT=_dequant(config.dequant, x, block_k).replace("x2planes", "x2"),
         SWAP_AB=config.swap_ab, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,

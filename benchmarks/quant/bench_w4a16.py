@@ -63,15 +63,16 @@ def packed_decode_grid(rows):
             for bn in (64, 128, 256) for stages in (3, 4, 5) for split in (2, 4, 6, 8, 12, 16)]
 
 
-PACKED_PREFILL_GRID = [  # per-plane dots here measured 0.07-0.58x of bf16 (8 K=16 wgmmas a tile)
-    w4a16.PrefillConfig(bm, bn, bk, 8, warps, stages, dequant=dq, swap_ab=swap)
-    for dq in ("x2", "fp32") for swap in (True, False)
-    for bm, bn, bk, warps, stages in [(32, 128, 64, 4, 4), (32, 256, 64, 4, 3),
-                                      (64, 128, 64, 4, 4), (128, 128, 64, 4, 4),
-                                      (128, 128, 64, 8, 4), (64, 256, 64, 8, 3),
-                                      (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-                                      (128, 128, 128, 8, 3)]
-    if swap or bm >= 64
+PACKED_PREFILL_GRID = [
+    # One program per output tile took ~1.4 us per K tile on the H200 whatever the rows, so
+    # few tiles meant a slow GEMM (results/w4a16_gemm_2026-11-30T030606.jsonl): split K.
+    w4a16.PrefillConfig(bm, bn, bk, 8, warps, stages, dequant=dq, swap_ab=swap, split_k=split)
+    for bm, bn, bk, warps, stages, dq, swap in [
+        (128, 128, 128, 8, 3, "x2", True), (32, 128, 64, 4, 4, "x2", True),
+        (64, 128, 64, 4, 4, "x2", True), (128, 128, 64, 8, 4, "x2", True),
+        (256, 128, 64, 8, 3, "x2", True), (128, 128, 64, 8, 4, "x2", False),
+        (64, 64, 128, 4, 4, "fp32", False)]
+    for split in (2, 4, 8, 16)
 ]
 
 

@@ -58,13 +58,15 @@ def test_decode_kernel(device, cfg, m, n, k, group):
     assert rel_err(out, ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("bcast,swap", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("bcast,swap,split", [(False, False, 1), (True, False, 1),
+                                               (False, True, 1), (False, True, 3),
+                                               (False, False, 2)])
 @pytest.mark.parametrize("m,n,k,group", [(37, 40, 576, 128), (20, 64, 192, 32)])
-def test_prefill_kernel(device, bcast, swap, m, n, k, group):
+def test_prefill_kernel(device, bcast, swap, split, m, n, k, group):
     x, qw, s, z, bias = make(m, n, k, group, torch.float32, device, seed=1)
     ref = reference(x, qw, s, z, group, bias)
     cfg = w4a16.PrefillConfig(block_m=16, block_n=32, block_k=64, bcast_load=bcast,
-                              swap_ab=swap)
+                              swap_ab=swap, split_k=split)
     out = w4a16.w4a16_prefill(x, qw, s, z, group, bias, out=poisoned(m, n, x.dtype, device),
                               config=cfg)
     assert rel_err(out, ref) < FP32_TOL
@@ -141,6 +143,8 @@ PACKED = [  # (kernel, config) pairs taking the packed-pair (inline PTX) dequant
                                     swap_ab=True)),
     ("prefill", w4a16.PrefillConfig(block_m=128, block_n=128, block_k=128, num_warps=8,
                                     swap_ab=True)),  # fp32 dequantization, swapped
+    ("prefill", w4a16.PrefillConfig(block_m=32, block_n=128, block_k=128, dequant="x2",
+                                    swap_ab=True, split_k=3)),
 ]
 
 
