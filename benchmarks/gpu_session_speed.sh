@@ -9,7 +9,7 @@
 # profiles of W1 1B), quant (W4A16 GPU tests and GEMM bench), quantpacked (its sweep of
 # the packed-pair dequantization, QROWS rows), awq
 # (W1 and W2 on 8B with random AWQ weights, and W2 bf16 beside them), awqlat (8B decode at
-# 1 and 16 running requests, bf16 and AWQ), bigasync (big with
+# 1 and 16 running requests, bf16 and AWQ), awq32 (the same at 32 running), bigasync (big with
 # --async-scheduling), awqasync (awq's AWQ runs with --async-scheduling), kernels (every kernel
 # test on the GPU). W3_N and RATES override the w3 part's request count and rates.
 # Everything new comes back in one archive, $OUT/bundle.tgz (the device returns at most 8 files).
@@ -65,8 +65,9 @@ for part in $PARTS; do
         --server-flag=--torch-profile-steps --server-flag=5:2,80:4
       mkdir -p $B/profile_1b && cp /tmp/profile_1b/ops_* $B/profile_1b/
       tail -12 /tmp/profile_1b/ops_*_80.txt ;;
-    quant)
-      python3 -m pytest -q -rs tests/kernels/test_w4a16.py 2>&1 | tee $B/pytest_w4a16.log \
+    quant)  # QUANT_K: a pytest -k selection of the W4A16 tests
+      python3 -m pytest -q -rs tests/kernels/test_w4a16.py ${QUANT_K:+-k "$QUANT_K"} 2>&1 \
+        | tee $B/pytest_w4a16.log \
         | tail -4
       timeout ${QUANT_S:-300} python3 benchmarks/quant/bench_w4a16.py --out $B 2>&1 \
         | tee $B/bench_w4a16.log | grep -v " done$" | tail -30 ;;
@@ -84,6 +85,11 @@ for part in $PARTS; do
         tp "" M8 --hf none --requests $(( seqs * 2 )) --prompt 128 --output 512 \
           --max-num-seqs $seqs --server-flag=--quantization --server-flag=$q
       done; done ;;
+    awq32)  # 8B decode at 32 running, bf16 then AWQ (the split-K tiled rows)
+      for q in none awq; do
+        tp "" M8 --hf none --requests 64 --prompt 128 --output 512 --max-num-seqs 32 \
+          --server-flag=--quantization --server-flag=$q
+      done ;;
     awqasync)  # AWQ with --async-scheduling (compare with bigasync)
       for w in W1 W2; do throughput $w M8 --server-flag=--quantization --server-flag=awq \
         --server-flag=--async-scheduling; done ;;

@@ -89,12 +89,24 @@ DECODE_MAX_ROWS = 16
 DEQUANT_MIN_ROWS = 64  # rows from which dequantize-then-cuBLAS wins (see use_dequant_matmul)
 
 
+def _big(n: int, k: int) -> bool:
+    """The Llama-3.1-8B gate_up and down shapes (N or K = 14336), not q/k/v/o."""
+    return n * k > 32 * 1024 * 1024
+
+
 def use_dequant_matmul(m: int, n: int, k: int) -> bool:
-    """H200 sweep (bf16, G=128, Llama-3.1-8B shapes): dequantize + cuBLAS wins from 64 rows,
-    except the wide gate_up shape (N=14336, K=4096), where the tiled kernel still wins at 64."""
-    if m >= 2 * DEQUANT_MIN_ROWS:
-        return True
-    return m >= DEQUANT_MIN_ROWS and not (n > 8192 and k <= 4096)
+    """H200 sweeps (bf16, G=128, Llama-3.1-8B shapes): dequantize + cuBLAS wins beyond 128 rows,
+    and from 64 rows on the small shapes; the split-K tiled kernel wins below
+    (results/w4a16_gemm_2026-11-30T031054.jsonl)."""
+    return m > 2 * DEQUANT_MIN_ROWS or (m >= DEQUANT_MIN_ROWS and not _big(n, k))
+
+
+def _split_for(tiles: int, target: int, cap: int) -> int:
+    """The smallest power-of-two split-K with at least `target` programs, at most `cap`."""
+    split = 1
+    while tiles * split < target and split < cap:
+        split *= 2
+    return split
 
 
 @triton.jit
@@ -564,21 +576,28 @@ def w4a16_prefill(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
 
 
 def pick_config(m: int, n: int, k: int) -> DecodeConfig | PrefillConfig:
-    """Winners of the sweeps in benchmarks/quant/bench_w4a16.py on an H200 (bf16, G=128,
-    Llama-3.1-8B shapes; benchmarks/results/w4a16_gemm_2026-11-29T202704.jsonl, and --packed
-    for the decode rows). Off CUDA, or with fp32 activations, dequant falls back to fp32."""
-    wide = n > 4096
-    if m <= DECODE_MAX_ROWS:  # packed pairs, one dot per plane: 1.3-1.5x of bf16 from 1 to 16
-        big = n * k > 32 * 1024 * 1024  # rows (results/w4a16_gemm_2026-11-30T024437.jsonl)
+    """Winners of the sweeps in benchmarks/quant/bench_w4a16.py --packed on an H200 (bf16,
+    G=128, Llama-3.1-8B shapes; results/w4a16_gemm_2026-11-30T024437.jsonl for the decode
+    rows, ..T031054.jsonl for the rest). Off CUDA, or with fp32 activations, the packed-pair
+    dequantization falls back to fp32 with the same tiles."""
+    big = _big(n, k)
+    if m <= DECODE_MAX_ROWS:  # packed pairs, one dot per plane: 1.3-1.55x of bf16
         return DecodeConfig(block_n=256 if big else 64, target_programs=264 if big else 528,
                             dequant="x2planes")
-    if m <= 64:
-        if wide:
-            return PrefillConfig(block_m=64, block_n=64, block_k=128)
-        return PrefillConfig(block_m=32, block_n=64, block_k=128, bcast_load=True)
-    if wide and k <= 4096:
-        return PrefillConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
-    return PrefillConfig(block_m=64, block_n=64, block_k=128)
+    # split-K, weight as the register operand: one program per output tile took ~1.4 us per K
+    # tile whatever its rows, so the programs must be many
+    # Each output tile's rows are one M tile: more M tiles would dequantize each weight again.
+    if m <= 32:  # 0.88-1.03x of bf16 at 32 rows (was 0.29-0.67x)
+        split = _split_for(triton.cdiv(n, 128), 256, 16)
+        return PrefillConfig(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=4,
+                             dequant="x2", swap_ab=True, split_k=split)
+    if m <= DEQUANT_MIN_ROWS:  # 0.76-0.82x at 64 rows on the big shapes (was 0.47-0.69x)
+        split = _split_for(triton.cdiv(n, 128), 192, 8)
+        return PrefillConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4,
+                             dequant="x2", swap_ab=True, split_k=split)
+    split = _split_for(triton.cdiv(n, 128), 192, 4)  # 0.52-0.65x at 128 (dequant: 0.44-0.47x)
+    return PrefillConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3,
+                         dequant="x2", swap_ab=True, split_k=split)
 
 
 def w4a16_gemm(

@@ -27,7 +27,7 @@ from kernels import w4a16  # noqa: E402
 from kernels.w4a16_reference import dequantize, pack_int4  # noqa: E402
 
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]  # (n, k): qkv/o, gate, down
-ROWS = [1, 4, 16, 64, 128, 256]
+ROWS = [1, 4, 16, 32, 64, 128, 256]
 GROUP = 128
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu":  # smoke run of the script itself under TRITON_INTERPRET=1, tiny shapes

@@ -123,7 +123,7 @@ def test_argument_checks(device):
 
 @pytest.mark.skipif(not CUDA, reason="half precision at model sizes needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("m", [1, 4, 16, 32, 64, 100, 256])
 @pytest.mark.parametrize("n,k,group", [(4096, 4096, 128), (6144, 4096, 64), (4096, 14336, 32)])
 def test_gemm_cuda_model_sizes(dtype, m, n, k, group):
     x, qw, s, z, bias = make(m, n, k, group, dtype, torch.device("cuda"))
