@@ -85,6 +85,7 @@ class Worker:
         log.info("model weights: %.2f GiB on %s%s", self.weight_bytes / GiB, self.device,
                  f" ({quant.method} 4-bit, group {quant.group_size})" if quant else "")
         self.block_size = cfg.block_size
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self.sampler = Sampler(self.device)
         self.num_blocks = self._num_blocks(cfg, model, max_len)
         if self.num_blocks < 1:
@@ -137,14 +138,21 @@ class Worker:
         """One small forward pass and sample before the executor says hello, so that the first
         real step pays no lazy initialisation and a broken model fails before it is announced;
         then the CUDA graphs are captured."""
-        n = min(8, self.block_size, self.max_model_len)
-        req = pb.NewRequest(req_id=0, token_ids=[0] * n, num_computed_tokens=0, block_ids=[0],
-                            sampling=pb.Sampling(temperature=0.0, top_p=1.0))
+        sizes = [min(8, self.block_size, self.max_model_len)]
+        if self.device.type == "cuda":  # kernels pick their variant by rows (the W4A16 GEMMs'
+            # bands, kernels/w4a16.py pick_config): compile each here, not in a serving step
+            sizes += [n for n in (24, 48, 96) if n <= min(self.max_model_len,
+                                                          self.max_num_batched_tokens)
+                      and -(-n // self.block_size) <= self.num_blocks]
         start = time.perf_counter()
-        self.runner.execute(pb.StepPlan(step_id=0, new_requests=[req],
-                                        new_num_scheduled_tokens=[n]))
-        self.runner.reset()  # block 0's slots hold garbage now; nothing reads them unwritten
-        log.info("warm-up forward of %d tokens: %.2f s", n, time.perf_counter() - start)
+        for step, n in enumerate(sizes):
+            req = pb.NewRequest(req_id=0, token_ids=[0] * n, num_computed_tokens=0,
+                                block_ids=list(range(-(-n // self.block_size))),
+                                sampling=pb.Sampling(temperature=0.0, top_p=1.0))
+            self.runner.execute(pb.StepPlan(step_id=step, new_requests=[req],
+                                            new_num_scheduled_tokens=[n]))
+            self.runner.reset()  # the blocks' slots hold garbage now; nothing reads them unwritten
+        log.info("warm-up forwards of %s tokens: %.2f s", sizes, time.perf_counter() - start)
         if self.graphs is not None:
             self.graphs.capture()
             self.runner.graphs = self.graphs
