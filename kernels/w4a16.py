@@ -31,14 +31,18 @@ Three paths:
   few column tiles still fills the GPU. Partials go to fp32 [split, M, N], summed by the last
   program of each column tile (or a reduce kernel; split 1 writes out directly). Rows are
   reduced with tl.dot (16-row minimum) or, in fp32, with broadcast multiply-and-sum on the CUDA
-  cores. H200: 1.31-1.55x of bf16 at 1-16 rows (results/w4a16_gemm_2026-11-30T025314.jsonl).
-- prefill (16 < M < 64, and wide-N shapes below 128 rows): a tiled GEMM with grouped program
-  order for L2 reuse of the weight tiles.
-- many rows (use_dequant_matmul): a tl.dot fed from registers does not reach the tensor-core
-  rate of cuBLAS on Hopper (0.21-0.33x of bf16 at 256 rows on the H200), so the weight is
-  dequantized into a [K, N] scratch (one memory-bound pass, ~4.5 bytes moved per weight) and
-  multiplied by torch.matmul: 0.53-0.62x of bf16 at 256 rows, 0.48-0.56x at 64
-  (benchmarks/results/w4a16_gemm_2026-11-30T003732.jsonl).
+  cores. H200: 1.27-1.53x of bf16 at 1-16 rows.
+- tiled (17-32 rows; up to 128 on the wide gate_up/down shapes): one M tile of 32, 64 or 128
+  rows, split-K with the same epilogue (one program per output tile ran ~1.4 us per K tile
+  whatever its rows, so few tiles meant a slow GEMM), and swap-AB: out^T = W^T x^T makes the
+  dequantized weight wgmma's register operand and x the shared-memory one. Scales and zeros
+  are loaded a tile ahead (the compiler pipelines only the weight and x tiles). H200: 0.87-0.99x
+  of bf16 at 32 rows, 0.78-0.84x at 64 and 0.53-0.65x at 128 on the big shapes.
+- many rows (use_dequant_matmul): the weight is dequantized into a [K, N] scratch (one
+  memory-bound pass, ~4.5 bytes moved per weight) and multiplied by torch.matmul: 0.54-0.66x of
+  bf16 at 256 rows, which no tiled variant beat.
+Numbers: benchmarks/results/w4a16_gemm_2026-11-30T031407.jsonl; benchmarks/NOTES.md has the
+sweeps behind them.
 """
 
 from __future__ import annotations
@@ -405,6 +409,7 @@ def _w4a16_prefill_kernel(
             s, z = s_next, z_next
     _finish(acc, part_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, m_ok, n_ok, M, N, bias_ptr,
             out_ptr, stride_om, HAS_BIAS, REDUCE, BLOCK_M, BLOCK_N)
+
 
 @triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size,
