@@ -10,7 +10,7 @@ An upper bound: the old fp32 decode kernel measured 0.43 of it on the H200, the 
 one 0.26-0.32 (NOTES.md, "W4A16 packed pairs"); HBM is ~4.8 TB/s. It ranks variants before any
 device time is spent, and shows which instructions a change removed.
 
-    python benchmarks/quant/sass_w4a16.py [--rows 1 4 16] [--dump DIR]
+    python benchmarks/quant/sass_w4a16.py [--rows 1 4 16] [--dump DIR] [--tiled]
 """
 
 from __future__ import annotations
@@ -125,12 +125,52 @@ def analyse(rows, cfg: w4a16.DecodeConfig, dump: Path | None):
     return len(loop), mix, tbs
 
 
+def tiled_signature():
+    ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
+           "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"}
+    ints = {n: "i32" for n in ("M", "N", "K", "group_size", "k_per_split", "stride_xm",
+                               "stride_om")}
+    const = {n: "constexpr" for n in ("HAS_BIAS", "REDUCE", "BCAST_LOAD", "DEQUANT", "SWAP_AB",
+                                      "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+    return {**ptr, **ints, **const}
+
+
+def analyse_tiled(cfg: w4a16.PrefillConfig):
+    """The tiled kernel's K loop: instructions, barriers and shared-memory traffic per tile.
+    Its measured limit is not the count (NOTES.md, "W4A16 packed pairs"): the barriers of the
+    layout conversions through shared memory are the suspect."""
+    consts = {"HAS_BIAS": False, "REDUCE": 2 if cfg.split_k > 1 else 0, "BCAST_LOAD": False,
+              "DEQUANT": cfg.dequant, "SWAP_AB": cfg.swap_ab, "BLOCK_M": cfg.block_m,
+              "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
+    sig = tiled_signature()
+    divisible = [n for n, t in sig.items() if t.startswith("*")] + ["N", "K", "group_size",
+                                                                     "k_per_split", "stride_xm",
+                                                                     "stride_om"]
+    loop = main_loop(sass(w4a16._w4a16_prefill_kernel, sig, consts, cfg.num_warps,
+                          cfg.num_stages, divisible))
+    ops = collections.Counter(op.split(".")[0] for _, op in loop)
+    return len(loop), {k: ops[k] for k in ("BAR", "STS", "LDS", "LDSM", "HGMMA", "HMMA", "LDG")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--dump", type=Path)
+    ap.add_argument("--tiled", action="store_true",
+                    help="the tiled kernel's configs (pick_config) at 32, 64 and 128 rows")
     args = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
+    if args.tiled:
+        for rows in (32, 64, 128):
+            for n, k in ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)):
+                if w4a16.use_dequant_matmul(rows, n, k):
+                    continue
+                cfg = w4a16.pick_config(rows, n, k)
+                count, ops = analyse_tiled(cfg)
+                print(f"rows {rows:>3} {n}x{k}: {cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
+                      f"warps={cfg.num_warps} {cfg.dequant} swap={int(cfg.swap_ab)} "
+                      f"split={cfg.split_k}: {count} insns/tile {ops}")
+        return
     print(f"issue bound of the K loop on an H200 ({SMS} SMs, {CLOCK_HZ / 1e9} GHz); "
           f"HBM {HBM_TBS} TB/s")
     for rows in args.rows:

@@ -205,7 +205,8 @@ def test_split_and_join_planes_orders(device):
 
 def test_packed_planes_compile_for_sm90_with_fewer_instructions():
     """Triton compiles for sm_90 without a GPU: the packed-pair decode kernel must build (its
-    inline PTX assembles) and its K loop must be shorter than the fp32 path's."""
+    inline PTX assembles) and its K loop must be shorter than the fp32 path's; the tiled
+    kernel's configs must build and use wgmma."""
     import os
     import re
     import subprocess
@@ -220,3 +221,9 @@ def test_packed_planes_compile_for_sm90_with_fewer_instructions():
     counts = dict(re.findall(r"rows 16 (\w+)\s.*?: (\d+) insns/iter.*tensor core", run.stdout))
     assert set(counts) == {"fp32", "x2", "x2planes"}, run.stdout
     assert int(counts["x2planes"]) < int(counts["x2"]) < int(counts["fp32"])
+    # the tiled kernel's chosen configs build too, and multiply with wgmma (HGMMA), not mma.sync
+    run = subprocess.run([sys.executable, "benchmarks/quant/sass_w4a16.py", "--tiled"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    wgmma = re.findall(r"^rows .*'HGMMA': (\d+), 'HMMA': (\d+)", run.stdout, re.M)
+    assert len(wgmma) == 8 and all(int(g) > 0 and int(h) == 0 for g, h in wgmma), run.stdout
