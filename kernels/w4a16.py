@@ -385,8 +385,8 @@ def _w4a16_prefill_kernel(
     if SWAP_AB:  # out^T = W^T x^T: the dequantized weight is wgmma's A operand, from registers
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
-            s_next, z_next = _load_scale_zero(s_ptr, z_ptr, k0 + BLOCK_K, offs_n,
-                                              n_ok & (k0 + BLOCK_K < k_end), N, group_size)
+            k_next = tl.minimum(k0 + BLOCK_K, k_end - 1)  # the last tile reloads its group
+            s_next, z_next = _load_scale_zero(s_ptr, z_ptr, k_next, offs_n, n_ok, N, group_size)
             k = k0 + offs_k
             xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + k[:, None],
                          mask=m_ok[None, :] & (k < K)[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
@@ -398,8 +398,8 @@ def _w4a16_prefill_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
-            s_next, z_next = _load_scale_zero(s_ptr, z_ptr, k0 + BLOCK_K, offs_n,
-                                              n_ok & (k0 + BLOCK_K < k_end), N, group_size)
+            k_next = tl.minimum(k0 + BLOCK_K, k_end - 1)  # the last tile reloads its group
+            s_next, z_next = _load_scale_zero(s_ptr, z_ptr, k_next, offs_n, n_ok, N, group_size)
             k = k0 + offs_k
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k[None, :],
                         mask=m_ok[:, None] & (k < K)[None, :], other=0.0)

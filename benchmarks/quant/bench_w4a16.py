@@ -5,7 +5,11 @@ reference in fp32 (outputs poisoned with NaN first), times the heuristic's choic
 model uses) and, with --sweep, a grid of configs, and bf16 torch.matmul in the same run.
 Records (kind w4a16_gemm) go to --out as JSONL; a table goes to stdout.
 
-    python benchmarks/quant/bench_w4a16.py --out $OUT [--sweep]
+    python benchmarks/quant/bench_w4a16.py --out $OUT [--sweep | --packed] [--rows 1 16 32]
+
+--packed sweeps the packed-pair decode configs and the split-K tiled ones (what the defaults
+were picked from); at 1 row each shape also gets a read floor: the time to stream its packed
+weight once, which no W4A16 kernel can beat.
 """
 
 from __future__ import annotations

@@ -3,6 +3,12 @@ small sizes; bf16/fp16 at model sizes on CUDA)."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -207,12 +213,6 @@ def test_packed_planes_compile_for_sm90_with_fewer_instructions():
     """Triton compiles for sm_90 without a GPU: the packed-pair decode kernel must build (its
     inline PTX assembles) and its K loop must be shorter than the fp32 path's; the tiled
     kernel's configs must build and use wgmma."""
-    import os
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "benchmarks/quant/sass_w4a16.py", "--rows", "16"],
