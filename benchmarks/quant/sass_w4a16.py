@@ -39,8 +39,11 @@ _BRA = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+`?\(?\.(L_x_\d
 _LABEL = re.compile(r"^\.(L_x_\d+):")
 
 
-def sass(kernel, signature, constexprs, num_warps, num_stages, divisible=()):
-    attrs = {(list(signature).index(a),): [["tt.divisibility", 16]] for a in divisible}
+def sass(kernel, signature, constexprs, num_warps, num_stages):
+    """nvdisasm of `kernel` compiled for sm_90, pointers and ints (but M) divisible by 16, as
+    they are when the model calls it."""
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(signature.items())
+             if ty.startswith("*") or (ty == "i32" and name != "M")}
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
@@ -94,14 +97,13 @@ def classify(op):
     return "other"
 
 
-def decode_signature():
+def signature(constexprs):
+    """The decode and tiled kernels' arguments (bf16 activations), then `constexprs`."""
     ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
            "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"}
     ints = {n: "i32" for n in ("M", "N", "K", "group_size", "k_per_split", "stride_xm",
                                "stride_om")}
-    const = {n: "constexpr" for n in ("HAS_BIAS", "REDUCE", "USE_DOT", "BCAST_LOAD", "DEQUANT",
-                                      "BLOCK_M", "BLOCK_N", "BLOCK_K")}
-    return {**ptr, **ints, **const}
+    return {**ptr, **ints, **{n: "constexpr" for n in constexprs}}
 
 
 def analyse(rows, cfg: w4a16.DecodeConfig, dump: Path | None):
@@ -109,11 +111,8 @@ def analyse(rows, cfg: w4a16.DecodeConfig, dump: Path | None):
     consts = {"HAS_BIAS": False, "REDUCE": 2, "USE_DOT": cfg.use_dot, "BCAST_LOAD": cfg.bcast_load,
               "DEQUANT": cfg.dequant, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n,
               "BLOCK_K": cfg.block_k}
-    sig = decode_signature()
-    divisible = [n for n, t in sig.items() if t.startswith("*")] + ["N", "K", "group_size",
-                                                                     "k_per_split", "stride_xm",
-                                                                     "stride_om"]
-    text = sass(w4a16._w4a16_decode_kernel, sig, consts, cfg.num_warps, cfg.num_stages, divisible)
+    text = sass(w4a16._w4a16_decode_kernel, signature(consts), consts, cfg.num_warps,
+                cfg.num_stages)
     loop = main_loop(text)
     if dump:
         dump.mkdir(parents=True, exist_ok=True)
@@ -125,16 +124,6 @@ def analyse(rows, cfg: w4a16.DecodeConfig, dump: Path | None):
     return len(loop), mix, tbs
 
 
-def tiled_signature():
-    ptr = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
-           "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"}
-    ints = {n: "i32" for n in ("M", "N", "K", "group_size", "k_per_split", "stride_xm",
-                               "stride_om")}
-    const = {n: "constexpr" for n in ("HAS_BIAS", "REDUCE", "BCAST_LOAD", "DEQUANT", "SWAP_AB",
-                                      "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
-    return {**ptr, **ints, **const}
-
-
 def analyse_tiled(cfg: w4a16.PrefillConfig):
     """The tiled kernel's K loop: instructions, barriers and shared-memory traffic per tile.
     Its measured limit is not the count (NOTES.md, "W4A16 packed pairs"): the barriers of the
@@ -142,12 +131,8 @@ def analyse_tiled(cfg: w4a16.PrefillConfig):
     consts = {"HAS_BIAS": False, "REDUCE": 2 if cfg.split_k > 1 else 0, "BCAST_LOAD": False,
               "DEQUANT": cfg.dequant, "SWAP_AB": cfg.swap_ab, "BLOCK_M": cfg.block_m,
               "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
-    sig = tiled_signature()
-    divisible = [n for n, t in sig.items() if t.startswith("*")] + ["N", "K", "group_size",
-                                                                     "k_per_split", "stride_xm",
-                                                                     "stride_om"]
-    loop = main_loop(sass(w4a16._w4a16_prefill_kernel, sig, consts, cfg.num_warps,
-                          cfg.num_stages, divisible))
+    loop = main_loop(sass(w4a16._w4a16_prefill_kernel, signature(consts), consts,
+                          cfg.num_warps, cfg.num_stages))
     ops = collections.Counter(op.split(".")[0] for _, op in loop)
     return len(loop), {k: ops[k] for k in ("BAR", "STS", "LDS", "LDSM", "HGMMA", "HMMA", "LDG")}
 
