@@ -383,30 +383,28 @@ def _w4a16_prefill_kernel(
     # into shared memory but not these, whose latency would otherwise stall every tile
     s, z = _load_scale_zero(s_ptr, z_ptr, k_start, offs_n, n_ok, N, group_size)
     if SWAP_AB:  # out^T = W^T x^T: the dequantized weight is wgmma's A operand, from registers
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            k_next = tl.minimum(k0 + BLOCK_K, k_end - 1)  # the last tile reloads its group
-            s_next, z_next = _load_scale_zero(s_ptr, z_ptr, k_next, offs_n, n_ok, N, group_size)
-            k = k0 + offs_k
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k_next = tl.minimum(k0 + BLOCK_K, k_end - 1)  # the last tile reloads its group
+        s_next, z_next = _load_scale_zero(s_ptr, z_ptr, k_next, offs_n, n_ok, N, group_size)
+        k = k0 + offs_k
+        if SWAP_AB:
             xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + k[:, None],
                          mask=m_ok[None, :] & (k < K)[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
             w = _prefill_tile(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K, BLOCK_N,
                               BCAST_LOAD, DEQUANT)
-            acc_t += tl.dot(tl.trans(w.to(xt.dtype)), xt)
-            s, z = s_next, z_next
-        acc = tl.trans(acc_t)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            k_next = tl.minimum(k0 + BLOCK_K, k_end - 1)  # the last tile reloads its group
-            s_next, z_next = _load_scale_zero(s_ptr, z_ptr, k_next, offs_n, n_ok, N, group_size)
-            k = k0 + offs_k
+            acc += tl.dot(tl.trans(w.to(xt.dtype)), xt)
+        else:
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k[None, :],
                         mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
             w = _prefill_tile(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K, BLOCK_N,
                               BCAST_LOAD, DEQUANT)
             acc += tl.dot(x, w.to(x.dtype))
-            s, z = s_next, z_next
+        s, z = s_next, z_next
+    if SWAP_AB:
+        acc = tl.trans(acc)
     _finish(acc, part_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, m_ok, n_ok, M, N, bias_ptr,
             out_ptr, stride_om, HAS_BIAS, REDUCE, BLOCK_M, BLOCK_N)
 
