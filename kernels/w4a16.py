@@ -87,6 +87,10 @@ class PrefillConfig:
     dequant: str = "fp32"  # "fp32" or "x2" (see DecodeConfig.dequant)
     swap_ab: bool = False  # compute out^T = W^T x^T (the weight is the register operand)
     split_k: int = 1  # K parts per output tile, summed by the last program of each tile
+    # one tl.dot per nibble plane against x in plane-major order (see _plane_major): the
+    # weight tile is never reshaped, so its words go from shared memory straight into the
+    # tensor cores' operand layout. Needs BLOCK_K 128 (a group size >= 128), else ignored.
+    planes: bool = False
 
 
 DECODE_MAX_ROWS = 16
@@ -221,6 +225,57 @@ def _dequant_planes_x2(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K: tl.constex
             _X2_ASM_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [qw, negz, _pair(s)],
             dtype=(tl.float16,) * 8, is_pure=True, pack=1)
     return planes
+
+
+@triton.jit
+def _nibble_plane(qw, j: tl.constexpr, zb, sf):
+    """fp32 plane j of packed words (the 2^23 trick of _dequant_tile)."""
+    qf = (((qw >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    return (qf - zb) * sf
+
+
+@triton.jit
+def _tile_planes(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K: tl.constexpr,
+                 SWAP_AB: tl.constexpr, DEQUANT: tl.constexpr):
+    """Rows k0..k0+BLOCK_K of W as eight planes, plane j holding rows k0 + 8i + j: [BLOCK_K/8,
+    BLOCK_N], or [BLOCK_N, BLOCK_K/8] with SWAP_AB; packed pairs ("x2") or float32."""
+    k8 = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    if SWAP_AB:
+        qw = tl.load(qw_ptr + k8[None, :] * N + offs_n[:, None],
+                     mask=n_ok[:, None] & (k8 < K // 8)[None, :], other=0)
+        s2 = s[:, None]
+        z2 = z[:, None]
+    else:
+        qw = tl.load(qw_ptr + k8[:, None] * N + offs_n[None, :],
+                     mask=(k8 < K // 8)[:, None] & n_ok[None, :], other=0)
+        s2 = s[None, :]
+        z2 = z[None, :]
+    if DEQUANT == "x2":
+        if s.dtype == tl.bfloat16:
+            negz = _pair2((-(z2.to(tl.float32) + 128.0)).to(tl.bfloat16))
+            p = tl.inline_asm_elementwise(
+                _X2_ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [qw, negz, _pair2(s2)],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        else:
+            negz = _pair2((-(z2.to(tl.float32) + 1024.0)).to(tl.float16))
+            p = tl.inline_asm_elementwise(
+                _X2_ASM_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [qw, negz, _pair2(s2)],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        return p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]
+    else:
+        zb = z2.to(tl.float32) + 8388608.0
+        sf = s2.to(tl.float32)
+        return (_nibble_plane(qw, 0, zb, sf), _nibble_plane(qw, 1, zb, sf),
+                _nibble_plane(qw, 2, zb, sf), _nibble_plane(qw, 3, zb, sf),
+                _nibble_plane(qw, 4, zb, sf), _nibble_plane(qw, 5, zb, sf),
+                _nibble_plane(qw, 6, zb, sf), _nibble_plane(qw, 7, zb, sf))
+
+
+@triton.jit
+def _pair2(v):
+    """16-bit floats (any shape) -> int32 words holding each twice (an operand of _X2_ASM)."""
+    b = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return b | (b << 16)
 
 
 @triton.jit
@@ -360,8 +415,8 @@ def _w4a16_prefill_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, group_size, k_per_split, stride_xm, stride_om,
     HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr, BCAST_LOAD: tl.constexpr, DEQUANT: tl.constexpr,
-    SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    SWAP_AB: tl.constexpr, PLANES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)  # split-K part (grid axis 1 is 1 without a split)
@@ -390,7 +445,21 @@ def _w4a16_prefill_kernel(
         k_next = tl.minimum(k0 + BLOCK_K, k_end - 1)  # the last tile reloads its group
         s_next, z_next = _load_scale_zero(s_ptr, z_ptr, k_next, offs_n, n_ok, N, group_size)
         k = k0 + offs_k
-        if SWAP_AB:
+        if PLANES:  # x is plane-major: tile row 8i + j of W meets x column k0 + 16j + i
+            # scales and zeros of this tile: the compiler pipelines these loads too here
+            sp, zp = _load_scale_zero(s_ptr, z_ptr, k0, offs_n, n_ok, N, group_size)
+            p = _tile_planes(qw_ptr, sp, zp, k0, offs_n, n_ok, N, K, BLOCK_K, SWAP_AB, DEQUANT)
+            for j in tl.static_range(8):
+                kj = k0 + 16 * j + tl.arange(0, 16)
+                if SWAP_AB:
+                    xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + kj[:, None],
+                                 mask=m_ok[None, :], other=0.0)  # [16, BLOCK_M]
+                    acc += tl.dot(p[j].to(xt.dtype), xt)
+                else:
+                    xj = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kj[None, :],
+                                 mask=m_ok[:, None], other=0.0)  # [BLOCK_M, 16]
+                    acc += tl.dot(xj, p[j].to(xj.dtype))
+        elif SWAP_AB:
             xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + k[:, None],
                          mask=m_ok[None, :] & (k < K)[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
             w = _prefill_tile(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K, BLOCK_N,
@@ -548,6 +617,21 @@ def w4a16_decode(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
     return out
 
 
+PLANE_BLOCK = 128  # K block of the plane-major order; the kernel's BLOCK_K with `planes`
+
+
+def plane_major(x: torch.Tensor) -> torch.Tensor:
+    """x's columns reordered within each block of 128 so that the rows one nibble plane of a
+    128-row weight tile holds (8i + j, i = 0..15) are contiguous: column 8i + j moves to
+    16j + i. K is zero-padded to a multiple of 128 (the weight's missing rows then meet zeros).
+    One copy of x ([M, K], small next to the weight)."""
+    m, k = x.shape
+    kp = -(-k // PLANE_BLOCK) * PLANE_BLOCK
+    if kp != k:
+        x = torch.nn.functional.pad(x, (0, kp - k))
+    return x.reshape(m, kp // PLANE_BLOCK, 16, 8).transpose(2, 3).reshape(m, kp)
+
+
 def w4a16_prefill(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
                   config: PrefillConfig = PrefillConfig()) -> torch.Tensor:
     """Tiled kernel for many rows; no act-order gather (w4a16_gemm does that)."""
@@ -566,12 +650,14 @@ def w4a16_prefill(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
             raise ValueError(f"split-K partials of {split}x{m}x{n} overflow int32 offsets")
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     locks = _locks(x.device, tiles) if split > 1 else part
+    planes = config.planes and block_k == PLANE_BLOCK
+    xk = plane_major(x) if planes else x
     _w4a16_prefill_kernel[(tiles, split)](
-        x, qweight, scales, zeros, bias if bias is not None else out, out, part, locks,
-        m, n, k, group_size, tiles_per_split * block_k, x.stride(0), out.stride(0),
+        xk, qweight, scales, zeros, bias if bias is not None else out, out, part, locks,
+        m, n, k, group_size, tiles_per_split * block_k, xk.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, REDUCE=2 if split > 1 else 0, BCAST_LOAD=config.bcast_load,
         DEQUANT=_dequant(config.dequant, x, block_k).replace("x2planes", "x2"),
-        SWAP_AB=config.swap_ab, BLOCK_M=config.block_m,
+        SWAP_AB=config.swap_ab, PLANES=planes, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

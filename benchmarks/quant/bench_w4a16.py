@@ -80,6 +80,19 @@ PACKED_PREFILL_GRID = [
 ]
 
 
+def planes_grid(rows):
+    """Plane-major x, one dot per nibble plane (swap-AB, BLOCK_K 128). sass_w4a16.py shows no
+    shared-memory round trip of the weight when BLOCK_N = 16 x warps (one 16-row slab of
+    W^T per warp), so those pairs, around the rows' M tile."""
+    bm = min(256, max(32, triton.next_power_of_2(rows)))
+    bms = (bm, bm // 2) if bm >= 128 else (bm,)
+    splits = (1, 2, 4) if rows >= 128 else (2, 4, 8, 16)
+    return [w4a16.PrefillConfig(b, bn, 128, 8, warps, stages, dequant="x2", swap_ab=True,
+                                split_k=split, planes=True)
+            for b in bms for bn, warps in ((64, 4), (128, 8)) for stages in (3, 4)
+            for split in splits]
+
+
 @triton.jit
 def _stream_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     """Reads n int32 (each program a contiguous chunk), writes one word per program: the time
@@ -165,7 +178,7 @@ def copies_for(nbytes):
     return max(1, int(-(-L2_FLUSH_BYTES // nbytes))) if DEV == "cuda" else 1
 
 
-def run_case(n, k, rows, dtype, sweep, seed, packed=False):
+def run_case(n, k, rows, dtype, sweep, seed, packed=False, planes=False):
     qw, s, z = make_weight(n, k, dtype, seed)
     x = torch.randn(rows, k, device=DEV, dtype=dtype)
     w_ref = dequantize(qw, s, z, GROUP, torch.float32)  # [K, N]
@@ -209,12 +222,15 @@ def run_case(n, k, rows, dtype, sweep, seed, packed=False):
         ms_tri = bench_graph([lambda q=q: w4a16.w4a16_prefill(x, *q, GROUP, config=cfg)
                               for q in quant])
         results.append(("awq", "triton_prefill", cfg, ms_tri, err))
-    if sweep or packed:
+    if sweep or packed or planes:
         configs = []
-        if rows <= w4a16.DECODE_MAX_ROWS:
+        if planes:
+            if rows > w4a16.DECODE_MAX_ROWS:
+                configs += [(c, w4a16.w4a16_prefill) for c in planes_grid(rows)]
+        elif rows <= w4a16.DECODE_MAX_ROWS:
             grid = packed_decode_grid(rows) if packed else decode_grid(rows)
             configs += [(c, w4a16.w4a16_decode) for c in grid]
-        if rows >= 16:
+        if rows >= 16 and not planes:
             grid = PACKED_PREFILL_GRID if packed else PREFILL_GRID
             configs += [(c, w4a16.w4a16_prefill) for c in grid]
         for cfg, fn in configs:
@@ -242,6 +258,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--packed", action="store_true",
                     help="sweep only the packed-pair dequantization configs")
+    ap.add_argument("--planes", action="store_true",
+                    help="sweep only the plane-major tiled configs (rows > 16)")
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS)
     args = ap.parse_args()
     env = environment()
@@ -255,7 +273,7 @@ def main() -> None:
     for n, k in SHAPES:
         for rows in args.rows if DEV == "cuda" else ROWS:
             ms_dense, results = run_case(n, k, rows, DTYPE, args.sweep, seed=0,
-                                         packed=args.packed)
+                                         packed=args.packed, planes=args.planes)
             records = []
             records.append({**env, "kind": "w4a16_gemm", "method": "bf16", "impl": "torch_matmul",
                             "rows": rows, "n": n, "k": k, "ms": ms_dense, "speedup_vs_bf16": 1.0})

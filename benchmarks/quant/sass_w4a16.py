@@ -129,7 +129,8 @@ def analyse_tiled(cfg: w4a16.PrefillConfig):
     Its measured limit is not the count (NOTES.md, "W4A16 packed pairs"): the barriers of the
     layout conversions through shared memory are the suspect."""
     consts = {"HAS_BIAS": False, "REDUCE": 2 if cfg.split_k > 1 else 0, "BCAST_LOAD": False,
-              "DEQUANT": cfg.dequant, "SWAP_AB": cfg.swap_ab, "BLOCK_M": cfg.block_m,
+              "DEQUANT": cfg.dequant.replace("x2planes", "x2"), "SWAP_AB": cfg.swap_ab,
+              "PLANES": cfg.planes and cfg.block_k == w4a16.PLANE_BLOCK, "BLOCK_M": cfg.block_m,
               "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
     loop = main_loop(sass(w4a16._w4a16_prefill_kernel, signature(consts), consts,
                           cfg.num_warps, cfg.num_stages))

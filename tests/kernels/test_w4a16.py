@@ -64,18 +64,33 @@ def test_decode_kernel(device, cfg, m, n, k, group):
     assert rel_err(out, ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("bcast,swap,split", [(False, False, 1), (True, False, 1),
-                                               (False, True, 1), (False, True, 3),
-                                               (False, False, 2)])
+@pytest.mark.parametrize("bcast,swap,split,planes", [
+    (False, False, 1, False), (True, False, 1, False), (False, True, 1, False),
+    (False, True, 3, False), (False, False, 2, False), (False, True, 1, True),
+    (False, True, 3, True), (False, False, 2, True)])
 @pytest.mark.parametrize("m,n,k,group", [(37, 40, 576, 128), (20, 64, 192, 32)])
-def test_prefill_kernel(device, bcast, swap, split, m, n, k, group):
+def test_prefill_kernel(device, bcast, swap, split, planes, m, n, k, group):
+    """planes: one dot per nibble plane against plane-major x (BLOCK_K 128, so group 32 falls
+    back to the reshaped tile; K=576 ends in a partial 128 block)."""
     x, qw, s, z, bias = make(m, n, k, group, torch.float32, device, seed=1)
     ref = reference(x, qw, s, z, group, bias)
-    cfg = w4a16.PrefillConfig(block_m=16, block_n=32, block_k=64, bcast_load=bcast,
-                              swap_ab=swap, split_k=split)
+    cfg = w4a16.PrefillConfig(block_m=16, block_n=32, block_k=128 if planes else 64,
+                              bcast_load=bcast, swap_ab=swap, split_k=split, planes=planes)
     out = w4a16.w4a16_prefill(x, qw, s, z, group, bias, out=poisoned(m, n, x.dtype, device),
                               config=cfg)
     assert rel_err(out, ref) < FP32_TOL
+
+
+def test_plane_major_order(device):
+    """Column 8i + j of each 128 block moves to 16j + i; K pads with zeros to a multiple of 128."""
+    x = torch.arange(3 * 200, dtype=torch.float32, device=device).reshape(3, 200) + 1
+    xp = w4a16.plane_major(x)
+    assert xp.shape == (3, 256) and xp.is_contiguous()
+    for b, i, j in ((0, 0, 1), (0, 15, 7), (1, 2, 3), (1, 8, 0)):
+        assert torch.equal(xp[:, 128 * b + 16 * j + i], x[:, 128 * b + 8 * i + j])
+    assert torch.equal(xp[:, 128 + 16 * 0 + 9], torch.zeros(3, device=device))  # column 200
+    assert torch.equal(xp[:, 128 + 16 * 7 + 8], x[:, 199])
+    assert xp.sum() == x.sum()
 
 
 @pytest.mark.parametrize("m", [1, 5, 24])
@@ -151,6 +166,12 @@ PACKED = [  # (kernel, config) pairs taking the packed-pair (inline PTX) dequant
                                     swap_ab=True)),  # fp32 dequantization, swapped
     ("prefill", w4a16.PrefillConfig(block_m=32, block_n=128, block_k=128, dequant="x2",
                                     swap_ab=True, split_k=3)),
+    ("prefill", w4a16.PrefillConfig(block_m=128, block_n=128, block_k=128, num_warps=8,
+                                    dequant="x2", swap_ab=True, split_k=2, planes=True)),
+    ("prefill", w4a16.PrefillConfig(block_m=64, block_n=64, block_k=128, dequant="x2",
+                                    swap_ab=True, planes=True)),
+    ("prefill", w4a16.PrefillConfig(block_m=32, block_n=64, block_k=128, dequant="x2",
+                                    planes=True)),  # W as the shared-memory operand
 ]
 
 
