@@ -92,8 +92,8 @@ for part in $PARTS; do
         tp "" M8 --hf none --requests $(( seqs * 2 )) --prompt 128 --output 512 \
           --max-num-seqs $seqs --server-flag=--quantization --server-flag=$q
       done; done ;;
-    awq32)  # 8B decode at 32 running, bf16 then AWQ (the split-K tiled rows)
-      for q in none awq; do
+    awq32)  # 8B decode at 32 running, bf16 then AWQ (the split-K tiled rows); AWQ_Q: which
+      for q in ${AWQ_Q:-none awq}; do
         tp "" M8 --hf none --requests 64 --prompt 128 --output 512 --max-num-seqs 32 \
           --server-flag=--quantization --server-flag=$q
       done ;;

@@ -94,7 +94,7 @@ class PrefillConfig:
 
 
 DECODE_MAX_ROWS = 16
-DEQUANT_MIN_ROWS = 64  # rows from which dequantize-then-cuBLAS wins (see use_dequant_matmul)
+DEQUANT_MIN_ROWS = 64  # rows beyond which dequantize-then-cuBLAS wins (see use_dequant_matmul)
 
 
 def _big(n: int, k: int) -> bool:
@@ -104,9 +104,9 @@ def _big(n: int, k: int) -> bool:
 
 def use_dequant_matmul(m: int, n: int, k: int) -> bool:
     """H200 sweeps (bf16, G=128, Llama-3.1-8B shapes): dequantize + cuBLAS wins beyond 128 rows,
-    and from 64 rows on the small shapes; the split-K tiled kernel wins below
-    (results/w4a16_gemm_2026-11-30T031054.jsonl)."""
-    return m > 2 * DEQUANT_MIN_ROWS or (m >= DEQUANT_MIN_ROWS and not _big(n, k))
+    and beyond 64 on the small shapes; the split-K tiled kernel wins below
+    (results/w4a16_gemm_2026-11-30T031054.jsonl, ..T042134.jsonl)."""
+    return m > 2 * DEQUANT_MIN_ROWS or (m > DEQUANT_MIN_ROWS and not _big(n, k))
 
 
 def _split_for(tiles: int, target: int, cap: int) -> int:
@@ -664,10 +664,20 @@ def w4a16_prefill(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
     return out
 
 
-def pick_config(m: int, n: int, k: int) -> DecodeConfig | PrefillConfig:
-    """Winners of the sweeps in benchmarks/quant/bench_w4a16.py --packed on an H200 (bf16,
-    G=128, Llama-3.1-8B shapes; results/w4a16_gemm_2026-11-30T024437.jsonl for the decode
-    rows, ..T031054.jsonl for the rest). Off CUDA, or with fp32 activations, the packed-pair
+def _planes_split(tiles: int, k: int, target: int) -> int:
+    """Split-K for the plane-major kernel: at least `target` programs, and no program with more
+    than 16 K tiles of 128 (the K=14336 shapes wanted 8 splits at 32-64 rows)."""
+    split = _split_for(tiles, target, 16)
+    while k > 16 * PLANE_BLOCK * split and split < 16:
+        split *= 2
+    return split
+
+
+def pick_config(m: int, n: int, k: int, group_size: int = 128) -> DecodeConfig | PrefillConfig:
+    """Winners of the sweeps in benchmarks/quant/bench_w4a16.py on an H200 (bf16, G=128,
+    Llama-3.1-8B shapes): --packed for the decode rows (results/w4a16_gemm_2026-11-30T024437
+    .jsonl), --planes for 17-128 rows (..T042134.jsonl); groups under 128 keep the reshaped-tile
+    configs of ..T031054.jsonl. Off CUDA, or with fp32 activations, the packed-pair
     dequantization falls back to fp32 with the same tiles."""
     big = _big(n, k)
     if m <= DECODE_MAX_ROWS:  # packed pairs, one dot per plane: 1.3-1.55x of bf16
@@ -676,6 +686,20 @@ def pick_config(m: int, n: int, k: int) -> DecodeConfig | PrefillConfig:
     # split-K, weight as the register operand: one program per output tile took ~1.4 us per K
     # tile whatever its rows, so the programs must be many
     # Each output tile's rows are one M tile: more M tiles would dequantize each weight again.
+    if group_size >= PLANE_BLOCK:
+        # plane-major x: the weight's words reach wgmma's register operand without a trip
+        # through shared memory (BLOCK_N = 16 x warps keeps it so, sass_w4a16.py --tiled)
+        if m <= 32 and not big:  # 0.98-1.00x of bf16 (reshaped tile: 0.89-0.93x)
+            return PrefillConfig(block_m=32, block_n=64, block_k=128, num_warps=4,
+                                 num_stages=4, dequant="x2", swap_ab=True, planes=True,
+                                 split_k=_planes_split(triton.cdiv(n, 64), k, 256))
+        block_m = 32 if m <= 32 else 64 if m <= 64 else 128
+        # 32 rows 1.01-1.09x on the big shapes; 64 rows 0.68-1.00x (0.56-0.85x before);
+        # 128 rows on the big shapes 0.60-0.62x (0.53-0.65x)
+        split = _planes_split(triton.cdiv(n, 128), k, 112 if block_m == 128 else 128)
+        return PrefillConfig(block_m=block_m, block_n=128, block_k=128, num_warps=8,
+                             num_stages=3, dequant="x2", swap_ab=True, planes=True,
+                             split_k=split)
     if m <= 32:  # 0.88-1.03x of bf16 at 32 rows (was 0.29-0.67x)
         split = _split_for(triton.cdiv(n, 128), 256, 16)
         return PrefillConfig(block_m=32, block_n=128, block_k=64, num_warps=4, num_stages=4,
@@ -706,7 +730,7 @@ def w4a16_gemm(
     m, k = x.shape
     if use_dequant_matmul(m, qweight.shape[1], k):
         return w4a16_dequant_matmul(x, qweight, scales, zeros, group_size, bias, out=out)
-    cfg = pick_config(m, qweight.shape[1], k)
+    cfg = pick_config(m, qweight.shape[1], k, group_size)
     if isinstance(cfg, DecodeConfig):
         return w4a16_decode(x, qweight, scales, zeros, group_size, bias, out=out, config=cfg)
     return w4a16_prefill(x, qweight, scales, zeros, group_size, bias, out=out, config=cfg)

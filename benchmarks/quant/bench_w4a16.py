@@ -83,14 +83,19 @@ PACKED_PREFILL_GRID = [
 def planes_grid(rows):
     """Plane-major x, one dot per nibble plane (swap-AB, BLOCK_K 128). sass_w4a16.py shows no
     shared-memory round trip of the weight when BLOCK_N = 16 x warps (one 16-row slab of
-    W^T per warp), so those pairs, around the rows' M tile."""
-    bm = min(256, max(32, triton.next_power_of_2(rows)))
-    bms = (bm, bm // 2) if bm >= 128 else (bm,)
-    splits = (1, 2, 4) if rows >= 128 else (2, 4, 8, 16)
-    return [w4a16.PrefillConfig(b, bn, 128, 8, warps, stages, dequant="x2", swap_ab=True,
+    W^T per warp). The first sweep (results/w4a16_gemm_2026-11-30T042134.jsonl, 32-256 rows)
+    set the defaults up to 128 rows; this one looks past them at 128 and 256: two stages (two
+    programs per SM, one dequantizing while the other multiplies) and 16 warps with BLOCK_N 256
+    (each program re-reads x for half as many weight columns)."""
+    if rows < 128:
+        return []
+    shapes = [(128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 8, 2), (64, 256, 16, 3),
+              (64, 256, 16, 4), (128, 256, 16, 2)]
+    if rows > 128:
+        shapes += [(256, 128, 8, 2), (256, 128, 8, 3)]
+    return [w4a16.PrefillConfig(bm, bn, 128, 8, warps, stages, dequant="x2", swap_ab=True,
                                 split_k=split, planes=True)
-            for b in bms for bn, warps in ((64, 4), (128, 8)) for stages in (3, 4)
-            for split in splits]
+            for bm, bn, warps, stages in shapes for split in (1, 2)]
 
 
 @triton.jit
@@ -202,7 +207,7 @@ def run_case(n, k, rows, dtype, sweep, seed, packed=False, planes=False):
         return rel_err(out, ref)
 
     results = []
-    default = w4a16.pick_config(rows, n, k)
+    default = w4a16.pick_config(rows, n, k, GROUP)
     err = check(lambda o: w4a16.w4a16_gemm(x, qw, s, z, GROUP, out=o))
     if not err < 1e-2:
         raise AssertionError(f"default n={n} k={k} rows={rows} {dtype}: rel err {err}")
@@ -217,7 +222,7 @@ def run_case(n, k, rows, dtype, sweep, seed, packed=False, planes=False):
         ms_dq = bench_graph([lambda q=q: w4a16.w4a16_dequant_matmul(x, *q, GROUP) for q in quant])
         results.append(("awq", "dequant_matmul", None, ms_dq, err))
     if w4a16.use_dequant_matmul(rows, n, k):  # the tiled Triton kernel the dispatcher skips
-        cfg = w4a16.pick_config(rows, n, k)
+        cfg = w4a16.pick_config(rows, n, k, GROUP)
         err = check(lambda o: w4a16.w4a16_prefill(x, qw, s, z, GROUP, out=o, config=cfg))
         ms_tri = bench_graph([lambda q=q: w4a16.w4a16_prefill(x, *q, GROUP, config=cfg)
                               for q in quant])
