@@ -479,62 +479,41 @@ def _w4a16_prefill_kernel(
 
 
 @triton.jit
-def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, NC, K, group_size,
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, group_size,
                     BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """W[k, n] in the output dtype for the first NC of the weight's N columns (a row stride of N),
-    into w [K, NC]; one [BLOCK_K, BLOCK_N] tile per program."""
+    """W[k, n] in the output dtype, one [BLOCK_K, BLOCK_N] tile per program."""
     k0 = tl.program_id(0) * BLOCK_K
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < NC
+    n_ok = offs_n < N
     w = _load_tile(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size, BLOCK_K, BLOCK_N,
                    False)
     k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(w_ptr + k[:, None].to(tl.int64) * NC + offs_n[None, :],
+    tl.store(w_ptr + k[:, None].to(tl.int64) * N + offs_n[None, :],
              w.to(w_ptr.dtype.element_ty), mask=(k < K)[:, None] & n_ok[None, :])
 
 
-def dequantize_weight(qweight, scales, zeros, group_size, dtype: torch.dtype, *, n0: int = 0,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """The weight [K, N] in `dtype` (or its columns n0..n0+out.shape[1] into a contiguous
-    `out`), bit-identical to kernels.w4a16_reference.dequantize rounded to dtype."""
+def dequantize_weight(qweight, scales, zeros, group_size, dtype: torch.dtype) -> torch.Tensor:
+    """The full weight [K, N] in `dtype`, bit-identical to kernels.w4a16_reference.dequantize
+    rounded to dtype."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
-    w = torch.empty((k, n), dtype=dtype, device=qweight.device) if out is None else out
-    nc = w.shape[1]
-    if not (w.is_contiguous() and w.shape[0] == k and n0 >= 0 and n0 + nc <= n):
-        raise ValueError(f"out {tuple(w.shape)} at column {n0} does not fit a [{k}, {n}] weight")
+    w = torch.empty((k, n), dtype=dtype, device=qweight.device)
     block_k = min(64, group_size)
-    _dequant_kernel[(triton.cdiv(k, block_k), triton.cdiv(nc, 128))](
-        qweight[:, n0:], scales[:, n0:], zeros[:, n0:], w, n, nc, k, group_size,
-        BLOCK_K=block_k, BLOCK_N=128, num_warps=4)
+    _dequant_kernel[(triton.cdiv(k, block_k), triton.cdiv(n, 128))](
+        qweight, scales, zeros, w, n, k, group_size, BLOCK_K=block_k, BLOCK_N=128,
+        num_warps=4)
     return w
 
 
-def w4a16_dequant_matmul(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
-                         chunk_n: int = 0):
-    """Many rows: dequantize the weight, then a cuBLAS GEMM; no act-order gather. chunk_n > 0
-    does it chunk_n columns at a time through one scratch of [K, chunk_n], small enough to stay
-    in L2 between the dequantization's writes and the GEMM's reads."""
-    m, n, k = _check(x, qweight, scales, zeros, group_size, bias, None)
+def w4a16_dequant_matmul(x, qweight, scales, zeros, group_size, bias=None, *, out=None):
+    """Many rows: dequantize the weight once, then a cuBLAS GEMM; no act-order gather."""
+    m, n, _ = _check(x, qweight, scales, zeros, group_size, bias, None)
     out = _out(out, m, n, x)
     if m == 0:
         return out
-    chunk = min(n, chunk_n) if chunk_n > 0 else n
-    if chunk == n:
-        w = dequantize_weight(qweight, scales, zeros, group_size, x.dtype)
-        if bias is None:
-            return torch.matmul(x, w, out=out)
-        return torch.addmm(bias, x, w, out=out)
-    scratch = torch.empty(k * chunk, dtype=x.dtype, device=x.device)
-    for n0 in range(0, n, chunk):
-        nc = min(chunk, n - n0)
-        w = dequantize_weight(qweight, scales, zeros, group_size, x.dtype, n0=n0,
-                              out=scratch[: k * nc].view(k, nc))
-        o = out[:, n0:n0 + nc]  # a column slice: cuBLAS writes it in place (ldc = N)
-        if bias is None:
-            torch.mm(x, w, out=o)
-        else:
-            torch.addmm(bias[n0:n0 + nc], x, w, out=o)
-    return out
+    w = dequantize_weight(qweight, scales, zeros, group_size, x.dtype)
+    if bias is None:
+        return torch.matmul(x, w, out=out)
+    return torch.addmm(bias, x, w, out=out)
 
 
 def _check(x, qweight, scales, zeros, group_size, bias, perm):

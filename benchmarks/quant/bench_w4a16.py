@@ -221,15 +221,6 @@ def run_case(n, k, rows, dtype, sweep, seed, packed=False, planes=False):
         err = check(lambda o: w4a16.w4a16_dequant_matmul(x, qw, s, z, GROUP, out=o))
         ms_dq = bench_graph([lambda q=q: w4a16.w4a16_dequant_matmul(x, *q, GROUP) for q in quant])
         results.append(("awq", "dequant_matmul", None, ms_dq, err))
-    if rows >= 64:  # the same N columns at a time through a scratch that may stay in L2
-        for chunk in (1024, 2048, 4096):
-            if chunk >= n:
-                continue
-            err = check(lambda o, c=chunk: w4a16.w4a16_dequant_matmul(x, qw, s, z, GROUP, out=o,
-                                                                      chunk_n=c))
-            ms_c = bench_graph([lambda q=q, c=chunk: w4a16.w4a16_dequant_matmul(
-                x, *q, GROUP, chunk_n=c) for q in quant])
-            results.append(("awq", f"dequant_matmul_chunk{chunk}", None, ms_c, err))
     if w4a16.use_dequant_matmul(rows, n, k):  # the tiled Triton kernel the dispatcher skips
         cfg = w4a16.pick_config(rows, n, k, GROUP)
         err = check(lambda o: w4a16.w4a16_prefill(x, qw, s, z, GROUP, out=o, config=cfg))
@@ -300,8 +291,7 @@ def main() -> None:
                 for r in records:
                     f.write(json.dumps(r) + "\n")
             best = min((r for r in results if r[1] in ("default", "sweep", "dequant_matmul",
-                                                       "triton_prefill")
-                        or r[1].startswith("dequant_matmul_chunk")), key=lambda r: r[3])
+                                                       "triton_prefill")), key=lambda r: r[3])
             dflt = results[0]
             gbytes = (n * k / 2 + rows * k * 2 + rows * n * 2) / 1e9
             print(f"{n} {k} {rows} done", flush=True)
