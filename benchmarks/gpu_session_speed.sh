@@ -8,7 +8,7 @@
 # w3 (8B rates), overload (135M: 46 req/s, sustainable, then 70 = 1.5x), profile1b (torch
 # profiles of W1 1B), quant (W4A16 GPU tests and GEMM bench), quantpacked (its sweep of
 # the packed-pair dequantization, QROWS rows), quantplanes (the plane-major tiled kernel's
-# tests and sweep), awq
+# tests and sweep), quantgluon (the Gluon kernel's tests and sweep), awq
 # (W1 and W2 on 8B with random AWQ weights, and W2 bf16 beside them), awqlat (8B decode at
 # 1 and 16 running requests, bf16 and AWQ), awq32 (the same at 32 running), bigasync (big with
 # --async-scheduling), awqasync (awq's AWQ runs with --async-scheduling), kernels (every kernel
@@ -83,6 +83,12 @@ for part in $PARTS; do
         | tee $B/pytest_w4a16.log | tail -4
       timeout ${QUANT_S:-420} python3 benchmarks/quant/bench_w4a16.py --out $B --planes \
         --rows ${QROWS:-32 64 128 256} 2>&1 | tee $B/bench_w4a16_planes.log \
+        | grep -v " done$" | tail -30 ;;
+    quantgluon)  # issue 7: the Gluon kernel, its GPU tests and a sweep
+      python3 -m pytest -q -rs tests/kernels/test_w4a16_gluon.py 2>&1 \
+        | tee $B/pytest_w4a16_gluon.log | tail -15
+      timeout ${QUANT_S:-420} python3 benchmarks/quant/bench_w4a16.py --out $B --gluon \
+        --rows ${QROWS:-32 64 128 256} 2>&1 | tee $B/bench_w4a16_gluon.log \
         | grep -v " done$" | tail -30 ;;
     awq)
       throughput W2 M8

@@ -5,7 +5,7 @@ reference in fp32 (outputs poisoned with NaN first), times the heuristic's choic
 model uses) and, with --sweep, a grid of configs, and bf16 torch.matmul in the same run.
 Records (kind w4a16_gemm) go to --out as JSONL; a table goes to stdout.
 
-    python benchmarks/quant/bench_w4a16.py --out $OUT [--sweep | --packed] [--rows 1 16 32]
+    python benchmarks/quant/bench_w4a16.py --out $OUT [--sweep | --packed | --planes | --gluon] [--rows 1 16 32]
 
 --packed sweeps the packed-pair decode configs and the split-K tiled ones (what the defaults
 were picked from); at 1 row each shape also gets a read floor: the time to stream its packed
@@ -98,6 +98,24 @@ def planes_grid(rows):
             for bm, bn, warps, stages in shapes for split in (1, 2)]
 
 
+def gluon_grid(rows):
+    """The Gluon kernel (kernels/w4a16_gluon.py) around the rows' M tile: 8 warps (BLOCK_N 128)
+    with and without a 128-register cap (two programs per SM), 4 warps at the small tiles."""
+    from kernels.w4a16_gluon import GluonConfig
+
+    if rows <= 32:
+        shapes = [(32, 8, 3, None), (32, 8, 3, 128), (32, 4, 4, None)]
+    elif rows <= 64:
+        shapes = [(64, 8, 3, None), (64, 8, 3, 128), (64, 4, 4, None), (32, 8, 3, None)]
+    elif rows <= 128:
+        shapes = [(128, 8, 3, None), (128, 8, 3, 128), (64, 8, 3, None), (64, 8, 3, 128)]
+    else:
+        shapes = [(256, 8, 2, None), (256, 8, 2, 128), (128, 8, 3, None), (128, 8, 3, 128)]
+    splits = (2, 4, 8) if rows <= 64 else (1, 2, 4)
+    return [GluonConfig(bm, warps, stages, split, maxnreg)
+            for bm, warps, stages, maxnreg in shapes for split in splits]
+
+
 @triton.jit
 def _stream_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     """Reads n int32 (each program a contiguous chunk), writes one word per program: the time
@@ -183,7 +201,7 @@ def copies_for(nbytes):
     return max(1, int(-(-L2_FLUSH_BYTES // nbytes))) if DEV == "cuda" else 1
 
 
-def run_case(n, k, rows, dtype, sweep, seed, packed=False, planes=False):
+def run_case(n, k, rows, dtype, sweep, seed, packed=False, planes=False, gluon=False):
     qw, s, z = make_weight(n, k, dtype, seed)
     x = torch.randn(rows, k, device=DEV, dtype=dtype)
     w_ref = dequantize(qw, s, z, GROUP, torch.float32)  # [K, N]
@@ -227,15 +245,19 @@ def run_case(n, k, rows, dtype, sweep, seed, packed=False, planes=False):
         ms_tri = bench_graph([lambda q=q: w4a16.w4a16_prefill(x, *q, GROUP, config=cfg)
                               for q in quant])
         results.append(("awq", "triton_prefill", cfg, ms_tri, err))
-    if sweep or packed or planes:
+    if sweep or packed or planes or gluon:
         configs = []
-        if planes:
+        if gluon:
+            if rows > w4a16.DECODE_MAX_ROWS:
+                from kernels.w4a16_gluon import w4a16_gluon
+                configs += [(c, w4a16_gluon) for c in gluon_grid(rows)]
+        elif planes:
             if rows > w4a16.DECODE_MAX_ROWS:
                 configs += [(c, w4a16.w4a16_prefill) for c in planes_grid(rows)]
         elif rows <= w4a16.DECODE_MAX_ROWS:
             grid = packed_decode_grid(rows) if packed else decode_grid(rows)
             configs += [(c, w4a16.w4a16_decode) for c in grid]
-        if rows >= 16 and not planes:
+        if rows >= 16 and not (planes or gluon):
             grid = PACKED_PREFILL_GRID if packed else PREFILL_GRID
             configs += [(c, w4a16.w4a16_prefill) for c in grid]
         for cfg, fn in configs:
@@ -265,6 +287,8 @@ def main() -> None:
                     help="sweep only the packed-pair dequantization configs")
     ap.add_argument("--planes", action="store_true",
                     help="sweep only the plane-major tiled configs (rows > 16)")
+    ap.add_argument("--gluon", action="store_true",
+                    help="sweep only the Gluon kernel's configs (rows > 16, sm_90)")
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS)
     args = ap.parse_args()
     env = environment()
@@ -278,7 +302,8 @@ def main() -> None:
     for n, k in SHAPES:
         for rows in args.rows if DEV == "cuda" else ROWS:
             ms_dense, results = run_case(n, k, rows, DTYPE, args.sweep, seed=0,
-                                         packed=args.packed, planes=args.planes)
+                                         packed=args.packed, planes=args.planes,
+                                         gluon=args.gluon)
             records = []
             records.append({**env, "kind": "w4a16_gemm", "method": "bf16", "impl": "torch_matmul",
                             "rows": rows, "n": n, "k": k, "ms": ms_dense, "speedup_vs_bf16": 1.0})

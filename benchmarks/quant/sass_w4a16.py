@@ -10,7 +10,7 @@ An upper bound: the old fp32 decode kernel measured 0.43 of it on the H200, the 
 one 0.26-0.32 (NOTES.md, "W4A16 packed pairs"); HBM is ~4.8 TB/s. It ranks variants before any
 device time is spent, and shows which instructions a change removed.
 
-    python benchmarks/quant/sass_w4a16.py [--rows 1 4 16] [--dump DIR] [--tiled]
+    python benchmarks/quant/sass_w4a16.py [--rows 1 4 16] [--dump DIR] [--tiled] [--gluon]
 """
 
 from __future__ import annotations
@@ -138,14 +138,59 @@ def analyse_tiled(cfg: w4a16.PrefillConfig):
     return len(loop), {k: ops[k] for k in ("BAR", "STS", "LDS", "LDSM", "HGMMA", "HMMA", "LDG")}
 
 
+def analyse_gluon(cfg=None):
+    """The Gluon kernel (kernels/w4a16_gluon.py) built for sm_90: instruction counts over the
+    whole kernel (its K loop is unrolled by two: 16 wgmmas), and ptxas's register use."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from kernels import w4a16_gluon
+
+    cfg = cfg or w4a16_gluon.GluonConfig()
+    xp = torch.empty(cfg.block_m, 4096, dtype=torch.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for([cfg.block_m, 128], gl.bfloat16)
+    desc = TensorDescriptor(xp, list(xp.shape), list(xp.stride()), [cfg.block_m, 128], layout)
+    sig = {"x_desc": mangle_type(desc), "qw_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16",
+           "bias_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32",
+           **{n: "i32" for n in ("M", "N", "K", "group_size", "k_per_split", "stride_om")}}
+    consts = {"HAS_BIAS": False, "PARTIAL": cfg.split_k > 1, "BLOCK_M": cfg.block_m,
+              "NUM_STAGES": cfg.num_stages, "num_warps": cfg.num_warps}
+    sig.update({n: "constexpr" for n in consts})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
+             if ty.startswith("*") or (ty == "i32" and name != "M")}
+    src = GluonASTSource(fn=w4a16_gluon._w4a16_gluon_kernel, signature=sig, constexprs=consts,
+                         attrs=attrs)
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.maxnreg:
+        opts["maxnreg"] = cfg.maxnreg
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    ops = collections.Counter(m.group(2).split(".")[0] for m in map(_INSN.search,
+                                                                     text.splitlines()) if m)
+    return {k: ops[k] for k in ("HGMMA", "STS", "LDS", "LDG", "BAR", "STG")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--dump", type=Path)
     ap.add_argument("--tiled", action="store_true",
                     help="the tiled kernel's configs (pick_config) at 32, 64 and 128 rows")
+    ap.add_argument("--gluon", action="store_true",
+                    help="the Gluon kernel's default config (kernels/w4a16_gluon.py)")
     args = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
+    if args.gluon:
+        print(f"gluon {analyse_gluon()}")
+        return
     if args.tiled:
         for rows in (32, 64, 128):
             for n, k in ((4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)):
