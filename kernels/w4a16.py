@@ -730,6 +730,14 @@ def w4a16_gemm(
         _check(x, qweight, scales, zeros, group_size, bias, perm)
         x = x.index_select(1, perm)
     m, k = x.shape
+    if x.is_cuda and m > DECODE_MAX_ROWS:  # on Hopper, the Gluon kernel where it won
+        from kernels import w4a16_gluon
+
+        if w4a16_gluon.available(x, group_size):
+            gcfg = w4a16_gluon.pick_config(m, qweight.shape[1], k)
+            if gcfg is not None:
+                return w4a16_gluon.w4a16_gluon(x, qweight, scales, zeros, group_size, bias,
+                                               out=out, config=gcfg)
     if use_dequant_matmul(m, qweight.shape[1], k):
         return w4a16_dequant_matmul(x, qweight, scales, zeros, group_size, bias, out=out)
     cfg = pick_config(m, qweight.shape[1], k, group_size)

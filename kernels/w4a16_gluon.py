@@ -245,6 +245,29 @@ if gluon is not None:
             gl.store(out_ptr + offs, acc.to(DTYPE), mask=ok)
 
 
+def pick_config(m: int, n: int, k: int) -> GluonConfig | None:
+    """Winners of bench_w4a16.py --gluon on an H200 (bf16, G=128, Llama-3.1-8B shapes;
+    results/w4a16_gemm_2026-11-30T044935.jsonl), or None where kernels.w4a16's paths win or
+    nothing was measured: up to 16 rows (the decode kernel), up to 32 on the small shapes
+    (its plane-major tiled kernel, equal), beyond 128 rows on the small shapes and beyond 256
+    on all (dequantize + cuBLAS)."""
+    big = w4a16._big(n, k)
+    tiles = triton.cdiv(n, 128)
+    if m <= w4a16.DECODE_MAX_ROWS or (m <= 32 and not big):
+        return None
+    if m <= 32:  # 1.01-1.16x of bf16 (Triton plane-major: 0.97-1.08x)
+        return GluonConfig(32, 8, 3, w4a16._planes_split(tiles, k, 128))
+    if m <= 64:  # 0.78-1.11x (0.64-0.93x)
+        if big:
+            return GluonConfig(64, 8, 3, w4a16._planes_split(tiles, k, 128))
+        return GluonConfig(64, 4, 4, w4a16._planes_split(triton.cdiv(n, 64), k, 256))
+    if m <= 128:  # 0.62-0.77x (0.51-0.61x)
+        return GluonConfig(128, 8, 3, w4a16._split_for(tiles, 96, 4))
+    if m <= 256 and big:  # 0.70-0.74x (dequantize + cuBLAS: 0.53-0.56x)
+        return GluonConfig(256, 8, 2, w4a16._split_for(tiles, 96, 4))
+    return None
+
+
 def w4a16_gluon(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
                 config: GluonConfig = GluonConfig()) -> torch.Tensor:
     """out = x @ dequant(W) (+ bias) for x [M, K] bf16/fp16 on an sm_90 GPU (see available())."""

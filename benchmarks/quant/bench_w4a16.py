@@ -5,7 +5,8 @@ reference in fp32 (outputs poisoned with NaN first), times the heuristic's choic
 model uses) and, with --sweep, a grid of configs, and bf16 torch.matmul in the same run.
 Records (kind w4a16_gemm) go to --out as JSONL; a table goes to stdout.
 
-    python benchmarks/quant/bench_w4a16.py --out $OUT [--sweep | --packed | --planes | --gluon] [--rows 1 16 32]
+    python benchmarks/quant/bench_w4a16.py --out $OUT [--sweep | --packed | --planes | --gluon]
+        [--rows 1 16 32]
 
 --packed sweeps the packed-pair decode configs and the split-K tiled ones (what the defaults
 were picked from); at 1 row each shape also gets a read floor: the time to stream its packed
@@ -226,6 +227,11 @@ def run_case(n, k, rows, dtype, sweep, seed, packed=False, planes=False, gluon=F
 
     results = []
     default = w4a16.pick_config(rows, n, k, GROUP)
+    if DEV == "cuda" and rows > w4a16.DECODE_MAX_ROWS:  # what w4a16_gemm runs on Hopper
+        from kernels import w4a16_gluon
+
+        if w4a16_gluon.available(x, GROUP):
+            default = w4a16_gluon.pick_config(rows, n, k) or default
     err = check(lambda o: w4a16.w4a16_gemm(x, qw, s, z, GROUP, out=o))
     if not err < 1e-2:
         raise AssertionError(f"default n={n} k={k} rows={rows} {dtype}: rel err {err}")

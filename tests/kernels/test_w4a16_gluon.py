@@ -13,20 +13,20 @@ import torch
 from kernel_utils import rel_err
 from test_w4a16 import make, poisoned
 
-from kernels import w4a16_gluon
+from kernels import w4a16, w4a16_gluon
 from kernels.w4a16_reference import dequantize
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not (HOPPER and w4a16_gluon.gluon is not None),
                                   reason="Gluon wgmma kernel: sm_90 GPU only")
-CONFIGS = [w4a16_gluon.GluonConfig(), w4a16_gluon.GluonConfig(block_m=64, num_warps=4,
-                                                              num_stages=4, split_k=3),
-           w4a16_gluon.GluonConfig(block_m=256, num_stages=2, split_k=2, maxnreg=128)]
+G = w4a16_gluon.GluonConfig
+CONFIGS = [G(32, 8, 3, 2), G(64, 4, 4, 3), G(128, 8, 3, 1, maxnreg=128), G(256, 8, 2, 4)]
+IDS = ["m32-split2", "m64-w4-split3", "m128-r128", "m256-split4"]
 
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["m128", "m64-split3", "m256-split2-r128"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("n,k,group", [(200, 576, 128), (4096, 4096, 128), (96, 1664, 256)])
 def test_gluon_dequant_is_exact(dtype, cfg, n, k, group):
     """One-hot rows pick rows of W: every nibble position, group edges, the partial last
@@ -46,9 +46,11 @@ def test_gluon_dequant_is_exact(dtype, cfg, n, k, group):
 
 
 @needs_hopper
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["m128", "m64-split3", "m256-split2-r128"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("m", [17, 100, 256, 300])
 def test_gluon_gemm(cfg, m):
+    """Dense x against the fp32 reference, with a bias, out rows strided; 300 rows take
+    several M tiles."""
     dev = torch.device("cuda")
     n, k, group = 1000, 4096, 128
     x, qw, s, z, bias = make(m, n, k, group, torch.bfloat16, dev, seed=7)
@@ -57,6 +59,21 @@ def test_gluon_gemm(cfg, m):
     wide = torch.empty(m, n + 24, dtype=torch.bfloat16, device=dev)[:, :n]  # strided out rows
     out = w4a16_gluon.w4a16_gluon(x, qw, s, z, group, bias, out=wide, config=cfg)
     assert rel_err(out, ref) < 1e-2
+
+
+@needs_hopper
+def test_dispatch_takes_gluon_where_it_won():
+    """w4a16_gemm routes 17-256 rows on Hopper through the Gluon kernel (pick_config), which
+    must then give the same result as the kernel called directly."""
+    assert w4a16_gluon.pick_config(16, 14336, 4096) is None
+    assert w4a16_gluon.pick_config(32, 4096, 4096) is None
+    assert w4a16_gluon.pick_config(200, 4096, 4096) is None
+    assert w4a16_gluon.pick_config(200, 14336, 4096).block_m == 256
+    dev = torch.device("cuda")
+    x, qw, s, z, bias = make(100, 4096, 4096, 128, torch.bfloat16, dev, seed=8)
+    cfg = w4a16_gluon.pick_config(100, 4096, 4096)
+    direct = w4a16_gluon.w4a16_gluon(x, qw, s, z, 128, bias, config=cfg)
+    assert torch.equal(w4a16.w4a16_gemm(x, qw, s, z, 128, bias), direct)
 
 
 def test_gluon_refuses_what_it_cannot_run(device):
