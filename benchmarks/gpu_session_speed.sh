@@ -66,8 +66,9 @@ for part in $PARTS; do
         --server-flag=--torch-profile-steps --server-flag=5:2,80:4
       mkdir -p $B/profile_1b && cp /tmp/profile_1b/ops_* $B/profile_1b/
       tail -12 /tmp/profile_1b/ops_*_80.txt ;;
-    quant)  # QUANT_K: a pytest -k selection of the W4A16 tests
-      python3 -m pytest -q -rs tests/kernels/test_w4a16.py ${QUANT_K:+-k "$QUANT_K"} 2>&1 \
+    quant)  # QUANT_K: a pytest -k selection of the W4A16 tests (Triton and Gluon)
+      python3 -m pytest -q -rs tests/kernels/test_w4a16.py tests/kernels/test_w4a16_gluon.py \
+        ${QUANT_K:+-k "$QUANT_K"} 2>&1 \
         | tee $B/pytest_w4a16.log \
         | tail -4
       timeout ${QUANT_S:-300} python3 benchmarks/quant/bench_w4a16.py --out $B 2>&1 \
