@@ -26,23 +26,29 @@ the zero and apply the scale (still bit-identical), and each of a word's eight n
 the dequantized weight reaches the tensor cores without a trip through shared memory. Counted
 by benchmarks/quant/sass_w4a16.py: 333 instead of 573 sm_90 instructions per K tile.
 
-Three paths:
+Paths (w4a16_gemm picks; on an sm_90 GPU kernels/w4a16_gluon.py takes most of 17-256 rows):
 - decode (M <= 16): split-K; each program owns BLOCK_N columns and K/split rows, so a GEMV with
   few column tiles still fills the GPU. Partials go to fp32 [split, M, N], summed by the last
   program of each column tile (or a reduce kernel; split 1 writes out directly). Rows are
   reduced with tl.dot (16-row minimum) or, in fp32, with broadcast multiply-and-sum on the CUDA
-  cores. H200: 1.27-1.53x of bf16 at 1-16 rows.
-- tiled (17-32 rows; up to 128 on the wide gate_up/down shapes): one M tile of 32, 64 or 128
+  cores. H200: 1.30-1.54x of bf16 at 1-16 rows.
+- tiled (17-64 rows; up to 128 on the wide gate_up/down shapes): one M tile of 32, 64 or 128
   rows, split-K with the same epilogue (one program per output tile ran ~1.4 us per K tile
   whatever its rows, so few tiles meant a slow GEMM), and swap-AB: out^T = W^T x^T makes the
-  dequantized weight wgmma's register operand and x the shared-memory one. Scales and zeros
-  are loaded a tile ahead (the compiler pipelines only the weight and x tiles). H200: 0.87-0.99x
-  of bf16 at 32 rows, 0.78-0.84x at 64 and 0.53-0.65x at 128 on the big shapes.
+  dequantized weight wgmma's register operand and x the shared-memory one. With a group size
+  of 128 or more, `planes`: x is reordered plane-major within each 128 columns (plane_major),
+  so each nibble plane of a tile multiplies 16 contiguous columns in its own dot and the
+  packed words reach the operand layout without a reshape through shared memory (sm_90 loop:
+  374 instructions, 2 barriers, no STS; the reshaped tile: 444, 5, 8). Triton still makes each
+  of a tile's wgmmas wait for the previous one (their register operand is computed in the
+  loop); the Gluon kernel does not. H200: 0.96-1.08x of bf16 at 32 rows, 0.64-0.94x at 64,
+  0.61-0.62x at 128 on the big shapes.
 - many rows (use_dequant_matmul): the weight is dequantized into a [K, N] scratch (one
-  memory-bound pass, ~4.5 bytes moved per weight) and multiplied by torch.matmul: 0.54-0.66x of
-  bf16 at 256 rows, which no tiled variant beat.
-Numbers: benchmarks/results/w4a16_gemm_2026-11-30T031407.jsonl; benchmarks/NOTES.md has the
-sweeps behind them.
+  memory-bound pass, ~4.5 bytes moved per weight) and multiplied by torch.matmul: 0.57-0.74x of
+  bf16 at 256 rows on the small shapes (where the Gluon kernel does not win). Doing it N columns
+  at a time, for the scratch to stay in L2, was slower at every chunk size.
+Numbers: benchmarks/results/w4a16_gemm_2026-11-30T045335.jsonl (final defaults, Gluon
+included) and ..T042134 (plane-major sweep); benchmarks/NOTES.md has the sweeps behind them.
 """
 
 from __future__ import annotations
