@@ -12,7 +12,10 @@ layouts and the waits, so this kernel:
 - keeps x (plane-major, kernels.w4a16.plane_major) in shared memory through TMA, in a ring of
   NUM_STAGES buffers with one mbarrier each;
 - issues a tile's eight per-plane wgmmas asynchronously and dequantizes the next tile before
-  waiting for them, into the other of two register sets (the loop is unrolled by two).
+  waiting for them, into the other of two register sets (the loop is unrolled by two). That
+  is the PTX order; ptxas gives the next planes the in-flight wgmmas' registers and so waits
+  first (benchmarks/NOTES.md, "a Gluon kernel"): what overlaps is the loads running ahead.
+  H200: 1.3-1.6x faster than the Triton tiled kernel at 64-256 rows.
 
 Same packed layout and exactness as kernels/w4a16.py (bit-identical dequantized weights);
 bf16/fp16 activations, a group size that is a multiple of 128, CUDA sm_90 only. Split-K parts
@@ -59,7 +62,7 @@ class GluonConfig:
 
 
 def available(x: torch.Tensor, group_size: int) -> bool:
-    """Whether this kernel can run x: Gluon, a Hopper-or-later GPU, 16-bit activations and
+    """Whether this kernel can run x: Gluon, an sm_90 (Hopper) GPU, 16-bit activations and
     whole 128-row tiles per group."""
     return (gluon is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and group_size % PLANE == 0 and torch.cuda.get_device_capability(x.device)[0] == 9)
@@ -251,23 +254,23 @@ if gluon is not None:
 
 def pick_config(m: int, n: int, k: int) -> GluonConfig | None:
     """Winners of bench_w4a16.py --gluon on an H200 (bf16, G=128, Llama-3.1-8B shapes;
-    results/w4a16_gemm_2026-11-30T044935.jsonl), or None where kernels.w4a16's paths win or
-    nothing was measured: up to 16 rows (the decode kernel), up to 32 on the small shapes
-    (its plane-major tiled kernel, equal), beyond 128 rows on the small shapes and beyond 256
-    on all (dequantize + cuBLAS)."""
+    results/w4a16_gemm_2026-11-30T044935.jsonl; defaults measured in ..T045335), or None
+    where kernels.w4a16's paths win or nothing was measured: up to 16 rows (the decode
+    kernel), up to 32 on the small shapes (its plane-major tiled kernel, equal), beyond 128
+    rows on the small shapes and beyond 256 on all (dequantize + cuBLAS)."""
     big = w4a16._big(n, k)
     tiles = triton.cdiv(n, 128)
     if m <= w4a16.DECODE_MAX_ROWS or (m <= 32 and not big):
         return None
-    if m <= 32:  # 1.01-1.16x of bf16 (Triton plane-major: 0.97-1.08x)
+    if m <= 32:  # 1.05-1.16x of bf16 (Triton plane-major: 0.97-1.08x)
         return GluonConfig(32, 8, 3, w4a16._planes_split(tiles, k, 128))
-    if m <= 64:  # 0.78-1.11x (0.64-0.93x)
+    if m <= 64:  # 0.80-1.12x (0.64-0.93x)
         if big:
             return GluonConfig(64, 8, 3, w4a16._planes_split(tiles, k, 128))
         return GluonConfig(64, 4, 4, w4a16._planes_split(triton.cdiv(n, 64), k, 256))
-    if m <= 128:  # 0.62-0.77x (0.51-0.61x)
+    if m <= 128:  # 0.61-0.80x (0.51-0.61x)
         return GluonConfig(128, 8, 3, w4a16._split_for(tiles, 96, 4))
-    if m <= 256 and big:  # 0.70-0.74x (dequantize + cuBLAS: 0.53-0.56x)
+    if m <= 256 and big:  # 0.73-0.74x (dequantize + cuBLAS: 0.53-0.56x)
         return GluonConfig(256, 8, 2, w4a16._split_for(tiles, 96, 4))
     return None
 
@@ -295,6 +298,8 @@ def w4a16_gluon(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, block_n)
     part = out
     if split > 1:
+        if split * m * n >= 2**31:
+            raise ValueError(f"split-K partials of {split}x{m}x{n} overflow int32 offsets")
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     dummy = bias if bias is not None else out
     _w4a16_gluon_kernel[(tiles, split)](
