@@ -93,7 +93,7 @@ class PrefillConfig:
     dequant: str = "fp32"  # "fp32" or "x2" (see DecodeConfig.dequant)
     swap_ab: bool = False  # compute out^T = W^T x^T (the weight is the register operand)
     split_k: int = 1  # K parts per output tile, summed by the last program of each tile
-    # one tl.dot per nibble plane against x in plane-major order (see _plane_major): the
+    # one tl.dot per nibble plane against x in plane-major order (see plane_major): the
     # weight tile is never reshaped, so its words go from shared memory straight into the
     # tensor cores' operand layout. Needs BLOCK_K 128 (a group size >= 128), else ignored.
     planes: bool = False

@@ -140,7 +140,7 @@ def analyse_tiled(cfg: w4a16.PrefillConfig):
 
 def analyse_gluon(cfg=None):
     """The Gluon kernel (kernels/w4a16_gluon.py) built for sm_90: instruction counts over the
-    whole kernel (its K loop is unrolled by two: 16 wgmmas), and ptxas's register use."""
+    whole kernel (its K loop is unrolled by two: 16 wgmmas)."""
     import torch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
