@@ -85,10 +85,9 @@ def planes_grid(rows):
     """Plane-major x, one dot per nibble plane (swap-AB, BLOCK_K 128). sass_w4a16.py shows no
     shared-memory round trip of the weight when BLOCK_N = 16 x warps (one 16-row slab of
     W^T per warp). The first sweep (results/w4a16_gemm_2026-11-30T042134.jsonl, 32-256 rows,
-    the grid of commit abd1e5d)
-    set the defaults up to 128 rows; this one looks past them at 128 and 256: two stages (two
-    programs per SM, one dequantizing while the other multiplies) and 16 warps with BLOCK_N 256
-    (each program re-reads x for half as many weight columns)."""
+    the grid of commit abd1e5d) set the defaults up to 128 rows; this one looks past them at
+    128 and 256: two stages (two programs per SM, one dequantizing while the other multiplies)
+    and 16 warps with BLOCK_N 256 (each program re-reads x for half as many weight columns)."""
     if rows < 128:
         return []
     shapes = [(128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 8, 2), (64, 256, 16, 3),
