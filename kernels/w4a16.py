@@ -192,17 +192,25 @@ mov.b32 {$1, $5}, t1;
 mov.b32 {$2, $6}, t2;
 mov.b32 {$3, $7}, t3;
 }"""
-_X2_ASM_BF16 = tl.constexpr(_X2_ASM.replace("TY", "bf16x2").replace("MAGIC", "0x43004300")
-                            .replace("ONE", "0x3f803f80").replace("NEGZERO", "0x80008000"))
-_X2_ASM_FP16 = tl.constexpr(_X2_ASM.replace("TY", "f16x2").replace("MAGIC", "0x64006400")
-                            .replace("ONE", "0x3c003c00").replace("NEGZERO", "0x80008000"))
+
+
+def x2_variants(asm: str) -> tuple[tl.constexpr, tl.constexpr]:
+    """The bf16x2 and f16x2 versions of a packed-pair asm: TY, MAGIC (the exponent of 128,
+    1024), ONE and NEGZERO filled in (also kernels/w4a16_gluon.py's _PAIR_ASM)."""
+    fill = {"bf16x2": ("0x43004300", "0x3f803f80"), "f16x2": ("0x64006400", "0x3c003c00")}
+    return tuple(tl.constexpr(asm.replace("TY", ty).replace("MAGIC", magic)
+                              .replace("ONE", one).replace("NEGZERO", "0x80008000"))
+                 for ty, (magic, one) in fill.items())
+
+
+_X2_ASM_BF16, _X2_ASM_FP16 = x2_variants(_X2_ASM)
 
 
 @triton.jit
 def _pair(v):
-    """[N] 16-bit floats -> [1, N] int32 words holding v twice (an operand of _X2_ASM)."""
+    """16-bit floats (any shape) -> int32 words holding each twice (an operand of _X2_ASM)."""
     b = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return (b | (b << 16))[None, :]
+    return b | (b << 16)
 
 
 @triton.jit
@@ -211,26 +219,7 @@ def _load_planes_x2(qw_ptr, s_ptr, z_ptr, k0, offs_n, n_ok, N, K, group_size,
     """Rows k0..k0+BLOCK_K of W as eight [BLOCK_K/8, BLOCK_N] planes in the activation dtype:
     plane j holds rows k0 + 8i + j."""
     s, z = _load_scale_zero(s_ptr, z_ptr, k0, offs_n, n_ok, N, group_size)
-    return _dequant_planes_x2(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K)
-
-
-@triton.jit
-def _dequant_planes_x2(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K: tl.constexpr):
-    """_load_planes_x2 with the tile's scales and zeros given."""
-    k8 = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    qw = tl.load(qw_ptr + k8[:, None] * N + offs_n[None, :],
-                 mask=(k8 < K // 8)[:, None] & n_ok[None, :], other=0)
-    if s.dtype == tl.bfloat16:
-        negz = _pair((-(z.to(tl.float32) + 128.0)).to(tl.bfloat16))
-        planes = tl.inline_asm_elementwise(
-            _X2_ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [qw, negz, _pair(s)],
-            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-    else:
-        negz = _pair((-(z.to(tl.float32) + 1024.0)).to(tl.float16))
-        planes = tl.inline_asm_elementwise(
-            _X2_ASM_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [qw, negz, _pair(s)],
-            dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-    return planes
+    return _tile_planes(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K, False, "x2")
 
 
 @triton.jit
@@ -249,39 +238,31 @@ def _tile_planes(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K: tl.constexpr,
     if SWAP_AB:
         qw = tl.load(qw_ptr + k8[None, :] * N + offs_n[:, None],
                      mask=n_ok[:, None] & (k8 < K // 8)[None, :], other=0)
-        s2 = s[:, None]
-        z2 = z[:, None]
     else:
         qw = tl.load(qw_ptr + k8[:, None] * N + offs_n[None, :],
                      mask=(k8 < K // 8)[:, None] & n_ok[None, :], other=0)
-        s2 = s[None, :]
-        z2 = z[None, :]
     if DEQUANT == "x2":
-        if s.dtype == tl.bfloat16:
-            negz = _pair2((-(z2.to(tl.float32) + 128.0)).to(tl.bfloat16))
-            p = tl.inline_asm_elementwise(
-                _X2_ASM_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [qw, negz, _pair2(s2)],
-                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-        else:
-            negz = _pair2((-(z2.to(tl.float32) + 1024.0)).to(tl.float16))
-            p = tl.inline_asm_elementwise(
-                _X2_ASM_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [qw, negz, _pair2(s2)],
-                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        BF16: tl.constexpr = s.dtype == tl.bfloat16
+        # each half holds 128 + q (1024 + q): that bias goes with the zero
+        zv = _pair((-(z.to(tl.float32) + (128.0 if BF16 else 1024.0))).to(s.dtype))
+        sv = _pair(s)
+    else:
+        zv = z
+        sv = s
+    zv = zv[:, None] if SWAP_AB else zv[None, :]  # broadcast along the tile's K axis
+    sv = sv[:, None] if SWAP_AB else sv[None, :]
+    if DEQUANT == "x2":
+        p = tl.inline_asm_elementwise(
+            _X2_ASM_BF16 if BF16 else _X2_ASM_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+            [qw, zv, sv], dtype=(s.dtype,) * 8, is_pure=True, pack=1)
         return p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]
     else:
-        zb = z2.to(tl.float32) + 8388608.0
-        sf = s2.to(tl.float32)
+        zb = zv.to(tl.float32) + 8388608.0
+        sf = sv.to(tl.float32)
         return (_nibble_plane(qw, 0, zb, sf), _nibble_plane(qw, 1, zb, sf),
                 _nibble_plane(qw, 2, zb, sf), _nibble_plane(qw, 3, zb, sf),
                 _nibble_plane(qw, 4, zb, sf), _nibble_plane(qw, 5, zb, sf),
                 _nibble_plane(qw, 6, zb, sf), _nibble_plane(qw, 7, zb, sf))
-
-
-@triton.jit
-def _pair2(v):
-    """16-bit floats (any shape) -> int32 words holding each twice (an operand of _X2_ASM)."""
-    b = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return b | (b << 16)
 
 
 @triton.jit
@@ -413,7 +394,8 @@ def _prefill_tile(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K: tl.constexpr,
     if DEQUANT == "fp32":
         return _dequant_tile(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K, BLOCK_N, BCAST_LOAD)
     else:
-        return _join_planes(_dequant_planes_x2(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K))
+        return _join_planes(_tile_planes(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K, False,
+                                         "x2"))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -448,13 +430,15 @@ def _w4a16_prefill_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        k_next = tl.minimum(k0 + BLOCK_K, k_end - 1)  # the last tile reloads its group
-        s_next, z_next = _load_scale_zero(s_ptr, z_ptr, k_next, offs_n, n_ok, N, group_size)
+        if PLANES:  # this tile's scales and zeros: with planes the compiler pipelines them
+            s, z = _load_scale_zero(s_ptr, z_ptr, k0, offs_n, n_ok, N, group_size)
+        else:
+            k_next = tl.minimum(k0 + BLOCK_K, k_end - 1)  # the last tile reloads its group
+            s_next, z_next = _load_scale_zero(s_ptr, z_ptr, k_next, offs_n, n_ok, N,
+                                              group_size)
         k = k0 + offs_k
         if PLANES:  # x is plane-major: tile row 8i + j of W meets x column k0 + 16j + i
-            # scales and zeros of this tile: the compiler pipelines these loads too here
-            sp, zp = _load_scale_zero(s_ptr, z_ptr, k0, offs_n, n_ok, N, group_size)
-            p = _tile_planes(qw_ptr, sp, zp, k0, offs_n, n_ok, N, K, BLOCK_K, SWAP_AB, DEQUANT)
+            p = _tile_planes(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K, SWAP_AB, DEQUANT)
             for j in tl.static_range(8):
                 kj = k0 + 16 * j + tl.arange(0, 16)
                 if SWAP_AB:
@@ -477,7 +461,8 @@ def _w4a16_prefill_kernel(
             w = _prefill_tile(qw_ptr, s, z, k0, offs_n, n_ok, N, K, BLOCK_K, BLOCK_N,
                               BCAST_LOAD, DEQUANT)
             acc += tl.dot(x, w.to(x.dtype))
-        s, z = s_next, z_next
+        if not PLANES:
+            s, z = s_next, z_next
     if SWAP_AB:
         acc = tl.trans(acc)
     _finish(acc, part_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, m_ok, n_ok, M, N, bias_ptr,

@@ -111,12 +111,7 @@ fma.rn.TY $5, $5, $12, nz;
 fma.rn.TY $6, $6, $12, nz;
 fma.rn.TY $7, $7, $12, nz;
 }"""
-_PAIR_ASM_BF16 = triton.language.constexpr(
-    _PAIR_ASM.replace("TY", "bf16x2").replace("MAGIC", "0x43004300").replace("ONE", "0x3f803f80")
-    .replace("NEGZERO", "0x80008000"))
-_PAIR_ASM_FP16 = triton.language.constexpr(
-    _PAIR_ASM.replace("TY", "f16x2").replace("MAGIC", "0x64006400").replace("ONE", "0x3c003c00")
-    .replace("NEGZERO", "0x80008000"))
+_PAIR_ASM_BF16, _PAIR_ASM_FP16 = w4a16.x2_variants(_PAIR_ASM)
 _PAIR_CONSTRAINTS = triton.language.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r")
 
 
@@ -134,16 +129,11 @@ if gluon is not None:
         z2 = gl.expand_dims(z, 1)
         # pack=2: each asm takes a thread's two k-adjacent words of a row (the register
         # operand's k_width), so negz and s arrive twice ($10/$11, $12/$13; equal)
-        if gl.bfloat16 == DTYPE:
-            negz = _pair((-(z2.to(gl.float32) + 128.0)).to(gl.bfloat16))
-            p = gl.inline_asm_elementwise(
-                _PAIR_ASM_BF16, _PAIR_CONSTRAINTS, [qw, negz, _pair(s2)],
-                dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
-        else:
-            negz = _pair((-(z2.to(gl.float32) + 1024.0)).to(gl.float16))
-            p = gl.inline_asm_elementwise(
-                _PAIR_ASM_FP16, _PAIR_CONSTRAINTS, [qw, negz, _pair(s2)],
-                dtype=(gl.float16,) * 8, is_pure=True, pack=2)
+        BF16: gl.constexpr = gl.bfloat16 == DTYPE
+        negz = _pair((-(z2.to(gl.float32) + (128.0 if BF16 else 1024.0))).to(DTYPE))
+        p = gl.inline_asm_elementwise(
+            _PAIR_ASM_BF16 if BF16 else _PAIR_ASM_FP16, _PAIR_CONSTRAINTS,
+            [qw, negz, _pair(s2)], dtype=(s.dtype,) * 8, is_pure=True, pack=2)
         return p
 
     @gluon.jit
@@ -178,8 +168,8 @@ if gluon is not None:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         nxt = t + NUM_STAGES
         mbarrier.expect(bars.index(buf), x_desc.block_type.nbytes, pred=nxt < n_even)
-        _tma_load(x_desc, [off_m, k_start + nxt * 128], bars.index(buf),
-                                        xs.index(buf), pred=nxt < n_even)
+        _tma_load(x_desc, [off_m, k_start + nxt * 128], bars.index(buf), xs.index(buf),
+                  pred=nxt < n_even)
         return acc, p_next, qw, s, z
 
     @gluon.jit(do_not_specialize=["M"])
@@ -216,8 +206,8 @@ if gluon is not None:
             mbarrier.init(bars.index(i), count=1)
         for i in gl.static_range(NUM_STAGES):  # the first x tiles
             mbarrier.expect(bars.index(i), x_desc.block_type.nbytes, pred=i < n_even)
-            _tma_load(x_desc, [off_m, k_start + i * 128], bars.index(i),
-                                            xs.index(i), pred=i < n_even)
+            _tma_load(x_desc, [off_m, k_start + i * 128], bars.index(i), xs.index(i),
+                      pred=i < n_even)
 
         qw, s, z = _load_words(qw_ptr, s_ptr, z_ptr, 0, n_tiles, k_start, offs_n, offs_w, n_ok,
                                N, K, group_size)
