@@ -39,14 +39,17 @@ _BRA = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+`?\(?\.(L_x_\d
 _LABEL = re.compile(r"^\.(L_x_\d+):")
 
 
-def sass(kernel, signature, constexprs, num_warps, num_stages):
+def sass(kernel, signature, constexprs, num_warps, num_stages, *, source=ASTSource,
+         options=None):
     """nvdisasm of `kernel` compiled for sm_90, pointers and ints (but M) divisible by 16, as
-    they are when the model calls it."""
+    they are when the model calls it. `source`: GluonASTSource for a Gluon kernel; `options`:
+    more compiler options (maxnreg)."""
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(signature.items())
              if ty.startswith("*") or (ty == "i32" and name != "M")}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = source(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages,
+                                       **(options or {})})
     nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -159,20 +162,9 @@ def analyse_gluon(cfg=None):
     consts = {"HAS_BIAS": False, "PARTIAL": cfg.split_k > 1, "BLOCK_M": cfg.block_m,
               "NUM_STAGES": cfg.num_stages, "num_warps": cfg.num_warps}
     sig.update({n: "constexpr" for n in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
-             if ty.startswith("*") or (ty == "i32" and name != "M")}
-    src = GluonASTSource(fn=w4a16_gluon._w4a16_gluon_kernel, signature=sig, constexprs=consts,
-                         attrs=attrs)
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if cfg.maxnreg:
-        opts["maxnreg"] = cfg.maxnreg
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        text = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
-                              check=True).stdout
+    text = sass(w4a16_gluon._w4a16_gluon_kernel, sig, consts, cfg.num_warps, cfg.num_stages,
+                source=GluonASTSource,
+                options={"maxnreg": cfg.maxnreg} if cfg.maxnreg else None)
     ops = collections.Counter(m.group(2).split(".")[0] for m in map(_INSN.search,
                                                                      text.splitlines()) if m)
     return {k: ops[k] for k in ("HGMMA", "STS", "LDS", "LDG", "BAR", "STG")}
