@@ -1,6 +1,6 @@
-"""Generates the gRPC/protobuf stubs from protos/ before the normal build (protos/__init__.py)."""
+"""Generates the gRPC/protobuf stubs (protos/pagedserve/codegen.py) before the normal build."""
 
-import sys
+import importlib.util
 from pathlib import Path
 
 from setuptools import setup
@@ -9,10 +9,11 @@ from setuptools.command.build_py import build_py
 
 class BuildWithProtos(build_py):
     def run(self) -> None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from protos import generate
-
-        generate(force=True)
+        path = Path(__file__).resolve().parent / "protos" / "pagedserve" / "codegen.py"
+        spec = importlib.util.spec_from_file_location("_pagedserve_codegen", path)
+        codegen = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(codegen)
+        codegen.generate(force=True)
         super().run()
 
 

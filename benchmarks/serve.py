@@ -31,7 +31,7 @@ import numpy as np
 
 from benchmarks.common import write_records
 from pagedserve.client import build_request
-from protos.pagedserve.v1 import generate_pb2_grpc
+from pagedserve.protos.v1 import generate_pb2_grpc
 
 
 @dataclass
@@ -143,7 +143,7 @@ def dump(folder: Path, rate: str, outcomes: list[Outcome], svc) -> None:
 def main() -> None:
     from transformers import AutoConfig
 
-    from pagedserve.models import resolve_model
+    from pagedserve.core.models import resolve_model
     from tests.integration.service import Service
 
     p = argparse.ArgumentParser()

@@ -28,10 +28,10 @@ VOCAB = 32
 def stub_executor(address: str, num_blocks: int, block_size: int) -> None:
     import torch
 
-    from executor_svc.runner import ModelRunner
-    from executor_svc.sampler import Sampler
-    from executor_svc.server import ExecutorServer
-    from protos.pagedserve.internal.v1 import executor_pb2 as pb
+    from pagedserve.executor.runner import ModelRunner
+    from pagedserve.executor.sampler import Sampler
+    from pagedserve.executor.server import ExecutorServer
+    from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
     class StubModel:
         def __call__(self, input_ids, positions, kv, meta, rows):
@@ -52,9 +52,9 @@ def stub_executor(address: str, num_blocks: int, block_size: int) -> None:
 
 async def measure(running: int, steps: int, address: str, tokenizer: str | None = None,
                   async_scheduling: bool = False) -> dict:
-    from scheduler_svc.engine import Engine
-    from scheduler_svc.request import SamplingParams
-    from scheduler_svc.scheduler import SchedulerConfig
+    from pagedserve.scheduler.engine import Engine
+    from pagedserve.scheduler.request import SamplingParams
+    from pagedserve.scheduler.scheduler import SchedulerConfig
 
     class NullTokenizer:
         def decode(self, ids, skip_special_tokens=True):

@@ -56,8 +56,8 @@ async def _send_all(address: str, prompts: list[list[int]],
     read tokens later than the server sends them); (TTFT, E2EL) each, and the wall time."""
     import grpc
 
-    from protos.pagedserve.v1 import generate_pb2 as api
-    from protos.pagedserve.v1 import generate_pb2_grpc
+    from pagedserve.protos.v1 import generate_pb2 as api
+    from pagedserve.protos.v1 import generate_pb2_grpc
 
     async def one(stub, ids: list[int], n_out: int) -> tuple[float, float]:
         req = api.GenerateRequest(token_ids=api.TokenIds(ids=ids),
@@ -233,8 +233,8 @@ def roofline_seconds(cfg, prompt_lens: list[int], outputs: list[int], tbps: floa
 
 
 def main() -> None:
-    from executor_svc.config import ModelConfig
-    from pagedserve.models import resolve_model
+    from pagedserve.executor.config import ModelConfig
+    from pagedserve.core.models import resolve_model
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="default")

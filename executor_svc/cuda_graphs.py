@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from executor_svc.model import AttentionMetadata, LlamaForCausalLM
+from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 

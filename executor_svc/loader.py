@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from executor_svc.config import ModelConfig
-from executor_svc.model import LlamaForCausalLM, Ops, rope_cos_sin_cache
-from executor_svc.quantization import QuantConfig, convert_checkpoint
+from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.model import LlamaForCausalLM, Ops, rope_cos_sin_cache
+from pagedserve.executor.quantization import QuantConfig, convert_checkpoint
 
 RANDOM_SCALE = 0.02 / 4.6  # random 4-bit weights spread like the N(0, 0.02) float ones
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from executor_svc.config import ModelConfig
-from executor_svc.quantization import QuantConfig, QuantizationError, W4Linear
+from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.quantization import QuantConfig, QuantizationError, W4Linear
 
 Ops = Any  # the namespace kernels.get_ops() returns
 _PACKED_ALONG_N = (".qweight", ".scales", ".zeros")  # fused parts concatenate along dim 1

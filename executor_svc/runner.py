@@ -8,12 +8,12 @@ from itertools import chain
 import numpy as np
 import torch
 
-from executor_svc.block_table import BlockTableArray
-from executor_svc.cuda_graphs import DecodeGraphs
-from executor_svc.model import AttentionMetadata, LlamaForCausalLM
-from executor_svc.sampler import Sampler, SamplingSpec
-from executor_svc.swap import SwapSpace
-from protos.pagedserve.internal.v1 import executor_pb2 as pb
+from pagedserve.executor.block_table import BlockTableArray
+from pagedserve.executor.cuda_graphs import DecodeGraphs
+from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM
+from pagedserve.executor.sampler import Sampler, SamplingSpec
+from pagedserve.executor.swap import SwapSpace
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
 PENDING = -1  # token_ids entry of a token sampled on the device and not yet read back
 

@@ -12,15 +12,15 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from executor_svc.config import ModelConfig
-from executor_svc.cuda_graphs import DecodeGraphs
-from executor_svc.loader import build_model
-from executor_svc.model import AttentionMetadata, LlamaForCausalLM
-from executor_svc.quantization import resolve_quantization
-from executor_svc.runner import ModelRunner
-from executor_svc.sampler import Sampler, SamplingSpec
-from executor_svc.swap import SwapSpace
-from protos.pagedserve.internal.v1 import executor_pb2 as pb
+from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.cuda_graphs import DecodeGraphs
+from pagedserve.executor.loader import build_model
+from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM
+from pagedserve.executor.quantization import resolve_quantization
+from pagedserve.executor.runner import ModelRunner
+from pagedserve.executor.sampler import Sampler, SamplingSpec
+from pagedserve.executor.swap import SwapSpace
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -51,7 +51,7 @@ class ExecutorConfig:
 
 
 def load_ops(backend: str) -> SimpleNamespace:
-    from kernels import get_ops
+    from pagedserve.kernels import get_ops
 
     return get_ops(backend)
 

@@ -2,9 +2,8 @@
 
 ``get_ops("torch" | "triton")`` returns a namespace with write_kv_cache, paged_attention,
 rms_norm, rotary_embedding, silu_and_mul and w4a16_gemm (4-bit weights; its torch version lives
-in w4a16_reference). Submodules import lazily so that importing this
-package (transformers probes for a package named ``kernels``) stays cheap. No ``__version__``
-on purpose: that keeps transformers from taking this for HF's ``kernels`` package.
+in w4a16_reference). Submodules import lazily, so importing the package costs nothing until
+an op is asked for.
 """
 
 from __future__ import annotations
@@ -26,13 +25,13 @@ _TORCH_MODULES = {"w4a16_gemm": "w4a16_reference"}  # default: reference
 def get_ops(backend: str) -> SimpleNamespace:
     if backend == "torch":
         return SimpleNamespace(**{
-            op: getattr(importlib.import_module(f"kernels.{_TORCH_MODULES.get(op, 'reference')}"),
+            op: getattr(importlib.import_module(f"{__name__}.{_TORCH_MODULES.get(op, 'reference')}"),
                         op)
             for op in _OP_MODULES
         })
     if backend == "triton":
         return SimpleNamespace(**{
-            op: getattr(importlib.import_module(f"kernels.{m}"), op)
+            op: getattr(importlib.import_module(f"{__name__}.{m}"), op)
             for op, m in _OP_MODULES.items()
         })
     raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, check_inner_contiguous, check_out, check_tensor
+from pagedserve.kernels._checks import FLOAT_DTYPES, check_inner_contiguous, check_out, check_tensor
 
 
 @triton.jit

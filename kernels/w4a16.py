@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, check_contiguous, check_inner_contiguous, check_tensor
+from pagedserve.kernels._checks import FLOAT_DTYPES, check_contiguous, check_inner_contiguous, check_tensor
 
 _MAGIC = 8388608.0  # 2^23
 
@@ -722,7 +722,7 @@ def w4a16_gemm(
         x = x.index_select(1, perm)
     m, k = x.shape
     if x.is_cuda and m > DECODE_MAX_ROWS:  # on Hopper, the Gluon kernel where it won
-        from kernels import w4a16_gluon
+        from pagedserve.kernels import w4a16_gluon
 
         if w4a16_gluon.available(x, group_size):
             gcfg = w4a16_gluon.pick_config(m, qweight.shape[1], k)

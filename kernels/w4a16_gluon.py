@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels import w4a16
+from pagedserve.kernels import w4a16
 
 try:  # Gluon is experimental: present in Triton >= 3.5
     from triton.experimental import gluon

@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
-from pagedserve import config
-from pagedserve.models import resolve_model
+from pagedserve.core import config
+from pagedserve.core.models import resolve_model
 
 log = logging.getLogger("pagedserve")
 EXECUTOR_RESTARTS = 5  # within a serve session, before giving up
@@ -41,10 +41,10 @@ def _process_parser(sub, name: str, help: str, *adders) -> argparse.ArgumentPars
 
 def _parser(file_values: dict | None = None, environ=os.environ) -> argparse.ArgumentParser:
     """The command line; serve, scheduler and executor take their defaults from the config
-    file's values and the environment (pagedserve.config)."""
-    from executor_svc import server as executor
+    file's values and the environment (pagedserve.core.config)."""
+    from pagedserve.executor import server as executor
     from pagedserve import quantize
-    from scheduler_svc import server as scheduler
+    from pagedserve.scheduler import server as scheduler
 
     file_values = config.normalize(file_values or {})
     p = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
@@ -108,12 +108,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return quantize(args)
     if args.command == "scheduler":
-        from scheduler_svc.server import run
+        from pagedserve.scheduler.server import run
 
         run(args)
         return 0
     if args.command == "executor":
-        from executor_svc.server import run
+        from pagedserve.executor.server import run
 
         run(args)
         return 0
@@ -124,8 +124,8 @@ def _serve(args: argparse.Namespace) -> int:
     """Start both processes; restart a dead executor. On SIGINT/SIGTERM drain the scheduler
     first (the executor keeps running the admitted requests), then stop the executor."""
     resolve_model(args.model)  # convert a GGUF once, before two processes race for it
-    from executor_svc import server as executor
-    from scheduler_svc import server as scheduler
+    from pagedserve.executor import flags as executor
+    from pagedserve.scheduler import flags as scheduler
 
     base = [sys.executable, "-m", "pagedserve.cli", "--log-level", args.log_level]
     sched_cmd = [*base, "scheduler", "--model", args.model, *_forward(scheduler.add_args, args)]
@@ -195,9 +195,10 @@ def _health(address: str, readiness: bool) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from scheduler_svc.server import LIVENESS, SERVICE
+    from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
 
-    request = health_pb2.HealthCheckRequest(service=SERVICE if readiness else LIVENESS)
+    service = HEALTH_READINESS if readiness else HEALTH_LIVENESS
+    request = health_pb2.HealthCheckRequest(service=service)
     with grpc.insecure_channel(address) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)

@@ -13,8 +13,8 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from protos.pagedserve.v1 import generate_pb2 as api
-from protos.pagedserve.v1 import generate_pb2_grpc
+from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.protos.v1 import generate_pb2_grpc
 
 
 def build_request(

@@ -18,13 +18,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from protos.pagedserve.internal.v1 import executor_pb2 as pb
-from scheduler_svc.block_manager import BlockManager, HostBlockPool
-from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher, decoder_of
-from scheduler_svc.metrics import Metrics, priority_class
-from scheduler_svc.request import Request, SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from scheduler_svc.telemetry import Telemetry
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
+from pagedserve.scheduler.block_manager import BlockManager, HostBlockPool
+from pagedserve.scheduler.detokenizer import IncrementalDetokenizer, StopStringMatcher, decoder_of
+from pagedserve.scheduler.metrics import Metrics, priority_class
+from pagedserve.scheduler.request import Request, SamplingParams
+from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedserve.scheduler.telemetry import Telemetry
 
 log = logging.getLogger("pagedserve.scheduler")
 INTEGRITY_CHECK_S = 10.0  # least time between two full block-accounting checks when idle

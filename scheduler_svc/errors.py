@@ -11,9 +11,9 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
 
-from protos.pagedserve.v1 import generate_pb2
-from scheduler_svc.engine import EngineError
-from scheduler_svc.inputs import InvalidRequest
+from pagedserve.protos.v1 import generate_pb2
+from pagedserve.scheduler.engine import EngineError
+from pagedserve.scheduler.inputs import InvalidRequest
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from protos.pagedserve.v1 import generate_pb2 as api
-from scheduler_svc.request import SamplingParams
+from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.scheduler.request import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256

@@ -30,8 +30,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from scheduler_svc.block_manager import BlockManager, HostBlockPool
-from scheduler_svc.request import PLACEHOLDER, Request, RequestStatus
+from pagedserve.scheduler.block_manager import BlockManager, HostBlockPool
+from pagedserve.scheduler.request import PLACEHOLDER, Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,73 +11,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagedserve.config import add_step_args
-from pagedserve.models import read_generation_eos, resolve_model
-from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
-from scheduler_svc.engine import Engine, LinkConfig
-from scheduler_svc.errors import ErrorInterceptor
-from scheduler_svc.inputs import InputProcessor
-from scheduler_svc.metrics import Metrics
-from scheduler_svc.scheduler import SchedulerConfig
-from scheduler_svc.servicer import GenerationServicer
-from scheduler_svc.telemetry import Telemetry, request_log
+from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
+from pagedserve.core.models import read_generation_eos, resolve_model
+from pagedserve.protos.v1 import generate_pb2, generate_pb2_grpc
+from pagedserve.scheduler.engine import Engine, LinkConfig
+from pagedserve.scheduler.errors import ErrorInterceptor
+from pagedserve.scheduler.inputs import InputProcessor
+from pagedserve.scheduler.metrics import Metrics
+from pagedserve.scheduler.scheduler import SchedulerConfig
+from pagedserve.scheduler.servicer import GenerationServicer
+from pagedserve.scheduler.telemetry import Telemetry, request_log
 
 log = logging.getLogger("pagedserve.scheduler")
 # Health service names: "" is liveness (SERVING while the process runs), the API's own name is
 # readiness (SERVING while a warmed-up executor is connected and the server is not draining).
-LIVENESS = ""
-SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+LIVENESS, SERVICE = HEALTH_LIVENESS, HEALTH_READINESS
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    """The scheduler's flags; defaults come through pagedserve.config (env, config file)."""
-    p.add_argument("--host", default="0.0.0.0", help="bind host of the gRPC and metrics ports")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port of the public API")
-    p.add_argument("--executor-bind", default="tcp://127.0.0.1:5557",
-                   help="ZeroMQ address the executor connects to (tcp:// or ipc://)")
-    p.add_argument("--metrics-port", type=int, default=8000,
-                   help="Prometheus /metrics HTTP port (0 disables)")
-    p.add_argument("--tokenizer", default="",
-                   help="directory of the tokenizer (empty: --model's); e.g. for a config-only "
-                        "directory served with --load-format random")
-    p.add_argument("--served-model-name", default="",
-                   help="model name in GetModelInfo and the metrics' model_name label "
-                        "(empty: --model)")
-    add_step_args(p)
-    p.add_argument("--stream-interval", type=int, default=1,
-                   help="tokens per streamed message after the first (1: every token at once; "
-                        "larger: fewer gRPC messages, less host work per token, for "
-                        "throughput-bound batch clients)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                   help="plan and send step N+1 before step N's result arrives (hides the "
-                        "scheduler's time per step; a request that stops costs one more token "
-                        "of compute)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="reuse the KV blocks of shared prompt prefixes")
-    p.add_argument("--long-prefill-token-threshold", type=int, default=512,
-                   help="most prompt tokens one request prefills per step (0: no cap)")
-    p.add_argument("--priority-aging-steps", type=int, default=500,
-                   help="a waiting request gains one priority level per this many steps")
-    p.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default="auto",
-                   help="auto: swap victims with >= --swap-min-tokens computed tokens")
-    p.add_argument("--swap-min-tokens", type=int, default=256,
-                   help="in auto mode, the fewest computed tokens a victim needs to be swapped")
-    p.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="queue bound; past it requests get RESOURCE_EXHAUSTED (0: none)")
-    p.add_argument("--max-waiting-prompt-tokens", type=int, default=0,
-                   help="bound on prompt tokens queued (0: none)")
-    p.add_argument("--executor-timeout-s", type=float, default=120.0,
-                   help="a step not answered within this many seconds means the executor is "
-                        "lost: its requests fail with UNAVAILABLE and a new executor is awaited")
-    p.add_argument("--executor-heartbeat-timeout-s", type=float, default=10.0,
-                   help="an idle executor silent for this long is lost (it beats every second)")
-    p.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM, how long in-flight requests may run before they are "
-                        "aborted and the process exits")
-    p.add_argument("--log-prompts", action=argparse.BooleanOptionalAction, default=False,
-                   help="include the prompt text in the per-request completion log")
 
 
 async def serve(args: argparse.Namespace) -> None:

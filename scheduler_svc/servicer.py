@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from protos.pagedserve.v1 import generate_pb2 as api
-from protos.pagedserve.v1 import generate_pb2_grpc
-from scheduler_svc.engine import Chunk, Engine, EngineError
-from scheduler_svc.inputs import InputProcessor, Limits, validate
+from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.protos.v1 import generate_pb2_grpc
+from pagedserve.scheduler.engine import Chunk, Engine, EngineError
+from pagedserve.scheduler.inputs import InputProcessor, Limits, validate
 
 _FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH}
 READY_TIMEOUT_S = 30.0

@@ -14,11 +14,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from protos.pagedserve.internal.v1 import executor_pb2 as pb
-from scheduler_svc.metrics import Metrics, observe_many
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
+from pagedserve.scheduler.metrics import Metrics, observe_many
 
 if TYPE_CHECKING:
-    from scheduler_svc.engine import RequestStream
+    from pagedserve.scheduler.engine import RequestStream
 
 request_log = logging.getLogger("pagedserve.requests")
 _MODES = {pb.EXECUTION_MODE_CUDA_GRAPH: "cuda_graph"}  # anything else counts as eager

@@ -21,7 +21,7 @@ if _ROOT not in sys.path:  # plain `pytest` does not put the repo root on sys.pa
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels._interpreter import fix_interpreter_index  # noqa: E402
+from pagedserve.kernels._interpreter import fix_interpreter_index  # noqa: E402
 
 fix_interpreter_index()
 
@@ -31,7 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # tests share 2 cores with 
 
 @pytest.fixture(scope="session")
 def model_dir():
-    from pagedserve.models import resolve_model
+    from pagedserve.core.models import resolve_model
 
     return resolve_model("default")
 

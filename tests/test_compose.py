@@ -94,7 +94,7 @@ def dashboard_metric_names() -> set[str]:
 
 
 def test_dashboard_uses_only_exported_metrics():
-    from scheduler_svc.metrics import Metrics
+    from pagedserve.scheduler.metrics import Metrics
 
     names = dashboard_metric_names()
     assert len(names) > 15

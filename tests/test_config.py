@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve import cli, config
+from pagedserve import cli
+from pagedserve.core import config
 from pagedserve.cli import _forward, _parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,8 +104,8 @@ def test_every_flag_explains_itself_and_names_its_env_var(command):
 
 
 def test_serve_forwards_the_resolved_values_to_each_process():
-    from executor_svc import server as executor
-    from scheduler_svc import server as scheduler
+    from pagedserve.executor import flags as executor
+    from pagedserve.scheduler import flags as scheduler
 
     args = parse(["serve", "--max-num-seqs", "7"], {"swap_space": 2, "enforce_eager": True},
                  {"PAGEDSERVE_DRAIN_TIMEOUT_S": "5"})

@@ -54,8 +54,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-import kernels.paged_attention as pa  # noqa: E402
-from kernels import fused, reference  # noqa: E402
+import pagedserve.kernels.paged_attention as pa  # noqa: E402
+from pagedserve.kernels import fused, reference  # noqa: E402
 
 DEV = torch.device("cpu" if ARGS.dry else "cuda")
 DT = torch.float32 if ARGS.dry else torch.bfloat16

@@ -28,8 +28,8 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import environment  # noqa: E402
-from kernels import w4a16  # noqa: E402
-from kernels.w4a16_reference import dequantize, pack_int4  # noqa: E402
+from pagedserve.kernels import w4a16  # noqa: E402
+from pagedserve.kernels.w4a16_reference import dequantize, pack_int4  # noqa: E402
 
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]  # (n, k): qkv/o, gate, down
 ROWS = [1, 4, 16, 32, 64, 128, 256]
@@ -37,7 +37,7 @@ GROUP = 128
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu":  # smoke run of the script itself under TRITON_INTERPRET=1, tiny shapes
     SHAPES, ROWS = [(64, 256)], [1, 4, 17, 128]  # the interpreter has no bf16
-    from kernels._interpreter import fix_interpreter_index
+    from pagedserve.kernels._interpreter import fix_interpreter_index
 
     fix_interpreter_index()
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
@@ -102,7 +102,7 @@ def planes_grid(rows):
 def gluon_grid(rows):
     """The Gluon kernel (kernels/w4a16_gluon.py) around the rows' M tile: 8 warps (BLOCK_N 128)
     with and without a 128-register cap (two programs per SM), 4 warps at the small tiles."""
-    from kernels.w4a16_gluon import GluonConfig
+    from pagedserve.kernels.w4a16_gluon import GluonConfig
 
     if rows <= 32:
         shapes = [(32, 8, 3, None), (32, 8, 3, 128), (32, 4, 4, None)]
@@ -228,7 +228,7 @@ def run_case(n, k, rows, dtype, sweep, seed, packed=False, planes=False, gluon=F
     results = []
     default = w4a16.pick_config(rows, n, k, GROUP)
     if DEV == "cuda" and rows > w4a16.DECODE_MAX_ROWS:  # what w4a16_gemm runs on Hopper
-        from kernels import w4a16_gluon
+        from pagedserve.kernels import w4a16_gluon
 
         if w4a16_gluon.available(x, GROUP):
             default = w4a16_gluon.pick_config(rows, n, k) or default
@@ -255,7 +255,7 @@ def run_case(n, k, rows, dtype, sweep, seed, packed=False, planes=False, gluon=F
         configs = []
         if gluon:
             if rows > w4a16.DECODE_MAX_ROWS:
-                from kernels.w4a16_gluon import w4a16_gluon
+                from pagedserve.kernels.w4a16_gluon import w4a16_gluon
                 configs += [(c, w4a16_gluon) for c in gluon_grid(rows)]
         elif planes:
             if rows > w4a16.DECODE_MAX_ROWS:

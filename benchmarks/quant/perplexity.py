@@ -19,12 +19,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import write_records  # noqa: E402
-from executor_svc.config import ModelConfig  # noqa: E402
-from executor_svc.loader import build_model  # noqa: E402
-from executor_svc.model import AttentionMetadata  # noqa: E402
-from executor_svc.quantization import resolve_quantization  # noqa: E402
-from kernels import get_ops  # noqa: E402
-from pagedserve.models import resolve_model  # noqa: E402
+from pagedserve.executor.config import ModelConfig  # noqa: E402
+from pagedserve.executor.loader import build_model  # noqa: E402
+from pagedserve.executor.model import AttentionMetadata  # noqa: E402
+from pagedserve.executor.quantization import resolve_quantization  # noqa: E402
+from pagedserve.kernels import get_ops  # noqa: E402
+from pagedserve.core.models import resolve_model  # noqa: E402
 from pagedserve.quantize import DATA, quantize  # noqa: E402
 
 BLOCK = 16

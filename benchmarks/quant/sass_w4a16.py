@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels import w4a16  # noqa: E402
+from pagedserve.kernels import w4a16  # noqa: E402
 
 SMS, CLOCK_HZ, HBM_TBS = 132, 1.98e9, 4.8  # H200 SXM
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
@@ -150,7 +150,7 @@ def analyse_gluon(cfg=None):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    from kernels import w4a16_gluon
+    from pagedserve.kernels import w4a16_gluon
 
     cfg = cfg or w4a16_gluon.GluonConfig()
     xp = torch.empty(cfg.block_m, 4096, dtype=torch.bfloat16)

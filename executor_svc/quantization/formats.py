@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc.quantization.config import QuantizationError
-from kernels.w4a16_reference import pack_int4, unpack_int4
+from pagedserve.executor.quantization.config import QuantizationError
+from pagedserve.kernels.w4a16_reference import pack_int4, unpack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i]
 

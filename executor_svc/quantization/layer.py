@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from executor_svc.quantization.config import QuantConfig, QuantizationError
-from executor_svc.quantization.formats import from_awq, from_gptq
+from pagedserve.executor.quantization.config import QuantConfig, QuantizationError
+from pagedserve.executor.quantization.formats import from_awq, from_gptq
 
 _PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales")}
 

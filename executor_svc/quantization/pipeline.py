@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from executor_svc.quantization import algorithms as alg
-from executor_svc.quantization.formats import to_awq, to_gptq
+from pagedserve.executor.quantization import algorithms as alg
+from pagedserve.executor.quantization.formats import to_awq, to_gptq
 
 log = logging.getLogger(__name__)
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

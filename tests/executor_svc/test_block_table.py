@@ -1,6 +1,6 @@
 import numpy as np
 
-from executor_svc.block_table import BlockTableArray
+from pagedserve.executor.block_table import BlockTableArray
 
 
 def test_rows_grow_append_and_are_reused():

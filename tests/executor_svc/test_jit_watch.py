@@ -1,6 +1,6 @@
 import logging
 
-from executor_svc.jit_watch import JitWatch
+from pagedserve.executor.jit_watch import JitWatch
 
 
 def test_logs_each_compile_with_its_specialisation(caplog):

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import kernels.reference as ops
-from executor_svc.config import ModelConfig
-from executor_svc.loader import build_model
-from executor_svc.model import AttentionMetadata
+import pagedserve.kernels.reference as ops
+from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.loader import build_model
+from pagedserve.executor.model import AttentionMetadata
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from executor_svc.profiling import StepProfiler, timeline
+from pagedserve.executor.profiling import StepProfiler, timeline
 
 
 def test_profiles_exactly_its_windows(tmp_path):

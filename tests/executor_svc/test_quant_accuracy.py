@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from executor_svc.quantization.pipeline import QuantizeOptions, calibration_ids, quantize_model
+from pagedserve.executor.quantization.pipeline import QuantizeOptions, calibration_ids, quantize_model
 from pagedserve.quantize import DATA
 
 LAYERS = 2

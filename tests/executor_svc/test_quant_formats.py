@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from executor_svc.config import ModelConfig
-from executor_svc.loader import build_model, iter_safetensors
-from executor_svc.quantization import QuantizationError, convert_checkpoint, resolve_quantization
-from executor_svc.quantization.algorithms import gptq, rtn
-from executor_svc.quantization.formats import from_awq, from_gptq
-from executor_svc.quantization.pipeline import QuantizeOptions, quantization_config, save_checkpoint
-from kernels import get_ops
-from kernels.w4a16_reference import dequantize
+from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.loader import build_model, iter_safetensors
+from pagedserve.executor.quantization import QuantizationError, convert_checkpoint, resolve_quantization
+from pagedserve.executor.quantization.algorithms import gptq, rtn
+from pagedserve.executor.quantization.formats import from_awq, from_gptq
+from pagedserve.executor.quantization.pipeline import QuantizeOptions, quantization_config, save_checkpoint
+from pagedserve.kernels import get_ops
+from pagedserve.kernels.w4a16_reference import dequantize
 
 OPS = get_ops("torch")
 
@@ -80,7 +80,7 @@ TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidde
 def _quantized_tiny(tmp_path, method, group, sym=False, act_order=True):
     """A random tiny model quantized by our pipeline (no calibration needed for rtn; gptq and
     awq get random activations), written as a checkpoint."""
-    from executor_svc.quantization.pipeline import quantize_model
+    from pagedserve.executor.quantization.pipeline import quantize_model
 
     torch.manual_seed(0)
     d = dict(TINY)

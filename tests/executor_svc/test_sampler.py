@@ -1,6 +1,6 @@
 import torch
 
-from executor_svc.sampler import Sampler, SamplingSpec
+from pagedserve.executor.sampler import Sampler, SamplingSpec
 
 CPU = torch.device("cpu")
 

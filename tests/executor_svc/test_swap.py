@@ -1,6 +1,6 @@
 import torch
 
-from executor_svc.swap import SwapSpace
+from pagedserve.executor.swap import SwapSpace
 
 
 def test_blocks_round_trip_through_host_memory():

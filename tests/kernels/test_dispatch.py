@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-import kernels
-from kernels import reference
+from pagedserve import kernels
+from pagedserve.kernels import reference
 
 OPS = ("write_kv_cache", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul")
 
@@ -19,7 +19,7 @@ def test_triton_backend_has_every_op():
     for name in OPS:
         fn = getattr(ops, name)
         assert fn is not getattr(reference, name)
-        assert fn.__module__.startswith("kernels.")
+        assert fn.__module__.startswith("pagedserve.kernels.")
 
 
 def test_unknown_backend():

@@ -4,8 +4,8 @@ import pytest
 import torch
 from kernel_utils import rel_err
 
-from kernels import reference
-from kernels.fused import rms_norm, rotary_embedding, silu_and_mul
+from pagedserve.kernels import reference
+from pagedserve.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
 
 CUDA = torch.cuda.is_available()
 # (tokens, dtype, tolerance): interpreter fp32 small; CUDA bf16 at model sizes.

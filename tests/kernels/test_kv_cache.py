@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.kv_cache import write_kv_cache
+from pagedserve.kernels import reference
+from pagedserve.kernels.kv_cache import write_kv_cache
 
 CUDA = torch.cuda.is_available()
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from kernel_utils import make_paged_batch, rel_err
 
-from kernels import reference
-from kernels.paged_attention import paged_attention
+from pagedserve.kernels import reference
+from pagedserve.kernels.paged_attention import paged_attention
 
 CUDA = torch.cuda.is_available()
 # Small fp32 cases (2 CPU cores under the interpreter, exact dots there; tf32 dots on CUDA).

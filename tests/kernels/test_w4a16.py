@@ -15,9 +15,9 @@ import triton
 import triton.language as tl
 from kernel_utils import rel_err
 
-from kernels import w4a16
-from kernels.w4a16_reference import dequantize, pack_int4, unpack_int4
-from kernels.w4a16_reference import w4a16_gemm as reference
+from pagedserve.kernels import w4a16
+from pagedserve.kernels.w4a16_reference import dequantize, pack_int4, unpack_int4
+from pagedserve.kernels.w4a16_reference import w4a16_gemm as reference
 
 CUDA = torch.cuda.is_available()
 # fp32 through tl.dot runs as TF32 on a GPU's tensor cores (10-bit mantissa): ~1e-3 relative

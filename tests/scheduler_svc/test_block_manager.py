@@ -1,6 +1,6 @@
 import pytest
 
-from scheduler_svc.block_manager import BlockManager
+from pagedserve.scheduler.block_manager import BlockManager
 
 
 def test_allocate_grows_tables_with_exact_ids():

@@ -1,6 +1,6 @@
 import pytest
 
-from scheduler_svc.detokenizer import IncrementalDetokenizer, StopStringMatcher, decoder_of
+from pagedserve.scheduler.detokenizer import IncrementalDetokenizer, StopStringMatcher, decoder_of
 
 TEXTS = [
     "Hello, world! The capital of France is Paris.",

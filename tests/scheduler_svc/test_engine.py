@@ -1,6 +1,6 @@
-from protos.pagedserve.internal.v1 import executor_pb2 as pb
-from scheduler_svc.engine import fit_step_bounds
-from scheduler_svc.scheduler import SchedulerConfig
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
+from pagedserve.scheduler.engine import fit_step_bounds
+from pagedserve.scheduler.scheduler import SchedulerConfig
 
 
 def test_step_bounds_are_lowered_to_what_the_executor_profiled():

@@ -1,7 +1,7 @@
 import pytest
 
-from protos.pagedserve.v1 import generate_pb2 as api
-from scheduler_svc.inputs import InputProcessor, InvalidRequest, Limits, validate
+from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.scheduler.inputs import InputProcessor, InvalidRequest, Limits, validate
 
 LIMITS = Limits(max_model_len=100, vocab_size=1000)
 

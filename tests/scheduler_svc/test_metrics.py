@@ -3,7 +3,7 @@
 def test_observe_many_equals_one_observe_per_value():
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from scheduler_svc.metrics import observe_many
+    from pagedserve.scheduler.metrics import observe_many
 
     values = [0.0, 0.001, 0.005, 0.0051, 0.1, 2.5, 99.0, 0.005]  # on, between, past the bounds
     texts = []

@@ -1,6 +1,6 @@
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.request import PLACEHOLDER, Request, RequestStatus, SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.request import PLACEHOLDER, Request, RequestStatus, SamplingParams
+from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def make(num_blocks=16, block_size=4, max_seqs=8, budget=16, watermark=0, threshold=0,
@@ -17,7 +17,7 @@ def req(rid, prompt_len, priority=0, tokens=None):
 
 def plan(out):
     """(kind, req_id, tokens, new blocks) in batch order."""
-    from scheduler_svc.scheduler import SchedulerOutput
+    from pagedserve.scheduler.scheduler import SchedulerOutput
 
     assert isinstance(out, SchedulerOutput)
     return ([("new", r.req_id, n) for r, n in out.new]
@@ -246,7 +246,7 @@ def test_short_request_is_not_stuck_behind_a_long_prompt():
 
 
 def make_swapping(mode="swap", host_blocks=8, min_tokens=256):
-    from scheduler_svc.block_manager import HostBlockPool
+    from pagedserve.scheduler.block_manager import HostBlockPool
 
     cfg = SchedulerConfig(max_num_batched_tokens=16, enable_prefix_caching=False,
                           preemption_mode=mode, swap_min_tokens=min_tokens)

@@ -1,0 +1,47 @@
+"""The executor's command-line flags. Kept apart from server.py so that building the command
+line (`pagedserve --help`, `pagedserve health`) imports neither torch nor triton."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedserve.core.config import add_step_args
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The executor's flags; defaults come through pagedserve.core.config (env, config file)."""
+    p.add_argument("--scheduler-address", default="tcp://127.0.0.1:5557",
+                   help="ZeroMQ address the scheduler binds (its --executor-bind)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda, cuda:1; auto: CUDA when present")
+    p.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16 or float16; auto: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="longest prompt + completion (0: the model's; capped by the KV cache)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0,
+                   help="KV-cache budget on the CPU, GiB")
+    p.add_argument("--num-kv-blocks", type=int, default=0,
+                   help="exact number of KV blocks (overrides the memory budgets; 0: derive)")
+    p.add_argument("--swap-space-gib", "--swap-space", dest="swap_space_gib", type=float,
+                   default=4.0,
+                   help="host memory for KV blocks of requests preempted by swap, GiB (0: none); "
+                        "--swap-space / swap_space is vLLM's name")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU this process may use (CUDA)")
+    p.add_argument("--load-format", choices=["auto", "random"], default="auto",
+                   help="random: random weights for the model's config (benchmarks)")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="auto: triton on CUDA, torch on CPU")
+    p.add_argument("--quantization", choices=["auto", "none", "awq", "gptq"], default="auto",
+                   help="4-bit weights; auto: from config.json's quantization_config")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                   help="CUDA: run every step eagerly instead of replaying captured CUDA graphs "
+                        "for decode steps")
+    p.add_argument("--torch-profile-dir", default="",
+                   help="record a torch profiler trace of --torch-profile-steps steps here "
+                        "(Chrome trace and an op table; empty: off)")
+    p.add_argument("--torch-profile-steps", default="40:4",
+                   help="START:COUNT[,START:COUNT...]: the steps to profile, counted from the "
+                        "first plan")
+    add_step_args(p)
