@@ -20,7 +20,6 @@ import time
 
 import numpy as np
 import torch
-
 from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,6 @@ from itertools import chain
 
 import numpy as np
 import torch
-
 from pagedserve.executor.block_table import BlockTableArray
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM

@@ -11,7 +11,6 @@ import traceback
 import uuid
 
 import zmq
-
 from pagedserve.executor.jit_watch import JitWatch
 from pagedserve.executor.profiling import StepProfiler
 from pagedserve.executor.runner import Launched

@@ -24,14 +24,10 @@ _TORCH_MODULES = {"w4a16_gemm": "w4a16_reference"}  # default: reference
 
 def get_ops(backend: str) -> SimpleNamespace:
     if backend == "torch":
-        return SimpleNamespace(**{
-            op: getattr(importlib.import_module(f"{__name__}.{_TORCH_MODULES.get(op, 'reference')}"),
-                        op)
-            for op in _OP_MODULES
-        })
-    if backend == "triton":
-        return SimpleNamespace(**{
-            op: getattr(importlib.import_module(f"{__name__}.{m}"), op)
-            for op, m in _OP_MODULES.items()
-        })
-    raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")
+        modules = {op: _TORCH_MODULES.get(op, "reference") for op in _OP_MODULES}
+    elif backend == "triton":
+        modules = _OP_MODULES
+    else:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected 'torch' or 'triton'")
+    return SimpleNamespace(**{op: getattr(importlib.import_module(f"{__name__}.{m}"), op)
+                              for op, m in modules.items()})

@@ -5,8 +5,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from pagedserve.kernels._checks import FLOAT_DTYPES, check_contiguous, check_inner_contiguous, check_tensor
+from pagedserve.kernels._checks import (
+    FLOAT_DTYPES,
+    check_contiguous,
+    check_inner_contiguous,
+    check_tensor,
+)
 
 
 @triton.jit

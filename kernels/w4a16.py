@@ -58,8 +58,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from pagedserve.kernels._checks import FLOAT_DTYPES, check_contiguous, check_inner_contiguous, check_tensor
+from pagedserve.kernels._checks import (
+    FLOAT_DTYPES,
+    check_contiguous,
+    check_inner_contiguous,
+    check_tensor,
+)
 
 _MAGIC = 8388608.0  # 2^23
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 import triton
-
 from pagedserve.kernels import w4a16
 
 try:  # Gluon is experimental: present in Triton >= 3.5

@@ -42,8 +42,8 @@ def _process_parser(sub, name: str, help: str, *adders) -> argparse.ArgumentPars
 def _parser(file_values: dict | None = None, environ=os.environ) -> argparse.ArgumentParser:
     """The command line; serve, scheduler and executor take their defaults from the config
     file's values and the environment (pagedserve.core.config)."""
-    from pagedserve.executor import flags as executor
     from pagedserve import quantize
+    from pagedserve.executor import flags as executor
     from pagedserve.scheduler import flags as scheduler
 
     file_values = config.normalize(file_values or {})

@@ -29,13 +29,13 @@ def quantize(model: str, out: Path, method: str, group_size: int = 128,
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from pagedserve.core.models import resolve_model
     from pagedserve.executor.quantization.pipeline import (
         QuantizeOptions,
         calibration_ids,
         quantize_model,
         save_checkpoint,
     )
-    from pagedserve.core.models import resolve_model
 
     src = resolve_model(model)
     opt = QuantizeOptions(method, group_size, sym, act_order, num_samples, seq_len)

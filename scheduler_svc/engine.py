@@ -17,7 +17,6 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from pagedserve.scheduler.block_manager import BlockManager, HostBlockPool
 from pagedserve.scheduler.detokenizer import IncrementalDetokenizer, StopStringMatcher, decoder_of

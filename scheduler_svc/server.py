@@ -10,10 +10,7 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
-from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
-from pagedserve.core.models import read_generation_eos, resolve_model
-from pagedserve.protos.v1 import generate_pb2, generate_pb2_grpc
+from pagedserve.protos.v1 import generate_pb2_grpc
 from pagedserve.scheduler.engine import Engine, LinkConfig
 from pagedserve.scheduler.errors import ErrorInterceptor
 from pagedserve.scheduler.inputs import InputProcessor
@@ -21,6 +18,9 @@ from pagedserve.scheduler.metrics import Metrics
 from pagedserve.scheduler.scheduler import SchedulerConfig
 from pagedserve.scheduler.servicer import GenerationServicer
 from pagedserve.scheduler.telemetry import Telemetry, request_log
+
+from pagedserve.core.models import read_generation_eos, resolve_model
+from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
 
 log = logging.getLogger("pagedserve.scheduler")
 # Health service names: "" is liveness (SERVING while the process runs), the API's own name is

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pagedserve import cli
-from pagedserve.core import config
 from pagedserve.cli import _forward, _parser
+from pagedserve.core import config
 
 ROOT = Path(__file__).resolve().parent.parent
 

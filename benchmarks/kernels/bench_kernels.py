@@ -50,11 +50,10 @@ if ARGS.dry:
     sys.path.insert(0, str(ROOT / "tests" / "kernels"))
     import conftest  # noqa: E402,F401  (interpreter fix for numpy >= 2.4)
 
+import pagedserve.kernels.paged_attention as pa  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
-
-import pagedserve.kernels.paged_attention as pa  # noqa: E402
 from pagedserve.kernels import fused, reference  # noqa: E402
 
 DEV = torch.device("cpu" if ARGS.dry else "cuda")

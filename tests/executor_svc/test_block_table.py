@@ -1,5 +1,4 @@
 import numpy as np
-
 from pagedserve.executor.block_table import BlockTableArray
 
 

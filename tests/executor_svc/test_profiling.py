@@ -3,7 +3,6 @@ import json
 
 import pytest
 import torch
-
 from pagedserve.executor.profiling import StepProfiler, timeline
 
 

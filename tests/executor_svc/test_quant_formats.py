@@ -7,17 +7,24 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
-
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.loader import build_model, iter_safetensors
-from pagedserve.executor.quantization import QuantizationError, convert_checkpoint, resolve_quantization
+from pagedserve.executor.quantization import (
+    QuantizationError,
+    convert_checkpoint,
+    resolve_quantization,
+)
 from pagedserve.executor.quantization.algorithms import gptq, rtn
 from pagedserve.executor.quantization.formats import from_awq, from_gptq
-from pagedserve.executor.quantization.pipeline import QuantizeOptions, quantization_config, save_checkpoint
+from pagedserve.executor.quantization.pipeline import (
+    QuantizeOptions,
+    quantization_config,
+    save_checkpoint,
+)
 from pagedserve.kernels import get_ops
 from pagedserve.kernels.w4a16_reference import dequantize
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
 OPS = get_ops("torch")
 

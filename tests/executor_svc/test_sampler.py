@@ -1,5 +1,4 @@
 import torch
-
 from pagedserve.executor.sampler import Sampler, SamplingSpec
 
 CPU = torch.device("cpu")

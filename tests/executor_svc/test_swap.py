@@ -1,5 +1,4 @@
 import torch
-
 from pagedserve.executor.swap import SwapSpace
 
 

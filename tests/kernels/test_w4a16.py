@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 from kernel_utils import rel_err
-
 from pagedserve.kernels import w4a16
 from pagedserve.kernels.w4a16_reference import dequantize, pack_int4, unpack_int4
 from pagedserve.kernels.w4a16_reference import w4a16_gemm as reference

@@ -1,5 +1,4 @@
 import pytest
-
 from pagedserve.scheduler.block_manager import BlockManager
 
 

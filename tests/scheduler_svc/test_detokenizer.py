@@ -1,5 +1,4 @@
 import pytest
-
 from pagedserve.scheduler.detokenizer import IncrementalDetokenizer, StopStringMatcher, decoder_of
 
 TEXTS = [

@@ -1,9 +1,8 @@
 
 
 def test_observe_many_equals_one_observe_per_value():
-    from prometheus_client import CollectorRegistry, Histogram, generate_latest
-
     from pagedserve.scheduler.metrics import observe_many
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
     values = [0.0, 0.001, 0.005, 0.0051, 0.1, 2.5, 99.0, 0.005]  # on, between, past the bounds
     texts = []
