@@ -1,16 +1,40 @@
-"""Result records shared by every benchmark (schema: ../shared/BENCHMARKS.md)."""
+"""Result records shared by every benchmark (schema: ../shared/BENCHMARKS.md).
+
+benchmarks/results/ keeps one append-only JSONL per family (`throughput.jsonl`, `serve.jsonl`,
+`step_overhead.jsonl`, `kernels.jsonl`, `w4a16_gemm.jsonl`, `perplexity.jsonl`), oldest record
+first. Every record carries the environment (`commit`, `gpu`, `torch`, `triton`, `command`),
+`recorded_at` (UTC) and `run`: `<family>_<time>`, shared by the records of one invocation.
+
+`PAGEDSERVE_RESULTS=DIR` makes the benchmarks append to DIR/<family>.jsonl instead (a scratch
+folder on the device machine); their records join the families here with
+
+    python -m benchmarks.common add [--set KEY=VALUE ...] FILE...
+
+which also takes the per-run files older harnesses write (`throughput_2026-11-30T010026.jsonl`,
+`kernels_2026-11-29_run1.jsonl`: the family, time and run come from the name).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# family_2026-11-30T010026[_label].jsonl, family_2026-11-29_run1.jsonl
+_PER_RUN = re.compile(r"(?P<family>.+?)_(?P<date>\d{4}-\d{2}-\d{2})(?:T(?P<time>\d{6}))?"
+                      r"(?:_.*)?$")
+
+
+def results_dir() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_RESULTS") or RESULTS)
 
 
 def environment() -> dict:
@@ -31,12 +55,89 @@ def environment() -> dict:
             "command": " ".join([Path(sys.executable).name, *sys.argv])}
 
 
-def write_records(name: str, records: list[dict]) -> Path:
-    """One new file per run, so the history shows the progress."""
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}_{time.strftime('%Y-%m-%dT%H%M%S')}.jsonl"
-    env = environment()
-    with path.open("w") as f:
+def append(path: Path, records: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
         for r in records:
-            f.write(json.dumps({**env, **r}) + "\n")
+            f.write(json.dumps(r) + "\n")
     return path
+
+
+def write_records(family: str, records: list[dict]) -> Path:
+    """Append this run's records to the family's file (results_dir()/<family>.jsonl)."""
+    now = time.gmtime()
+    stamp = {"recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", now),
+             "run": f"{family}_{time.strftime('%Y-%m-%dT%H%M%S', now)}"}
+    env = environment()
+    return append(results_dir() / f"{family}.jsonl", [{**stamp, **env, **r} for r in records])
+
+
+def read(path: Path) -> list[dict]:
+    """The records of a .jsonl file (one per line) or a .json file (a list)."""
+    text = path.read_text()
+    if path.suffix == ".json":
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def family_of(path: Path) -> tuple[str, str | None, str]:
+    """(family, recorded_at, run) from a file name: a family file (`serve.jsonl`: no time) or
+    a per-run file, whose name stem is the run and whose time is UTC."""
+    m = _PER_RUN.fullmatch(path.stem)
+    if m is None:
+        return path.stem, None, path.stem
+    family = "serve" if m["family"].startswith("serve_") else m["family"]  # serve_<workload>
+    if family == "cpu_throughput":  # its records say device "cpu"
+        family = "throughput"
+    t = m["time"]
+    return family, m["date"] + (f"T{t[:2]}:{t[2:4]}:{t[4:]}Z" if t else ""), path.stem
+
+
+def add(paths: list[Path], into: Path, extra: dict) -> dict[str, int]:
+    """Append the records of `paths` to their families under `into`, in time order; a run the
+    family already holds is skipped (adding the same bundle twice changes nothing)."""
+    batches: dict[str, list[dict]] = defaultdict(list)
+    for path in paths:
+        family, recorded_at, run = family_of(path)
+        mtime = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(path.stat().st_mtime))
+        for rec in read(path):
+            batches[family].append({"recorded_at": recorded_at or mtime, "run": run,
+                                    **rec, **extra})
+    added = {}
+    for family, recs in batches.items():
+        target = into / f"{family}.jsonl"
+        held = {r.get("run") for r in read(target)} if target.exists() else set()
+        new = [r for r in recs if r["run"] not in held]
+        for run in sorted({r["run"] for r in recs} & held):
+            print(f"{family}: {run} is already there, skipped", file=sys.stderr)
+        new.sort(key=lambda r: r["recorded_at"])  # stable: a run keeps its own order
+        append(target, new)
+        added[family] = len(new)
+    return added
+
+
+def _value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="append records to their families")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("add", help="append the records of these files to their families")
+    a.add_argument("files", nargs="+", type=Path)
+    a.add_argument("--into", type=Path, default=None,
+                   help="the families' folder (default: $PAGEDSERVE_RESULTS or results/)")
+    a.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="add this field to every record (a JSON value or a string)")
+    args = p.parse_args()
+    extra = dict(kv.split("=", 1) for kv in args.set)
+    added = add(args.files, args.into or results_dir(), {k: _value(v) for k, v in extra.items()})
+    for family, n in added.items():
+        print(f"{family}: {n} records added")
+
+
+if __name__ == "__main__":
+    main()

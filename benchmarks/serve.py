@@ -216,7 +216,7 @@ def main() -> None:
                 dump(Path(args.dump), rate_s, outcomes, svc)
     finally:
         svc.stop()
-    print("wrote", write_records(f"serve_{args.workload}", records))
+    print("appended to", write_records("serve", records))
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def main() -> None:
     for r in records:
         print(f"{r['running']:>8} {r['plan_us_p50']:>12.0f} {r['round_trip_us_p50']:>18.0f} "
               f"{r['executor_us_p50']:>16.0f} {r['step_period_us']:>15.0f}")
-    print("wrote", write_records("step_overhead", records))
+    print("appended to", write_records("step_overhead", records))
 
 
 if __name__ == "__main__":

@@ -303,7 +303,7 @@ def main() -> None:
           "eager steps; KV token utilization at peak {kv_token_utilization_at_peak}; weights "
           "{weight_gib:.2f} GiB, KV cache {kv_capacity_tokens:.0f} tokens".format(**ours),
           flush=True)
-    print("wrote", write_records("throughput", records))
+    print("appended to", write_records("throughput", records))
 
 
 if __name__ == "__main__":
