@@ -1,19 +1,22 @@
-"""Tables and plots from the GPU records in benchmarks/results/ (needs matplotlib for plots:
-`pip install -e ".[bench]"`).
+"""REPORT.md and its plots from the family records in benchmarks/results/ alone (plots need
+matplotlib: `pip install -e ".[bench]"`; without it the tables are still written).
 
     python -m benchmarks.report            # writes results/REPORT.md and results/*.png
 
-Every GPU run of `benchmarks.throughput` and of `benchmarks.serve` (W3) is listed, oldest
-first, so the table shows the history; the README quotes the newest rows.
+History tables list every GPU run, oldest first; kernel and W4A16 GEMM tables show the newest
+run (the older ones stay in their JSONL). Before/after pairs come from `gpu.sh`'s ab part.
 """
 
 from __future__ import annotations
 
-import csv
-import json
+import math
 import re
+from collections import defaultdict
+from collections.abc import Iterable
+from datetime import datetime
+from statistics import fmean
 
-from benchmarks.common import RESULTS
+from benchmarks.common import RESULTS, read
 
 # Measured on this H200 by the issue's author (../shared/BENCHMARKS.md), output tok/s.
 ANCHORS = {("W1", "llama3.1-8b"): "HF generate bs256 4,469; HF CB 535",
@@ -24,13 +27,32 @@ TARGETS = {("W1", "llama3.1-8b"): 0.8, ("W1", "llama3.2-1b"): 0.6,
            ("W2", "llama3.1-8b"): 0.7, ("W2", "llama3.2-1b"): 0.5}
 
 
-def load(pattern: str) -> list[tuple[str, list[dict]]]:
-    runs = []
-    for path in sorted(RESULTS.glob(pattern)):
-        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if recs and recs[0].get("gpu"):
-            runs.append((path.name, recs))
-    return runs
+def load(family: str) -> list[dict]:
+    path = RESULTS / f"{family}.jsonl"
+    return read(path) if path.exists() else []
+
+
+def runs(records: Iterable[dict]) -> dict[str, list[dict]]:
+    """Records by run, in the order of the file (oldest first)."""
+    out: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        out[r["run"]].append(r)
+    return out
+
+
+def num(x, fmt: str = ",.0f") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return format(x, fmt)
+
+
+def when(rec: dict) -> str:
+    return rec["recorded_at"].removesuffix("Z").replace("T", " ")[:16]
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|",
+            *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
 
 
 def _flag(command: str, name: str, default: str) -> str:
@@ -38,69 +60,158 @@ def _flag(command: str, name: str, default: str) -> str:
     return m.group(1) if m else default
 
 
-def throughput_table() -> list[str]:
-    rows = ["| run | commit | workload | model | step budget | stream interval | other flags | "
-            "pagedserve out tok/s | bound | fraction (target) | "
-            "HF generate bs256 / HF CB, same run | "
-            "per step: total = plan + executor + rest (ms) | KV token use at peak | weights GiB "
-            "| KV tokens |",
-            "| --- " * 15 + "|"]
-    for name, recs in load("throughput_*.jsonl"):
+def _step(r: dict) -> str:
+    if "step_ms" not in r:
+        return "-"
+    if "--async-scheduling" in r.get("server_flags", ""):
+        # two steps in flight: their times overlap, so they do not add up to the step
+        return f"{r['step_ms']:.1f} (overlapped: plan {r['plan_ms']:.1f}, executor " \
+               f"{r['execute_ms']:.1f})"
+    rest = r["step_ms"] - r["plan_ms"] - r["execute_ms"]
+    return f"{r['step_ms']:.1f} = {r['plan_ms']:.1f} + {r['execute_ms']:.1f} + {rest:.1f}"
+
+
+def throughput_section(records: list[dict]) -> list[str]:
+    rows = []
+    for recs in runs(r for r in records if r.get("gpu") and "ab" not in r).values():
         ours = next((r for r in recs if r["engine"] == "pagedserve"), None)
         if ours is None or not str(ours.get("model", "")).startswith("llama"):
             continue
         key = (ours["workload"], ours["model"])
-        hf = next((r for r in recs if r["engine"] == "hf_generate"), None)
-        cmd = ours["command"]
         flags = ours.get("server_flags", "")
-        other = " ".join(f for f in re.sub(r"--stream-interval \S+", "", flags).split()) or "-"
-        if "--async-scheduling" in flags and "step_ms" in ours:
-            # two steps in flight: their times overlap, so they do not add up to the step
-            step = f"{ours['step_ms']:.1f} (overlapped: plan {ours['plan_ms']:.1f}, executor " \
-                   f"{ours['execute_ms']:.1f})"
-        elif "step_ms" in ours:
-            rest = ours["step_ms"] - ours["plan_ms"] - ours["execute_ms"]
-            step = f"{ours['step_ms']:.1f} = {ours['plan_ms']:.1f} + " \
-                   f"{ours['execute_ms']:.1f} + {rest:.1f}"
-        else:
-            step = ""
-        weights = f"{ours['weight_gib']:.2f}" if ours.get("weight_gib") else "-"
-        kv = f"{ours['kv_capacity_tokens']:,.0f}" if ours.get("kv_capacity_tokens") else "-"
-        util = ours.get("kv_token_utilization_at_peak")
-        cb = next((r for r in recs if r["engine"] == "hf_continuous_batching"), None)
-        hf_tok = " / ".join(f"{r['output_tok_s']:,.0f}" if r else "-" for r in (hf, cb))
-        rows.append(
-            f"| {name.removeprefix('throughput_').removesuffix('.jsonl')} | {ours['commit']} | "
-            f"{key[0]} | {key[1]} | {_flag(cmd, '--max-num-batched-tokens', '2048')} | "
-            f"{_flag(flags, '--stream-interval', '1')} | {other} | "
-            f"{ours['output_tok_s']:,.0f} | "
-            f"{ours['bound_output_tok_s']:,.0f} | {ours['roofline_fraction']:.2f} "
-            f"({TARGETS.get(key, '-')}) | {hf_tok} | "
-            f"{step} | {f'{util:.3f}' if util else '-'} | {weights} | {kv} |")
-    rows += ["", "Peers measured on this H200 by the issue's author (output tok/s): " + "; ".join(
-        f"{w} {m}: {a}" for (w, m), a in ANCHORS.items()) + "."]
-    return rows
+        peers = [next((r for r in recs if r["engine"] == e), None)
+                 for e in ("hf_generate", "hf_continuous_batching")]
+        rows.append([
+            when(ours), ours["commit"], *key,
+            _flag(ours["command"], "--max-num-batched-tokens", "2048"),
+            _flag(flags, "--stream-interval", "1"),
+            " ".join(re.sub(r"--stream-interval \S+", "", flags).split()) or "-",
+            num(ours["output_tok_s"]), num(ours.get("bound_output_tok_s")),
+            f"{num(ours.get('roofline_fraction'), '.2f')} ({TARGETS.get(key, '-')})",
+            " / ".join(num(r and r["output_tok_s"]) for r in peers), _step(ours),
+            num(ours.get("kv_token_utilization_at_peak"), ".3f"),
+            num(ours.get("weight_gib"), ".2f"), num(ours.get("kv_capacity_tokens"))])
+    header = ["recorded (UTC)", "commit", "workload", "model", "step budget", "stream interval",
+              "other flags", "pagedserve out tok/s", "bound", "fraction (target)",
+              "HF generate bs256 / HF CB, same run",
+              "per step: total = plan + executor + rest (ms)", "KV token use at peak",
+              "weights GiB", "KV tokens"]
+    return ["## Offline throughput (W1, W2, decode shapes), through the gRPC service", "",
+            *table(header, rows), "",
+            "Peers measured on this H200 by the issue's author (output tok/s): " + "; ".join(
+                f"{w} {m}: {a}" for (w, m), a in ANCHORS.items()) + ".", ""]
 
 
-def serve_runs() -> list[tuple[str, list[dict]]]:
-    return [(n, [r for r in recs if "priority" not in r]) for n, recs in load("serve_W3_*.jsonl")]
+def ab_section(records: list[dict]) -> list[str]:
+    """Baseline and current runs of one `gpu.sh ab` session, alternated, side by side."""
+    pairs: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        if "ab" in r and r["engine"] == "pagedserve":
+            pairs[(r.get("ab_session", "-"), r["workload"], r["model"])][r["ab"]].append(r)
+    rows = []
+    for (session, workload, model), sides in pairs.items():
+        base, cur = sides.get("baseline", []), sides.get("current", [])
+
+        def cell(rs: list[dict]) -> str:
+            commits = ", ".join(sorted({r["commit"] for r in rs})) or "-"
+            return f"{' / '.join(num(r['output_tok_s']) for r in rs) or '-'} ({commits})"
+
+        ratio = fmean(r["output_tok_s"] for r in cur) / fmean(
+            r["output_tok_s"] for r in base) if base and cur else None
+        rows.append([session, workload, model, cell(base), cell(cur), num(ratio, ".3f")])
+    if not rows:
+        return []
+    return ["## Before / after (same session, runs alternated)", "",
+            *table(["session", "workload", "model", "baseline out tok/s per round (commit)",
+                    "current out tok/s per round (commit)", "current / baseline (means)"],
+                   rows), ""]
 
 
-def serve_table() -> list[str]:
-    rows = ["| run | model | rate (req/s) | completed req/s | out tok/s | TTFT p50 / p99 ms | "
-            "TPOT p50 / p99 ms | ITL p99 ms | goodput req/s (TTFT 250 ms, TPOT 30 ms) |",
-            "| --- " * 9 + "|"]
-    for name, recs in serve_runs():
-        for r in recs:
-            rows.append(
-                f"| {name.removeprefix('serve_W3_').removesuffix('.jsonl')} | {r['model']} | "
-                f"{r['rate']} | {r['request_rps']:.1f} | {r['output_tok_s']:,.0f} | "
-                f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} / "
-                f"{r['tpot_p99_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['goodput_rps']:.1f} |")
-    return rows
+def serve_section(records: list[dict]) -> list[str]:
+    gpu = [r for r in records if r.get("gpu")]
+    w3 = [[when(r), r["commit"], r["model"], r["rate"], num(r["request_rps"], ".1f"),
+           num(r["output_tok_s"]), f"{num(r['ttft_p50_ms'])} / {num(r['ttft_p99_ms'])}",
+           f"{num(r['tpot_p50_ms'], '.1f')} / {num(r['tpot_p99_ms'], '.1f')}",
+           num(r["itl_p99_ms"], ".1f"), num(r["goodput_rps"], ".1f")]
+          for r in gpu if r["workload"] == "W3"]
+    prefix = [[when(r), r["commit"], r["model"], r["shared_prefix"], r.get("prefix_caching"),
+               r["rate"], r["completed"], num(r["output_tok_s"]),
+               f"{num(r['ttft_p50_ms'])} / {num(r['ttft_p99_ms'])}"]
+              for r in gpu if r["workload"] == "W3-shared-prefix"]
+    overload = [[when(r), r["commit"], r["model"], r["rate"], r.get("priority", "all"),
+                 r["completed"], r["refused"], f"{num(r['ttft_p50_ms'])} / "
+                 f"{num(r['ttft_p99_ms'])}", r["server_flags"] or "-"]
+                for r in gpu if r["workload"] == "overload-priority"]
+    return ["## Serving (W3), Poisson arrivals through gRPC", "",
+            *table(["recorded (UTC)", "commit", "model", "rate (req/s)", "completed req/s",
+                    "out tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "ITL p99 ms",
+                    "goodput req/s (TTFT 250 ms, TPOT 30 ms)"], w3), "",
+            "### W3 with a shared system prompt, prefix caching on and off", "",
+            *table(["recorded (UTC)", "commit", "model", "shared prefix tokens",
+                    "prefix caching", "rate", "completed", "out tok/s", "TTFT p50 / p99 ms"],
+                   prefix), "",
+            "### Overload with priorities (10 % high) and a bounded queue", "",
+            *table(["recorded (UTC)", "commit", "model", "rate", "class", "completed",
+                    "refused", "TTFT p50 / p99 ms", "server flags"], overload), ""]
 
 
-def plots() -> list[str]:
+def step_overhead_section(records: list[dict]) -> list[str]:
+    rows = [[when(r), r["commit"], r["gpu"] or "CPU", r["running"], r.get("tokenizer", "-"),
+             r.get("async_scheduling", "-"), num(r["plan_us_p50"]),
+             num(r["round_trip_us_p50"]), num(r["executor_us_p50"]),
+             num(r.get("step_period_us"))] for r in records]
+    return ["## Step overhead (stub model: host work per step)", "",
+            *table(["recorded (UTC)", "commit", "machine (GPU)", "running", "tokenizer",
+                    "async", "plan p50 us", "round trip p50 us", "executor p50 us",
+                    "step period us"], rows), ""]
+
+
+def kernels_section(records: list[dict]) -> list[str]:
+    if not records:
+        return []
+    name, recs = list(runs(records).items())[-1]
+    by = defaultdict(dict)
+    for r in recs:
+        if r["kind"] in ("decode", "prefill"):
+            by[(r["kind"], r["batch"], r["ctx"], r.get("q_len", "-"))][r["impl"]] = r
+    rows = []
+    for (kind, batch, ctx, q_len), impls in by.items():
+        unit = "tbps" if kind == "decode" else "tflops"
+        ours, ref = impls.get("pagedserve", {}), impls.get("torch_sdpa", {})
+        rows.append([kind, batch, ctx, q_len, num(ours.get("ms"), ".4f"),
+                     num(ours.get(unit), ".2f"), num(ref.get("ms"), ".4f"),
+                     num(ref.get(unit), ".2f")])
+    return [f"## Attention kernels (newest run: {name}, commit {recs[0]['commit']})", "",
+            *table(["kind", "batch", "ctx", "q len", "pagedserve ms", "TB/s or TFLOP/s",
+                    "torch SDPA ms", "TB/s or TFLOP/s"], rows), ""]
+
+
+def w4a16_section(records: list[dict]) -> list[str]:
+    if not records:
+        return []
+    name, recs = list(runs(records).items())[-1]
+    by = defaultdict(dict)
+    for r in recs:
+        by[(r["rows"], r["n"], r["k"])][r["impl"]] = r
+    rows = [[m, n, k, num(i.get("torch_matmul", {}).get("ms", math.nan) * 1e3, ".1f"),
+             *(f"{num(i[impl]['ms'] * 1e3, '.1f')} ({i[impl]['speedup_vs_bf16']:.2f}x)"
+               if impl in i else "-"
+               for impl in ("default", "default+act_order", "stream_floor"))]
+            for (m, n, k), i in by.items()]
+    return [f"## W4A16 GEMM (newest run: {name}, commit {recs[0]['commit']})", "",
+            *table(["rows", "n", "k", "bf16 us", "AWQ us (vs bf16)", "GPTQ act-order us",
+                    "int4 read floor us"], rows), ""]
+
+
+def perplexity_section(records: list[dict]) -> list[str]:
+    rows = [[when(r), r["commit"], r["model"], r["method"], num(r["group_size"], "d")
+             if r["group_size"] else "-", num(r["ppl"], ".3f"), r["tokens"]] for r in records]
+    return ["## Perplexity of quantized weights", "",
+            *table(["recorded (UTC)", "commit", "model", "method", "group", "ppl", "tokens"],
+                   rows), ""]
+
+
+def plots(throughput: list[dict], serve: list[dict]) -> list[str]:
     try:
         import matplotlib
 
@@ -109,9 +220,28 @@ def plots() -> list[str]:
     except ImportError:
         return ["(plots skipped: matplotlib is not installed)"]
     out = []
-    runs = serve_runs()
-    if runs:
-        name, recs = runs[-1]
+    series = defaultdict(list)  # pagedserve W1/W2 runs on the GPU, by workload and model
+    for r in throughput:
+        if r.get("gpu") and r["engine"] == "pagedserve" and r["workload"] in ("W1", "W2") \
+                and "ab" not in r:
+            series[(r["workload"], r["model"])].append(r)
+    if series:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for (w, m), rs in sorted(series.items()):
+            ax.plot([datetime.fromisoformat(r["recorded_at"]) for r in rs],
+                    [r["output_tok_s"] for r in rs], "o-", label=f"{w} {m}")
+        ax.set_xlabel("recorded (UTC; every flag set)")
+        fig.autofmt_xdate()
+        ax.set_ylabel("output tok/s")
+        ax.set_title("pagedserve offline throughput, history")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(RESULTS / "throughput_history.png", dpi=100)
+        plt.close(fig)
+        out.append("![throughput history](throughput_history.png)")
+    w3 = runs(r for r in serve if r.get("gpu") and r["workload"] == "W3")
+    if w3:
+        name, recs = list(w3.items())[-1]
         paced = [r for r in recs if r["rate"] != "inf"]
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([float(r["rate"]) for r in paced], [r["output_tok_s"] for r in paced], "o-",
@@ -122,42 +252,22 @@ def plots() -> list[str]:
         ax2.plot([float(r["rate"]) for r in paced], [r["ttft_p99_ms"] for r in paced], "s--",
                  color="tab:red", label="TTFT p99 ms")
         ax2.set_ylabel("TTFT p99 (ms)")
-        ax.set_title(f"W3 {recs[0]['model']}: throughput vs rate ({name[9:-6]})")
+        ax.set_title(f"W3 {recs[0]['model']}: throughput vs rate ({when(recs[0])})")
         fig.tight_layout()
-        path = RESULTS / "w3_throughput_vs_rate.png"
-        fig.savefig(path, dpi=100)
+        fig.savefig(RESULTS / "w3_throughput_vs_rate.png", dpi=100)
         plt.close(fig)
-        out.append(f"![W3 throughput vs rate]({path.name})")
-    # TTFT CDF from per-request dumps (benchmarks.serve --dump DIR): requests_rate*.csv
-    dumps = sorted(RESULTS.glob("dumps/*/requests_rate*.csv"))
-    if dumps:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for path in dumps:
-            with path.open() as f:
-                ttft = sorted(float(r["ttft_ms"]) for r in csv.DictReader(f) if not r["error"])
-            if ttft:
-                ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))],
-                        label=f"{path.parent.name} {path.stem.removeprefix('requests_')}")
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT (ms)")
-        ax.set_ylabel("fraction of requests")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = RESULTS / "w3_ttft_cdf.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        out.append(f"![W3 TTFT CDF]({path.name})")
-    else:
-        out.append("(TTFT CDF: no per-request dumps yet; run benchmarks.serve with "
-                   "--dump benchmarks/results/dumps/<name>)")
+        out.append("![W3 throughput vs rate](w3_throughput_vs_rate.png)")
     return out
 
 
 def main() -> None:
-    lines = ["# GPU results (generated by `python -m benchmarks.report`; do not edit)", "",
-             "## Offline throughput (W1, W2), through the gRPC service", "",
-             *throughput_table(), "", "## Serving (W3), Poisson arrivals through gRPC", "",
-             *serve_table(), "", *plots(), ""]
+    throughput, serve = load("throughput"), load("serve")
+    lines = ["# Results (generated by `python -m benchmarks.report` from the JSONL files here; "
+             "do not edit)", "",
+             *ab_section(throughput), *throughput_section(throughput), *serve_section(serve),
+             *step_overhead_section(load("step_overhead")), *kernels_section(load("kernels")),
+             *w4a16_section(load("w4a16_gemm")), *perplexity_section(load("perplexity")),
+             *plots(throughput, serve), ""]
     path = RESULTS / "REPORT.md"
     path.write_text("\n".join(lines))
     print("wrote", path)
