@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# GPU benchmarks, one device call: run on the device machine from a copy of the repo root.
+#   PAGEDSERVE_COMMIT=<sha> PARTS="env tests big" bash benchmarks/gpu.sh
+# Models: random bf16 weights for benchmarks/models/{llama3.2-1b,llama3.1-8b} (1B, 8B) and
+# smollm2-135m (135M); "throughput settings": 8192-token steps, 8 tokens per streamed message,
+# no HF peer. PARTS picks, in order:
+#   env       GPU, CPU count, package versions, where pagedserve imports from
+#   tests     GPU tests of CUDA graphs and of the model against HF (tests/executor_svc)
+#   kernels   every kernel test on the GPU (tests/kernels)
+#   overhead  host cost per step with a stub model: step_overhead at 16, 64, 256 running
+#   w1        W1 on 1B and 8B beside HF generate bs256: output tok/s, roofline fraction
+#   w1cb      W1 on 1B, throughput settings + async, beside HF generate bs256 and HF CB
+#   big       W1 and W2 on 8B and 1B with the throughput settings
+#   async     big with --async-scheduling
+#   eager     W1 on 1B with --enforce-eager (compare with big: what CUDA graphs buy)
+#   w2        W2 on 1B and 8B, default step budget and streaming, no peer
+#   profile   torch profiles of W1 on 8B and 1B (2 prefill steps, 4 graphed decodes): ops tables
+#   awq       W1 and W2 on 8B with random AWQ weights, throughput settings + async
+#   awqlat    8B decode latency at LAT_SEQS running (default 1 16 32), bf16 then AWQ
+#   w3        W3 serving on 8B through gRPC at RATES (default 8 16 24 32 inf), W3_N requests
+#             (default 200): TTFT, TPOT, ITL, goodput; per-request CSVs kept as dumps
+#   prefix    W3 on 135M with a shared 1,000-token system prompt, prefix caching on and off
+#   overload  135M at 46 req/s (sustainable) then 70 (1.5x), 10 % high priority, queue of 64
+#   quant     W4A16 GPU tests (QUANT_K: a -k selection) and GEMM bench (QUANT_BENCH: its flags,
+#             e.g. "--gluon --rows 32 64"; QUANT_S: time limit): us and speedup vs bf16
+#   ab        before/after: W1 on 8B and 1B, throughput settings, an older tree (BASELINE=<dir>,
+#             its own harness, commit from BASELINE_COMMIT or <dir>/.commit) and this one
+#             alternated for AB_ROUNDS rounds (default 2); REPORT.md pairs them
+# Records go to $B/records (PAGEDSERVE_RESULTS), logs, profiles and dumps to $B; all of it comes
+# back as $OUT/bundle.tgz (the device returns at most 8 files). Back here:
+#   tar xzf bundle.tgz -C /tmp/b && .venv/bin/python -m benchmarks.common add /tmp/b/records/*
+#   .venv/bin/python -m benchmarks.report
+# .whl/ (carried, git-ignored): Python 3.12 wheels that benchmarks/device_env.sh installs; the
+# device has torch, triton, transformers, numpy. protobuf must be >= the gencode of the stubs
+# (7.35.1 from grpcio-tools 1.85.1 here) and grpcio >= 1.85.1. Made here with:
+#   .venv/bin/pip download --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
+#     --abi cp312 --abi abi3 --abi none --platform manylinux2014_x86_64 --platform \
+#     manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
+#     pyzmq==27.3.0 protobuf==7.36.2 grpcio==1.85.3 grpcio-health-checking==1.85.1 \
+#     grpcio-reflection==1.85.1 gguf==0.19.0 prometheus-client==0.26.0
+#   rm -f .whl/pagedserve-*.whl && .venv/bin/python -m pip wheel --no-deps --no-build-isolation \
+#     -w .whl .      # from the tree being measured, which PAGEDSERVE_COMMIT names
+# BASELINE (ab): a copy of an older commit's tree with its generated stubs, whose top-level
+# packages run from PYTHONPATH=/tmp/deps:<dir>, e.g. carried as .baseline/ (git-ignored).
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+PARTS=${PARTS:-env tests big}
+B=/tmp/bundle
+mkdir -p $B/records
+export PAGEDSERVE_RESULTS=$B/records
+TOK=(--tokenizer benchmarks/models/smollm2-135m)
+M1=(--model benchmarks/models/llama3.2-1b --load-format random "${TOK[@]}")
+M8=(--model benchmarks/models/llama3.1-8b --load-format random "${TOK[@]}")
+M135=(--model benchmarks/models/smollm2-135m --load-format random)
+FAST=(--hf none --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8)
+start=$(date +%s)
+stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
+save() { tar czf "$OUT/bundle.tgz" -C $B .; }
+quiet() { grep -v INFO | tail -"$1"; }
+tp() {  # workload, model array name, extra benchmarks.throughput flags
+  local w=$1; declare -n model=$2; shift 2
+  python3 -m benchmarks.throughput --workload "$w" "${model[@]}" "$@" 2>&1 \
+    | tee -a $B/throughput.log | quiet 4
+}
+fast() { local w=$1 m=$2; shift 2; tp "$w" "$m" "${FAST[@]}" "$@"; }
+profile() {  # model array name, label
+  fast W1 "$1" --server-flag=--torch-profile-dir --server-flag=/tmp/profile_"$2" \
+    --server-flag=--torch-profile-steps --server-flag=5:2,80:4
+  mkdir -p $B/profile_"$2" && cp /tmp/profile_"$2"/ops_* $B/profile_"$2"/
+  tail -12 /tmp/profile_"$2"/ops_*_80.txt
+}
+ab_run() {  # side (baseline or current), round, model directory name
+  local side=$1 dir=/tmp/ab/$1_$2_$3
+  local args=(--workload W1 --model benchmarks/models/$3 --load-format random "${TOK[@]}"
+              "${FAST[@]}")
+  mkdir -p "$dir" && touch "$dir/.start"
+  echo "-- ab round $2 $3 $side"
+  if [ "$side" = baseline ]; then
+    (cd "$BASELINE" && PAGEDSERVE_COMMIT=$AB_BASE PAGEDSERVE_RESULTS=$dir \
+      PYTHONPATH=/tmp/deps:$BASELINE python3 -m benchmarks.throughput "${args[@]}")
+  else
+    PAGEDSERVE_RESULTS=$dir python3 -m benchmarks.throughput "${args[@]}"
+  fi 2>&1 | tee -a $B/ab.log | quiet 3
+  [ "$side" = baseline ] && find "$BASELINE/benchmarks/results" -maxdepth 1 \
+    -name "throughput_*.jsonl" -newer "$dir/.start" -exec mv {} "$dir/" \;  # older harnesses
+  local files=("$dir"/*.jsonl)
+  [ -e "${files[0]}" ] || { echo "ab: no record from $side $3"; return; }
+  python3 -m benchmarks.common add --into $B/records --set ab="$side" --set ab_round="$2" \
+    --set ab_session="$AB_SESSION" "${files[@]}"
+}
+ab() {
+  [ -d "${BASELINE:-}" ] || { echo "ab: set BASELINE=<dir of the older tree>"; return; }
+  AB_BASE=${BASELINE_COMMIT:-$(cat "$BASELINE/.commit" 2>/dev/null || echo baseline)}
+  AB_SESSION=$(date -u +%Y-%m-%dT%H%M)
+  local r m side sides
+  for r in $(seq "${AB_ROUNDS:-2}"); do
+    sides="baseline current"; (( r % 2 )) || sides="current baseline"  # ABBA: no order bias
+    for m in llama3.1-8b llama3.2-1b; do
+      for side in $sides; do ab_run "$side" "$r" "$m"; done
+    done
+  done
+}
+for part in $PARTS; do
+  stamp "$part"
+  case $part in
+    env)
+      nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+      echo "cpus $(nproc), affinity $(python3 -c 'import os; print(len(os.sched_getaffinity(0)))')"
+      python3 -c "import torch, triton, transformers, grpc, zmq, google.protobuf as p, pagedserve
+print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
+      transformers.__version__, 'grpc', grpc.__version__, 'protobuf', p.__version__,
+      'zmq', zmq.__version__, 'pagedserve from', pagedserve.__file__)" ;;
+    tests)
+      python3 -m pytest -q -rs tests/executor_svc/test_cuda_graphs.py \
+        tests/executor_svc/test_model_gpu.py 2>&1 | tee $B/pytest_gpu.log | tail -15 ;;
+    kernels)
+      python3 -m pytest -q -rs tests/kernels 2>&1 | tee $B/pytest_kernels.log | tail -8 ;;
+    overhead)
+      python3 -m benchmarks.step_overhead --running 16 64 256 2>&1 | quiet 5 ;;
+    w1) for m in M1 M8; do tp W1 $m --hf generate:256; done ;;
+    w1cb) fast W1 M1 --hf cb --hf generate:256 --server-flag=--async-scheduling ;;
+    big) for m in M8 M1; do fast W1 $m; fast W2 $m; done ;;
+    async) for m in M8 M1; do for w in W1 W2; do
+      fast $w $m --server-flag=--async-scheduling; done; done ;;
+    eager) fast W1 M1 --server-flag=--enforce-eager ;;
+    w2) for m in M1 M8; do tp W2 $m --hf none; done ;;
+    profile) profile M8 8b; profile M1 1b ;;
+    awq) for w in W1 W2; do fast $w M8 --server-flag=--quantization --server-flag=awq \
+      --server-flag=--async-scheduling; done ;;
+    awqlat) for q in none awq; do for seqs in ${LAT_SEQS:-1 16 32}; do
+      tp "" M8 --hf none --requests $(( seqs * 2 )) --prompt 128 --output 512 \
+        --max-num-seqs "$seqs" --server-flag=--quantization --server-flag=$q
+    done; done ;;
+    w3)
+      python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests "${W3_N:-200}" \
+        --dump "$B/dumps/w3_8b_$(date +%H%M)" ${RATES:---rate 8 --rate 16 --rate 24 --rate 32 \
+        --rate inf} 2>&1 | tee -a $B/serve.log | quiet 8 ;;
+    prefix) for flag in --enable-prefix-caching --no-enable-prefix-caching; do
+      python3 -m benchmarks.serve "${M135[@]}" --workload W3-shared-prefix --shared-prefix 1000 \
+        --num-requests 400 --rate 8 --server-flag=$flag 2>&1 | tee -a $B/serve.log | quiet 2
+    done ;;
+    overload)
+      python3 -m benchmarks.serve "${M135[@]}" --workload overload-priority --num-requests 400 \
+        --rate 46 --rate 70 --high-priority-fraction 0.1 --server-flag=--max-waiting-requests \
+        --server-flag=64 2>&1 | tee -a $B/serve.log | quiet 8 ;;
+    quant)
+      python3 -m pytest -q -rs tests/kernels/test_w4a16.py tests/kernels/test_w4a16_gluon.py \
+        ${QUANT_K:+-k "$QUANT_K"} 2>&1 | tee $B/pytest_w4a16.log | tail -4
+      # shellcheck disable=SC2086  # QUANT_BENCH is a list of flags
+      timeout "${QUANT_S:-420}" python3 benchmarks/quant/bench_w4a16.py --out $B/records \
+        ${QUANT_BENCH:-} 2>&1 | tee $B/bench_w4a16.log | grep -v " done$" | tail -30 ;;
+    ab) ab ;;
+    *) echo "unknown part $part" ;;
+  esac
+  save
+done
+stamp done
+ls -R $B | head -40
