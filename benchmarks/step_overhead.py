@@ -41,7 +41,7 @@ def stub_executor(address: str, num_blocks: int, block_size: int) -> None:
                              Sampler(torch.device("cpu")))
         capacity = pb.Capacity(num_kv_blocks=num_blocks, block_size=block_size,
                                max_model_len=4096, vocab_size=VOCAB, dtype="none",
-                               device="cpu", attention_backend="stub", model="stub")
+                               device="cpu", attention_backend="stub")
 
         def memory(self) -> tuple[int, int]:
             return 0, 0
@@ -52,7 +52,8 @@ def stub_executor(address: str, num_blocks: int, block_size: int) -> None:
 async def measure(running: int, steps: int, address: str, tokenizer: str | None = None,
                   async_scheduling: bool = False) -> dict:
     from pagedserve.scheduler.engine import Engine
-    from pagedserve.scheduler.request import SamplingParams
+    from pagedserve.scheduler.executor_link import ExecutorLink
+    from pagedserve.scheduler.request import GenerationParams
     from pagedserve.scheduler.scheduler import SchedulerConfig
 
     class NullTokenizer:
@@ -65,20 +66,22 @@ async def measure(running: int, steps: int, address: str, tokenizer: str | None 
 
         tok = AutoTokenizer.from_pretrained(tokenizer)
     engine = Engine(SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=8192),
-                    address, tok, eos_token_ids=[], async_scheduling=async_scheduling)
+                    ExecutorLink(address), tok, eos_token_ids=[],
+                    async_scheduling=async_scheduling)
     await engine.start()
     proc = mp.get_context("spawn").Process(target=stub_executor, args=(address, 65536, 16),
                                            daemon=True)
     proc.start()
     await engine.wait_ready()
-    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    params = GenerationParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     streams = [engine.submit(f"r{i}", [1] * 128, params) for i in range(running)]
     for s in streams:  # wait for every request to finish
         while not (await s.queue.get()).finish_reason:
             pass
     wall = time.perf_counter() - start
-    decode = [t for t in engine.timings if t.num_reqs == running and t.num_tokens == running]
+    timings = engine.telemetry.timings
+    decode = [t for t in timings if t.num_reqs == running and t.num_tokens == running]
     proc.terminate()
     await engine.close()
     plan = [t.plan_s * 1e6 for t in decode]
@@ -89,7 +92,7 @@ async def measure(running: int, steps: int, address: str, tokenizer: str | None 
             "round_trip_us_mean": statistics.fmean(rtt),
             "executor_us_p50": statistics.median(t.execute_s * 1e6 for t in decode),
             # the whole loop with a model that takes no time: the host's ceiling on steps/s
-            "step_period_us": wall * 1e6 / len(engine.timings),
+            "step_period_us": wall * 1e6 / len(timings),
             "tokenizer": "null" if tokenizer is None else tokenizer,
             "async_scheduling": async_scheduling}
 

@@ -14,7 +14,7 @@ from pagedserve.executor.sampler import Sampler, SamplingSpec
 from pagedserve.executor.swap import SwapSpace
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
-PENDING = -1  # token_ids entry of a token sampled on the device and not yet read back
+from pagedserve.core.wire import PENDING_TOKEN
 
 
 @dataclass(slots=True)
@@ -30,11 +30,12 @@ class Launched:
 
 @dataclass(slots=True)
 class RequestState:
-    token_ids: list[int]  # prompt + generated (the executor appends what it samples)
+    # prompt + generated (the executor appends what it samples; PENDING_TOKEN until read back)
+    token_ids: list[int]
     row: int  # its row in the runner's BlockTableArray (the block table, mirrored from plans)
     num_computed: int  # tokens whose KV is in the cache
     sampling: SamplingSpec
-    # the launched step whose token is this request's last (PENDING) entry, and its row there
+    # the launched step whose token is this request's last (pending) entry, and its row there
     pending: tuple[Launched, int] | None = None
 
 
@@ -70,7 +71,7 @@ class ModelRunner:
         return self.finish(launched) if launched is not None else ([], [])
 
     def finish(self, launched: Launched) -> tuple[list[int], list[int]]:
-        """Wait for a launched step's tokens and put them in place of its PENDING entries."""
+        """Wait for a launched step's tokens and put them in place of its pending entries."""
         tokens = launched.tokens.tolist()
         for st, i, tok in zip(launched.states, launched.indices, tokens, strict=True):
             st.token_ids[i] = tok
@@ -96,11 +97,18 @@ class ModelRunner:
             )
             batch.append((new.req_id, n))
         offset = 0
-        for rid, n, nb in zip(plan.cached_req_ids, plan.cached_num_scheduled_tokens,
-                              plan.cached_num_new_blocks, strict=True):
+        for rid, start, n, nb in zip(plan.cached_req_ids, plan.cached_num_computed_tokens,
+                                     plan.cached_num_scheduled_tokens, plan.cached_num_new_blocks,
+                                     strict=True):
+            st = self.requests.get(rid)
+            if st is None:
+                raise ValueError(f"request {rid}: planned as cached, but this executor does not "
+                                 f"hold it")
+            if st.num_computed != start:
+                raise ValueError(f"request {rid}: the scheduler has {start} computed tokens, this "
+                                 f"executor {st.num_computed}: the mirrors drifted")
             if nb:
-                self.tables.append(self.requests[rid].row,
-                                   plan.cached_new_block_ids[offset:offset + nb])
+                self.tables.append(st.row, plan.cached_new_block_ids[offset:offset + nb])
             offset += nb
             batch.append((rid, n))
         if not batch:
@@ -147,7 +155,7 @@ class ModelRunner:
             patch = (torch.tensor([i for _, pos, _ in by_launch.values() for i in pos], device=dev),
                      torch.cat([src.tokens[torch.tensor(rows, device=dev)]
                                 for src, _, rows in by_launch.values()]))
-            input_ids = [0 if t == PENDING else t for t in input_ids]
+            input_ids = [0 if t == PENDING_TOKEN else t for t in input_ids]
         table = self.tables.array
         slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         sample = ends == known  # prompt (or chunk) complete: its last row's logits are needed
@@ -190,6 +198,6 @@ class ModelRunner:
                             [len(st.token_ids) for _, st in samplers], tokens,
                             self.last_step_graphed)
         for row, (_, st) in enumerate(samplers):
-            st.token_ids.append(PENDING)
+            st.token_ids.append(PENDING_TOKEN)
             st.pending = (launched, row)
         return launched

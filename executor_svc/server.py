@@ -32,25 +32,23 @@ class ExecutorServer:
         self.sock.connect(scheduler_address)
         self.stopping = False
 
-    def _hello(self, heartbeat: bool) -> None:
-        hello = pb.Hello(capacity=self.worker.capacity, executor_id=self.executor_id,
-                         heartbeat=heartbeat)
+    def _hello(self) -> None:
+        hello = pb.Hello(capacity=self.worker.capacity, executor_id=self.executor_id)
         self.sock.send(pb.ExecutorMessage(hello=hello).SerializeToString())
 
     def serve_forever(self) -> None:
-        welcomed = False
         # A launched step whose tokens are not read yet: its result goes out once the next plan
         # (if one is already waiting: async scheduling) has been launched behind it, so the
         # device never waits for this process to build the next step's inputs.
         launched: tuple[int, Launched, float] | None = None
-        self._hello(heartbeat=False)
+        self._hello()
         while not self.stopping:
             if not self.sock.poll(0 if launched else int(HELLO_INTERVAL_S * 1000)):
                 if launched is not None:
                     self._send(self._finish(*launched))
                     launched = None
                 else:
-                    self._hello(heartbeat=welcomed)
+                    self._hello()
                 continue
             with self._phase("recv"):
                 msg = pb.SchedulerMessage.FromString(self.sock.recv())
@@ -58,7 +56,6 @@ class ExecutorServer:
             if kind == "welcome":
                 launched = None  # a new scheduler session: whatever ran is forgotten
                 self.worker.runner.reset()
-                welcomed = True
                 log.info("joined scheduler")
             elif kind == "plan":
                 plan, start = msg.plan, time.perf_counter()

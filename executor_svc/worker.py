@@ -122,7 +122,7 @@ class Worker:
         self.capacity = pb.Capacity(
             num_kv_blocks=self.num_blocks, block_size=cfg.block_size,
             max_model_len=self.max_model_len, vocab_size=self.model_cfg.vocab_size,
-            dtype=dtype_name, device=str(self.device), attention_backend=backend, model=cfg.model,
+            dtype=dtype_name, device=str(self.device), attention_backend=backend,
             num_swap_blocks=self.swap.num_blocks,
             max_num_batched_tokens=cfg.max_num_batched_tokens if profiled else 0,
             max_num_seqs=cfg.max_num_seqs if profiled else 0,

@@ -19,9 +19,18 @@ holding it; ref 0 <=> on the free list; the cache maps each key to the one block
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 BlockKey = tuple[int, tuple[int, ...]]  # (parent block's hash, this block's token ids)
 _ROOT_HASH = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """The blocks holding a cached prompt prefix (opaque to the scheduler but for num_tokens)."""
+
+    blocks: tuple[int, ...] = ()
+    num_tokens: int = 0
 
 
 class BlockManager:
@@ -58,15 +67,20 @@ class BlockManager:
     def block_table(self, req_id: int) -> list[int]:
         return list(self._tables.get(req_id, ()))
 
-    def num_blocks_held(self, req_id: int) -> int:
-        return len(self._tables.get(req_id, ()))
+    def blocks_to_grow(self, req_id: int, num_tokens: int) -> int:
+        """Blocks req_id's table must gain to hold num_tokens tokens."""
+        return max(0, self.blocks_for(num_tokens) - len(self._tables.get(req_id, ())))
 
-    def cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """Blocks holding the longest cached prefix of token_ids, in order. At most
-        len(token_ids) - 1 tokens are covered: the last prompt token is always computed, so
-        that its logits exist."""
+    def blocks_to_admit(self, num_tokens: int) -> int:
+        """Free blocks a new request of num_tokens tokens needs to be admitted (watermark
+        included)."""
+        return self.blocks_for(num_tokens) + self.watermark_blocks
+
+    def cached_prefix(self, token_ids: list[int]) -> CachedPrefix:
+        """The longest cached prefix of token_ids. At most len(token_ids) - 1 tokens are
+        covered: the last prompt token is always computed, so that its logits exist."""
         if not self.enable_caching:
-            return []
+            return CachedPrefix()
         bs, parent, hit = self.block_size, _ROOT_HASH, []
         for i in range((len(token_ids) - 1) // bs):
             key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
@@ -75,11 +89,11 @@ class BlockManager:
                 break
             hit.append(block)
             parent = hash(key)
-        return hit
+        return CachedPrefix(tuple(hit), len(hit) * bs)
 
     # ------------------------------------------------------------------ changes
     def allocate_slots(self, req_id: int, num_tokens: int, admit: bool = False,
-                       prefix: list[int] | None = None) -> list[int] | None:
+                       prefix: CachedPrefix | None = None) -> list[int] | None:
         """Grow req_id's table to hold num_tokens tokens, starting a new table with the cached
         `prefix` blocks if given. Return the newly allocated block ids, or None (and change
         nothing) if the pool cannot. A new admission (`admit`) must also leave the watermark
@@ -87,7 +101,7 @@ class BlockManager:
         table = self._tables.get(req_id)
         if table is not None and num_tokens <= len(table) * self.block_size:
             return []  # the common decode step: the last block still has room
-        prefix = prefix if table is None and prefix else []
+        prefix = list(prefix.blocks) if table is None and prefix is not None else []
         have = len(table) if table is not None else len(prefix)
         need = self.blocks_for(num_tokens) - have
         revived = sum(1 for b in prefix if self._ref[b] == 0)  # leave the free list when shared

@@ -1,4 +1,4 @@
-"""Turns a public GenerateRequest into prompt token ids and validated SamplingParams.
+"""Turns a public GenerateRequest into prompt token ids and validated GenerationParams.
 
 Every problem raises InvalidRequest naming the offending field; the servicer maps it to
 INVALID_ARGUMENT. Nothing a client sends should reach the scheduler unchecked.
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.protos.v1 import generate_pb2 as api
-from pagedserve.scheduler.request import SamplingParams
+from pagedserve.scheduler.request import GenerationParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
@@ -62,7 +62,7 @@ class InputProcessor:
         return ids
 
 
-def validate(req: api.GenerateRequest, prompt: list[int], limits: Limits) -> SamplingParams:
+def validate(req: api.GenerateRequest, prompt: list[int], limits: Limits) -> GenerationParams:
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequest(f"request_id: longer than {MAX_REQUEST_ID_LEN} characters")
     bad = next((t for t in prompt if not 0 <= t < limits.vocab_size), None)
@@ -99,7 +99,7 @@ def validate(req: api.GenerateRequest, prompt: list[int], limits: Limits) -> Sam
     for t in s.stop_token_ids:
         if not 0 <= t < limits.vocab_size:
             raise InvalidRequest(f"sampling.stop_token_ids: {t} is outside the vocabulary")
-    return SamplingParams(
+    return GenerationParams(
         max_tokens=max_tokens, temperature=temperature, top_k=s.top_k, top_p=top_p,
         seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
         stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-PLACEHOLDER = -1  # a token an in-flight step will sample (async scheduling)
+from pagedserve.core.wire import PENDING_TOKEN
 
 
 class RequestStatus(enum.Enum):
@@ -15,8 +15,9 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Validated sampling and stopping parameters (see protos/pagedserve/v1/generate.proto)."""
+class GenerationParams:
+    """A request's validated sampling, stopping and detokenizing parameters (from the public
+    API's SamplingParams; the executor gets the sampling part as the wire's Sampling)."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -35,7 +36,7 @@ class Request:
     external_id: str  # the client's request_id
     prompt_len: int
     token_ids: list[int]  # prompt followed by generated tokens
-    params: SamplingParams
+    params: GenerationParams
     priority: int = 0  # lower is served first
     arrival_seq: int = 0  # admission order among equal priorities
     num_computed_tokens: int = 0  # tokens whose KV is (or will be, after this step) cached
@@ -46,7 +47,7 @@ class Request:
     effective_priority: int = 0  # priority improved by aging while waiting
     queued_at_step: int = 0  # scheduler step at which it (re)entered the waiting queue
     swapped_blocks: list[int] = field(default_factory=list)  # host blocks while swapped out
-    # Async scheduling: the last num_pending entries of token_ids are PLACEHOLDERs for tokens
+    # Async scheduling: the last num_pending entries of token_ids are PENDING_TOKENs for tokens
     # that steps in flight will sample; each result fills the oldest.
     num_pending: int = 0
 
@@ -60,18 +61,31 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens, counting those still pending."""
         return len(self.token_ids) - self.prompt_len
 
     @property
     def num_known_output_tokens(self) -> int:
-        """Output tokens sampled and received (not counting placeholders)."""
+        """Output tokens sampled and received (not counting pending ones)."""
         return len(self.token_ids) - self.num_pending - self.prompt_len
 
-    def drop_placeholders(self) -> None:
+    def fills_max_tokens(self, num_output_tokens: int) -> bool:
+        """The max_tokens rule: whether a request with this many output tokens is done."""
+        return num_output_tokens >= self.params.max_tokens
+
+    def add_pending(self) -> None:
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending += 1
+
+    def add_token(self, token: int) -> None:
+        """A sampled token: it fills the oldest pending entry, else it is appended."""
+        if self.num_pending:
+            self.token_ids[len(self.token_ids) - self.num_pending] = token
+            self.num_pending -= 1
+        else:
+            self.token_ids.append(token)
+
+    def drop_pending(self) -> None:
         if self.num_pending:
             del self.token_ids[-self.num_pending:]
             self.num_pending = 0
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]

@@ -28,10 +28,12 @@ short ones the reverse.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from pagedserve.scheduler.block_manager import BlockManager, HostBlockPool
-from pagedserve.scheduler.request import PLACEHOLDER, Request, RequestStatus
+from pagedserve.scheduler.outputs import Sampled, ScheduledRequest, SchedulerOutput, SchedulerStats
+from pagedserve.scheduler.request import Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,35 +52,19 @@ class SchedulerConfig:
     swap_min_tokens: int = 256
 
 
-@dataclass(slots=True)
-class SchedulerOutput:
-    new: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens)
-    cached: list[tuple[Request, int, list[int]]] = field(default_factory=list)  # + new blocks
-    finished_req_ids: list[int] = field(default_factory=list)
-    preempted_req_ids: list[int] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.new or self.cached or self.finished_req_ids or self.preempted_req_ids)
-
-    def scheduled(self) -> list[tuple[Request, int]]:
-        return self.new + [(r, n) for r, n, _ in self.cached]
-
-
 def _by_priority(r: Request) -> tuple[int, int]:
     return r.sort_key
 
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager,
-                 host_blocks: HostBlockPool | None = None) -> None:
+                 host_blocks: HostBlockPool | None = None,
+                 eos_token_ids: Iterable[int] = ()) -> None:
         if cfg.preemption_mode not in ("auto", "recompute", "swap"):
             raise ValueError(f"preemption_mode must be auto, recompute or swap, "
                              f"got {cfg.preemption_mode!r}")
         self.cfg = cfg
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.blocks = blocks
         self.host_blocks = host_blocks or HostBlockPool(0)
         self.waiting: list[Request] = []  # sorted by (effective priority, arrival)
@@ -119,7 +105,7 @@ class Scheduler:
         req = self.requests.pop(req_id, None)
         if req is None:
             return None
-        req.drop_placeholders()  # an in-flight step's token for it will be ignored
+        req.drop_pending()  # an in-flight step's token for it will be ignored
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
@@ -136,7 +122,7 @@ class Scheduler:
         """A new executor joined, without any of the KV: every request recomputes, on the new
         executor's block pools."""
         for req in self.requests.values():
-            req.drop_placeholders()  # the steps that would have sampled them are lost
+            req.drop_pending()  # the steps that would have sampled them are lost
         for req in list(self.running):
             self._preempt(req, allow_swap=False)
         self._preempted_ids.clear()
@@ -217,14 +203,14 @@ class Scheduler:
     def _admit_fresh(self, out: SchedulerOutput, req: Request, budget: int) -> int | None:
         """Start (or restart) a request from its cached prefix; None if it does not fit."""
         prefix = self.blocks.cached_prefix(req.token_ids)
-        req.num_computed_tokens = len(prefix) * self.blocks.block_size
+        req.num_computed_tokens = prefix.num_tokens
         n = self._chunk(req, budget)
         new_blocks = self.blocks.allocate_slots(req.req_id, req.num_computed_tokens + n,
                                                 admit=bool(self.running), prefix=prefix)
         if new_blocks is None:
             req.num_computed_tokens = 0
             return None
-        if self.blocks.enable_caching:
+        if self.cfg.enable_prefix_caching:
             self.prefix_queried_tokens += req.num_tokens
             self.prefix_hit_tokens += req.num_computed_tokens
         self._emit(out, req, n, new_blocks)
@@ -252,7 +238,7 @@ class Scheduler:
         head = self.waiting[0]
         first_chunk = min(head.num_tokens, self.cfg.max_num_batched_tokens,
                           self.cfg.long_prefill_token_threshold or head.num_tokens)
-        need = self.blocks.blocks_for(first_chunk) + self.blocks.watermark_blocks
+        need = self.blocks.blocks_to_admit(first_chunk)
         need += sum(self._growth(r) for r in self.running)
         while self.running and (len(self.running) >= self.cfg.max_num_seqs
                                 or self.blocks.num_free_blocks < need):
@@ -267,39 +253,64 @@ class Scheduler:
             did = True
         return did
 
-    def update(self, req_ids: list[int], token_ids: list[int]) -> list[Request]:
-        """Record sampled tokens (filling the oldest placeholder, else appending); return the
-        requests that got one (finished and aborted ones are skipped)."""
-        updated = []
+    def update(self, req_ids: list[int], token_ids: list[int]) -> list[Sampled]:
+        """Record a step's sampled tokens and decide, here and only here, which requests they
+        end (EOS, a stop token, max_tokens): those are finished at once, so they are out of
+        the next plan. Finished and aborted requests are skipped."""
+        sampled = []
         for rid, tok in zip(req_ids, token_ids, strict=True):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            if req.num_pending:
-                req.token_ids[len(req.token_ids) - req.num_pending] = tok
-                req.num_pending -= 1
-            else:
-                req.token_ids.append(tok)
-            updated.append(req)
-        return updated
+            req.add_token(tok)
+            out = Sampled(req, tok)
+            params = req.params
+            if tok in params.stop_token_ids or (tok in self.eos_token_ids
+                                                and not params.ignore_eos):
+                out.finish_reason, out.stop_reason = "stop", str(tok)
+            elif req.fills_max_tokens(req.num_known_output_tokens):
+                out.finish_reason = "length"
+            if out.finish_reason is not None:
+                self.finish(rid)
+            sampled.append(out)
+        return sampled
 
     def expect_tokens(self, out: SchedulerOutput) -> None:
-        """Async scheduling: give every request that samples in `out` a placeholder for its
-        token, so the next step can be planned before the result arrives. None for a request
-        that reaches max_tokens with it: that one is not scheduled again."""
-        for req, _ in out.scheduled():
+        """Async scheduling: give every request that samples in `out` a pending token, so the
+        next step can be planned before the result arrives. None for a request whose token
+        there is its last by max_tokens: that one is not scheduled again."""
+        for s in out.scheduled():
+            req = s.req
             if (req.num_computed_tokens == req.num_tokens
-                    and req.num_output_tokens + 1 < req.params.max_tokens):
-                req.token_ids.append(PLACEHOLDER)
-                req.num_pending += 1
+                    and not req.fills_max_tokens(req.num_output_tokens + 1)):
+                req.add_pending()
+
+    def stats(self) -> SchedulerStats:
+        b = self.blocks
+        return SchedulerStats(
+            running=len(self.running), waiting=len(self.waiting),
+            swapped=sum(1 for r in self.waiting if r.swapped_blocks),
+            num_blocks=b.num_blocks, free_blocks=b.num_free_blocks, block_size=b.block_size,
+            running_computed_tokens=sum(r.num_computed_tokens for r in self.running),
+            preemptions=self.num_preemptions, swap_preemptions=self.num_swap_preemptions,
+            priority_preemptions=self.num_priority_preemptions,
+            prefix_queried_tokens=self.prefix_queried_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens)
+
+    def check_idle(self, full: bool) -> None:
+        """With no work left every block must be back on the free list (else a leak); `full`
+        also checks the block manager's whole accounting, which is O(blocks)."""
+        if full:
+            self.blocks.check_integrity()
+        if self.blocks.num_free_blocks != self.blocks.num_blocks:
+            raise AssertionError("idle scheduler holds KV blocks: leak")
 
     # ------------------------------------------------------------------ helpers
     def _growth(self, req: Request) -> int:
         """Blocks a running request takes if it gets its next chunk (estimated with the whole
         budget)."""
         n = self._chunk(req, self.cfg.max_num_batched_tokens)
-        held = self.blocks.num_blocks_held(req.req_id)
-        return max(0, self.blocks.blocks_for(req.num_computed_tokens + n) - held)
+        return self.blocks.blocks_to_grow(req.req_id, req.num_computed_tokens + n)
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -309,9 +320,10 @@ class Scheduler:
 
     def _emit(self, out: SchedulerOutput, req: Request, n: int, new_blocks: list[int]) -> None:
         if req.on_executor:
-            out.cached.append((req, n, new_blocks))
+            out.cached.append(ScheduledRequest(req, n, req.num_computed_tokens, new_blocks))
         else:
-            out.new.append((req, n))
+            out.new.append(ScheduledRequest(req, n, req.num_computed_tokens,
+                                            self.blocks.block_table(req.req_id)))
             req.on_executor = True
         req.num_computed_tokens += n
         # blocks holding a placeholder are registered once its token is known (a later step)

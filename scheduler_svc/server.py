@@ -11,8 +11,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pagedserve.protos.v1 import generate_pb2_grpc
-from pagedserve.scheduler.engine import Engine, LinkConfig
+from pagedserve.scheduler.engine import Engine
 from pagedserve.scheduler.errors import ErrorInterceptor
+from pagedserve.scheduler.executor_link import ExecutorLink, LinkConfig
 from pagedserve.scheduler.inputs import InputProcessor
 from pagedserve.scheduler.metrics import Metrics
 from pagedserve.scheduler.scheduler import SchedulerConfig
@@ -51,9 +52,10 @@ async def serve(args: argparse.Namespace) -> None:
         task.add_done_callback(pending.discard)
         log.info("readiness: %s", "SERVING" if serving else "NOT_SERVING")
 
-    engine = Engine(_scheduler_config(args), args.executor_bind, tokenizer,
+    link = ExecutorLink(args.executor_bind,
+                        LinkConfig(args.executor_timeout_s, args.executor_heartbeat_timeout_s))
+    engine = Engine(_scheduler_config(args), link, tokenizer,
                     read_generation_eos(model_dir), metrics=metrics,
-                    link=LinkConfig(args.executor_timeout_s, args.executor_heartbeat_timeout_s),
                     telemetry=Telemetry(metrics, tokenizer, args.log_prompts),
                     on_readiness=on_readiness, stream_interval=args.stream_interval,
                     async_scheduling=args.async_scheduling)
@@ -87,7 +89,6 @@ async def serve(args: argparse.Namespace) -> None:
 async def _drain(engine: Engine, timeout_s: float) -> None:
     """Graceful drain: refuse new requests, give the admitted ones timeout_s to finish."""
     log.info("draining: %d requests in flight, up to %g s", len(engine.streams), timeout_s)
-    engine.begin_drain()
     cut = await engine.drain(timeout_s)
     if cut:
         log.warning("drain timeout: aborted %d requests", cut)

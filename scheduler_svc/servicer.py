@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator
 import grpc
 from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.protos.v1 import generate_pb2_grpc
-from pagedserve.scheduler.engine import Chunk, Engine, EngineError
+from pagedserve.scheduler.engine import Engine
 from pagedserve.scheduler.inputs import InputProcessor, Limits, validate
+from pagedserve.scheduler.streams import Chunk, EngineError
 
 _FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH}
 READY_TIMEOUT_S = 30.0

@@ -12,16 +12,26 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
-from pagedserve.scheduler.metrics import Metrics, observe_many
-
-if TYPE_CHECKING:
-    from pagedserve.scheduler.engine import RequestStream
+from pagedserve.scheduler.metrics import Metrics
+from pagedserve.scheduler.outputs import SchedulerStats
+from pagedserve.scheduler.streams import RequestStream
 
 request_log = logging.getLogger("pagedserve.requests")
 _MODES = {pb.EXECUTION_MODE_CUDA_GRAPH: "cuda_graph"}  # anything else counts as eager
+
+
+@dataclass(slots=True)
+class StepTiming:
+    num_reqs: int
+    num_tokens: int
+    plan_s: float  # schedule()
+    round_trip_s: float  # encoding and sending -> result, including executor time
+    execute_s: float  # executor-reported
 
 
 class Telemetry:
@@ -30,6 +40,9 @@ class Telemetry:
         self.tokenizer = tokenizer
         self.log_prompts = log_prompts
         self._itl: list[float] = []  # inter-token latencies of this delivery, see flush()
+        self.timings: deque[StepTiming] = deque(maxlen=4096)
+        self._peak_blocks_used = 0
+        self._counters_seen: dict = {}  # scheduler totals already added to counters
 
     def scheduled(self, stream: RequestStream, now: float) -> None:
         if not stream.scheduled_at:
@@ -49,7 +62,7 @@ class Telemetry:
     def flush(self) -> None:
         """Record the inter-token latencies gathered by token() since the last flush."""
         if self._itl:
-            observe_many(self.metrics.itl, self._itl)
+            self.metrics.itl.observe_many(self._itl)
             self._itl = []
 
     def finished(self, stream: RequestStream, reason: str, now: float) -> None:
@@ -62,16 +75,55 @@ class Telemetry:
         if request_log.isEnabledFor(logging.INFO):
             request_log.info(json.dumps(self._record(stream, reason, now)))
 
-    def step(self, result: pb.StepResult, num_batched: int, num_sampled: int) -> None:
-        """A step came back: num_batched tokens ran, num_sampled tokens went to requests."""
+    def step(self, result: pb.StepResult, timing: StepTiming, num_sampled: int) -> None:
+        """A step came back: timing.num_tokens tokens ran, num_sampled went to requests."""
         m = self.metrics
-        m.step_tokens.observe(num_batched)
+        self.timings.append(timing)
+        m.round_trip.observe(timing.round_trip_s)
+        m.step_tokens.observe(timing.num_tokens)
         m.generation_tokens.inc(num_sampled)
         m.step_time.observe(result.execute_seconds)
         m.steps[_MODES.get(result.execution_mode, "eager")].inc()
         if result.device_memory_total_bytes:
             m.device_memory_used.set(result.device_memory_used_bytes)
             m.device_memory_total.set(result.device_memory_total_bytes)
+
+    def retry_after_s(self, queued_tokens: int) -> float:
+        """How long a queue of queued_tokens should take to drain at the recent step rate."""
+        recent = list(self.timings)[-64:]
+        busy = sum(t.round_trip_s for t in recent)
+        rate = sum(t.num_tokens for t in recent) / busy if busy > 0 else 0.0
+        return max(1.0, min(60.0, queued_tokens / rate if rate > 0 else 1.0))
+
+    def executor_joined(self, cap: pb.Capacity) -> None:
+        m = self.metrics
+        m.total_blocks.set(cap.num_kv_blocks)
+        m.kv_capacity_tokens.set(cap.num_kv_blocks * cap.block_size)
+        m.weight_bytes.set(cap.weight_bytes)
+
+    def observe_scheduler(self, st: SchedulerStats) -> None:
+        """Gauges from the scheduler's state; its running totals become counter increments."""
+        m = self.metrics
+        m.running.set(st.running)
+        m.waiting.set(st.waiting)
+        m.swapped.set(st.swapped)
+        m.kv_usage.set(1.0 - st.free_blocks / st.num_blocks)
+        m.free_blocks.set(st.free_blocks)
+        used = st.num_blocks - st.free_blocks
+        if used:
+            util = st.running_computed_tokens / (used * st.block_size)
+            m.kv_token_util.set(util)
+            if used >= self._peak_blocks_used:
+                self._peak_blocks_used = used
+                m.kv_token_util_at_peak.set(util)
+        seen = self._counters_seen
+        for counter, value in ((m.preemptions["swap"], st.swap_preemptions),
+                               (m.preemptions["recompute"], st.preemptions - st.swap_preemptions),
+                               (m.priority_preemptions, st.priority_preemptions),
+                               (m.prefix_queries, st.prefix_queried_tokens),
+                               (m.prefix_hits, st.prefix_hit_tokens)):
+            counter.inc(value - seen.get(counter, 0))
+            seen[counter] = value
 
     def _record(self, stream: RequestStream, reason: str, now: float) -> dict[str, Any]:
         req = stream.req

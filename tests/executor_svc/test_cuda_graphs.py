@@ -45,6 +45,7 @@ def greedy_run(worker, prompts, steps, finish_at=None):
         graphed += worker.runner.last_step_graphed
         live = [r for r in got if not (r == 0 and finish_at is not None and step >= finish_at)]
         plan = pb.StepPlan(step_id=step + 2, cached_req_ids=live,
+                           cached_num_computed_tokens=[len(prompts[r]) + step for r in live],
                            cached_num_scheduled_tokens=[1] * len(live),
                            cached_num_new_blocks=[0] * len(live),
                            finished_req_ids=[0] if finish_at == step else [])
@@ -105,6 +106,7 @@ def test_memory_profile_keeps_within_the_utilization(tmp_path):
     worker.runner.execute(plan)
     # ...and graphed decodes of all 64
     worker.runner.execute(pb.StepPlan(step_id=2, cached_req_ids=list(range(64)),
+                                      cached_num_computed_tokens=[64] * 64,
                                       cached_num_scheduled_tokens=[1] * 64,
                                       cached_num_new_blocks=[0] * 64))
     assert worker.runner.last_step_graphed
@@ -143,6 +145,7 @@ def test_launching_the_next_step_before_reading_tokens_changes_nothing(tmp_path)
                     got[rid].append(tok)
             launched = nxt
             plan = pb.StepPlan(step_id=step + 2, cached_req_ids=[0, 1, 2],
+                               cached_num_computed_tokens=[len(p) + step for p in prompts],
                                cached_num_scheduled_tokens=[1, 1, 1],
                                cached_num_new_blocks=[0, 0, 0])
         if launched is not None:

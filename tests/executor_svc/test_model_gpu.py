@@ -81,6 +81,7 @@ def test_fp32_greedy_tokens_match_hf_generate(tmp_path):
         for rid, tok in zip(*worker.runner.execute(plan), strict=True):
             got[rid].append(tok)
         plan = pb.StepPlan(step_id=step + 2, cached_req_ids=list(got),
+                           cached_num_computed_tokens=[len(prompts[i]) + step for i in got],
                            cached_num_scheduled_tokens=[1] * len(got),
                            cached_num_new_blocks=[0] * len(got))
     assert [got[i] for i in range(len(prompts))] == want

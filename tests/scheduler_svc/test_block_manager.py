@@ -57,7 +57,7 @@ def test_prefix_hit_shares_blocks_by_reference():
     assert bm.num_cached_blocks == 2
     second = first[:8] + [50, 51, 52]
     prefix = bm.cached_prefix(second)
-    assert prefix == [0, 1]
+    assert (prefix.blocks, prefix.num_tokens) == ((0, 1), 8)
     assert bm.allocate_slots(2, 11, prefix=prefix) == [3]
     assert bm.block_table(2) == [0, 1, 3]
     bm.free(1)
@@ -65,7 +65,7 @@ def test_prefix_hit_shares_blocks_by_reference():
     bm.check_integrity()
     bm.free(2)
     assert bm.num_free_blocks == 10
-    assert bm.cached_prefix(second) == [0, 1]  # freed but still cached
+    assert bm.cached_prefix(second).blocks == (0, 1)  # freed but still cached
     bm.check_integrity()
 
 
@@ -74,8 +74,8 @@ def test_the_last_prompt_token_is_never_a_hit():
     tokens = list(range(8))
     bm.allocate_slots(1, 8)
     bm.cache_full_blocks(1, tokens, 8)
-    assert bm.cached_prefix(tokens) == [0]  # block 1 would leave nothing to compute
-    assert bm.cached_prefix(tokens + [99]) == [0, 1]
+    assert bm.cached_prefix(tokens).blocks == (0,)  # block 1 would leave nothing to compute
+    assert bm.cached_prefix(tokens + [99]).blocks == (0, 1)
 
 
 def test_cached_blocks_are_evicted_in_lru_order_tail_first():
@@ -84,7 +84,7 @@ def test_cached_blocks_are_evicted_in_lru_order_tail_first():
     bm.cache_full_blocks(1, [1, 2, 3, 4], 4)
     bm.free(1)  # free list: 2, 3, 1, 0
     assert bm.allocate_slots(2, 6) == [2, 3, 1]  # evicts block 1, the tail of request 1
-    assert bm.cached_prefix([1, 2, 3, 4, 5]) == [0]
+    assert bm.cached_prefix([1, 2, 3, 4, 5]).blocks == (0,)
     assert bm.num_cached_blocks == 1
     bm.check_integrity()
 
@@ -95,7 +95,7 @@ def test_reviving_cached_blocks_counts_against_capacity():
     bm.cache_full_blocks(1, [1, 2, 3, 4], 4)
     bm.free(1)
     prefix = bm.cached_prefix([1, 2, 3, 4, 9])
-    assert prefix == [0, 1]
+    assert (prefix.blocks, prefix.num_tokens) == ((0, 1), 4)
     # 1 new block + 2 revived from the free list = 3: over the watermark for an admission
     assert bm.allocate_slots(2, 5, admit=True, prefix=prefix) is None
     assert bm.num_free_blocks == 3 and bm.block_table(2) == []
@@ -107,4 +107,4 @@ def test_caching_off_finds_nothing():
     bm = BlockManager(num_blocks=4, block_size=2, enable_caching=False)
     bm.allocate_slots(1, 4)
     bm.cache_full_blocks(1, [1, 2, 3, 4], 4)
-    assert bm.num_cached_blocks == 0 and bm.cached_prefix([1, 2, 3, 4, 5]) == []
+    assert bm.num_cached_blocks == 0 and bm.cached_prefix([1, 2, 3, 4, 5]).blocks == ()

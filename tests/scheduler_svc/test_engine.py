@@ -1,10 +1,184 @@
+"""The engine's step loop against a fake executor link: no sockets, no processes; the test
+decides when each step's result arrives, when a step times out and when an executor joins."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
-from pagedserve.scheduler.engine import fit_step_bounds
+from pagedserve.scheduler.capacity import fit_step_bounds
+from pagedserve.scheduler.engine import Engine
+from pagedserve.scheduler.executor_link import LinkConfig, LinkDown, encode_plan
+from pagedserve.scheduler.request import GenerationParams
 from pagedserve.scheduler.scheduler import SchedulerConfig
+from pagedserve.scheduler.streams import Chunk, EngineError
+
+CAP = pb.Capacity(num_kv_blocks=32, block_size=4, max_model_len=64, vocab_size=100)
+TOKEN = 7
 
 
-def test_step_bounds_are_lowered_to_what_the_executor_profiled():
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+class FakeLink:
+    """ExecutorLink's interface; records each plan as the executor would receive it."""
+
+    def __init__(self) -> None:
+        self.cfg = LinkConfig(step_timeout_s=5.0)
+        self.results: asyncio.Queue = asyncio.Queue()
+        self.connected = asyncio.Event()
+        self.capacity: pb.Capacity | None = None
+        self.generation = 0
+        self.sent: list[tuple[int, pb.StepPlan, list[int]]] = []  # (step, plan, samplers)
+        self.new_plan = asyncio.Event()
+
+    def attach(self, on_joined, on_lost) -> None:
+        self.on_joined, self.on_lost = on_joined, on_lost
+
+    async def start(self) -> list:
+        return []
+
+    async def close(self) -> None:
+        pass
+
+    async def send(self, step_id, out) -> None:
+        plan = pb.SchedulerMessage.FromString(encode_plan(step_id, out)).plan
+        samplers = [s.req.req_id for s in out.scheduled()
+                    if s.start + s.num_tokens == len(s.req.token_ids)]
+        self.sent.append((step_id, plan, samplers))
+        self.new_plan.set()
+
+    # -------------------------------------------------------------- the test's side
+    def join(self) -> None:
+        if self.connected.is_set():  # replaces the current executor
+            self.generation += 1
+            self.results.put_nowait(LinkDown("replaced by a new executor"))
+        self.generation += 1
+        self.capacity = CAP
+        self.on_joined(CAP)
+        self.connected.set()
+
+    def time_out(self, step_id: int) -> None:
+        self.generation += 1
+        self.connected.clear()
+        self.results.put_nowait(LinkDown("timed out", step_id))
+        self.on_lost("timed out")
+
+    def answer(self, index: int) -> None:
+        step_id, _, samplers = self.sent[index]
+        self.results.put_nowait(pb.StepResult(step_id=step_id, req_ids=samplers,
+                                              sampled_token_ids=[TOKEN] * len(samplers)))
+
+    async def wait_sent(self, n: int) -> None:
+        while len(self.sent) < n:
+            self.new_plan.clear()
+            await asyncio.wait_for(self.new_plan.wait(), 5)
+        await asyncio.sleep(0.01)  # let the loop plan more if it would (it must not)
+
+
+async def started(async_scheduling: bool = False) -> tuple[Engine, FakeLink]:
+    link = FakeLink()
+    engine = Engine(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), link,
+                    CharTokenizer(), eos_token_ids=[2], async_scheduling=async_scheduling)
+    await engine.start()
+    link.join()
+    return engine, link
+
+
+async def collect(stream) -> Chunk | EngineError:
+    """All of a stream's chunks as one, or the error that ended it."""
+    whole = None
+    while True:
+        item = await asyncio.wait_for(stream.queue.get(), 5)
+        if isinstance(item, EngineError):
+            return item
+        whole = item if whole is None else whole.then(item)
+        if whole.finish_reason:
+            return whole
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_async_scheduling_plans_a_step_ahead_and_delivers_in_order():
+    async def main():
+        engine, link = await started(async_scheduling=True)
+        params = GenerationParams(max_tokens=3, temperature=0)
+        streams = [engine.submit(f"r{i}", [10 + i] * 5, params) for i in range(2)]
+        await link.wait_sent(2)
+        assert len(link.sent) == 2  # two in flight, none answered: depth 2
+        first = link.sent[0][1]
+        # the new requests went out whole, without the pending tokens added after sending
+        assert [list(r.token_ids) for r in first.new_requests] == [[10] * 5, [11] * 5]
+        second = link.sent[1][1]
+        assert list(second.cached_req_ids) == [1, 2]
+        assert list(second.cached_num_computed_tokens) == [5, 5]
+        link.answer(0)  # frees a slot in flight: step 3 samples the third and last token
+        await link.wait_sent(3)
+        link.answer(1)
+        link.answer(2)
+        got = [await collect(s) for s in streams]
+        assert [(c.token_ids, c.text, c.finish_reason, c.completion_tokens) for c in got] == \
+            [([TOKEN] * 3, "hhh", "length", 3)] * 2
+        # the third token was each request's last: step 4 only tells the executor so
+        last = link.sent[3][1]
+        assert len(link.sent) == 4 and list(last.finished_req_ids) == [1, 2]
+        assert not last.new_requests and not last.cached_req_ids
+        engine.scheduler.check_idle(full=True)
+        await engine.close()
+
+    run(main())
+
+
+def test_a_step_that_times_out_fails_its_requests_and_a_new_executor_serves_on():
+    async def main():
+        engine, link = await started()
+        stream = engine.submit("slow", [5] * 4, GenerationParams(max_tokens=4, temperature=0))
+        await link.wait_sent(1)
+        link.time_out(link.sent[0][0])
+        err = await collect(stream)
+        assert isinstance(err, EngineError) and err.code == "UNAVAILABLE"
+        assert "did not answer step 1 within 5 s" in str(err)
+        assert not engine.serving
+        link.join()  # a new executor
+        assert engine.serving
+        stream = engine.submit("next", [6] * 4, GenerationParams(max_tokens=1, temperature=0))
+        await link.wait_sent(2)
+        assert [r.req_id for r in link.sent[1][1].new_requests] == [2]
+        link.answer(1)
+        assert (await collect(stream)).finish_reason == "length"
+        engine.scheduler.check_idle(full=True)
+        await engine.close()
+
+    run(main())
+
+
+def test_an_executor_joining_mid_step_gets_the_requests_recomputed():
+    async def main():
+        engine, link = await started()
+        stream = engine.submit("r", [5] * 6, GenerationParams(max_tokens=2, temperature=0))
+        await link.wait_sent(1)
+        link.answer(0)  # first token
+        await link.wait_sent(2)
+        link.join()  # replaced while step 2 is in flight: its answer never comes
+        await link.wait_sent(3)
+        plan = link.sent[2][1]  # recompute: prompt and the token so far, from position 0
+        assert [(list(r.token_ids), r.num_computed_tokens) for r in plan.new_requests] == \
+            [([5] * 6 + [TOKEN], 0)]
+        link.answer(2)
+        got = await collect(stream)
+        assert (got.token_ids, got.finish_reason) == ([TOKEN, TOKEN], "length")
+        await engine.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("limit,seqs,want", [(4096, 512, (4096, 256)), (0, 0, (8192, 256))])
+def test_step_bounds_are_lowered_to_what_the_executor_profiled(limit, seqs, want):
     cfg = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192)
-    got = fit_step_bounds(cfg, pb.Capacity(max_num_batched_tokens=4096, max_num_seqs=512))
-    assert (got.max_num_batched_tokens, got.max_num_seqs) == (4096, 256)
-    assert fit_step_bounds(cfg, pb.Capacity()) == cfg  # 0: not profiled (CPU), no bound
+    got = fit_step_bounds(cfg, pb.Capacity(max_num_batched_tokens=limit, max_num_seqs=seqs))
+    assert (got.max_num_batched_tokens, got.max_num_seqs) == want  # 0: not profiled (CPU)

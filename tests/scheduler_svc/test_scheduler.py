@@ -1,6 +1,9 @@
 from pagedserve.scheduler.block_manager import BlockManager
-from pagedserve.scheduler.request import PLACEHOLDER, Request, RequestStatus, SamplingParams
+from pagedserve.scheduler.outputs import SchedulerOutput
+from pagedserve.scheduler.request import GenerationParams, Request, RequestStatus
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+from pagedserve.core.wire import PENDING_TOKEN
 
 
 def make(num_blocks=16, block_size=4, max_seqs=8, budget=16, watermark=0, threshold=0,
@@ -12,22 +15,20 @@ def make(num_blocks=16, block_size=4, max_seqs=8, budget=16, watermark=0, thresh
 
 def req(rid, prompt_len, priority=0, tokens=None):
     return Request(rid, f"r{rid}", prompt_len, tokens or [100 * rid + i for i in range(prompt_len)],
-                   SamplingParams(max_tokens=100), priority=priority, arrival_seq=rid)
+                   GenerationParams(max_tokens=100), priority=priority, arrival_seq=rid)
 
 
 def plan(out):
     """(kind, req_id, tokens, new blocks) in batch order."""
-    from pagedserve.scheduler.scheduler import SchedulerOutput
-
     assert isinstance(out, SchedulerOutput)
-    return ([("new", r.req_id, n) for r, n in out.new]
-            + [("cached", r.req_id, n, b) for r, n, b in out.cached])
+    return ([("new", s.req.req_id, s.num_tokens) for s in out.new]
+            + [("cached", s.req.req_id, s.num_tokens, s.block_ids) for s in out.cached])
 
 
 def step(s, out, token=7):
     """Pretend the executor sampled `token` for every request that reached its end."""
-    ids = [r.req_id for r, _ in out.scheduled() if r.num_computed_tokens == r.num_tokens]
-    return s.update(ids, [token] * len(ids))
+    ids = [s.req.req_id for s in out.scheduled() if s.req.num_computed_tokens == s.req.num_tokens]
+    return [x.req for x in s.update(ids, [token] * len(ids))]
 
 
 def test_long_prompt_is_chunked_and_decode_mixes_with_prefill():
@@ -309,13 +310,13 @@ def test_ahead_plan_uses_placeholders_filled_by_results_in_order():
     s.add(a)
     out1 = s.schedule()
     s.expect_tokens(out1)
-    assert a.token_ids[-1] == PLACEHOLDER and a.num_pending == 1
+    assert a.token_ids[-1] == PENDING_TOKEN and a.num_pending == 1
     out2 = s.schedule(ahead=True)  # before step 1's result: decodes the placeholder's position
     s.expect_tokens(out2)
     assert plan(out2) == [("cached", 1, 1, [1])]  # position 4 opens a second block
     assert a.num_pending == 2 and a.num_computed_tokens == 5
-    assert s.update([1], [41]) == [a]  # step 1's result fills the oldest placeholder
-    assert a.token_ids == [100, 101, 102, 103, 41, PLACEHOLDER] and a.num_known_output_tokens == 1
+    assert [x.req for x in s.update([1], [41])] == [a]  # fills the oldest placeholder
+    assert a.token_ids == [100, 101, 102, 103, 41, PENDING_TOKEN] and a.num_known_output_tokens == 1
     # the block [100..103] was registered at step 1; [41, ...] is not full yet
     assert s.blocks.num_cached_blocks == 1
     out3 = s.schedule(ahead=True)
@@ -360,7 +361,7 @@ def test_ahead_plan_waits_for_a_priority_preemption():
 
 def test_no_placeholder_for_the_last_token_and_finish_drops_them():
     s = make()
-    a = Request(1, "r1", 2, [5, 6], SamplingParams(max_tokens=2), arrival_seq=1)
+    a = Request(1, "r1", 2, [5, 6], GenerationParams(max_tokens=2), arrival_seq=1)
     s.add(a)
     out = s.schedule()
     s.expect_tokens(out)
@@ -383,4 +384,38 @@ def test_a_block_is_cached_only_once_its_placeholder_is_known():
     s.update([1], [41])
     s.expect_tokens(s.schedule(ahead=True))
     assert s.blocks.num_cached_blocks == 1
-    assert s.blocks.cached_prefix([100, 101, 102, 41, 0]) == s.blocks.block_table(1)[:1]
+    hit = s.blocks.cached_prefix([100, 101, 102, 41, 0])
+    assert hit.blocks == tuple(s.blocks.block_table(1)[:1])
+
+
+# ------------------------------------------------------------------ stop decisions
+def test_update_decides_finishes_and_frees_their_blocks_at_once():
+    s = make(budget=64)
+    s.eos_token_ids = frozenset({2})
+    reqs = [Request(1, "eos", 4, [1] * 4, GenerationParams(max_tokens=9), arrival_seq=1),
+            Request(2, "stop-id", 4, [1] * 4, GenerationParams(max_tokens=9, stop_token_ids=(5,)),
+                    arrival_seq=2),
+            Request(3, "ignore-eos", 4, [1] * 4, GenerationParams(max_tokens=9, ignore_eos=True),
+                    arrival_seq=3),
+            Request(4, "length", 4, [1] * 4, GenerationParams(max_tokens=1), arrival_seq=4)]
+    for r in reqs:
+        s.add(r)
+    s.schedule()
+    got = s.update([1, 2, 3, 4], [2, 5, 2, 8])
+    assert [(x.req.req_id, x.finish_reason, x.stop_reason) for x in got] == [
+        (1, "stop", "2"), (2, "stop", "5"), (3, None, ""), (4, "length", "")]
+    assert [r.status for r in reqs] == [RequestStatus.FINISHED, RequestStatus.FINISHED,
+                                        RequestStatus.RUNNING, RequestStatus.FINISHED]
+    assert s.blocks.block_table(1) == [] and s.blocks.block_table(3) != []
+    out = s.schedule()
+    assert sorted(out.finished_req_ids) == [1, 2, 4] and plan(out) == [("cached", 3, 1, [4])]
+    assert s.update([1], [7]) == []  # a late token of a finished request is dropped
+
+
+def test_cached_requests_carry_where_their_tokens_start():
+    s = make(budget=4)
+    s.add(req(1, 6))
+    first = s.schedule()
+    assert [(x.start, x.num_tokens) for x in first.new] == [(0, 4)]
+    second = s.schedule()
+    assert [(x.start, x.num_tokens) for x in second.cached] == [(4, 2)]

@@ -1,0 +1,65 @@
+"""What the scheduler hands out: the plan of one step, the tokens a result brought, its stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.scheduler.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's part of a step:
+
+        token_ids:  [ computed ......... | this step's num_tokens | rest ]
+                    0                  start               start + num_tokens
+    """
+
+    req: Request
+    num_tokens: int  # tokens this step computes
+    start: int  # num_computed_tokens before the step: the mirrors on both sides must agree
+    block_ids: list[int]  # a new request's whole block table; a cached one's gained blocks
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new: list[ScheduledRequest] = field(default_factory=list)  # the executor has no state
+    cached: list[ScheduledRequest] = field(default_factory=list)  # the executor holds them
+    finished_req_ids: list[int] = field(default_factory=list)
+    preempted_req_ids: list[int] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.new or self.cached or self.finished_req_ids or self.preempted_req_ids)
+
+    def scheduled(self) -> list[ScheduledRequest]:
+        return self.new + self.cached
+
+
+@dataclass(slots=True)
+class Sampled:
+    """A token a step sampled for a request, and whether it ended the request."""
+
+    req: Request
+    token: int
+    finish_reason: str | None = None  # "stop" (EOS or a stop token) | "length" (max_tokens)
+    stop_reason: str = ""  # the stop token's id, as text
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    running: int
+    waiting: int
+    swapped: int  # waiting requests whose KV sits in host memory
+    num_blocks: int
+    free_blocks: int
+    block_size: int
+    running_computed_tokens: int  # KV tokens the running requests hold
+    preemptions: int
+    swap_preemptions: int  # of preemptions, those swapped rather than recomputed
+    priority_preemptions: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int

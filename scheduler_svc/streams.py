@@ -1,0 +1,86 @@
+"""A request's output side: tokens become UTF-8-safe text, stop strings are matched, and chunks
+are queued for the servicer that streams them to the client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.scheduler.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagedserve.scheduler.request import Request
+
+
+@dataclass(slots=True)
+class Chunk:
+    """What one or more steps produced for one request (see GenerateResponse)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length"
+    stop_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def then(self, later: Chunk) -> Chunk:
+        """This chunk followed by a later one, as one (the later one's finish and usage win)."""
+        return Chunk(self.text + later.text, self.token_ids + later.token_ids,
+                     later.finish_reason, later.stop_reason, later.prompt_tokens,
+                     later.completion_tokens)
+
+
+class EngineError(Exception):
+    """A request failed inside the engine; `code` is a grpc.StatusCode name."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(eq=False, slots=True)
+class RequestStream:
+    req: Request
+    detok: IncrementalDetokenizer
+    matcher: StopStringMatcher
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # Chunk | EngineError
+    finished: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled_at: float = 0.0  # first scheduled (0: not yet)
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+    deadline: float = float("inf")
+    priority_class: str = "0"  # the metrics' priority label
+    num_tokens: int = 0  # output tokens pushed
+    held: Chunk | None = None  # tokens not yet queued (stream_interval)
+
+    @classmethod
+    def open(cls, req: Request, tokenizer: Any, decode: Callable) -> RequestStream:
+        return cls(req, IncrementalDetokenizer(tokenizer, req.params.skip_special_tokens, decode),
+                   StopStringMatcher(req.params.stop))
+
+    def push(self, token: int, finish: str | None, stop_reason: str,
+             interval: int) -> Chunk | None:
+        """One sampled token (and the scheduler's finish decision): the chunk to queue now, or
+        None while it is held back. The first token goes out at once, then every `interval`
+        tokens; a matched stop string ends the request here (finish_reason "stop")."""
+        self.num_tokens += 1
+        delta = self.detok.push(token)
+        if finish:
+            delta += self.detok.flush()
+        text, matched = self.matcher.feed(delta, final=finish is not None)
+        if matched is not None:
+            finish, stop_reason = "stop", matched
+        chunk = Chunk(text, [token])
+        if finish:
+            chunk.finish_reason, chunk.stop_reason = finish, stop_reason
+            chunk.prompt_tokens, chunk.completion_tokens = self.req.prompt_len, self.num_tokens
+        if self.held is not None:
+            chunk = self.held.then(chunk)
+            self.held = None
+        if not finish and self.num_tokens > 1 and self.num_tokens % interval:
+            self.held = chunk
+            return None
+        return chunk
