@@ -3,7 +3,7 @@
 #   PAGEDSERVE_COMMIT=<sha> PARTS="env tests big" bash benchmarks/gpu.sh
 # Models: random bf16 weights for benchmarks/models/{llama3.2-1b,llama3.1-8b} (1B, 8B) and
 # smollm2-135m (135M); "throughput settings": 8192-token steps, 8 tokens per streamed message,
-# no HF peer. PARTS picks, in order:
+# no HF peer. PARTS picks the parts, which run in the order given:
 #   env       GPU, CPU count, package versions, where pagedserve imports from
 #   tests     GPU tests of CUDA graphs and of the model against HF (tests/executor_svc)
 #   kernels   every kernel test on the GPU (tests/kernels)
@@ -11,12 +11,15 @@
 #   w1        W1 on 1B and 8B beside HF generate bs256: output tok/s, roofline fraction
 #   w1cb      W1 on 1B, throughput settings + async, beside HF generate bs256 and HF CB
 #   big       W1 and W2 on 8B and 1B with the throughput settings
-#   async     big with --async-scheduling
-#   eager     W1 on 1B with --enforce-eager (compare with big: what CUDA graphs buy)
+#   bigasync  big with --async-scheduling
+#   w1eager   W1 on 1B with --enforce-eager (compare with big: what CUDA graphs buy)
 #   w2        W2 on 1B and 8B, default step budget and streaming, no peer
-#   profile   torch profiles of W1 on 8B and 1B (2 prefill steps, 4 graphed decodes): ops tables
-#   awq       W1 and W2 on 8B with random AWQ weights, throughput settings + async
-#   awqlat    8B decode latency at LAT_SEQS running (default 1 16 32), bf16 then AWQ
+#   profile   torch profile of W1 on 8B (2 prefill steps, 4 graphed decodes): ops tables
+#   profile1b the same on 1B, whose decode steps are host-bound
+#   awq       W2 on 8B in bf16, then W1 and W2 with random AWQ weights, throughput settings
+#   awqasync  awq's AWQ runs with --async-scheduling (compare with bigasync)
+#   awqlat    8B decode, 128 -> 512 tokens, at LAT_SEQS running (default 1 16), bf16 then AWQ
+#   awq32     the same at 32 running (the split-K tiled rows)
 #   w3        W3 serving on 8B through gRPC at RATES (default 8 16 24 32 inf), W3_N requests
 #             (default 200): TTFT, TPOT, ITL, goodput; per-request CSVs kept as dumps
 #   prefix    W3 on 135M with a shared 1,000-token system prompt, prefix caching on and off
@@ -39,7 +42,8 @@
 #     pyzmq==27.3.0 protobuf==7.36.2 grpcio==1.85.3 grpcio-health-checking==1.85.1 \
 #     grpcio-reflection==1.85.1 gguf==0.19.0 prometheus-client==0.26.0
 #   rm -f .whl/pagedserve-*.whl && .venv/bin/python -m pip wheel --no-deps --no-build-isolation \
-#     -w .whl .      # from the tree being measured, which PAGEDSERVE_COMMIT names
+#     -w .whl .   # from the tree measured, which PAGEDSERVE_COMMIT names: with edits in the
+#                   # working tree, run it in a `git archive HEAD` export instead of "."
 # BASELINE (ab): a copy of an older commit's tree with its generated stubs, whose top-level
 # packages run from PYTHONPATH=/tmp/deps:<dir>, e.g. carried as .baseline/ (git-ignored).
 set -uo pipefail
@@ -68,6 +72,13 @@ profile() {  # model array name, label
     --server-flag=--torch-profile-steps --server-flag=5:2,80:4
   mkdir -p $B/profile_"$2" && cp /tmp/profile_"$2"/ops_* $B/profile_"$2"/
   tail -12 /tmp/profile_"$2"/ops_*_80.txt
+}
+latency() {  # running counts: 8B decode, bf16 then AWQ
+  local q seqs
+  for q in none awq; do for seqs in "$@"; do
+    tp "" M8 --hf none --requests $(( seqs * 2 )) --prompt 128 --output 512 \
+      --max-num-seqs "$seqs" --server-flag=--quantization --server-flag=$q
+  done; done
 }
 ab_run() {  # side (baseline or current), round, model directory name
   local side=$1 dir=/tmp/ab/$1_$2_$3
@@ -120,17 +131,18 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     w1) for m in M1 M8; do tp W1 $m --hf generate:256; done ;;
     w1cb) fast W1 M1 --hf cb --hf generate:256 --server-flag=--async-scheduling ;;
     big) for m in M8 M1; do fast W1 $m; fast W2 $m; done ;;
-    async) for m in M8 M1; do for w in W1 W2; do
+    bigasync) for m in M8 M1; do for w in W1 W2; do
       fast $w $m --server-flag=--async-scheduling; done; done ;;
-    eager) fast W1 M1 --server-flag=--enforce-eager ;;
+    w1eager) fast W1 M1 --server-flag=--enforce-eager ;;
     w2) for m in M1 M8; do tp W2 $m --hf none; done ;;
-    profile) profile M8 8b; profile M1 1b ;;
-    awq) for w in W1 W2; do fast $w M8 --server-flag=--quantization --server-flag=awq \
+    profile) profile M8 8b ;;
+    profile1b) profile M1 1b ;;
+    awq) fast W2 M8; for w in W1 W2; do fast $w M8 --server-flag=--quantization \
+      --server-flag=awq; done ;;
+    awqasync) for w in W1 W2; do fast $w M8 --server-flag=--quantization --server-flag=awq \
       --server-flag=--async-scheduling; done ;;
-    awqlat) for q in none awq; do for seqs in ${LAT_SEQS:-1 16 32}; do
-      tp "" M8 --hf none --requests $(( seqs * 2 )) --prompt 128 --output 512 \
-        --max-num-seqs "$seqs" --server-flag=--quantization --server-flag=$q
-    done; done ;;
+    awqlat) latency ${LAT_SEQS:-1 16} ;;
+    awq32) latency 32 ;;
     w3)
       python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests "${W3_N:-200}" \
         --dump "$B/dumps/w3_8b_$(date +%H%M)" ${RATES:---rate 8 --rate 16 --rate 24 --rate 32 \
