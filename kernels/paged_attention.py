@@ -73,11 +73,11 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-# Ints that change from step to step are not specialised on (Triton would compile a variant
-# for each of value == 1 / divisible by 16 / other: measured on the H200, such compiles in the
-# first steps of a fresh server cost seconds). stride_bt is one of them: an eager step's block
-# table is as wide as its longest sequence needs (a CUDA graph's is fixed), so its divisibility
-# by 16 changes as contexts grow. The executor logs any compile after start (jit_watch.py).
+# Ints that change from step to step are not specialised on: Triton would compile a variant
+# for each of value == 1 / divisible by 16 / other, and a compile met while serving stalls the
+# step for seconds. stride_bt is one of them: an eager step's block table is as wide as its
+# longest sequence needs (a CUDA graph's is fixed), so its divisibility by 16 changes as
+# contexts grow. The executor logs any compile after start (jit_watch.py).
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_q_len", "stride_bt"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
@@ -203,7 +203,7 @@ class Config:
 
 
 def short_config(group: int) -> Config:
-    # Memory-bound. H200 sweep (NOTES.md): 2 stages beat 4 by up to 25% at B=64, ctx 8k.
+    # memory-bound: deeper pipelines only hold more tiles in flight (2 stages beat 4)
     return Config(max(16, triton.next_power_of_2(group)), 64, 4, 2)
 
 

@@ -1,25 +1,22 @@
 """W4A16 GEMM for 17-256 rows on Hopper, written in Gluon (Triton's explicit-layout dialect).
 
-Why not plain Triton (kernels/w4a16.py's tiled kernel): there the dequantized weight, the
-register operand of wgmma (swap-AB: out^T = W^T x^T), is computed inside the K loop, and
-Triton's pipeliner then makes every wgmma wait for the previous one (rsDotNeedsWait), so the
-tensor cores idle while the CUDA cores dequantize and vice versa: ~3,600 cycles per 128x128x128
-tile on the H200, ~3x its MMA time (benchmarks/NOTES.md, "Plane-major"). Gluon states the
-layouts and the waits, so this kernel:
+Why not Triton (kernels/w4a16_prefill.py): there the dequantized weight, wgmma's register
+operand, is computed inside the K loop, and Triton's pipeliner then makes every wgmma wait for
+the one before, so dequantization and MMA never overlap. Gluon states the layouts and the
+waits, so this kernel:
 
 - loads the packed words straight into wgmma's register-operand layout (no shared memory),
-  two tiles ahead, and dequantizes them with the packed-pair PTX of kernels/w4a16.py;
-- keeps x (plane-major, kernels.w4a16.plane_major) in shared memory through TMA, in a ring of
+  two tiles ahead, and dequantizes two k-adjacent words at a time into packed plane pairs;
+- keeps x (plane-major, w4a16_common.plane_major) in shared memory through TMA, in a ring of
   NUM_STAGES buffers with one mbarrier each;
 - issues a tile's eight per-plane wgmmas asynchronously and dequantizes the next tile before
-  waiting for them, into the other of two register sets (the loop is unrolled by two). That
-  is the PTX order; ptxas gives the next planes the in-flight wgmmas' registers and so waits
-  first (benchmarks/NOTES.md, "a Gluon kernel"): what overlaps is the loads running ahead.
-  H200: 1.3-1.6x faster than the Triton tiled kernel at 64-256 rows.
+  waiting for them, into the other of two register sets (the loop is unrolled by two). ptxas
+  still places that dequantization after the wait (it reuses the in-flight wgmmas' operand
+  registers); what overlaps is the loads running ahead. docs/kernels.md has the details.
 
-Same packed layout and exactness as kernels/w4a16.py (bit-identical dequantized weights);
+Same packed layout and exactness as the Triton kernels (bit-identical dequantized weights);
 bf16/fp16 activations, a group size that is a multiple of 128, CUDA sm_90 only. Split-K parts
-go to an fp32 [split, M, N] buffer summed by kernels.w4a16's reduce kernel.
+go to an fp32 [split, M, N] buffer summed by a second kernel.
 """
 
 from __future__ import annotations
@@ -28,7 +25,15 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from pagedserve.kernels import w4a16
+import triton.language as tl
+from pagedserve.kernels.w4a16_common import (
+    PLANE_BLOCK,
+    check_gemm_args,
+    gemm_out,
+    plane_major,
+    split_k_partials,
+    x2_variants,
+)
 
 try:  # Gluon is experimental: present in Triton >= 3.5
     from triton.experimental import gluon
@@ -47,7 +52,7 @@ try:  # Gluon is experimental: present in Triton >= 3.5
 except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
-PLANE = w4a16.PLANE_BLOCK  # K per tile: 16 words of 8 nibbles
+PLANE = PLANE_BLOCK  # K per tile: 16 words of 8 nibbles
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +61,6 @@ class GluonConfig:
     num_warps: int = 8  # BLOCK_N = 16 x warps columns of W per program (wgmma's M)
     num_stages: int = 3  # x tiles in flight
     split_k: int = 1
-    maxnreg: int | None = None  # 128: two programs of 8 warps per SM (one's dequantization
-    # overlapping the other's wgmmas: ptxas keeps a program's own dequantization after its wait)
 
 
 def available(x: torch.Tensor, group_size: int) -> bool:
@@ -69,7 +72,7 @@ def available(x: torch.Tensor, group_size: int) -> bool:
 
 # Two words of one row (k-adjacent, as wgmma's register operand holds them) become the eight
 # packed 32-bit registers of the eight planes: {nibble j of word 0, nibble j of word 1}. prmt
-# puts the words' low (high) halves side by side, then, as in kernels/w4a16.py's _X2_ASM, one
+# puts the words' low (high) halves side by side, then, as in w4a16_tiles.py's _X2_ASM, one
 # lop3 per plane makes 128 + q (1024 + q) in each half and two packed fmas give (q - z) * s,
 # bit-identical. Built packed, the planes need no repacking before each wgmma (which made
 # ptxas wait for every wgmma before the next).
@@ -110,8 +113,8 @@ fma.rn.TY $5, $5, $12, nz;
 fma.rn.TY $6, $6, $12, nz;
 fma.rn.TY $7, $7, $12, nz;
 }"""
-_PAIR_ASM_BF16, _PAIR_ASM_FP16 = w4a16.x2_variants(_PAIR_ASM)
-_PAIR_CONSTRAINTS = triton.language.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r")
+_PAIR_ASM_BF16, _PAIR_ASM_FP16 = x2_variants(_PAIR_ASM)
+_PAIR_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r")
 
 
 if gluon is not None:
@@ -154,8 +157,9 @@ if gluon is not None:
     def _tile(t, p, qw, s, z, acc, xs, bars, x_desc, qw_ptr, s_ptr, z_ptr, n_tiles, n_even,
               k_start, off_m, offs_n, offs_w, n_ok, N, K, group_size,
               NUM_STAGES: gl.constexpr, DTYPE: gl.constexpr):
-        """One K tile: its eight wgmmas on planes p, the next tile's planes dequantized while
-        they run, the tile after's words loaded; then the wait, and x's buffer refilled."""
+        """One K tile: its eight wgmmas on planes p issued, the next tile's planes dequantized
+        and the tile after's words loaded (before the wait in program order), then the wait
+        and x's buffer refilled."""
         buf = t % NUM_STAGES
         mbarrier.wait(bars.index(buf), phase=(t // NUM_STAGES) & 1)
         xt = xs.index(buf).permute((1, 0))  # [128, BLOCK_M], plane j at rows 16j..16j+15
@@ -172,11 +176,11 @@ if gluon is not None:
         return acc, p_next, qw, s, z
 
     @gluon.jit(do_not_specialize=["M"])
-    def _w4a16_gluon_kernel(x_desc, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
-                            M, N, K, group_size, k_per_split, stride_om,
-                            HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
-                            BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-                            num_warps: gl.constexpr):
+    def w4a16_gluon_kernel(x_desc, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr,
+                           M, N, K, group_size, k_per_split, stride_om,
+                           HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
+                           BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                           num_warps: gl.constexpr):
         BLOCK_N: gl.constexpr = 16 * num_warps
         DTYPE: gl.constexpr = x_desc.dtype
         mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -241,40 +245,32 @@ if gluon is not None:
             gl.store(out_ptr + offs, acc.to(DTYPE), mask=ok)
 
 
-def pick_config(m: int, n: int, k: int) -> GluonConfig | None:
-    """Winners of bench_w4a16.py --gluon on an H200 (bf16, G=128, Llama-3.1-8B shapes;
-    results/w4a16_gemm_2026-11-30T044935.jsonl; defaults measured in ..T045335), or None
-    where kernels.w4a16's paths win or nothing was measured: up to 16 rows (the decode
-    kernel), up to 32 on the small shapes (its plane-major tiled kernel, equal), beyond 128
-    rows on the small shapes and beyond 256 on all (dequantize + cuBLAS)."""
-    big = w4a16._big(n, k)
-    tiles = triton.cdiv(n, 128)
-    if m <= w4a16.DECODE_MAX_ROWS or (m <= 32 and not big):
-        return None
-    if m <= 32:  # 1.05-1.16x of bf16 (Triton plane-major: 0.97-1.08x)
-        return GluonConfig(32, 8, 3, w4a16._planes_split(tiles, k, 128))
-    if m <= 64:  # 0.80-1.12x (0.64-0.93x)
-        if big:
-            return GluonConfig(64, 8, 3, w4a16._planes_split(tiles, k, 128))
-        return GluonConfig(64, 4, 4, w4a16._planes_split(triton.cdiv(n, 64), k, 256))
-    if m <= 128:  # 0.61-0.80x (0.51-0.61x)
-        return GluonConfig(128, 8, 3, w4a16._split_for(tiles, 96, 4))
-    if m <= 256 and big:  # 0.73-0.74x (dequantize + cuBLAS: 0.53-0.56x)
-        return GluonConfig(256, 8, 2, w4a16._split_for(tiles, 96, 4))
-    return None
+@triton.jit(do_not_specialize=["M"])
+def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, SPLIT, stride_om,
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m] = sum of the SPLIT fp32 partial rows [s, m] (+ bias), in out's dtype."""
+    m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(part_ptr + (s * M + m) * N + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def w4a16_gluon(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
                 config: GluonConfig = GluonConfig()) -> torch.Tensor:
     """out = x @ dequant(W) (+ bias) for x [M, K] bf16/fp16 on an sm_90 GPU (see available())."""
-    m, n, k = w4a16._check(x, qweight, scales, zeros, group_size, bias, None)
+    m, n, k = check_gemm_args(x, qweight, scales, zeros, group_size, bias, None)
     if not available(x, group_size):
         raise ValueError("the Gluon W4A16 kernel needs Gluon, an sm_90 GPU, bf16/fp16 x and a "
                          f"group size that is a multiple of {PLANE} (got {group_size})")
-    out = w4a16._out(out, m, n, x)
+    out = gemm_out(out, m, n, x)
     if m == 0:
         return out
-    xp = w4a16.plane_major(x)
+    xp = plane_major(x)
     gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([config.block_m, PLANE], gdt)
     x_desc = TensorDescriptor(xp, list(xp.shape), list(xp.stride()), [config.block_m, PLANE],
@@ -285,20 +281,15 @@ def w4a16_gluon(x, qweight, scales, zeros, group_size, bias=None, *, out=None,
     split = triton.cdiv(k_tiles, per_split)
     block_n = 16 * config.num_warps
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, block_n)
-    part = out
-    if split > 1:
-        if split * m * n >= 2**31:
-            raise ValueError(f"split-K partials of {split}x{m}x{n} overflow int32 offsets")
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    part = out if split == 1 else split_k_partials(split, m, n, x.device)
     dummy = bias if bias is not None else out
-    _w4a16_gluon_kernel[(tiles, split)](
+    w4a16_gluon_kernel[(tiles, split)](
         x_desc, qweight, scales, zeros, dummy, out, part, m, n, k, group_size,
         per_split * PLANE, out.stride(0), HAS_BIAS=bias is not None, PARTIAL=split > 1,
-        BLOCK_M=config.block_m, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
-        **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
+        BLOCK_M=config.block_m, NUM_STAGES=config.num_stages, num_warps=config.num_warps)
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
-        w4a16._splitk_reduce_kernel[(m, triton.cdiv(n, block))](
+        _splitk_reduce_kernel[(m, triton.cdiv(n, block))](
             part, dummy, out, m, n, split, out.stride(0), HAS_BIAS=bias is not None,
             BLOCK=block, num_warps=4)
     return out

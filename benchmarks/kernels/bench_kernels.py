@@ -47,8 +47,9 @@ def parse() -> argparse.Namespace:
 ARGS = parse()
 if ARGS.dry:
     os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, str(ROOT / "tests" / "kernels"))
-    import conftest  # noqa: E402,F401  (interpreter fix for numpy >= 2.4)
+    from pagedserve.kernels._interpreter import fix_interpreter_index
+
+    fix_interpreter_index()
 
 import pagedserve.kernels.paged_attention as pa  # noqa: E402
 import torch  # noqa: E402

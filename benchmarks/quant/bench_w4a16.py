@@ -5,11 +5,12 @@ reference in fp32 (outputs poisoned with NaN first), times the heuristic's choic
 model uses) and, with --sweep, a grid of configs, and bf16 torch.matmul in the same run.
 Records (kind w4a16_gemm) go to --out as JSONL; a table goes to stdout.
 
-    python benchmarks/quant/bench_w4a16.py --out $OUT [--sweep | --packed | --planes | --gluon]
+    python benchmarks/quant/bench_w4a16.py --out $OUT [--sweep | --planes | --gluon]
         [--rows 1 16 32]
 
---packed sweeps the packed-pair decode configs and the split-K tiled ones (what the defaults
-were picked from); at 1 row each shape also gets a read floor: the time to stream its packed
+--sweep: the decode kernel's column tile and program target (rows <= 16) and the split-K
+tiled kernel's tiles (rows >= 16); --planes: the plane-major tiled configs; --gluon: the Gluon
+kernel's (sm_90). At 1 row each shape also gets a read floor: the time to stream its packed
 weight once, which no W4A16 kernel can beat.
 """
 
@@ -28,6 +29,13 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagedserve.kernels import w4a16  # noqa: E402
+from pagedserve.kernels.w4a16_decode import (  # noqa: E402
+    DECODE_MAX_ROWS,
+    DecodeConfig,
+    w4a16_decode,
+)
+from pagedserve.kernels.w4a16_gluon import GluonConfig, w4a16_gluon  # noqa: E402
+from pagedserve.kernels.w4a16_prefill import PrefillConfig, w4a16_prefill  # noqa: E402
 from pagedserve.kernels.w4a16_reference import dequantize, pack_int4  # noqa: E402
 
 from benchmarks.common import environment  # noqa: E402
@@ -60,62 +68,54 @@ def rel_err(out, ref):
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def packed_decode_grid(rows):
-    """The packed-pair (inline PTX) dequantization, one tl.dot per nibble plane; the first
-    sweep (results/w4a16_gemm_2026-11-30T024437.jsonl) found 4 warps and programs covering
-    ~1024 of K best, so this one varies split, column tile and pipeline depth around that."""
-    return [w4a16.DecodeConfig(block_n=bn, block_k=128, split_k=split, num_stages=stages,
-                               dequant="x2planes")
-            for bn in (64, 128, 256) for stages in (3, 4, 5) for split in (2, 4, 6, 8, 12, 16)]
+def decode_grid(rows):
+    """Column tile x program target (the split-K follows from it) around the defaults."""
+    return [DecodeConfig(block_n=bn, target_programs=target)
+            for bn in (32, 64, 128, 256) for target in (264, 528, 1056)]
 
 
-PACKED_PREFILL_GRID = [
-    # One program per output tile took ~1.4 us per K tile on the H200 whatever the rows, so
-    # few tiles meant a slow GEMM (results/w4a16_gemm_2026-11-30T030606.jsonl): split K.
-    w4a16.PrefillConfig(bm, bn, bk, 8, warps, stages, dequant=dq, swap_ab=swap, split_k=split)
-    for bm, bn, bk, warps, stages, dq, swap in [
-        (128, 128, 128, 8, 3, "x2", True), (32, 128, 64, 4, 4, "x2", True),
-        (64, 128, 64, 4, 4, "x2", True), (128, 128, 64, 8, 4, "x2", True),
-        (256, 128, 64, 8, 3, "x2", True), (128, 128, 64, 8, 4, "x2", False),
-        (64, 64, 128, 4, 4, "fp32", False)]
+# The reshaped-tile (group < 128) kernel's tiles, split K ways: one program per output tile
+# takes the same time per K tile whatever its rows, so few tiles make a slow GEMM.
+TILED_GRID = [
+    PrefillConfig(bm, bn, bk, warps, stages, split_k=split)
+    for bm, bn, bk, warps, stages in [(128, 128, 128, 8, 3), (32, 128, 64, 4, 4),
+                                      (64, 128, 64, 4, 4), (128, 128, 64, 8, 4),
+                                      (256, 128, 64, 8, 3)]
     for split in (2, 4, 8, 16)
 ]
 
 
 def planes_grid(rows):
-    """Plane-major x, one dot per nibble plane (swap-AB, BLOCK_K 128). sass_w4a16.py shows no
+    """Plane-major x, one dot per nibble plane (BLOCK_K 128). sass_w4a16.py shows no
     shared-memory round trip of the weight when BLOCK_N = 16 x warps (one 16-row slab of
-    W^T per warp). The first sweep (results/w4a16_gemm_2026-11-30T042134.jsonl, 32-256 rows,
-    the grid of commit abd1e5d) set the defaults up to 128 rows; this one looks past them at
-    128 and 256: two stages (two programs per SM, one dequantizing while the other multiplies)
-    and 16 warps with BLOCK_N 256 (each program re-reads x for half as many weight columns)."""
+    W^T per warp). The defaults up to 128 rows came from commit abd1e5d's grid; this one looks
+    past them at 128 and 256: two stages (two programs per SM, one dequantizing while the
+    other multiplies) and 16 warps with BLOCK_N 256 (each program re-reads x for half as many
+    weight columns)."""
     if rows < 128:
         return []
     shapes = [(128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 8, 2), (64, 256, 16, 3),
               (64, 256, 16, 4), (128, 256, 16, 2)]
     if rows > 128:
         shapes += [(256, 128, 8, 2), (256, 128, 8, 3)]
-    return [w4a16.PrefillConfig(bm, bn, 128, 8, warps, stages, dequant="x2", swap_ab=True,
-                                split_k=split, planes=True)
+    return [PrefillConfig(bm, bn, 128, warps, stages, split_k=split, planes=True)
             for bm, bn, warps, stages in shapes for split in (1, 2)]
 
 
 def gluon_grid(rows):
-    """The Gluon kernel (kernels/w4a16_gluon.py) around the rows' M tile: 8 warps (BLOCK_N 128)
-    with and without a 128-register cap (two programs per SM), 4 warps at the small tiles."""
-    from pagedserve.kernels.w4a16_gluon import GluonConfig
-
+    """The Gluon kernel (kernels/w4a16_gluon.py) around the rows' M tile: 8 warps (BLOCK_N 128),
+    4 warps at the small tiles."""
     if rows <= 32:
-        shapes = [(32, 8, 3, None), (32, 8, 3, 128), (32, 4, 4, None)]
+        shapes = [(32, 8, 3), (32, 4, 4)]
     elif rows <= 64:
-        shapes = [(64, 8, 3, None), (64, 8, 3, 128), (64, 4, 4, None), (32, 8, 3, None)]
+        shapes = [(64, 8, 3), (64, 4, 4), (32, 8, 3)]
     elif rows <= 128:
-        shapes = [(128, 8, 3, None), (128, 8, 3, 128), (64, 8, 3, None), (64, 8, 3, 128)]
+        shapes = [(128, 8, 3), (64, 8, 3)]
     else:
-        shapes = [(256, 8, 2, None), (256, 8, 2, 128), (128, 8, 3, None), (128, 8, 3, 128)]
+        shapes = [(256, 8, 2), (128, 8, 3)]
     splits = (2, 4, 8) if rows <= 64 else (1, 2, 4)
-    return [GluonConfig(bm, warps, stages, split, maxnreg)
-            for bm, warps, stages, maxnreg in shapes for split in splits]
+    return [GluonConfig(bm, warps, stages, split)
+            for bm, warps, stages in shapes for split in splits]
 
 
 @triton.jit
@@ -142,25 +142,6 @@ def read_floor(quant):
                         for q in quant])
 
 
-def decode_grid(rows):
-    grid = []
-    for bn in (32, 64, 128):
-        for target in (264, 528, 1056):
-            for dot in (True, False) if rows <= 4 else (True,):
-                for bcast in (False, True):
-                    grid.append(w4a16.DecodeConfig(block_n=bn, block_k=128, use_dot=dot,
-                                                   target_programs=target, bcast_load=bcast))
-    grid.append(w4a16.DecodeConfig(lock_reduce=False, use_dot=rows > 4))
-    return grid
-
-
-PREFILL_GRID = [
-    w4a16.PrefillConfig(bm, bn, bk, 8, warps, stages, bcast)
-    for bm, bn, bk, warps, stages in [(32, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 64, 4, 4),
-                                      (64, 128, 128, 8, 3), (128, 128, 64, 8, 4),
-                                      (128, 256, 64, 8, 3), (64, 256, 64, 8, 4)]
-    for bcast in (False, True)
-]
 L2_FLUSH_BYTES = 240e6  # rotate over weight copies totalling 4x the 60 MB L2
 
 
@@ -203,7 +184,20 @@ def copies_for(nbytes):
     return max(1, int(-(-L2_FLUSH_BYTES // nbytes))) if DEV == "cuda" else 1
 
 
-def run_case(n, k, rows, dtype, sweep, seed, packed=False, planes=False, gluon=False):
+def sweep_configs(sweep, rows):
+    """(config, launcher) pairs of a sweep at `rows`."""
+    if sweep == "gluon":
+        return [(c, w4a16_gluon) for c in gluon_grid(rows)] if rows > DECODE_MAX_ROWS else []
+    if sweep == "planes":
+        return [(c, w4a16_prefill) for c in planes_grid(rows)] if rows > DECODE_MAX_ROWS else []
+    configs = [(c, w4a16_decode) for c in decode_grid(rows)] if rows <= DECODE_MAX_ROWS else []
+    if rows >= 16:
+        configs += [(c, w4a16_prefill) for c in TILED_GRID]
+    return configs
+
+
+def run_case(n, k, rows, dtype, sweep, seed):
+    """Times the default path and, with `sweep` ("tiled", "planes", "gluon"), a grid."""
     qw, s, z = make_weight(n, k, dtype, seed)
     x = torch.randn(rows, k, device=DEV, dtype=dtype)
     w_ref = dequantize(qw, s, z, GROUP, torch.float32)  # [K, N]
@@ -227,12 +221,7 @@ def run_case(n, k, rows, dtype, sweep, seed, packed=False, planes=False, gluon=F
         return rel_err(out, ref)
 
     results = []
-    default = w4a16.pick_config(rows, n, k, GROUP)
-    if DEV == "cuda" and rows > w4a16.DECODE_MAX_ROWS:  # what w4a16_gemm runs on Hopper
-        from pagedserve.kernels import w4a16_gluon
-
-        if w4a16_gluon.available(x, GROUP):
-            default = w4a16_gluon.pick_config(rows, n, k) or default
+    default = w4a16.choose(x, n, GROUP)  # None: dequantize + cuBLAS
     err = check(lambda o: w4a16.w4a16_gemm(x, qw, s, z, GROUP, out=o))
     if not err < 1e-2:
         raise AssertionError(f"default n={n} k={k} rows={rows} {dtype}: rel err {err}")
@@ -248,25 +237,12 @@ def run_case(n, k, rows, dtype, sweep, seed, packed=False, planes=False, gluon=F
         results.append(("awq", "dequant_matmul", None, ms_dq, err))
     if w4a16.use_dequant_matmul(rows, n, k):  # the tiled Triton kernel the dispatcher skips
         cfg = w4a16.pick_config(rows, n, k, GROUP)
-        err = check(lambda o: w4a16.w4a16_prefill(x, qw, s, z, GROUP, out=o, config=cfg))
-        ms_tri = bench_graph([lambda q=q: w4a16.w4a16_prefill(x, *q, GROUP, config=cfg)
+        err = check(lambda o: w4a16_prefill(x, qw, s, z, GROUP, out=o, config=cfg))
+        ms_tri = bench_graph([lambda q=q: w4a16_prefill(x, *q, GROUP, config=cfg)
                               for q in quant])
         results.append(("awq", "triton_prefill", cfg, ms_tri, err))
-    if sweep or packed or planes or gluon:
-        configs = []
-        if gluon:
-            if rows > w4a16.DECODE_MAX_ROWS:
-                from pagedserve.kernels.w4a16_gluon import w4a16_gluon
-                configs += [(c, w4a16_gluon) for c in gluon_grid(rows)]
-        elif planes:
-            if rows > w4a16.DECODE_MAX_ROWS:
-                configs += [(c, w4a16.w4a16_prefill) for c in planes_grid(rows)]
-        elif rows <= w4a16.DECODE_MAX_ROWS:
-            grid = packed_decode_grid(rows) if packed else decode_grid(rows)
-            configs += [(c, w4a16.w4a16_decode) for c in grid]
-        if rows >= 16 and not (planes or gluon):
-            grid = PACKED_PREFILL_GRID if packed else PREFILL_GRID
-            configs += [(c, w4a16.w4a16_prefill) for c in grid]
+    if sweep:
+        configs = sweep_configs(sweep, rows)
         for cfg, fn in configs:
             err = check(lambda o, cfg=cfg, fn=fn: fn(x, qw, s, z, GROUP, out=o, config=cfg))
             if not err < 1e-2:
@@ -289,13 +265,13 @@ def floor_note(results, ms_dense):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--packed", action="store_true",
-                    help="sweep only the packed-pair dequantization configs")
-    ap.add_argument("--planes", action="store_true",
-                    help="sweep only the plane-major tiled configs (rows > 16)")
-    ap.add_argument("--gluon", action="store_true",
-                    help="sweep only the Gluon kernel's configs (rows > 16, sm_90)")
+    sweep = ap.add_mutually_exclusive_group()
+    sweep.add_argument("--sweep", dest="sweep", action="store_const", const="tiled",
+                       help="sweep the decode and split-K tiled configs")
+    sweep.add_argument("--planes", dest="sweep", action="store_const", const="planes",
+                       help="sweep only the plane-major tiled configs (rows > 16)")
+    sweep.add_argument("--gluon", dest="sweep", action="store_const", const="gluon",
+                       help="sweep only the Gluon kernel's configs (rows > 16, sm_90)")
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS)
     args = ap.parse_args()
     env = environment()
@@ -305,12 +281,10 @@ def main() -> None:
     # full-size correctness in fp16 as well (the timed runs check bf16)
     for n, k in SHAPES:
         for rows in (1, 16, 256) if DEV == "cuda" else (1,):
-            run_case(n, k, rows, torch.float16 if DEV == "cuda" else DTYPE, False, 1)
+            run_case(n, k, rows, torch.float16 if DEV == "cuda" else DTYPE, None, 1)
     for n, k in SHAPES:
         for rows in args.rows if DEV == "cuda" else ROWS:
-            ms_dense, results = run_case(n, k, rows, DTYPE, args.sweep, seed=0,
-                                         packed=args.packed, planes=args.planes,
-                                         gluon=args.gluon)
+            ms_dense, results = run_case(n, k, rows, DTYPE, args.sweep, seed=0)
             records = []
             records.append({**env, "kind": "w4a16_gemm", "method": "bf16", "impl": "torch_matmul",
                             "rows": rows, "n": n, "k": k, "ms": ms_dense, "speedup_vs_bf16": 1.0})

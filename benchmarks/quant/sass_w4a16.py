@@ -1,4 +1,4 @@
-"""Static look at the W4A16 decode kernel's machine code, without a GPU.
+"""Static look at the W4A16 kernels' sm_90 machine code, without a GPU.
 
 Triton compiles for sm_90 on any machine (the wheel ships ptxas and nvdisasm), so the inner
 K loop's instructions can be counted here. The count predicts the instruction-issue bound:
@@ -6,9 +6,9 @@ K loop's instructions can be counted here. The count predicts the instruction-is
     cycles per K tile per SM  = loop instructions x warps / 4   (4 schedulers, 1 issue/clk)
     weight bytes per second   = BLOCK_K x BLOCK_N / 2 / (that) x SMs x clock
 
-An upper bound: the old fp32 decode kernel measured 0.43 of it on the H200, the packed-pair
-one 0.26-0.32 (NOTES.md, "W4A16 packed pairs"); HBM is ~4.8 TB/s. It ranks variants before any
-device time is spent, and shows which instructions a change removed.
+An upper bound, well above what the H200 measures (docs/kernels.md, "W4A16 GEMMs"); HBM is
+~4.8 TB/s. It ranks variants before any device time is spent, and shows which instructions a
+change removed.
 
     python benchmarks/quant/sass_w4a16.py [--rows 1 4 16] [--dump DIR] [--tiled] [--gluon]
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import os
 import re
 import subprocess
@@ -31,7 +30,8 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagedserve.kernels import w4a16  # noqa: E402
+from pagedserve.kernels import w4a16, w4a16_decode, w4a16_prefill  # noqa: E402
+from pagedserve.kernels.w4a16_common import PLANE_BLOCK  # noqa: E402
 
 SMS, CLOCK_HZ, HBM_TBS = 132, 1.98e9, 4.8  # H200 SXM
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
@@ -109,33 +109,32 @@ def signature(constexprs):
     return {**ptr, **ints, **{n: "constexpr" for n in constexprs}}
 
 
-def analyse(rows, cfg: w4a16.DecodeConfig, dump: Path | None):
-    block_m = 16 if cfg.use_dot else triton.next_power_of_2(rows)
-    consts = {"HAS_BIAS": False, "REDUCE": 2, "USE_DOT": cfg.use_dot, "BCAST_LOAD": cfg.bcast_load,
-              "DEQUANT": cfg.dequant, "BLOCK_M": block_m, "BLOCK_N": cfg.block_n,
-              "BLOCK_K": cfg.block_k}
-    text = sass(w4a16._w4a16_decode_kernel, signature(consts), consts, cfg.num_warps,
-                cfg.num_stages)
+def analyse(cfg: w4a16_decode.DecodeConfig, dequant: str, dump: Path | None):
+    """The decode kernel's K loop with DEQUANT `dequant` ("fp32", "x2", "x2planes"), whatever
+    the launcher would pick: instructions, their mix and the issue bound."""
+    block_k = w4a16_decode.BLOCK_K
+    warps = w4a16_decode.NUM_WARPS
+    consts = {"HAS_BIAS": False, "SPLIT_K": True, "DEQUANT": dequant, "BLOCK_M": 16,
+              "BLOCK_N": cfg.block_n, "BLOCK_K": block_k}
+    text = sass(w4a16_decode.w4a16_decode_kernel, signature(consts), consts, warps,
+                w4a16_decode.NUM_STAGES)
     loop = main_loop(text)
     if dump:
         dump.mkdir(parents=True, exist_ok=True)
-        (dump / f"decode_m{rows}_{cfg.dequant}_dot{int(cfg.use_dot)}.sass").write_text(text)
+        (dump / f"decode_bn{cfg.block_n}_{dequant}.sass").write_text(text)
     mix = collections.Counter(classify(op) for _, op in loop)
-    elems = cfg.block_k * cfg.block_n
-    cycles = len(loop) * cfg.num_warps / 4
-    tbs = elems / 2 / cycles * SMS * CLOCK_HZ / 1e12
+    cycles = len(loop) * warps / 4
+    tbs = block_k * cfg.block_n / 2 / cycles * SMS * CLOCK_HZ / 1e12
     return len(loop), mix, tbs
 
 
-def analyse_tiled(cfg: w4a16.PrefillConfig):
-    """The tiled kernel's K loop: instructions, barriers and shared-memory traffic per tile.
-    Its measured limit is not the count (NOTES.md, "W4A16 packed pairs"): the barriers of the
-    layout conversions through shared memory are the suspect."""
-    consts = {"HAS_BIAS": False, "REDUCE": 2 if cfg.split_k > 1 else 0, "BCAST_LOAD": False,
-              "DEQUANT": cfg.dequant.replace("x2planes", "x2"), "SWAP_AB": cfg.swap_ab,
-              "PLANES": cfg.planes and cfg.block_k == w4a16.PLANE_BLOCK, "BLOCK_M": cfg.block_m,
-              "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}
-    loop = main_loop(sass(w4a16._w4a16_prefill_kernel, signature(consts), consts,
+def analyse_tiled(cfg: w4a16_prefill.PrefillConfig):
+    """The tiled kernel's K loop: instructions, barriers and shared-memory traffic per tile
+    (the weight's layout conversions through shared memory show as STS and barriers)."""
+    consts = {"HAS_BIAS": False, "SPLIT_K": cfg.split_k > 1, "DEQUANT": "x2",
+              "PLANES": cfg.planes and cfg.block_k == PLANE_BLOCK, "BLOCK_M": cfg.block_m,
+              "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k}
+    loop = main_loop(sass(w4a16_prefill.w4a16_prefill_kernel, signature(consts), consts,
                           cfg.num_warps, cfg.num_stages))
     ops = collections.Counter(op.split(".")[0] for _, op in loop)
     return len(loop), {k: ops[k] for k in ("BAR", "STS", "LDS", "LDSM", "HGMMA", "HMMA", "LDG")}
@@ -161,9 +160,8 @@ def analyse_gluon(cfg=None):
     consts = {"HAS_BIAS": False, "PARTIAL": cfg.split_k > 1, "BLOCK_M": cfg.block_m,
               "NUM_STAGES": cfg.num_stages, "num_warps": cfg.num_warps}
     sig.update({n: "constexpr" for n in consts})
-    text = sass(w4a16_gluon._w4a16_gluon_kernel, sig, consts, cfg.num_warps, cfg.num_stages,
-                source=GluonASTSource,
-                options={"maxnreg": cfg.maxnreg} if cfg.maxnreg else None)
+    text = sass(w4a16_gluon.w4a16_gluon_kernel, sig, consts, cfg.num_warps, cfg.num_stages,
+                source=GluonASTSource)
     ops = collections.Counter(m.group(2).split(".")[0] for m in map(_INSN.search,
                                                                      text.splitlines()) if m)
     return {k: ops[k] for k in ("HGMMA", "STS", "LDS", "LDG", "BAR", "STG")}
@@ -190,19 +188,18 @@ def main() -> None:
                 cfg = w4a16.pick_config(rows, n, k)
                 count, ops = analyse_tiled(cfg)
                 print(f"rows {rows:>3} {n}x{k}: {cfg.block_m}x{cfg.block_n}x{cfg.block_k} "
-                      f"warps={cfg.num_warps} {cfg.dequant} swap={int(cfg.swap_ab)} "
+                      f"warps={cfg.num_warps} planes={int(cfg.planes)} "
                       f"split={cfg.split_k}: {count} insns/tile {ops}")
         return
     print(f"issue bound of the K loop on an H200 ({SMS} SMs, {CLOCK_HZ / 1e9} GHz); "
           f"HBM {HBM_TBS} TB/s")
     for rows in args.rows:
-        base = w4a16.pick_config(rows, 4096, 4096)
+        cfg = w4a16.pick_config(rows, 4096, 4096)
         for dq in ("fp32", "x2", "x2planes"):
-            cfg = dataclasses.replace(base, dequant=dq)
-            n, mix, tbs = analyse(rows, cfg, args.dump)
+            n, mix, tbs = analyse(cfg, dq, args.dump)
             per = ", ".join(f"{k} {v}" for k, v in mix.most_common())
-            print(f"rows {rows:>2} {dq:<7} dot={int(cfg.use_dot)} BN={cfg.block_n} "
-                  f"BK={cfg.block_k} warps={cfg.num_warps}: {n} insns/iter -> "
+            print(f"rows {rows:>2} {dq:<8} BN={cfg.block_n} BK={w4a16_decode.BLOCK_K} "
+                  f"warps={w4a16_decode.NUM_WARPS}: {n} insns/iter -> "
                   f"{tbs:.2f} TB/s of int4 weight  [{per}]")
 
 

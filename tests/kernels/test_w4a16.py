@@ -15,8 +15,12 @@ import triton
 import triton.language as tl
 from kernel_utils import rel_err
 from pagedserve.kernels import w4a16
+from pagedserve.kernels.w4a16_common import plane_major
+from pagedserve.kernels.w4a16_decode import DecodeConfig, w4a16_decode
+from pagedserve.kernels.w4a16_prefill import PrefillConfig, w4a16_prefill
 from pagedserve.kernels.w4a16_reference import dequantize, pack_int4, unpack_int4
 from pagedserve.kernels.w4a16_reference import w4a16_gemm as reference
+from pagedserve.kernels.w4a16_tiles import join_planes, split_planes
 
 CUDA = torch.cuda.is_available()
 # fp32 through tl.dot runs as TF32 on a GPU's tensor cores (10-bit mantissa): ~1e-3 relative
@@ -46,44 +50,39 @@ def test_pack_roundtrip():
 
 
 DECODE = [
-    w4a16.DecodeConfig(block_n=16, block_k=32),  # split-K, last program reduces
-    w4a16.DecodeConfig(block_n=16, block_k=32, lock_reduce=False),  # reduce kernel
-    w4a16.DecodeConfig(block_n=32, block_k=64, split_k=1, bcast_load=True),  # no split
-    w4a16.DecodeConfig(block_n=16, block_k=32, use_dot=False),  # CUDA-core GEMV
+    DecodeConfig(block_n=16),  # split-K, the last program of a column tile sums
+    DecodeConfig(block_n=32, target_programs=1),  # no split: one program per column tile
 ]
 
 
-@pytest.mark.parametrize("cfg", DECODE, ids=["lock", "reduce-kernel", "direct-bcast", "gemv"])
+@pytest.mark.parametrize("cfg", DECODE, ids=["split", "direct"])
 @pytest.mark.parametrize("m,n,k,group", [(1, 48, 96, 32), (3, 40, 576, 128), (16, 24, 128, 64)])
 def test_decode_kernel(device, cfg, m, n, k, group):
     x, qw, s, z, bias = make(m, n, k, group, torch.float32, device)
     ref = reference(x, qw, s, z, group, bias)
-    out = w4a16.w4a16_decode(x, qw, s, z, group, bias, out=poisoned(m, n, x.dtype, device),
-                             config=cfg)
+    out = w4a16_decode(x, qw, s, z, group, bias, out=poisoned(m, n, x.dtype, device), config=cfg)
     assert rel_err(out, ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("bcast,swap,split,planes", [
-    (False, False, 1, False), (True, False, 1, False), (False, True, 1, False),
-    (False, True, 3, False), (False, False, 2, False), (False, True, 1, True),
-    (False, True, 3, True), (False, False, 2, True)])
+@pytest.mark.parametrize("split,planes", [(1, False), (3, False), (1, True), (3, True)])
 @pytest.mark.parametrize("m,n,k,group", [(37, 40, 576, 128), (20, 64, 192, 32)])
-def test_prefill_kernel(device, bcast, swap, split, planes, m, n, k, group):
+def test_prefill_kernel(device, split, planes, m, n, k, group):
     """planes: one dot per nibble plane against plane-major x (BLOCK_K 128, so group 32 falls
-    back to the reshaped tile; K=576 ends in a partial 128 block)."""
+    back to the reshaped tile; K=576 ends in a partial 128 block). 16-row M tiles: 37 rows
+    take three, which the grouped program order must cover."""
     x, qw, s, z, bias = make(m, n, k, group, torch.float32, device, seed=1)
     ref = reference(x, qw, s, z, group, bias)
-    cfg = w4a16.PrefillConfig(block_m=16, block_n=32, block_k=128 if planes else 64,
-                              bcast_load=bcast, swap_ab=swap, split_k=split, planes=planes)
-    out = w4a16.w4a16_prefill(x, qw, s, z, group, bias, out=poisoned(m, n, x.dtype, device),
-                              config=cfg)
+    cfg = PrefillConfig(block_m=16, block_n=32, block_k=128 if planes else 64, split_k=split,
+                        planes=planes)
+    out = w4a16_prefill(x, qw, s, z, group, bias, out=poisoned(m, n, x.dtype, device),
+                        config=cfg)
     assert rel_err(out, ref) < FP32_TOL
 
 
 def test_plane_major_order(device):
     """Column 8i + j of each 128 block moves to 16j + i; K pads with zeros to a multiple of 128."""
     x = torch.arange(3 * 200, dtype=torch.float32, device=device).reshape(3, 200) + 1
-    xp = w4a16.plane_major(x)
+    xp = plane_major(x)
     assert xp.shape == (3, 256) and xp.is_contiguous()
     for b, i, j in ((0, 0, 1), (0, 15, 7), (1, 2, 3), (1, 8, 0)):
         assert torch.equal(xp[:, 128 * b + 16 * j + i], x[:, 128 * b + 8 * i + j])
@@ -122,6 +121,26 @@ def test_dequant_matmul_path(device, bias, n, k, group):
     assert rel_err(out, ref) < FP32_TOL
 
 
+def test_bands():
+    """w4a16_gemm's bands on the Llama-3.1-8B shapes (docs/kernels.md, "Dispatch")."""
+    attn, mlp = (4096, 4096), (14336, 4096)  # (N, K): q/k/v/o, gate_up
+    assert w4a16.pick_config(16, *attn) == DecodeConfig(block_n=64, target_programs=528)
+    assert w4a16.pick_config(16, *mlp) == DecodeConfig(block_n=256, target_programs=264)
+    assert w4a16.pick_config(32, *attn) == PrefillConfig(
+        block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4, planes=True)
+    assert w4a16.pick_config(32, *mlp).split_k == 2  # 112 column tiles: 224 programs
+    assert not w4a16.pick_config(32, *attn, 64).planes  # groups under 128 rows
+    assert [w4a16.use_dequant_matmul(m, *attn) for m in (64, 65)] == [False, True]
+    assert [w4a16.use_dequant_matmul(m, *mlp) for m in (128, 129)] == [False, True]
+    gluon = {m: w4a16.pick_gluon_config(m, *attn) for m in (16, 32, 33, 128, 129)}
+    assert [m for m, cfg in gluon.items() if cfg is not None] == [33, 128]
+    gluon = {m: w4a16.pick_gluon_config(m, *mlp) for m in (16, 17, 64, 65, 256, 257)}
+    assert [cfg and cfg.block_m for cfg in gluon.values()] == [None, 32, 64, 128, 256, None]
+    # off Hopper the Triton kernels and cuBLAS share the rows
+    assert w4a16.choose(torch.empty(33, 4096), 4096, 128) == w4a16.pick_config(33, *attn)
+    assert w4a16.choose(torch.empty(65, 4096), 4096, 128) is None
+
+
 def test_dequantize_matches_formula():
     q = torch.randint(0, 16, (64, 8))
     s, z = torch.rand(2, 8), torch.randint(0, 16, (2, 8)).float()
@@ -138,7 +157,7 @@ def test_argument_checks(device):
     with pytest.raises(ValueError, match="qweight"):
         w4a16.w4a16_gemm(x[:, :56], qw, s, z, 32)
     with pytest.raises(ValueError, match="at most 16 rows"):
-        w4a16.w4a16_decode(torch.randn(17, 64, device=device), qw, s, z, 32)
+        w4a16_decode(torch.randn(17, 64, device=device), qw, s, z, 32)
 
 
 @pytest.mark.skipif(not CUDA, reason="half precision at model sizes needs CUDA")
@@ -153,24 +172,16 @@ def test_gemm_cuda_model_sizes(dtype, m, n, k, group):
     assert rel_err(out, ref) < 1e-2
 
 
-PACKED = [  # (kernel, config) pairs taking the packed-pair (inline PTX) dequantization
-    ("decode", w4a16.DecodeConfig(block_n=64, block_k=128, dequant="x2planes")),
-    ("decode", w4a16.DecodeConfig(block_n=32, block_k=128, split_k=1, dequant="x2planes")),
-    ("decode", w4a16.DecodeConfig(block_n=64, block_k=128, dequant="x2", lock_reduce=False)),
-    ("decode", w4a16.DecodeConfig(block_n=128, block_k=64, dequant="x2planes")),  # -> x2
-    ("prefill", w4a16.PrefillConfig(block_m=64, block_n=64, block_k=64, dequant="x2")),
-    ("prefill", w4a16.PrefillConfig(block_m=64, block_n=128, block_k=64, dequant="x2",
-                                    swap_ab=True)),
-    ("prefill", w4a16.PrefillConfig(block_m=128, block_n=128, block_k=128, num_warps=8,
-                                    swap_ab=True)),  # fp32 dequantization, swapped
-    ("prefill", w4a16.PrefillConfig(block_m=32, block_n=128, block_k=128, dequant="x2",
-                                    swap_ab=True, split_k=3)),
-    ("prefill", w4a16.PrefillConfig(block_m=128, block_n=128, block_k=128, num_warps=8,
-                                    dequant="x2", swap_ab=True, split_k=2, planes=True)),
-    ("prefill", w4a16.PrefillConfig(block_m=64, block_n=64, block_k=128, dequant="x2",
-                                    swap_ab=True, planes=True)),
-    ("prefill", w4a16.PrefillConfig(block_m=32, block_n=64, block_k=128, dequant="x2",
-                                    planes=True)),  # W as the shared-memory operand
+PACKED = [  # (kernel, config); group 128: per-plane dots, group 64: the planes joined
+    ("decode", DecodeConfig(block_n=64)),
+    ("decode", DecodeConfig(block_n=256, target_programs=264)),
+    ("decode", DecodeConfig(block_n=32, target_programs=1)),  # no split-K
+    ("prefill", PrefillConfig(block_m=64, block_n=128, block_k=64)),
+    ("prefill", PrefillConfig(block_m=32, block_n=128, block_k=128, split_k=3)),  # joined
+    ("prefill", PrefillConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3,
+                              split_k=2, planes=True)),
+    ("prefill", PrefillConfig(block_m=32, block_n=64, block_k=128, split_k=4, planes=True)),
+    ("prefill", PrefillConfig(block_m=64, block_n=64, block_k=128, planes=True)),
 ]
 
 
@@ -190,7 +201,7 @@ def test_packed_pair_dequant_is_exact(dtype, kernel, cfg, n, k, group):
     rows = [picks[i % len(picks)] for i in range(m)]
     x[torch.arange(m), torch.tensor(rows)] = 1
     w = dequantize(qw, s, z, group, dtype)  # [K, N] rounded once, as the kernels must
-    run = w4a16.w4a16_decode if kernel == "decode" else w4a16.w4a16_prefill
+    run = w4a16_decode if kernel == "decode" else w4a16_prefill
     out = run(x, qw, s, z, group, out=poisoned(m, n, dtype, dev), config=cfg)
     assert torch.equal(out, w[rows])
     # and a dense x against the fp32 reference, with a bias
@@ -205,7 +216,7 @@ def _planes_roundtrip_kernel(x_ptr, planes_ptr, joined_ptr, R: tl.constexpr, C: 
     offs = tl.arange(0, 8 * R)[:, None] * C + tl.arange(0, C)[None, :]
     x = tl.load(x_ptr + offs)  # [8R, C]
     # split as the kernels split x's columns (here rows): plane j holds rows 8i + j
-    xp = w4a16._split_planes(tl.reshape(tl.trans(x), (C, R, 2, 2, 2)))
+    xp = split_planes(tl.reshape(tl.trans(x), (C, R, 2, 2, 2)))
     offs_p = tl.arange(0, C)[:, None] * R + tl.arange(0, R)[None, :]
     for j in tl.static_range(8):
         tl.store(planes_ptr + j * R * C + offs_p, xp[j])
@@ -214,7 +225,7 @@ def _planes_roundtrip_kernel(x_ptr, planes_ptr, joined_ptr, R: tl.constexpr, C: 
     p = (tl.load(x_ptr + i), tl.load(x_ptr + i + C), tl.load(x_ptr + i + 2 * C),
          tl.load(x_ptr + i + 3 * C), tl.load(x_ptr + i + 4 * C), tl.load(x_ptr + i + 5 * C),
          tl.load(x_ptr + i + 6 * C), tl.load(x_ptr + i + 7 * C))
-    tl.store(joined_ptr + offs, w4a16._join_planes(p))
+    tl.store(joined_ptr + offs, join_planes(p))
 
 
 def test_split_and_join_planes_orders(device):
@@ -249,5 +260,5 @@ def test_packed_planes_compile_for_sm90_with_fewer_instructions():
     assert len(wgmma) == 10 and all(int(g) > 0 and int(h) == 0 for g, h in wgmma), run.stdout
     # all of them plane-major (G=128): the weight never goes through shared memory (no STS in
     # the K loop; the reshaped tile had 8-10 per tile)
-    sts = re.findall(r"^rows .* swap=1 .*'STS': (\d+)", run.stdout, re.M)
+    sts = re.findall(r"^rows .* planes=1 .*'STS': (\d+)", run.stdout, re.M)
     assert len(sts) == 10 and all(int(n) == 0 for n in sts), run.stdout
