@@ -139,7 +139,7 @@ class Worker:
         then the CUDA graphs are captured."""
         sizes = [min(8, self.block_size, self.max_model_len)]
         if self.device.type == "cuda":  # kernels pick their variant by rows (the W4A16 GEMMs'
-            # bands, kernels/w4a16.py and w4a16_gluon.py pick_config): compile each here,
+            # bands, pick_config and pick_gluon_config in kernels/w4a16.py): compile each here,
             # not in a serving step
             sizes += [n for n in (24, 48, 96, 192) if n <= min(self.max_model_len,
                                                           self.max_num_batched_tokens)

@@ -7,18 +7,25 @@ from dataclasses import replace
 
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from pagedserve.scheduler.block_manager import BlockManager, HostBlockPool
-from pagedserve.scheduler.scheduler import SchedulerConfig
+from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("pagedserve.scheduler")
 
 
-def block_pools(cap: pb.Capacity, kv_watermark: float,
-                enable_caching: bool) -> tuple[BlockManager, HostBlockPool]:
-    """Fresh bookkeeping for the executor's device and host KV blocks; `kv_watermark` is the
-    fraction of device blocks a new admission must leave free."""
+def adopt(scheduler: Scheduler | None, cfg: SchedulerConfig, cap: pb.Capacity,
+          kv_watermark: float, eos_token_ids: frozenset[int]) -> Scheduler:
+    """The scheduler for a newly joined executor: fresh block pools for its device and host KV
+    (a new admission must leave `kv_watermark` of the device blocks free), step bounds within
+    what it profiled. An existing scheduler keeps its requests: the new executor holds none of
+    their KV, so every running one is recomputed."""
     watermark = int(cap.num_kv_blocks * kv_watermark)
-    return (BlockManager(cap.num_kv_blocks, cap.block_size, watermark, enable_caching),
-            HostBlockPool(cap.num_swap_blocks))
+    blocks = BlockManager(cap.num_kv_blocks, cap.block_size, watermark, cfg.enable_prefix_caching)
+    host_blocks = HostBlockPool(cap.num_swap_blocks)
+    if scheduler is None:
+        return Scheduler(fit_step_bounds(cfg, cap), blocks, host_blocks, eos_token_ids)
+    scheduler.preempt_all(blocks, host_blocks)
+    scheduler.cfg = fit_step_bounds(cfg, cap)
+    return scheduler
 
 
 def fit_step_bounds(cfg: SchedulerConfig, cap: pb.Capacity) -> SchedulerConfig:

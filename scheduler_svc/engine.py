@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
-from pagedserve.scheduler.capacity import block_pools, fit_step_bounds
+from pagedserve.scheduler.capacity import adopt
 from pagedserve.scheduler.detokenizer import decoder_of
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkDown
-from pagedserve.scheduler.metrics import Metrics, priority_class
+from pagedserve.scheduler.metrics import Metrics
 from pagedserve.scheduler.outputs import Sampled, SchedulerOutput
 from pagedserve.scheduler.request import GenerationParams, Request, RequestStatus
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -29,7 +29,6 @@ from pagedserve.scheduler.streams import EngineError, RequestStream
 from pagedserve.scheduler.telemetry import StepTiming, Telemetry
 
 log = logging.getLogger("pagedserve.scheduler")
-INTEGRITY_CHECK_S = 10.0  # least time between two full block-accounting checks when idle
 
 
 @dataclass(slots=True)
@@ -67,14 +66,9 @@ class Engine:
         self._ids, self._step_ids = itertools.count(1), itertools.count(1)
         self._ready = asyncio.Event()  # set once the first executor joined (limits known)
         self._wake = asyncio.Event()
-        self._checked_at = -INTEGRITY_CHECK_S  # last full block-accounting check when idle
         self._tasks: list[asyncio.Task] = []
 
     # ----------------------------------------------------------------- lifecycle
-    @property
-    def capacity(self) -> pb.Capacity | None:
-        return self.link.capacity
-
     @property
     def serving(self) -> bool:
         """Readiness: a warmed-up executor is connected and new requests are admitted."""
@@ -122,16 +116,13 @@ class Engine:
         refusal = self.scheduler.admission_error(len(prompt))
         if refusal is not None:
             self.metrics.refused["queue_full"].inc()
-            retry = self.telemetry.retry_after_s(self.scheduler.waiting_prompt_tokens)
+            retry = self.telemetry.retry_after_s(self.scheduler.waiting.prompt_tokens)
             raise EngineError("RESOURCE_EXHAUSTED", f"server busy: {refusal}; retry in about "
                               f"{retry:.0f} s", retry_after_s=retry)
         rid = next(self._ids)
         req = Request(rid, external_id or f"req-{rid}", len(prompt), list(prompt), params,
                       priority, arrival_seq=rid)
-        stream = RequestStream.open(req, self.tokenizer, self._decode)
-        if timeout is not None:
-            stream.deadline = stream.arrival + timeout
-        stream.priority_class = priority_class(priority)
+        stream = RequestStream.open(req, self.tokenizer, self._decode, timeout)
         self.streams[rid] = stream
         self.scheduler.add(req)
         self.metrics.prompt_tokens.inc(len(prompt))
@@ -178,10 +169,9 @@ class Engine:
         out = sched.schedule(ahead=ahead)
         if out.is_empty:
             return None
-        step = InFlight(next(self._step_ids), out, self.link.generation, t0, 0.0)
         for s in out.new:
             self.telemetry.scheduled(self.streams[s.req.req_id], time.monotonic())
-        step.t1 = time.perf_counter()
+        step = InFlight(next(self._step_ids), out, self.link.generation, t0, time.perf_counter())
         self.metrics.plan_time.observe(step.t1 - t0)
         return step
 
@@ -233,28 +223,18 @@ class Engine:
         """Nothing in flight: check the block accounting if there is no work at all, then
         wait for a request, a finish or an abort."""
         if not sched.has_work():
-            # the full check is O(blocks), tens of ms on a GPU-sized pool that a request
-            # arriving meanwhile would wait for: at most every INTEGRITY_CHECK_S
-            full = time.monotonic() - self._checked_at >= INTEGRITY_CHECK_S
-            sched.check_idle(full)
-            if full:
-                self._checked_at = time.monotonic()
+            sched.check_idle()
         self._wake.clear()
         await self._wake.wait()
 
     # ----------------------------------------------------------------- executor
     def _joined(self, cap: pb.Capacity) -> None:
-        blocks, host_blocks = block_pools(cap, self.kv_watermark, self.cfg.enable_prefix_caching)
-        cfg = fit_step_bounds(self.cfg, cap)
-        if self.scheduler is None:
-            self.scheduler = Scheduler(cfg, blocks, host_blocks, self.eos_token_ids)
-        else:  # a new executor has none of the KV: everything running is recomputed
-            self.scheduler.preempt_all(blocks, host_blocks)
-            self.scheduler.cfg = cfg
-            for stream in list(self.streams.values()):
-                if stream.req.prompt_len + stream.req.params.max_tokens > cap.max_model_len:
-                    self._fail(stream, "UNAVAILABLE", "the new executor's max_model_len is "
-                               "too small for this request")
+        self.scheduler = adopt(self.scheduler, self.cfg, cap, self.kv_watermark,
+                               self.eos_token_ids)
+        for stream in list(self.streams.values()):  # admitted under an earlier executor
+            if stream.req.prompt_len + stream.req.params.max_tokens > cap.max_model_len:
+                self._fail(stream, "UNAVAILABLE", "the new executor's max_model_len is too "
+                           "small for this request")
         self.telemetry.executor_joined(cap)
         self._ready.set()
         self.link.connected.set()  # readiness below reads it

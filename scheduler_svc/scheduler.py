@@ -28,12 +28,14 @@ short ones the reverse.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagedserve.scheduler.block_manager import BlockManager, HostBlockPool
 from pagedserve.scheduler.outputs import Sampled, ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.waiting_queue import WaitingQueue
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,9 @@ class SchedulerConfig:
     swap_min_tokens: int = 256
 
 
+INTEGRITY_CHECK_S = 10.0  # least time between two full block-accounting checks when idle
+
+
 def _by_priority(r: Request) -> tuple[int, int]:
     return r.sort_key
 
@@ -67,7 +72,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.blocks = blocks
         self.host_blocks = host_blocks or HostBlockPool(0)
-        self.waiting: list[Request] = []  # sorted by (effective priority, arrival)
+        self.waiting = WaitingQueue(cfg.priority_aging_steps)
         self.running: list[Request] = []  # sorted by (priority, arrival)
         self.requests: dict[int, Request] = {}
         self.step = 0
@@ -79,7 +84,7 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of which found cached
-        self.waiting_prompt_tokens = 0
+        self._checked_at = -INTEGRITY_CHECK_S  # last full check of the block accounting
 
     # ------------------------------------------------------------------ queue
     def admission_error(self, prompt_len: int) -> str | None:
@@ -88,8 +93,8 @@ class Scheduler:
         if cfg.max_waiting_requests and len(self.waiting) >= cfg.max_waiting_requests:
             return f"{len(self.waiting)} requests are waiting (max_waiting_requests)"
         if (cfg.max_waiting_prompt_tokens
-                and self.waiting_prompt_tokens + prompt_len > cfg.max_waiting_prompt_tokens):
-            return (f"{self.waiting_prompt_tokens} prompt tokens are waiting "
+                and self.waiting.prompt_tokens + prompt_len > cfg.max_waiting_prompt_tokens):
+            return (f"{self.waiting.prompt_tokens} prompt tokens are waiting "
                     f"(max_waiting_prompt_tokens {cfg.max_waiting_prompt_tokens})")
         return None
 
@@ -109,7 +114,7 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
-            self._dequeue(req)
+            self.waiting.remove(req)
         self.blocks.free(req_id)
         self.host_blocks.free(req.swapped_blocks)
         req.swapped_blocks = []
@@ -145,7 +150,7 @@ class Scheduler:
         self.step += 1
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
-        self._age_waiting()
+        self.waiting.age(self.step)
         if not ahead:
             self._make_room_for_priority()
         budget, ran_out = self._schedule_running(out, self.cfg.max_num_batched_tokens,
@@ -189,12 +194,12 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.head
             admit = self._resume_swapped if req.swapped_blocks else self._admit_fresh
             n = admit(out, req, budget)
             if n is None:
                 break
-            self._dequeue(req)
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=_by_priority)
             budget -= n
@@ -235,7 +240,7 @@ class Scheduler:
         if not self.waiting:
             return False
         did = False
-        head = self.waiting[0]
+        head = self.waiting.head
         first_chunk = min(head.num_tokens, self.cfg.max_num_batched_tokens,
                           self.cfg.long_prefill_token_threshold or head.num_tokens)
         need = self.blocks.blocks_to_admit(first_chunk)
@@ -297,11 +302,14 @@ class Scheduler:
             prefix_queried_tokens=self.prefix_queried_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens)
 
-    def check_idle(self, full: bool) -> None:
-        """With no work left every block must be back on the free list (else a leak); `full`
-        also checks the block manager's whole accounting, which is O(blocks)."""
-        if full:
+    def check_idle(self, full: bool = False) -> None:
+        """With no work left every block must be back on the free list (else a leak). The
+        block manager's whole accounting is checked too when `full` or when INTEGRITY_CHECK_S
+        passed since the last time: it is O(blocks), tens of ms on a GPU-sized pool, which a
+        request arriving meanwhile would wait for."""
+        if full or time.monotonic() - self._checked_at >= INTEGRITY_CHECK_S:
             self.blocks.check_integrity()
+            self._checked_at = time.monotonic()
         if self.blocks.num_free_blocks != self.blocks.num_blocks:
             raise AssertionError("idle scheduler holds KV blocks: leak")
 
@@ -359,23 +367,4 @@ class Scheduler:
         return self.host_blocks.allocate(self.blocks.blocks_for(req.num_computed_tokens))
 
     def _enqueue(self, req: Request) -> None:
-        req.queued_at_step = self.step
-        req.effective_priority = req.priority
-        bisect.insort(self.waiting, req, key=lambda r: (r.effective_priority, r.arrival_seq))
-        self.waiting_prompt_tokens += req.num_tokens
-
-    def _dequeue(self, req: Request) -> None:
-        self.waiting.remove(req)
-        self.waiting_prompt_tokens -= req.num_tokens
-
-    def _age_waiting(self) -> None:
-        every = self.cfg.priority_aging_steps
-        if not every or not self.waiting:
-            return
-        changed = False
-        for req in self.waiting:
-            eff = req.priority - (self.step - req.queued_at_step) // every
-            if eff != req.effective_priority:
-                req.effective_priority, changed = eff, True
-        if changed:
-            self.waiting.sort(key=lambda r: (r.effective_priority, r.arrival_seq))
+        self.waiting.push(req, self.step)

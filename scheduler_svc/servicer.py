@@ -25,7 +25,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def _limits(self) -> Limits:
         if not await self.engine.wait_ready(READY_TIMEOUT_S):
             raise EngineError("UNAVAILABLE", "no executor has joined the scheduler yet")
-        cap = self.engine.capacity
+        cap = self.engine.link.capacity
         return Limits(max_model_len=cap.max_model_len, vocab_size=cap.vocab_size)
 
     async def Generate(  # noqa: N802 (gRPC method name)
@@ -72,7 +72,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: api.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> api.ModelInfo:
         await self._limits()
-        cap = self.engine.capacity
+        cap = self.engine.link.capacity
         return api.ModelInfo(
             model=self.model_name, max_model_len=cap.max_model_len, vocab_size=cap.vocab_size,
             block_size=cap.block_size, num_kv_blocks=cap.num_kv_blocks,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.scheduler.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagedserve.scheduler.metrics import priority_class
 from pagedserve.scheduler.request import Request
 
 
@@ -57,9 +58,15 @@ class RequestStream:
     held: Chunk | None = None  # tokens not yet queued (stream_interval)
 
     @classmethod
-    def open(cls, req: Request, tokenizer: Any, decode: Callable) -> RequestStream:
-        return cls(req, IncrementalDetokenizer(tokenizer, req.params.skip_special_tokens, decode),
-                   StopStringMatcher(req.params.stop))
+    def open(cls, req: Request, tokenizer: Any, decode: Callable,
+             timeout: float | None = None) -> RequestStream:
+        """`timeout`: seconds the request may live (the client's gRPC deadline)."""
+        stream = cls(req, IncrementalDetokenizer(tokenizer, req.params.skip_special_tokens,
+                                                 decode), StopStringMatcher(req.params.stop))
+        if timeout is not None:
+            stream.deadline = stream.arrival + timeout
+        stream.priority_class = priority_class(req.priority)
+        return stream
 
     def push(self, token: int, finish: str | None, stop_reason: str,
              interval: int) -> Chunk | None:

@@ -132,7 +132,7 @@ def test_abort_of_waiting_request():
     s.add(req(2, 2))
     s.schedule()
     s.finish(2)  # never ran: nothing to tell the executor
-    assert s.waiting == [] and s.schedule().finished_req_ids == []
+    assert list(s.waiting) == [] and s.schedule().finished_req_ids == []
 
 
 def test_prefix_cache_hit_skips_computed_tokens():
@@ -232,7 +232,7 @@ def test_waiting_queue_bounds():
     s.add(req(2, 4))
     assert "max_waiting_requests" in s.admission_error(1)
     s.schedule()  # both admitted: the queue is empty again
-    assert s.admission_error(4) is None and s.waiting_prompt_tokens == 0
+    assert s.admission_error(4) is None and s.waiting.prompt_tokens == 0
 
 
 def test_short_request_is_not_stuck_behind_a_long_prompt():
