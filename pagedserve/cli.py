@@ -141,7 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     # On a small CPU, OpenMP threads that spin while waiting steal the cores the other process
-    # needs (measured here: a 50 ms decode step became 200+ ms); let them sleep instead.
+    # needs (a decode step takes several times longer); let them sleep instead.
     exec_env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
     # Own process groups: a terminal's Ctrl-C reaches serve alone, which stops them in order.
     sched = subprocess.Popen(sched_cmd, process_group=0)
