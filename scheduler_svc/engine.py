@@ -178,12 +178,15 @@ class Engine:
     def _apply(self, inflight: deque[InFlight], item: pb.StepResult | LinkDown) -> list[Sampled]:
         """Match a result (or the link going down) to the oldest step in flight; the tokens
         it sampled, recorded in the scheduler."""
-        if isinstance(item, LinkDown) or inflight[0].generation != self.link.generation:
+        if isinstance(item, LinkDown):
+            if item.generation != inflight[0].generation:
+                return []  # about steps already given up
             for step in inflight:
-                if isinstance(item, LinkDown) and step.step_id == item.timed_out_step:
+                if step.step_id == item.timed_out_step:
                     self._fail_step(step.out, "UNAVAILABLE", f"the executor did not answer step "
                                     f"{step.step_id} within {self.link.cfg.step_timeout_s:g} s")
-            inflight.clear()  # the others were preempted and are recomputed
+        if isinstance(item, LinkDown) or inflight[0].generation != self.link.generation:
+            inflight.clear()  # the executor is gone; its requests are recomputed
             return []
         if item.step_id < inflight[0].step_id:
             return []  # a stale reply

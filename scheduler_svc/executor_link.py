@@ -10,7 +10,8 @@ What the engine sees:
     on_lost(reason)      the executor went silent while idle, or left a step unanswered past
                          step_timeout_s
     results              step results, in the order the steps were sent; a LinkDown item
-                         wakes a step loop that waits on an executor that is gone
+                         wakes a step loop that waits on an executor that is gone (one that
+                         waits on no step of its generation skips it)
     generation           counts executors joined and lost: a step sent under another
                          generation will never be answered
 """
@@ -43,9 +44,11 @@ class LinkConfig:
 
 @dataclass(frozen=True, slots=True)
 class LinkDown:
-    """On the results queue when the executor the steps in flight went to is gone."""
+    """On the results queue when the executor that steps were sent to is gone: no step sent
+    under `generation` will be answered."""
 
     reason: str
+    generation: int
     timed_out_step: int = 0  # the step left unanswered, if that was why (0: another reason)
 
 
@@ -89,8 +92,6 @@ class ExecutorLink:
         """Encode and send one step's plan to the executor (encoded before the first await,
         so the caller may change the requests once this returns)."""
         if not self._in_flight:
-            while not self.results.empty():  # a wake-up left by an executor that is gone
-                self.results.get_nowait()
             self._head_since = time.monotonic()
         self._in_flight.append(step_id)
         await self.sock.send_multipart([self._ident, encode_plan(step_id, out)])
@@ -157,10 +158,10 @@ class ExecutorLink:
 
     def _forget_steps(self, why: str, timed_out_step: int = 0) -> None:
         """No step sent so far will be answered: wake whoever waits for one."""
+        if why:
+            self.results.put_nowait(LinkDown(why, self.generation, timed_out_step))
         self.generation += 1
         self._in_flight.clear()
-        if why:
-            self.results.put_nowait(LinkDown(why, timed_out_step))
 
 
 def wire_sampling(params: GenerationParams) -> pb.Sampling:

@@ -54,17 +54,17 @@ class FakeLink:
     # -------------------------------------------------------------- the test's side
     def join(self) -> None:
         if self.connected.is_set():  # replaces the current executor
+            self.results.put_nowait(LinkDown("replaced by a new executor", self.generation))
             self.generation += 1
-            self.results.put_nowait(LinkDown("replaced by a new executor"))
         self.generation += 1
         self.capacity = CAP
         self.on_joined(CAP)
         self.connected.set()
 
     def time_out(self, step_id: int) -> None:
+        self.results.put_nowait(LinkDown("timed out", self.generation, step_id))
         self.generation += 1
         self.connected.clear()
-        self.results.put_nowait(LinkDown("timed out", step_id))
         self.on_lost("timed out")
 
     def answer(self, index: int) -> None:

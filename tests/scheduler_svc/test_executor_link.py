@@ -1,0 +1,124 @@
+"""The executor link over a real ZeroMQ socket, with the test playing the executor's DEALER."""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
+from pagedserve.scheduler.executor_link import ExecutorLink, LinkConfig, LinkDown
+from pagedserve.scheduler.outputs import ScheduledRequest, SchedulerOutput
+from pagedserve.scheduler.request import GenerationParams, Request
+
+CAP = pb.Capacity(num_kv_blocks=8, block_size=4, max_model_len=32, vocab_size=100)
+
+
+class Executor:
+    """The far end: a DEALER that says hello and answers plans."""
+
+    def __init__(self, address: str, executor_id: str) -> None:
+        self.sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.executor_id = executor_id
+
+    async def hello(self) -> pb.SchedulerMessage:
+        hello = pb.Hello(capacity=CAP, executor_id=self.executor_id)
+        await self.sock.send(pb.ExecutorMessage(hello=hello).SerializeToString())
+        return await self.recv()
+
+    async def recv(self) -> pb.SchedulerMessage:
+        return pb.SchedulerMessage.FromString(await asyncio.wait_for(self.sock.recv(), 5))
+
+    async def answer(self, step_id: int, req_ids: list[int], tokens: list[int]) -> None:
+        result = pb.StepResult(step_id=step_id, req_ids=req_ids, sampled_token_ids=tokens)
+        await self.sock.send(pb.ExecutorMessage(result=result).SerializeToString())
+
+
+def one_request_step(req: Request, start: int, n: int, blocks: list[int],
+                     new: bool) -> SchedulerOutput:
+    s = ScheduledRequest(req, n, start, blocks)
+    return SchedulerOutput(new=[s]) if new else SchedulerOutput(cached=[s])
+
+
+async def until(condition, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_handshake_plans_results_and_a_silent_executor(tmp_path):
+    async def main():
+        address = f"ipc://{tmp_path}/link"
+        link = ExecutorLink(address, LinkConfig(step_timeout_s=5, heartbeat_timeout_s=0.5))
+        joined, lost = [], []
+        link.attach(joined.append, lost.append)
+        await link.start()
+        ex = Executor(address, "exec-a")
+        assert (await ex.hello()).welcome.executor_id == "exec-a"
+        assert joined == [CAP] and link.connected.is_set() and link.capacity == CAP
+
+        req = Request(7, "r", 3, [11, 12, 13], GenerationParams(max_tokens=4, temperature=0.5,
+                                                                 seed=9))
+        await link.send(1, one_request_step(req, 0, 3, [2], new=True))
+        plan = (await ex.recv()).plan
+        new = plan.new_requests[0]
+        assert (plan.step_id, new.req_id, list(new.token_ids), new.num_computed_tokens,
+                list(new.block_ids), list(plan.new_num_scheduled_tokens)) == \
+            (1, 7, [11, 12, 13], 0, [2], [3])
+        assert (new.sampling.temperature, new.sampling.has_seed, new.sampling.seed) == \
+            (0.5, True, 9)
+
+        # a result that arrives before the next step is sent stays queued for the engine
+        await ex.answer(1, [7], [42])
+        await until(lambda: link.results.qsize() == 1)
+        req.token_ids.append(42)
+        await link.send(2, one_request_step(req, 3, 1, [3], new=False))
+        plan = (await ex.recv()).plan
+        assert (list(plan.cached_req_ids), list(plan.cached_num_computed_tokens),
+                list(plan.cached_num_scheduled_tokens), list(plan.cached_new_block_ids)) == \
+            ([7], [3], [1], [3])
+        first = link.results.get_nowait()
+        assert (first.step_id, list(first.sampled_token_ids)) == (1, [42])
+        await ex.answer(2, [7], [43])
+        assert (await asyncio.wait_for(link.results.get(), 5)).step_id == 2
+
+        # silence while idle: lost after heartbeat_timeout_s; a new executor is adopted
+        await until(lambda: bool(lost))
+        assert not link.connected.is_set() and "no heartbeat" in lost[0]
+        down = link.results.get_nowait()
+        assert isinstance(down, LinkDown) and down.generation == 1
+        again = Executor(address, "exec-b")
+        assert (await again.hello()).welcome.executor_id == "exec-b"
+        assert link.connected.is_set() and link.generation == 3
+        ex.sock.close()
+        again.sock.close()
+        await link.close()
+
+    asyncio.run(main())
+
+
+def test_a_step_left_unanswered_loses_the_executor_naming_the_step(tmp_path):
+    async def main():
+        address = f"ipc://{tmp_path}/link"
+        link = ExecutorLink(address, LinkConfig(step_timeout_s=0.3, heartbeat_timeout_s=60))
+        lost = []
+        link.attach(lambda cap: None, lost.append)
+        await link.start()
+        ex = Executor(address, "exec-a")
+        await ex.hello()
+        req = Request(1, "r", 2, [5, 6], GenerationParams(max_tokens=4))
+        await link.send(1, one_request_step(req, 0, 2, [0], new=True))
+        down = await asyncio.wait_for(link.results.get(), 5)
+        assert (down.timed_out_step, down.generation) == (1, 1)
+        assert lost == ["step 1 took longer than 0.3 s"] and not link.connected.is_set()
+        await ex.answer(1, [1], [9])  # too late: a lost executor's results are not taken
+        await asyncio.sleep(0.1)
+        assert link.results.empty()
+        ex.sock.close()
+        await link.close()
+
+    asyncio.run(main())
