@@ -8,9 +8,11 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
 import importlib.util
 for name in ("kernels", "protos", "scheduler_svc", "executor_svc"):
@@ -24,8 +26,12 @@ print("ok")
 
 def test_installed_package_adds_no_generic_top_level_names():
     pytest.importorskip("transformers")
-    with tempfile.TemporaryDirectory() as cwd:  # not the checkout: what site-packages offers
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # run outside the checkout, with the checkout off the path: only what is installed counts
+    # (an install by --target, as on the GPU machine, stays on PYTHONPATH)
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and Path(p).resolve() != ROOT]
+    with tempfile.TemporaryDirectory() as cwd:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         result = subprocess.run([sys.executable, "-c", PROBE], cwd=cwd, capture_output=True,
                                 text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
