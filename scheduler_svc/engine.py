@@ -19,11 +19,12 @@ from typing import Any
 
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from pagedserve.scheduler.capacity import adopt
+from pagedserve.scheduler.delivery import StreamTable
 from pagedserve.scheduler.detokenizer import decoder_of
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkDown
 from pagedserve.scheduler.metrics import Metrics
 from pagedserve.scheduler.outputs import Sampled, SchedulerOutput
-from pagedserve.scheduler.request import GenerationParams, Request, RequestStatus
+from pagedserve.scheduler.request import GenerationParams, Request
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedserve.scheduler.streams import EngineError, RequestStream
 from pagedserve.scheduler.telemetry import StepTiming, Telemetry
@@ -49,19 +50,18 @@ class Engine:
                  telemetry: Telemetry | None = None,
                  on_readiness: Callable[[bool], None] | None = None,
                  stream_interval: int = 1, async_scheduling: bool = False) -> None:
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.cfg, self.tokenizer, self.kv_watermark = cfg, tokenizer, kv_watermark
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.stream_interval, self.async_scheduling = stream_interval, async_scheduling
+        self.async_scheduling = async_scheduling
         self.metrics = metrics or Metrics()
         self.telemetry = telemetry or Telemetry(self.metrics, tokenizer)
+        self.streams = StreamTable(self.telemetry, lambda rid: self.scheduler.finish(rid),
+                                   stream_interval)
         self.on_readiness = on_readiness
         self.link = link
         link.attach(self._joined, lambda why: self._notify_readiness())
         self.draining = False
         self.scheduler: Scheduler | None = None
-        self.streams: dict[int, RequestStream] = {}
         self._decode = decoder_of(tokenizer)
         self._ids, self._step_ids = itertools.count(1), itertools.count(1)
         self._ready = asyncio.Event()  # set once the first executor joined (limits known)
@@ -95,10 +95,10 @@ class Engine:
         deadline = time.monotonic() + timeout
         while self.streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        left = list(self.streams.values())
-        for stream in left:
-            self._fail(stream, "UNAVAILABLE", "the server shut down before the request finished")
-        return len(left)
+        left = len(self.streams)
+        self.streams.fail(self.streams, "UNAVAILABLE",
+                          "the server shut down before the request finished")
+        return left
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -123,7 +123,7 @@ class Engine:
         req = Request(rid, external_id or f"req-{rid}", len(prompt), list(prompt), params,
                       priority, arrival_seq=rid)
         stream = RequestStream.open(req, self.tokenizer, self._decode, timeout)
-        self.streams[rid] = stream
+        self.streams.add(stream)
         self.scheduler.add(req)
         self.metrics.prompt_tokens.inc(len(prompt))
         self._wake.set()
@@ -132,7 +132,7 @@ class Engine:
     def abort(self, stream: RequestStream) -> None:
         """Drop a request (client gone); its blocks are free before the next step is planned."""
         if not stream.finished:
-            self._leave(stream, "abort")
+            self.streams.leave(stream, "abort")
             self._wake.set()
 
     # ----------------------------------------------------------------- step loop
@@ -146,7 +146,7 @@ class Engine:
         while True:
             await self.link.connected.wait()
             sched = self.scheduler
-            self._expire_deadlines()
+            self.streams.expire()
             self.telemetry.observe_scheduler(sched.stats())
             if len(inflight) < depth and (step := self._plan(sched, ahead=bool(inflight))):
                 inflight.append(step)
@@ -170,7 +170,7 @@ class Engine:
         if out.is_empty:
             return None
         for s in out.new:
-            self.telemetry.scheduled(self.streams[s.req.req_id], time.monotonic())
+            self.telemetry.scheduled(self.streams.get(s.req.req_id), time.monotonic())
         step = InFlight(next(self._step_ids), out, self.link.generation, t0, time.perf_counter())
         self.metrics.plan_time.observe(step.t1 - t0)
         return step
@@ -183,7 +183,7 @@ class Engine:
                 return []  # about steps already given up
             for step in inflight:
                 if step.step_id == item.timed_out_step:
-                    self._fail_step(step.out, "UNAVAILABLE", f"the executor did not answer step "
+                    self._fail_step(step, "UNAVAILABLE", f"the executor did not answer step "
                                     f"{step.step_id} within {self.link.cfg.step_timeout_s:g} s")
         if isinstance(item, LinkDown) or inflight[0].generation != self.link.generation:
             inflight.clear()  # the executor is gone; its requests are recomputed
@@ -196,28 +196,14 @@ class Engine:
                             time.perf_counter() - step.t1, item.execute_seconds)
         if item.error:
             self.telemetry.step(item, timing, 0)
-            self._fail_step(step.out, "INTERNAL", f"executor step failed: {item.error}")
+            self._fail_step(step, "INTERNAL", f"executor step failed: {item.error}")
             return []
         sampled = self.scheduler.update(list(item.req_ids), list(item.sampled_token_ids))
         self.telemetry.step(item, timing, len(sampled))
         return sampled
 
     async def _deliver(self, sampled: list[Sampled]) -> None:
-        """Queue each token's text for its stream; a stream that ended meanwhile (aborted,
-        failed) gets nothing."""
-        now = time.monotonic()
-        for s in sampled:
-            stream = self.streams.get(s.req.req_id)
-            if stream is None or stream.finished:
-                continue
-            self.telemetry.token(stream, now)
-            chunk = stream.push(s.token, s.finish_reason, s.stop_reason, self.stream_interval)
-            if chunk is None:
-                continue
-            if chunk.finish_reason:
-                self._leave(stream, chunk.finish_reason, now)
-            stream.queue.put_nowait(chunk)
-        self.telemetry.flush()
+        self.streams.deliver(sampled)
         # let the servicers write what was just queued before the loop takes the next result
         # (else, with a result already waiting, a stream's first message carries two tokens)
         await asyncio.sleep(0)
@@ -234,10 +220,10 @@ class Engine:
     def _joined(self, cap: pb.Capacity) -> None:
         self.scheduler = adopt(self.scheduler, self.cfg, cap, self.kv_watermark,
                                self.eos_token_ids)
-        for stream in list(self.streams.values()):  # admitted under an earlier executor
-            if stream.req.prompt_len + stream.req.params.max_tokens > cap.max_model_len:
-                self._fail(stream, "UNAVAILABLE", "the new executor's max_model_len is too "
-                           "small for this request")
+        self.streams.fail([s for s in self.streams  # admitted under an earlier executor
+                           if s.req.prompt_len + s.req.params.max_tokens > cap.max_model_len],
+                          "UNAVAILABLE", "the new executor's max_model_len is too small for "
+                          "this request")
         self.telemetry.executor_joined(cap)
         self._ready.set()
         self.link.connected.set()  # readiness below reads it
@@ -249,29 +235,9 @@ class Engine:
         if self.on_readiness is not None:
             self.on_readiness(self.serving)
 
-    # ----------------------------------------------------------------- endings
-    def _fail_step(self, out: SchedulerOutput, code: str, message: str) -> None:
-        for s in out.scheduled():
-            if (stream := self.streams.get(s.req.req_id)) is not None:
-                self._fail(stream, code, message)
-
-    def _expire_deadlines(self) -> None:
-        now = time.monotonic()
-        for stream in [s for s in self.streams.values() if s.deadline < now]:
-            self._fail(stream, "DEADLINE_EXCEEDED", "the request's deadline passed")
-
-    def _fail(self, stream: RequestStream, code: str, message: str) -> None:
-        self._leave(stream, code.lower())
-        stream.queue.put_nowait(EngineError(code, message))
-
-    def _leave(self, stream: RequestStream, reason: str, now: float | None = None) -> None:
-        """The one way a request leaves the engine: logged, and out of the scheduler (its
-        blocks freed at once) unless the scheduler already ended it."""
-        stream.finished = True
-        self.telemetry.finished(stream, reason, time.monotonic() if now is None else now)
-        if stream.req.status != RequestStatus.FINISHED:
-            self.scheduler.finish(stream.req.req_id)
-        self.streams.pop(stream.req.req_id, None)
+    def _fail_step(self, step: InFlight, code: str, message: str) -> None:
+        self.streams.fail([self.streams.get(s.req.req_id) for s in step.out.scheduled()],
+                          code, message)
 
 
 def _crash_on_error(task: asyncio.Task) -> None:
