@@ -7,6 +7,9 @@ encoding, and `round trip` is send -> result (ZeroMQ both ways, executor decode,
 preparation, sampling, encode): the time a GPU step would have to hide.
 
     python -m benchmarks.step_overhead --running 16 64 256 [--tokenizer DIR] [--async-scheduling]
+        [--curve]
+
+--curve runs the link with CURVE keys (made in a temporary directory): its cost per step.
 
 `step period` is the whole loop's time per step (plan, round trip, delivering tokens to the
 streams): the host's ceiling on steps per second, which a GPU step shorter than it cannot beat.
@@ -18,6 +21,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import statistics
+import tempfile
 import time
 
 from benchmarks.common import write_records
@@ -25,7 +29,7 @@ from benchmarks.common import write_records
 VOCAB = 32
 
 
-def stub_executor(address: str, num_blocks: int, block_size: int) -> None:
+def stub_executor(address: str, num_blocks: int, block_size: int, keys: str = "") -> None:
     import torch
     from pagedserve.executor.runner import ModelRunner
     from pagedserve.executor.sampler import Sampler
@@ -46,13 +50,20 @@ def stub_executor(address: str, num_blocks: int, block_size: int) -> None:
         def memory(self) -> tuple[int, int]:
             return 0, 0
 
-    ExecutorServer(StubWorker(), address).serve_forever()
+    if keys:
+        from pagedserve.core.link_security import load_keypair, load_public_key
+
+        ExecutorServer(StubWorker(), address, key=load_keypair(f"{keys}/executor.key_secret"),
+                       scheduler_key=load_public_key(f"{keys}/scheduler.key")).serve_forever()
+    else:
+        ExecutorServer(StubWorker(), address).serve_forever()
 
 
 async def measure(running: int, steps: int, address: str, tokenizer: str | None = None,
-                  async_scheduling: bool = False) -> dict:
+                  async_scheduling: bool = False, keys: str = "") -> dict:
+    """keys: a directory with scheduler and executor key pairs (CURVE on the link)."""
     from pagedserve.scheduler.engine import Engine
-    from pagedserve.scheduler.executor_link import ExecutorLink
+    from pagedserve.scheduler.executor_link import ExecutorLink, LinkConfig
     from pagedserve.scheduler.request import GenerationParams
     from pagedserve.scheduler.scheduler import SchedulerConfig
 
@@ -66,10 +77,12 @@ async def measure(running: int, steps: int, address: str, tokenizer: str | None 
 
         tok = AutoTokenizer.from_pretrained(tokenizer)
     engine = Engine(SchedulerConfig(max_num_seqs=running, max_num_batched_tokens=8192),
-                    ExecutorLink(address), tok, eos_token_ids=[],
+                    ExecutorLink(address, LinkConfig(
+                        key_file=f"{keys}/scheduler.key_secret" if keys else "",
+                        allowed_keys_dir=keys)), tok, eos_token_ids=[],
                     async_scheduling=async_scheduling)
     await engine.start()
-    proc = mp.get_context("spawn").Process(target=stub_executor, args=(address, 65536, 16),
+    proc = mp.get_context("spawn").Process(target=stub_executor, args=(address, 65536, 16, keys),
                                            daemon=True)
     proc.start()
     await engine.wait_ready()
@@ -94,7 +107,7 @@ async def measure(running: int, steps: int, address: str, tokenizer: str | None 
             # the whole loop with a model that takes no time: the host's ceiling on steps/s
             "step_period_us": wall * 1e6 / len(timings),
             "tokenizer": "null" if tokenizer is None else tokenizer,
-            "async_scheduling": async_scheduling}
+            "async_scheduling": async_scheduling, "curve": bool(keys)}
 
 
 def main() -> None:
@@ -105,9 +118,17 @@ def main() -> None:
     p.add_argument("--tokenizer", default=None,
                    help="detokenize with this tokenizer (a model directory); default: none")
     p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--curve", action="store_true", help="CURVE keys on the executor link")
     args = p.parse_args()
-    records = [asyncio.run(measure(n, args.steps, args.address, args.tokenizer,
-                                   args.async_scheduling)) for n in args.running]
+    with tempfile.TemporaryDirectory() as keys:
+        if args.curve:
+            from pagedserve.core.link_security import create_keypair
+
+            create_keypair(keys, "scheduler")
+            create_keypair(keys, "executor")
+        records = [asyncio.run(measure(n, args.steps, args.address, args.tokenizer,
+                                       args.async_scheduling, keys if args.curve else ""))
+                   for n in args.running]
     print(f"{'running':>8} {'plan p50 us':>12} {'round trip p50 us':>18} {'executor p50 us':>16} "
           f"{'step period us':>15}")
     for r in records:

@@ -12,6 +12,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     """The executor's flags; defaults come through pagedserve.core.config (env, config file)."""
     p.add_argument("--scheduler-address", default="tcp://127.0.0.1:5557",
                    help="ZeroMQ address the scheduler binds (its --executor-bind)")
+    p.add_argument("--executor-key", default="",
+                   help="this executor's CURVE key pair, a NAME.key_secret file made by "
+                        "`pagedserve keys` (its NAME.key goes in the scheduler's "
+                        "--executor-allowed-keys directory)")
+    p.add_argument("--scheduler-public-key", default="",
+                   help="the scheduler's public key, its NAME.key file (with --executor-key)")
+    p.add_argument("--insecure-executor-link", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="allow a link to a scheduler on another host without keys (prompts "
+                        "cross the network in plain text)")
     p.add_argument("--device", default="auto",
                    help="cpu, cuda, cuda:1; auto: CUDA when present")
     p.add_argument("--dtype", default="auto",

@@ -17,20 +17,35 @@ from pagedserve.executor.runner import Launched
 from pagedserve.executor.worker import ExecutorConfig, Worker
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
+from pagedserve.core.link_security import (
+    KeyPair,
+    LinkSecurityError,
+    check_exposure,
+    load_keypair,
+    load_public_key,
+)
+
 log = logging.getLogger("pagedserve.executor")
 HELLO_INTERVAL_S = 1.0  # resend hello until welcomed, and as a heartbeat while idle
 
 
 class ExecutorServer:
     def __init__(self, worker: Worker, scheduler_address: str,
-                 profiler: StepProfiler | None = None) -> None:
+                 profiler: StepProfiler | None = None, key: KeyPair | None = None,
+                 scheduler_key: bytes = b"") -> None:
+        """key and scheduler_key: this executor's CURVE key pair and the scheduler's public
+        key (pagedserve.core.link_security); both or neither."""
         self.worker = worker
         self.profiler = profiler
         self.executor_id = uuid.uuid4().hex
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if key is not None:
+            self.sock.curve_secretkey, self.sock.curve_publickey = key.secret, key.public
+            self.sock.curve_serverkey = scheduler_key
         self.sock.connect(scheduler_address)
         self.stopping = False
+        self._refused = False  # told once in the log
 
     def _hello(self) -> None:
         hello = pb.Hello(capacity=self.worker.capacity, executor_id=self.executor_id)
@@ -53,7 +68,12 @@ class ExecutorServer:
             with self._phase("recv"):
                 msg = pb.SchedulerMessage.FromString(self.sock.recv())
             kind = msg.WhichOneof("kind")
-            if kind == "welcome":
+            if kind == "refuse":
+                if not self._refused:
+                    log.warning("the scheduler refused this executor: %s; saying hello until "
+                                "it is adopted", msg.refuse.reason)
+                    self._refused = True
+            elif kind == "welcome":
                 launched = None  # a new scheduler session: whatever ran is forgotten
                 self.worker.runner.reset()
                 log.info("joined scheduler")
@@ -109,8 +129,24 @@ class ExecutorServer:
                              else pb.EXECUTION_MODE_EAGER)
 
 
+def _link_keys(args: argparse.Namespace) -> tuple[KeyPair | None, bytes]:
+    """This executor's key pair and the scheduler's public key, or none (then the scheduler's
+    address must be on this host unless --insecure-executor-link)."""
+    if bool(args.executor_key) != bool(args.scheduler_public_key):
+        raise LinkSecurityError("give both --executor-key and --scheduler-public-key, or neither")
+    check_exposure(args.scheduler_address, bool(args.executor_key), args.insecure_executor_link)
+    if not args.executor_key:
+        return None, b""
+    return load_keypair(args.executor_key), load_public_key(args.scheduler_public_key)
+
+
 def run(args: argparse.Namespace) -> None:
     from pagedserve.core.models import resolve_model
+
+    try:
+        keys = _link_keys(args)  # before the model loads: a key problem fails at once
+    except LinkSecurityError as e:
+        raise SystemExit(f"pagedserve executor: {e}") from None
 
     cfg = ExecutorConfig(
         model=str(resolve_model(args.model)), load_format=args.load_format, device=args.device,
@@ -128,7 +164,7 @@ def run(args: argparse.Namespace) -> None:
         JitWatch().install()
     profiler = (StepProfiler(args.torch_profile_dir, args.torch_profile_steps)
                 if args.torch_profile_dir else None)
-    server = ExecutorServer(worker, args.scheduler_address, profiler)
+    server = ExecutorServer(worker, args.scheduler_address, profiler, *keys)
 
     def stop(*_: object) -> None:
         server.stopping = True

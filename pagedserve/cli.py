@@ -65,6 +65,12 @@ def _parser(file_values: dict | None = None, environ=os.environ) -> argparse.Arg
     q = sub.add_parser("quantize", help="write a 4-bit AWQ/GPTQ checkpoint of --model")
     _model_arg(q)
     quantize.add_args(q)
+    k = sub.add_parser("keys", help="make a CURVE key pair for the executor link: DIR/NAME.key "
+                                    "(public) and DIR/NAME.key_secret (kept if they exist)")
+    k.add_argument("dir", help="directory to write into")
+    k.add_argument("--name", required=True,
+                   help="e.g. scheduler, or executor (whose NAME.key goes into the scheduler's "
+                        "--executor-allowed-keys directory)")
     h = sub.add_parser("health", help="exit 0 if the server at --address is serving")
     h.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", "localhost:50051"),
                    help="the scheduler's gRPC address")
@@ -103,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "health":
         return _health(args.address, args.readiness)
+    if args.command == "keys":
+        from pagedserve.core.link_security import create_keypair
+
+        for path in create_keypair(args.dir, args.name):
+            print(path)
+        return 0
     if args.command == "quantize":
         from pagedserve.quantize import run as quantize
 

@@ -2,8 +2,12 @@
 and the one codec of the internal messages (plans out, results in).
 
 An executor connects a DEALER and says hello (with its capacity) once a second until welcomed,
-then as a heartbeat while idle. One executor is adopted at a time; a hello with a new
-executor_id replaces the current one (a restarted executor holds no KV).
+then as a heartbeat while idle. One executor is adopted at a time: another one is refused
+(it keeps saying hello) until the adopted one is lost. A lost executor is one whose connection
+closed (a process killed for real), that went silent while idle, or that left a step unanswered
+past step_timeout_s. With keys (pagedserve.core.link_security) the socket is a CURVE server
+and only executors whose public key is in the allow-list get through the handshake; without,
+the link must stay on this host.
 
 What the engine sees:
     on_joined(capacity)  an executor was welcomed: whatever ran on an earlier one is lost
@@ -30,6 +34,14 @@ import zmq.asyncio
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from pagedserve.scheduler.outputs import SchedulerOutput
 from pagedserve.scheduler.request import GenerationParams
+from zmq.utils.monitor import parse_monitor_message
+
+from pagedserve.core.link_security import (
+    LinkSecurityError,
+    allowed_keys,
+    check_exposure,
+    load_keypair,
+)
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -40,6 +52,9 @@ class LinkConfig:
 
     step_timeout_s: float = 120.0  # a step unanswered this long: its requests fail UNAVAILABLE
     heartbeat_timeout_s: float = 10.0  # silence of an idle executor (it beats every second)
+    key_file: str = ""  # the scheduler's NAME.key_secret (CURVE); empty: no keys
+    allowed_keys_dir: str = ""  # the executors' public NAME.key files
+    insecure: bool = False  # allow a link reachable from other hosts without keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,14 +77,18 @@ class ExecutorLink:
         self.capacity: pb.Capacity | None = None
         self.generation = 0
         self._ident: bytes | None = None  # the adopted executor's ZeroMQ identity
+        self._fd = -1  # its connection's file descriptor (to notice the connection close)
         self._executor_id = ""
+        self._refused: set[str] = set()  # executor ids already told (logged once each)
         self._last_seen = 0.0  # monotonic time of the executor's last message
         self._in_flight: deque[int] = deque()  # step ids sent and not answered, oldest first
         self._head_since = 0.0  # when the executor started on the oldest of them
         self._tasks: list[asyncio.Task] = []
-        self.sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self._ctx = zmq.asyncio.Context()  # its own: a CURVE authenticator is one per context
+        self._auth = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted executor may reuse its slot
 
     def attach(self, on_joined: Callable[[pb.Capacity], None],
                on_lost: Callable[[str], None]) -> None:
@@ -77,16 +96,44 @@ class ExecutorLink:
         self.on_joined, self.on_lost = on_joined, on_lost
 
     async def start(self) -> list[asyncio.Task]:
+        """Bind (raises LinkSecurityError for an exposed address without keys, or bad keys)."""
+        cfg = self.cfg
+        check_exposure(self.address, bool(cfg.key_file), cfg.insecure)
+        if cfg.key_file:
+            self._secure(cfg.key_file, cfg.allowed_keys_dir)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.bind(self.address)
         self._tasks = [asyncio.create_task(self._recv_loop(), name="link-recv"),
-                       asyncio.create_task(self._watchdog(), name="link-watchdog")]
+                       asyncio.create_task(self._watchdog(), name="link-watchdog"),
+                       asyncio.create_task(self._disconnects(self._monitor), name="link-monitor")]
         return self._tasks
+
+    def _secure(self, key_file: str, allowed_dir: str) -> None:
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        key = load_keypair(key_file)
+        if not allowed_dir:
+            raise LinkSecurityError("the scheduler has a link key but no allow-list of "
+                                    "executor keys (--executor-allowed-keys)")
+        log.info("executor link: CURVE, %d allowed executor keys in %s",
+                 len(allowed_keys(allowed_dir)), allowed_dir)
+        self._auth = AsyncioAuthenticator(self._ctx)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=allowed_dir)
+        self.sock.curve_secretkey, self.sock.curve_publickey = key.secret, key.public
+        self.sock.curve_server = True
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.sock.close()
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(linger=0)
+        self.sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.term()
 
     async def send(self, step_id: int, out: SchedulerOutput) -> None:
         """Encode and send one step's plan to the executor (encoded before the first await,
@@ -99,11 +146,12 @@ class ExecutorLink:
     # ----------------------------------------------------------------- incoming
     async def _recv_loop(self) -> None:
         while True:
-            ident, data = await self.sock.recv_multipart()
-            msg = pb.ExecutorMessage.FromString(data)
+            ident_frame, frame = await self.sock.recv_multipart(copy=False)
+            ident = ident_frame.bytes
+            msg = pb.ExecutorMessage.FromString(frame.bytes)
             kind = msg.WhichOneof("kind")
             if kind == "hello":
-                self._on_hello(ident, msg.hello)
+                self._on_hello(ident, msg.hello, frame.get(zmq.SRCFD))
             elif kind == "result" and ident == self._ident:
                 self._last_seen = time.monotonic()
                 self._on_result(msg.result)
@@ -114,24 +162,42 @@ class ExecutorLink:
         self._head_since = time.monotonic()  # the executor starts on the next one now
         self.results.put_nowait(result)
 
-    def _on_hello(self, ident: bytes, hello: pb.Hello) -> None:
+    def _on_hello(self, ident: bytes, hello: pb.Hello, fd: int) -> None:
         if ident == self._ident:
             self._last_seen = time.monotonic()
         if hello.executor_id == self._executor_id:
             return  # resent hello or heartbeat of the executor we have
+        if self._ident is not None:
+            self._refuse(ident, hello.executor_id)
+            return
         cap = hello.capacity
         log.info("executor %s joined: %d blocks x %d tokens, max_model_len %d, %s %s",
                  hello.executor_id, cap.num_kv_blocks, cap.block_size, cap.max_model_len,
                  cap.dtype, cap.device)
-        replaced = self._ident is not None
         self._ident, self._executor_id, self.capacity = ident, hello.executor_id, cap
-        self._last_seen = time.monotonic()
-        self._forget_steps("replaced by a new executor" if replaced else "")
+        self._fd, self._last_seen = fd, time.monotonic()
+        self._forget_steps("")
         self.on_joined(cap)
         self.sock.send_multipart(
             [ident, pb.SchedulerMessage(welcome=pb.Welcome(executor_id=hello.executor_id))
              .SerializeToString()])
         self.connected.set()
+
+    def _refuse(self, ident: bytes, executor_id: str) -> None:
+        why = f"executor {self._executor_id} is connected; one executor at a time"
+        if executor_id not in self._refused:
+            self._refused.add(executor_id)
+            log.warning("refused executor %s: %s (adopted if that one is lost)", executor_id, why)
+        self.sock.send_multipart(
+            [ident, pb.SchedulerMessage(refuse=pb.Refuse(reason=why)).SerializeToString()])
+
+    async def _disconnects(self, monitor: zmq.asyncio.Socket) -> None:
+        """The adopted executor's connection closed (its process died): lost at once, so a
+        restarted executor is adopted without waiting for a timeout."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["value"] == self._fd and self.connected.is_set():
+                self._lose("its connection closed")
 
     async def _watchdog(self) -> None:
         """Declare the executor lost when an idle one stops beating or a step runs too long."""
@@ -151,7 +217,7 @@ class ExecutorLink:
 
     def _lose(self, why: str, timed_out_step: int = 0) -> None:
         log.error("executor %s lost: %s; waiting for a new one", self._executor_id, why)
-        self._ident, self._executor_id = None, ""
+        self._ident, self._executor_id, self._fd = None, "", -1
         self.connected.clear()
         self._forget_steps(why, timed_out_step)
         self.on_lost(why)

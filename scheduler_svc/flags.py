@@ -13,7 +13,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0", help="bind host of the gRPC and metrics ports")
     p.add_argument("--port", type=int, default=50051, help="gRPC port of the public API")
     p.add_argument("--executor-bind", default="tcp://127.0.0.1:5557",
-                   help="ZeroMQ address the executor connects to (tcp:// or ipc://)")
+                   help="ZeroMQ address the executor connects to (tcp:// or ipc://); one that "
+                        "other hosts can reach needs keys (--scheduler-key)")
+    p.add_argument("--scheduler-key", default="",
+                   help="the scheduler's CURVE key pair for the executor link, a "
+                        "NAME.key_secret file made by `pagedserve keys`; with it the link is "
+                        "encrypted and only executors in --executor-allowed-keys get in")
+    p.add_argument("--executor-allowed-keys", default="",
+                   help="directory of the executors' public keys (NAME.key files)")
+    p.add_argument("--insecure-executor-link", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="allow binding the executor link where other hosts reach it without "
+                        "keys (prompts cross the network in plain text)")
     p.add_argument("--metrics-port", type=int, default=8000,
                    help="Prometheus /metrics HTTP port (0 disables)")
     p.add_argument("--tokenizer", default="",

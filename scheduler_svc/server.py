@@ -21,6 +21,12 @@ from pagedserve.scheduler.scheduler import SchedulerConfig
 from pagedserve.scheduler.servicer import GenerationServicer
 from pagedserve.scheduler.telemetry import Telemetry, request_log
 
+from pagedserve.core.link_security import (
+    LinkSecurityError,
+    allowed_keys,
+    check_exposure,
+    load_keypair,
+)
 from pagedserve.core.models import read_generation_eos, resolve_model
 from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
 
@@ -35,6 +41,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 async def serve(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
+    link_cfg = _link_config(args)  # before anything loads: a key problem fails at once
     model_dir = resolve_model(args.model)
     tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
@@ -53,8 +60,7 @@ async def serve(args: argparse.Namespace) -> None:
         task.add_done_callback(pending.discard)
         log.info("readiness: %s", "SERVING" if serving else "NOT_SERVING")
 
-    link = ExecutorLink(args.executor_bind,
-                        LinkConfig(args.executor_timeout_s, args.executor_heartbeat_timeout_s))
+    link = ExecutorLink(args.executor_bind, link_cfg)
     engine = Engine(_scheduler_config(args), link, tokenizer,
                     read_generation_eos(model_dir), metrics=metrics,
                     telemetry=Telemetry(metrics, tokenizer, args.log_prompts),
@@ -112,9 +118,25 @@ def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
                            swap_min_tokens=args.swap_min_tokens)
 
 
+def _link_config(args: argparse.Namespace) -> LinkConfig:
+    """The executor link's settings, its keys checked (LinkSecurityError names the problem)."""
+    if bool(args.scheduler_key) != bool(args.executor_allowed_keys):
+        raise LinkSecurityError("give both --scheduler-key and --executor-allowed-keys, or "
+                                "neither")
+    check_exposure(args.executor_bind, bool(args.scheduler_key), args.insecure_executor_link)
+    if args.scheduler_key:
+        load_keypair(args.scheduler_key)
+        allowed_keys(args.executor_allowed_keys)
+    return LinkConfig(args.executor_timeout_s, args.executor_heartbeat_timeout_s,
+                      args.scheduler_key, args.executor_allowed_keys, args.insecure_executor_link)
+
+
 def run(args: argparse.Namespace) -> None:
     _setup_request_log()
-    asyncio.run(serve(args))
+    try:
+        asyncio.run(serve(args))
+    except LinkSecurityError as e:
+        raise SystemExit(f"pagedserve scheduler: {e}") from None
 
 
 def _setup_request_log() -> None:

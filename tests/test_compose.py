@@ -28,11 +28,18 @@ def compose():
 
 def test_compose_file_is_wired(compose):
     svc = compose["services"]
-    assert set(svc) == {"scheduler", "executor", "prometheus", "grafana"}
-    assert svc["scheduler"]["image"] == svc["executor"]["image"]  # one image
-    assert "build" in svc["scheduler"]
+    assert set(svc) == {"link-keys", "scheduler", "executor", "prometheus", "grafana"}
+    images = {svc[name]["image"] for name in ("link-keys", "scheduler", "executor")}
+    assert len(images) == 1 and "build" in svc["link-keys"]  # one image, built once
     assert (ROOT / "Dockerfile").exists()
     sched, execu = svc["scheduler"]["environment"], svc["executor"]["environment"]
+    # the link binds every interface, so it has keys, from the volume link-keys fills first
+    assert sched["PAGEDSERVE_EXECUTOR_BIND"].startswith("tcp://0.0.0.0:")
+    for name in ("scheduler", "executor"):
+        assert "link-keys:/keys:ro" in svc[name]["volumes"]
+    assert svc["scheduler"]["depends_on"]["link-keys"]["condition"] == \
+        "service_completed_successfully"
+    assert "link-keys:/keys" in svc["link-keys"]["volumes"]
     bind_port = sched["PAGEDSERVE_EXECUTOR_BIND"].rsplit(":", 1)[1]
     assert execu["PAGEDSERVE_SCHEDULER_ADDRESS"] == f"tcp://scheduler:{bind_port}"
     published = {p.split(":")[1] for p in svc["scheduler"]["ports"]}
@@ -101,9 +108,11 @@ def test_dashboard_uses_only_exported_metrics():
     assert names <= Metrics("m").names(), names - Metrics("m").names()
 
 
-def _local_env(env: dict[str, str]) -> dict[str, str]:
-    """What the container would see, with the compose service names resolved to loopback."""
-    local = {k: str(v).replace("tcp://scheduler:", "tcp://127.0.0.1:") for k, v in env.items()}
+def _local_env(env: dict[str, str], keys: Path) -> dict[str, str]:
+    """What the container would see, with the compose service names resolved to loopback and
+    the link-keys volume at `keys`."""
+    local = {k: str(v).replace("tcp://scheduler:", "tcp://127.0.0.1:").replace("/keys", str(keys))
+             for k, v in env.items()}
     local.pop("PAGEDSERVE_CACHE")  # /cache is the container's volume; use the user's cache
     return {**os.environ, **local, "PYTHONUNBUFFERED": "1"}
 
@@ -115,16 +124,27 @@ def _command(service: dict) -> list[str]:
     return [sys.executable, "-m", "pagedserve.cli", *cmd[1:]]
 
 
+def _make_keys(service: dict, keys: Path) -> None:
+    """The link-keys service's shell command, with this interpreter and `keys` for /keys."""
+    shell, flag, script = service["command"]
+    assert (shell, flag) == ("sh", "-c")
+    cli = f"{shlex.quote(sys.executable)} -m pagedserve.cli"
+    script = script.replace("pagedserve keys", f"{cli} keys").replace("/keys", str(keys))
+    subprocess.run([shell, flag, script], check=True, timeout=120)
+
+
 def test_compose_services_run_and_answer(compose, model_dir, tmp_path):
     from pagedserve.client import Client
 
     svc = compose["services"]
+    keys = tmp_path / "keys"
+    _make_keys(svc["link-keys"], keys)
     procs = []
     try:
         for name in ("scheduler", "executor"):
             log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115
             procs.append(subprocess.Popen(_command(svc[name]), env=_local_env(
-                svc[name]["environment"]), stdout=log, stderr=subprocess.STDOUT))
+                svc[name]["environment"], keys), stdout=log, stderr=subprocess.STDOUT))
         port = svc["scheduler"]["environment"]["PAGEDSERVE_PORT"]
         health = [sys.executable, "-m", "pagedserve.cli", "health", "--address",
                   f"127.0.0.1:{port}"]

@@ -111,12 +111,16 @@ class Stack:
     """`pagedserve scheduler` and `pagedserve executor` as two processes, as compose runs them,
     so that a test can kill, pause or replace the executor."""
 
-    def __init__(self, tmp: Path, *scheduler_flags: str) -> None:
+    def __init__(self, tmp: Path, *scheduler_flags: str, executor_flags: tuple[str, ...] = (),
+                 link_host: str = "127.0.0.1") -> None:
+        """link_host: where the scheduler binds the executor link (0.0.0.0 needs keys)."""
         self.tmp = tmp
+        self.executor_flags = executor_flags
         self.port, self.zmq_port, self.metrics_port = free_port(), free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.bind = f"tcp://{link_host}:{self.zmq_port}"
         self.scheduler = self._start("scheduler", "--host", "127.0.0.1", "--port", str(self.port),
-                                     "--executor-bind", f"tcp://127.0.0.1:{self.zmq_port}",
+                                     "--executor-bind", self.bind,
                                      "--metrics-port", str(self.metrics_port), *scheduler_flags)
         self.executors = 0
         self.executor = self.start_executor()
@@ -128,10 +132,11 @@ class Stack:
                                 stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
-    def start_executor(self) -> subprocess.Popen:
+    def start_executor(self, *flags: str) -> subprocess.Popen:
+        """Another executor; flags replace the stack's executor_flags."""
         self.executors += 1
         return self._start("executor", "--scheduler-address", f"tcp://127.0.0.1:{self.zmq_port}",
-                           log_name=f"executor{self.executors}")
+                           *(flags or self.executor_flags), log_name=f"executor{self.executors}")
 
     def wait_health(self, status: int, service: str = READINESS, timeout: float = 120.0) -> float:
         """Seconds until `service` reports status."""
