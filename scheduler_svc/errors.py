@@ -17,7 +17,8 @@ from pagedserve.scheduler.streams import EngineError
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """InvalidRequest -> INVALID_ARGUMENT, EngineError -> its code; a request that is not valid
-    protobuf (e.g. a string field holding invalid UTF-8) -> INVALID_ARGUMENT naming the field."""
+    protobuf (e.g. a string field holding invalid UTF-8) or whose 32-bit field got a larger
+    number (which protobuf would silently truncate) -> INVALID_ARGUMENT naming the field."""
 
     async def intercept_service(self, continuation: Callable, details: Any) -> Any:
         handler = await continuation(details)
@@ -87,24 +88,32 @@ def _input_type(method: str) -> Descriptor | None:
 def _lenient(deserialize: Callable, input_type: Descriptor) -> Callable:
     def parse(data: bytes) -> Any:
         try:
-            return deserialize(data)
+            msg = deserialize(data)
         except DecodeError as e:
             return _Unparsable(_explain(data, input_type) or f"request: not valid protobuf: {e}")
+        truncated = _truncated_int(data, input_type, msg)
+        return msg if truncated is None else _Unparsable(truncated)
 
     return parse
 
 
+# the twins of generate.proto: string fields as bytes (to find invalid UTF-8 the strict parser
+# rejects), 32-bit integers as 64-bit (to see the number a client sent before truncation)
+_TWINS = {"bytes": {FieldDescriptor.TYPE_STRING: FieldDescriptor.TYPE_BYTES},
+          "wide": {FieldDescriptor.TYPE_INT32: FieldDescriptor.TYPE_INT64,
+                   FieldDescriptor.TYPE_UINT32: FieldDescriptor.TYPE_UINT64,
+                   FieldDescriptor.TYPE_SINT32: FieldDescriptor.TYPE_SINT64}}
+
+
 @functools.cache
-def _bytes_twin_pool() -> descriptor_pool.DescriptorPool:
-    """generate.proto with every string field turned into bytes, to parse what the strict parser
-    rejects and find the field with invalid UTF-8."""
+def _twin(kind: str, full_name: str) -> type:
     fdp = descriptor_pb2.FileDescriptorProto()
     generate_pb2.DESCRIPTOR.CopyToProto(fdp)
+    fdp.name = f"{kind}_twin/{fdp.name}"
 
     def relax(msg: descriptor_pb2.DescriptorProto) -> None:
         for f in msg.field:
-            if f.type == FieldDescriptor.TYPE_STRING:
-                f.type = FieldDescriptor.TYPE_BYTES
+            f.type = _TWINS[kind].get(f.type, f.type)
         for nested in msg.nested_type:
             relax(nested)
 
@@ -112,18 +121,41 @@ def _bytes_twin_pool() -> descriptor_pool.DescriptorPool:
         relax(m)
     pool = descriptor_pool.DescriptorPool()
     pool.Add(fdp)
-    return pool
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(full_name))
 
 
 def _explain(data: bytes, input_type: Descriptor) -> str | None:
-    cls = message_factory.GetMessageClass(
-        _bytes_twin_pool().FindMessageTypeByName(input_type.full_name))
     try:
-        msg = cls.FromString(data)
+        msg = _twin("bytes", input_type.full_name).FromString(data)
     except DecodeError:
         return None
     path = _bad_utf8_field(msg, "")
     return f"{path}: not valid UTF-8" if path else None
+
+
+def _truncated_int(data: bytes, input_type: Descriptor, strict: Any) -> str | None:
+    """The first 32-bit field whose value the client sent wider (protobuf keeps its low bits)."""
+    wide = _twin("wide", input_type.full_name).FromString(data)
+    return _first_difference(wide, strict, "")
+
+
+def _first_difference(wide: Any, strict: Any, prefix: str) -> str | None:
+    for field, value in wide.ListFields():
+        name = prefix + field.name
+        mine = getattr(strict, field.name)
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            pairs = zip(value, mine, strict=True) if field.is_repeated else [(value, mine)]
+            for i, (w, s) in enumerate(pairs):
+                where = f"{name}[{i}]." if field.is_repeated else name + "."
+                if (found := _first_difference(w, s, where)) is not None:
+                    return found
+        elif field.type in (FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64,
+                            FieldDescriptor.TYPE_SINT64) and value != mine:
+            if field.is_repeated:
+                i = next(i for i, (a, b) in enumerate(zip(value, mine, strict=True)) if a != b)
+                return f"{name}[{i}]: {value[i]} does not fit in 32 bits"
+            return f"{name}: {value} does not fit in 32 bits"
+    return None
 
 
 def _bad_utf8_field(msg: Any, prefix: str) -> str | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.scheduler.chat import ChatError, ChatRenderer
 from pagedserve.scheduler.request import GenerationParams
 
 MAX_STOP_STRINGS = 16
@@ -31,21 +32,16 @@ class Limits:
 class InputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
+        self.chat = ChatRenderer(tokenizer)
 
     def encode_text(self, text: str) -> list[int]:
         return list(self.tok.encode(text))
 
     def encode_chat(self, chat: api.ChatMessages) -> list[int]:
-        if not chat.messages:
-            raise InvalidRequest("chat.messages: at least one message is required")
-        msgs = [{"role": m.role, "content": m.content} for m in chat.messages]
         try:
-            ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # template errors (unknown role, bad order) are the client's
-            raise InvalidRequest(f"chat.messages: the chat template rejected them: {e}") from e
-        if not isinstance(ids, list):  # BatchEncoding in recent transformers
-            ids = ids["input_ids"]
-        return list(ids)
+            return self.chat.encode([(m.role, m.content) for m in chat.messages])
+        except ChatError as e:
+            raise InvalidRequest(str(e)) from e
 
     def prompt_ids(self, req: api.GenerateRequest | api.TokenizeRequest) -> list[int]:
         kind = req.WhichOneof("input")

@@ -64,6 +64,32 @@ def test_invalid_utf8_in_stop_string_names_the_field(service):
     assert service.client.complete(text="Hello", max_tokens=1)[1]
 
 
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+@pytest.mark.parametrize("field,extra", [
+    ("priority", bytes([6 << 3]) + _varint(-(2**40))),  # GenerateRequest.priority = 6
+    ("sampling.max_tokens", bytes([5 << 3 | 2, 6, 1 << 3]) + _varint(2**32 + 5)),
+])
+def test_a_number_too_wide_for_its_32_bit_field_is_refused_not_truncated(service, field, extra):
+    raw = build_request(text="hi").SerializeToString() + extra
+    call = service.client.channel.unary_stream(
+        "/pagedserve.v1.Generation/Generate", request_serializer=None,
+        response_deserializer=api.GenerateResponse.FromString)
+    with pytest.raises(grpc.RpcError) as err:
+        list(call(raw, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"{field}: ")
+    assert err.value.details().endswith("does not fit in 32 bits")
+
+
 def test_cancel_frees_blocks_within_a_step(service):
     stream = service.client.stub.Generate(
         build_request(text="Count: 1, 2, 3,", max_tokens=500, ignore_eos=True, temperature=0),
