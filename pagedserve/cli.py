@@ -80,6 +80,8 @@ def _parser(file_values: dict | None = None, environ=os.environ) -> argparse.Arg
     g = sub.add_parser("generate", help="stream a completion from a running server")
     g.add_argument("prompt", help="prompt text, or - to read it from stdin")
     g.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", "localhost:50051"))
+    g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="sent as 'authorization: Bearer <key>' [env PAGEDSERVE_API_KEY]")
     g.add_argument("--chat", action="store_true", help="send as a user message (chat template)")
     g.add_argument("--system", help="system message (with --chat)")
     g.add_argument("--max-tokens", type=int)
@@ -233,7 +235,7 @@ def _generate(args: argparse.Namespace) -> int:
         source = {"chat": chat}
     else:
         source = {"text": prompt}
-    with Client(args.address) as client:
+    with Client(args.address, args.api_key) as client:
         try:
             for chunk in client.generate(
                 **source, max_tokens=args.max_tokens, temperature=args.temperature,

@@ -56,9 +56,11 @@ def build_request(
 
 
 class Client:
-    def __init__(self, address: str = "localhost:50051") -> None:
+    def __init__(self, address: str = "localhost:50051", api_key: str | None = None) -> None:
+        """api_key: sent as 'authorization: Bearer <key>' (a server with --api-keys needs it)."""
         self.channel = grpc.insecure_channel(address)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def __enter__(self) -> Client:
         return self
@@ -75,7 +77,8 @@ class Client:
     def generate(self, text: str | None = None, *, timeout: float | None = None,
                  **kwargs) -> Iterator[api.GenerateResponse]:
         """Stream responses; breaking out of the loop cancels the request on the server."""
-        call = self.stub.Generate(build_request(text, **kwargs), timeout=timeout)
+        call = self.stub.Generate(build_request(text, **kwargs), timeout=timeout,
+                                  metadata=self.metadata)
         try:
             yield from call
         finally:
@@ -92,7 +95,8 @@ class Client:
         return "".join(parts), ids, last
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.stub.Tokenize(api.TokenizeRequest(text=text)).token_ids)
+        return list(self.stub.Tokenize(api.TokenizeRequest(text=text),
+                                       metadata=self.metadata).token_ids)
 
     def model_info(self) -> api.ModelInfo:
-        return self.stub.GetModelInfo(api.GetModelInfoRequest())
+        return self.stub.GetModelInfo(api.GetModelInfoRequest(), metadata=self.metadata)

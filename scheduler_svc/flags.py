@@ -25,6 +25,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    default=False,
                    help="allow binding the executor link where other hosts reach it without "
                         "keys (prompts cross the network in plain text)")
+    p.add_argument("--api-keys", default="",
+                   help="YAML file of API keys and their tenants (priority range, concurrent "
+                        "requests, tokens per minute; see scheduler_svc/tenants.py); clients "
+                        "send 'authorization: Bearer <key>'. Empty: the API is open to anyone "
+                        "who reaches the port")
+    p.add_argument("--enable-reflection", action=argparse.BooleanOptionalAction, default=True,
+                   help="gRPC server reflection (grpcurl lists and calls the API without the "
+                        ".proto)")
     p.add_argument("--metrics-port", type=int, default=8000,
                    help="Prometheus /metrics HTTP port (0 disables)")
     p.add_argument("--tokenizer", default="",

@@ -34,7 +34,8 @@ PRIORITY_CLASSES = ("-2", "-1", "0", "1", "2")
 FINISH_REASONS = ("stop", "length")
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTION_MODES = ("eager", "cuda_graph")
-REFUSAL_REASONS = ("queue_full",)
+REFUSAL_REASONS = ("queue_full", "unauthenticated")
+TENANT_OUTCOMES = ("admitted", "denied", "throttled")  # denied: priority; throttled: a quota
 _LATENCY = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 _LONG = (.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL = (.005, .01, .02, .03, .05, .075, .1, .15, .2, .3, .5, 1, 2.5)
@@ -83,7 +84,9 @@ def priority_class(priority: int) -> str:
 
 
 class Metrics:
-    def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model_name: str = "", registry: CollectorRegistry | None = None,
+                 tenants: tuple[str, ...] = ()) -> None:
+        """tenants: the API keys file's tenant names (the only values of the tenant label)."""
         r = self.registry = registry or CollectorRegistry()
         m = model_name
         self.model_name = m
@@ -125,6 +128,13 @@ class Metrics:
             "num_priority_preemptions", "Running requests preempted to admit a higher-priority one")
         self.refused = by(Counter, "num_requests_refused", "Requests refused at admission",
                           "reason", REFUSAL_REASONS)
+        per_tenant = Counter(PREFIX + "tenant_requests", "Requests by tenant and outcome",
+                             ["model_name", "tenant", "outcome"], registry=r)
+        self.tenant_requests = {t: {o: per_tenant.labels(m, t, o) for o in TENANT_OUTCOMES}
+                                for t in tenants}
+        generated = Counter(PREFIX + "tenant_generation_tokens", "Tokens generated, by tenant",
+                            ["model_name", "tenant"], registry=r)
+        self.tenant_generation_tokens = {t: generated.labels(m, t) for t in tenants}
         self.prefix_queries = counter("prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found cached")

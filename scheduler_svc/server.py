@@ -20,6 +20,7 @@ from pagedserve.scheduler.metrics import Metrics
 from pagedserve.scheduler.scheduler import SchedulerConfig
 from pagedserve.scheduler.servicer import GenerationServicer
 from pagedserve.scheduler.telemetry import Telemetry, request_log
+from pagedserve.scheduler.tenants import Tenants, TenantsError
 
 from pagedserve.core.link_security import (
     LinkSecurityError,
@@ -42,11 +43,12 @@ async def serve(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     link_cfg = _link_config(args)  # before anything loads: a key problem fails at once
+    tenants = Tenants.from_file(args.api_keys) if args.api_keys else None
     model_dir = resolve_model(args.model)
     tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
     model_name = args.served_model_name or args.model
-    metrics = Metrics(model_name)
+    metrics = Metrics(model_name, tenants=tuple(tenants.by_name) if tenants else ())
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.host)
     health_servicer = health.aio.HealthServicer()
@@ -68,11 +70,15 @@ async def serve(args: argparse.Namespace) -> None:
                     async_scheduling=args.async_scheduling)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])
     generate_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine, InputProcessor(tokenizer), model_name), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+        GenerationServicer(engine, InputProcessor(tokenizer), model_name, tenants), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)  # open: probes
+    if args.enable_reflection:
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
+    if tenants is None:
+        log.warning("no --api-keys: the API is open to anyone who reaches %s:%d", args.host,
+                    args.port)
     await health_servicer.set(LIVENESS, SERVING)  # the process answers
     await health_servicer.set(SERVICE, NOT_SERVING)  # until an executor is connected
     address = f"{args.host}:{args.port}"
@@ -135,7 +141,7 @@ def run(args: argparse.Namespace) -> None:
     _setup_request_log()
     try:
         asyncio.run(serve(args))
-    except LinkSecurityError as e:
+    except (LinkSecurityError, TenantsError) as e:
         raise SystemExit(f"pagedserve scheduler: {e}") from None
 
 

@@ -11,16 +11,41 @@ from pagedserve.protos.v1 import generate_pb2_grpc
 from pagedserve.scheduler.engine import Engine
 from pagedserve.scheduler.inputs import InputProcessor, Limits, validate
 from pagedserve.scheduler.streams import Chunk, EngineError
+from pagedserve.scheduler.tenants import Admission, Tenant, Tenants
 
 _FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH}
 READY_TIMEOUT_S = 30.0
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine, inputs: InputProcessor, model_name: str) -> None:
+    def __init__(self, engine: Engine, inputs: InputProcessor, model_name: str,
+                 tenants: Tenants | None = None) -> None:
+        """tenants: API keys and what each tenant may ask for; None: open to everyone."""
         self.engine = engine
         self.inputs = inputs
         self.model_name = model_name
+        self.tenants = tenants
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant | None:
+        if self.tenants is None:
+            return None
+        try:
+            return self.tenants.authenticate(context.invocation_metadata())
+        except EngineError:
+            self.engine.metrics.refused["unauthenticated"].inc()
+            raise
+
+    def _admit(self, tenant: Tenant | None, priority: int, prompt_len: int) -> Admission | None:
+        if tenant is None:
+            return None
+        outcomes = self.engine.metrics.tenant_requests[tenant.name]
+        try:
+            admission = self.tenants.admit(tenant, priority, prompt_len)
+        except EngineError as e:
+            outcomes["denied" if e.code == "PERMISSION_DENIED" else "throttled"].inc()
+            raise
+        outcomes["admitted"].inc()
+        return admission
 
     async def _limits(self) -> Limits:
         if not await self.engine.wait_ready(READY_TIMEOUT_S):
@@ -31,13 +56,22 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: api.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[api.GenerateResponse]:
+        tenant = self._tenant(context)
         if self.engine.draining:
             raise EngineError("UNAVAILABLE", "server is draining")
         limits = await self._limits()
         prompt = await asyncio.to_thread(self.inputs.prompt_ids, request)
         params = validate(request, prompt, limits)
-        stream = self.engine.submit(request.request_id, prompt, params, request.priority,
-                                    timeout=context.time_remaining())
+        admission = self._admit(tenant, request.priority, len(prompt))
+        try:
+            stream = self.engine.submit(request.request_id, prompt, params,
+                                        admission.priority if admission else request.priority,
+                                        timeout=context.time_remaining())
+        except EngineError:
+            if admission is not None:
+                admission.release(0)
+            raise
+        stream.tenant = tenant.name if tenant else ""
         rid = stream.req.external_id
         try:
             while True:
@@ -60,10 +94,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     return
         finally:  # client cancelled, or the stream ended: free the request's blocks now
             self.engine.abort(stream)
+            if admission is not None:
+                admission.release(stream.num_tokens)
+                self.engine.metrics.tenant_generation_tokens[tenant.name].inc(stream.num_tokens)
 
     async def Tokenize(  # noqa: N802
         self, request: api.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> api.TokenizeResponse:
+        self._tenant(context)
         ids = await asyncio.to_thread(self.inputs.prompt_ids, request)
         tokens = self.inputs.tok.convert_ids_to_tokens(ids)
         return api.TokenizeResponse(token_ids=ids, tokens=tokens)
@@ -71,6 +109,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def GetModelInfo(  # noqa: N802
         self, request: api.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> api.ModelInfo:
+        self._tenant(context)
         await self._limits()
         cap = self.engine.link.capacity
         return api.ModelInfo(

@@ -55,6 +55,7 @@ class RequestStream:
     deadline: float = float("inf")
     priority_class: str = "0"  # the metrics' priority label
     num_tokens: int = 0  # output tokens pushed
+    tenant: str = ""  # the API key's tenant ("" when the service runs without keys)
     held: Chunk | None = None  # tokens not yet queued (stream_interval)
 
     @classmethod

@@ -140,6 +140,8 @@ class Telemetry:
             "ttft_s": since_arrival(stream.first_token_at),
             "e2e_s": round(now - stream.arrival, 6),
         }
+        if stream.tenant:
+            rec["tenant"] = stream.tenant
         if self.log_prompts and self.tokenizer is not None:
             rec["prompt"] = self.tokenizer.decode(req.token_ids[:req.prompt_len])
         return rec

@@ -1,0 +1,65 @@
+"""API keys map to tenants; the tenant bounds priority, concurrency and tokens per minute."""
+
+import hashlib
+
+import pytest
+from pagedserve.scheduler.streams import EngineError
+from pagedserve.scheduler.tenants import Tenants, TenantsError
+
+KEYS = f"""
+tenants:
+  paying: {{priority: [-2, 0], max_concurrent: 2}}
+  free: {{priority: [1, 2], tokens_per_minute: 600}}
+keys:
+  - {{key: sk-pay, tenant: paying}}
+  - {{sha256: {hashlib.sha256(b"sk-free").hexdigest()}, tenant: free}}
+"""
+
+
+@pytest.fixture
+def tenants(tmp_path):
+    (tmp_path / "keys.yaml").write_text(KEYS)
+    return Tenants.from_file(tmp_path / "keys.yaml")
+
+
+def code(fn, *args):
+    with pytest.raises(EngineError) as e:
+        fn(*args)
+    return e.value.code, str(e.value), e.value.retry_after_s
+
+
+def test_keys_map_to_tenants_and_anything_else_is_unauthenticated(tenants):
+    assert tenants.authenticate([("authorization", "Bearer sk-pay")]).name == "paying"
+    assert tenants.authenticate([("x", "y"), ("authorization", "Bearer sk-free")]).name == "free"
+    for metadata in ([], [("authorization", "Bearer sk-nope")], [("authorization", "sk-pay")]):
+        assert code(tenants.authenticate, metadata)[0] == "UNAUTHENTICATED"
+
+
+def test_the_tenant_bounds_priority(tenants):
+    paying, free = tenants.by_name["paying"], tenants.by_name["free"]
+    assert tenants.admit(paying, -2, 10).priority == -2
+    assert tenants.admit(free, 0, 10).priority == 1  # 0: the tenant's default
+    assert code(tenants.admit, free, -2, 10)[:2] == (
+        "PERMISSION_DENIED", "priority -2 is outside what tenant free may ask for (1..2)")
+
+
+def test_concurrency_and_tokens_per_minute(tenants):
+    paying, free = tenants.by_name["paying"], tenants.by_name["free"]
+    first, _ = tenants.admit(paying, 0, 5), tenants.admit(paying, 0, 5)
+    assert code(tenants.admit, paying, 0, 5)[0] == "RESOURCE_EXHAUSTED"
+    first.release(3)
+    tenants.admit(paying, 0, 5)  # a slot is free again
+    a = tenants.admit(free, 1, 400)
+    a.release(150)  # 600 - 400 - 150 = 50 left, refilled at 10 a second
+    status, _, retry = code(tenants.admit, free, 1, 100)
+    assert status == "RESOURCE_EXHAUSTED" and 4.0 < retry <= 5.0
+    assert code(tenants.admit, free, 1, 601)[0] == "RESOURCE_EXHAUSTED"  # never fits
+
+
+@pytest.mark.parametrize("text", ["tenants: {a: {priority: [2, 1]}}\nkeys: [{key: k, tenant: a}]",
+                                  "tenants: {a: {}}\nkeys: [{key: k, tenant: b}]",
+                                  "tenants: {a: {}}\nkeys: []"])
+def test_bad_files_are_refused(tmp_path, text):
+    (tmp_path / "k.yaml").write_text(text)
+    with pytest.raises(TenantsError):
+        Tenants.from_file(tmp_path / "k.yaml")
