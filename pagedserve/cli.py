@@ -78,6 +78,8 @@ def _parser(file_values: dict | None = None, environ=os.environ) -> argparse.Arg
                    help="check readiness (an executor is connected; the default), or with "
                         "--no-readiness liveness (the process answers)")
     g = sub.add_parser("generate", help="stream a completion from a running server")
+    for client in (h, g):
+        _tls_args(client)
     g.add_argument("prompt", help="prompt text, or - to read it from stdin")
     g.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", "localhost:50051"))
     g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "health":
-        return _health(args.address, args.readiness)
+        return _health(args)
     if args.command == "keys":
         from pagedserve.core.link_security import create_keypair
 
@@ -205,15 +207,34 @@ def _forward(add_args, args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def _health(address: str, readiness: bool) -> int:
+def _tls_args(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument("--tls", action="store_true", help="TLS, verified against the system's CAs")
+    p.add_argument("--tls-ca", default=env("PAGEDSERVE_TLS_CA"),
+                   help="PEM CA to verify the server with (implies --tls) [env PAGEDSERVE_TLS_CA]")
+    p.add_argument("--tls-cert", default=env("PAGEDSERVE_TLS_CERT"),
+                   help="client certificate for mutual TLS [env PAGEDSERVE_TLS_CERT]")
+    p.add_argument("--tls-key", default=env("PAGEDSERVE_TLS_KEY"),
+                   help="its private key [env PAGEDSERVE_TLS_KEY]")
+
+
+def _tls_of(args: argparse.Namespace) -> dict:
+    return {"tls": args.tls, "tls_ca": args.tls_ca, "tls_cert": args.tls_cert,
+            "tls_key": args.tls_key}
+
+
+def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from pagedserve.client import channel as open_channel
     from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
 
-    service = HEALTH_READINESS if readiness else HEALTH_LIVENESS
+    service = HEALTH_READINESS if args.readiness else HEALTH_LIVENESS
     request = health_pb2.HealthCheckRequest(service=service)
-    with grpc.insecure_channel(address) as channel:
+    tls = _tls_of(args)
+    with open_channel(args.address, tls["tls"], tls["tls_ca"], tls["tls_cert"],
+                      tls["tls_key"]) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
         except grpc.RpcError as e:
@@ -235,7 +256,7 @@ def _generate(args: argparse.Namespace) -> int:
         source = {"chat": chat}
     else:
         source = {"text": prompt}
-    with Client(args.address, args.api_key) as client:
+    with Client(args.address, args.api_key, **_tls_of(args)) as client:
         try:
             for chunk in client.generate(
                 **source, max_tokens=args.max_tokens, temperature=args.temperature,

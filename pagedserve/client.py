@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import grpc
 
@@ -55,10 +56,27 @@ def build_request(
     return req
 
 
+def channel(address: str, tls: bool = False, ca: str | None = None, cert: str | None = None,
+            key: str | None = None) -> grpc.Channel:
+    """A channel to the server: plain, or TLS (tls, or any file given) verified against `ca`
+    (default: the system's roots), presenting `cert`/`key` for mutual TLS."""
+    if not (tls or ca or cert or key):
+        return grpc.insecure_channel(address)
+
+    def read(path: str | None) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(read(ca), read(key),
+                                                                     read(cert)))
+
+
 class Client:
-    def __init__(self, address: str = "localhost:50051", api_key: str | None = None) -> None:
-        """api_key: sent as 'authorization: Bearer <key>' (a server with --api-keys needs it)."""
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str = "localhost:50051", api_key: str | None = None, *,
+                 tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
+        """api_key: sent as 'authorization: Bearer <key>' (a server with --api-keys needs it);
+        tls_*: see channel()."""
+        self.channel = channel(address, tls, tls_ca, tls_cert, tls_key)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 

@@ -30,6 +30,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "requests, tokens per minute; see scheduler_svc/tenants.py); clients "
                         "send 'authorization: Bearer <key>'. Empty: the API is open to anyone "
                         "who reaches the port")
+    p.add_argument("--tls-cert", default="",
+                   help="PEM certificate chain: the gRPC API (and /metrics) speak TLS; files "
+                        "are re-read when they change or on SIGHUP")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default="",
+                   help="PEM CA certificates: clients must present a certificate they signed "
+                        "(mutual TLS)")
     p.add_argument("--enable-reflection", action=argparse.BooleanOptionalAction, default=True,
                    help="gRPC server reflection (grpcurl lists and calls the API without the "
                         ".proto)")

@@ -179,6 +179,9 @@ class Metrics:
         """Every sample name this registry exports (e.g. for checking dashboards)."""
         return {s.name for family in self.registry.collect() for s in family.samples}
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
+    def serve(self, port: int, host: str = "0.0.0.0", certfile: str = "",
+              keyfile: str = "") -> None:
+        """/metrics over HTTP, or HTTPS with certfile and keyfile."""
         disable_created_metrics()  # no *_created series: they double what Prometheus stores
-        start_http_server(port, addr=host, registry=self.registry)
+        start_http_server(port, addr=host, registry=self.registry, certfile=certfile or None,
+                          keyfile=keyfile or None)

@@ -21,6 +21,7 @@ from pagedserve.scheduler.scheduler import SchedulerConfig
 from pagedserve.scheduler.servicer import GenerationServicer
 from pagedserve.scheduler.telemetry import Telemetry, request_log
 from pagedserve.scheduler.tenants import Tenants, TenantsError
+from pagedserve.scheduler.tls import CertificateFiles, TLSError
 
 from pagedserve.core.link_security import (
     LinkSecurityError,
@@ -44,13 +45,14 @@ async def serve(args: argparse.Namespace) -> None:
 
     link_cfg = _link_config(args)  # before anything loads: a key problem fails at once
     tenants = Tenants.from_file(args.api_keys) if args.api_keys else None
+    tls = _tls(args)
     model_dir = resolve_model(args.model)
     tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
     model_name = args.served_model_name or args.model
     metrics = Metrics(model_name, tenants=tuple(tenants.by_name) if tenants else ())
     if args.metrics_port:
-        metrics.serve(args.metrics_port, args.host)
+        metrics.serve(args.metrics_port, args.host, args.tls_cert, args.tls_key)
     health_servicer = health.aio.HealthServicer()
     loop = asyncio.get_running_loop()
 
@@ -82,7 +84,12 @@ async def serve(args: argparse.Namespace) -> None:
     await health_servicer.set(LIVENESS, SERVING)  # the process answers
     await health_servicer.set(SERVICE, NOT_SERVING)  # until an executor is connected
     address = f"{args.host}:{args.port}"
-    if server.add_insecure_port(address) == 0:
+    if tls is not None:
+        bound = server.add_secure_port(address, tls.credentials())
+        loop.add_signal_handler(signal.SIGHUP, tls.reload)
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
         raise SystemExit(f"cannot bind gRPC port {address}")
     # Everything loaded so far (tokenizer, protobuf descriptors, ...) lives as long as the
     # process; frozen, it is out of the collector's reach, so a full collection (which lands
@@ -124,6 +131,17 @@ def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
                            swap_min_tokens=args.swap_min_tokens)
 
 
+def _tls(args: argparse.Namespace) -> CertificateFiles | None:
+    if not (args.tls_cert or args.tls_key or args.tls_client_ca):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise TLSError("TLS needs both --tls-cert and --tls-key")
+    try:
+        return CertificateFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
+    except (OSError, ValueError) as e:
+        raise TLSError(f"TLS certificate files: {e}") from e
+
+
 def _link_config(args: argparse.Namespace) -> LinkConfig:
     """The executor link's settings, its keys checked (LinkSecurityError names the problem)."""
     if bool(args.scheduler_key) != bool(args.executor_allowed_keys):
@@ -141,7 +159,7 @@ def run(args: argparse.Namespace) -> None:
     _setup_request_log()
     try:
         asyncio.run(serve(args))
-    except (LinkSecurityError, TenantsError) as e:
+    except (LinkSecurityError, TenantsError, TLSError) as e:
         raise SystemExit(f"pagedserve scheduler: {e}") from None
 
 
