@@ -29,6 +29,8 @@
 #   ab        before/after: W1 on 8B and 1B, throughput settings, an older tree (BASELINE=<dir>,
 #             its own harness, commit from BASELINE_COMMIT or <dir>/.commit) and this one
 #             alternated for AB_ROUNDS rounds (default 2); REPORT.md pairs them
+#   curve     the executor link's CURVE keys against none: W1 on 1B, throughput settings,
+#             plain/curve/curve/plain; records carry curve and ab (baseline: no keys)
 # Records go to $B/records (PAGEDSERVE_RESULTS), logs, profiles and dumps to $B; all of it comes
 # back as $OUT/bundle.tgz (the device returns at most 8 files). Back here:
 #   tar xzf bundle.tgz -C /tmp/b && .venv/bin/python -m benchmarks.common add /tmp/b/records/*
@@ -99,6 +101,26 @@ ab_run() {  # side (baseline or current), round, model directory name
   python3 -m benchmarks.common add --into $B/records --set ab="$side" --set ab_round="$2" \
     --set ab_session="$AB_SESSION" "${files[@]}"
 }
+curve() {  # W1 1B with and without CURVE keys on the executor link, alternated
+  local k=/tmp/linkkeys side extra
+  python3 -m pagedserve.cli keys $k/s --name scheduler >/dev/null
+  python3 -m pagedserve.cli keys $k/e --name executor >/dev/null
+  mkdir -p $k/a && cp $k/e/executor.key $k/a/
+  local keyed=(--server-flag=--scheduler-key --server-flag=$k/s/scheduler.key_secret
+               --server-flag=--executor-allowed-keys --server-flag=$k/a
+               --server-flag=--executor-key --server-flag=$k/e/executor.key_secret
+               --server-flag=--scheduler-public-key --server-flag=$k/s/scheduler.key)
+  local session; session=$(date -u +%Y-%m-%dT%H%M)-curve
+  for side in plain curve curve plain; do
+    extra=(); [ $side = curve ] && extra=("${keyed[@]}")
+    mkdir -p /tmp/curve_$side
+    PAGEDSERVE_RESULTS=/tmp/curve_$side fast W1 M1 "${extra[@]}"
+  done
+  python3 -m benchmarks.common add --into $B/records --set ab=baseline --set curve=false \
+    --set ab_session="$session" /tmp/curve_plain/throughput.jsonl
+  python3 -m benchmarks.common add --into $B/records --set ab=current --set curve=true \
+    --set ab_session="$session" /tmp/curve_curve/throughput.jsonl
+}
 ab() {
   [ -d "${BASELINE:-}" ] || { echo "ab: set BASELINE=<dir of the older tree>"; return; }
   AB_BASE=${BASELINE_COMMIT:-$(cat "$BASELINE/.commit" 2>/dev/null || echo baseline)}
@@ -162,6 +184,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       timeout "${QUANT_S:-420}" python3 benchmarks/quant/bench_w4a16.py --out $B/records \
         ${QUANT_BENCH:-} 2>&1 | tee $B/bench_w4a16.log | grep -v " done$" | tail -30 ;;
     ab) ab ;;
+    curve) curve ;;
     *) echo "unknown part $part" ;;
   esac
   save
