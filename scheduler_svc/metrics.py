@@ -16,6 +16,7 @@ import bisect
 import itertools
 import math
 import threading
+from collections.abc import Callable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -180,8 +181,13 @@ class Metrics:
         return {s.name for family in self.registry.collect() for s in family.samples}
 
     def serve(self, port: int, host: str = "0.0.0.0", certfile: str = "",
-              keyfile: str = "") -> None:
-        """/metrics over HTTP, or HTTPS with certfile and keyfile."""
+              keyfile: str = "") -> Callable[[], None]:
+        """/metrics over HTTP, or HTTPS with certfile and keyfile. Returns what re-reads those
+        files for new connections (a no-op over HTTP)."""
         disable_created_metrics()  # no *_created series: they double what Prometheus stores
-        start_http_server(port, addr=host, registry=self.registry, certfile=certfile or None,
-                          keyfile=keyfile or None)
+        httpd, _ = start_http_server(port, addr=host, registry=self.registry,
+                                     certfile=certfile or None, keyfile=keyfile or None)
+        if not certfile:
+            return lambda: None
+        context = httpd.socket.context  # the listening socket's: each handshake reads it
+        return lambda: context.load_cert_chain(certfile, keyfile)

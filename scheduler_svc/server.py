@@ -52,7 +52,10 @@ async def serve(args: argparse.Namespace) -> None:
     model_name = args.served_model_name or args.model
     metrics = Metrics(model_name, tenants=tuple(tenants.by_name) if tenants else ())
     if args.metrics_port:
-        metrics.serve(args.metrics_port, args.host, args.tls_cert, args.tls_key)
+        reload_metrics_tls = metrics.serve(args.metrics_port, args.host, args.tls_cert,
+                                           args.tls_key)
+        if tls is not None:
+            tls.follow(reload_metrics_tls)
     health_servicer = health.aio.HealthServicer()
     loop = asyncio.get_running_loop()
 
@@ -87,6 +90,7 @@ async def serve(args: argparse.Namespace) -> None:
     if tls is not None:
         bound = server.add_secure_port(address, tls.credentials())
         loop.add_signal_handler(signal.SIGHUP, tls.reload)
+        pending.add(loop.create_task(tls.watch(), name="tls-watch"))  # until the process ends
     else:
         bound = server.add_insecure_port(address)
     if bound == 0:

@@ -4,8 +4,10 @@ after SIGHUP), so rotated certificates apply to new connections while open strea
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -25,6 +27,7 @@ class CertificateFiles:
         self.client_ca = bool(client_ca)
         self._stamp = self._mtimes()
         self._forced = False
+        self._followers: list[Callable[[], None]] = []
         self.initial = self._load()
 
     def credentials(self) -> grpc.ServerCredentials:
@@ -32,8 +35,29 @@ class CertificateFiles:
             self.initial, self.fetch, require_client_authentication=self.client_ca)
 
     def reload(self) -> None:
-        """Re-read the files at the next handshake (SIGHUP)."""
+        """Re-read the files at the next handshake, and run the followers now (SIGHUP)."""
         self._forced = True
+        self._run_followers()
+
+    def follow(self, reload: Callable[[], None]) -> None:
+        """Also call reload (e.g. the metrics server's) whenever the files change."""
+        self._followers.append(reload)
+
+    async def watch(self, period_s: float = 5.0) -> None:
+        """Run the followers when the files change (gRPC itself checks at each handshake)."""
+        stamp = self._mtimes()
+        while True:
+            await asyncio.sleep(period_s)
+            if (now := self._mtimes()) != stamp:
+                stamp = now
+                self._run_followers()
+
+    def _run_followers(self) -> None:
+        for reload in self._followers:
+            try:
+                reload()
+            except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+                log.error("TLS certificate reload failed, keeping the previous one: %s", e)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """Called by gRPC before each handshake: a new configuration, or None to keep it."""

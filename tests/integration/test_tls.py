@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import ssl
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -77,6 +80,17 @@ def generate_ok(channel: grpc.Channel) -> bool:
     return bool(list(stub.Generate(build_request(text="Hello", max_tokens=2), timeout=60)))
 
 
+def scrape_ok(port: int, ca: CA) -> bool:
+    """/metrics over HTTPS, verified against ca."""
+    context = ssl.create_default_context(cadata=ca.pem().decode())
+    try:
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", timeout=5,
+                                    context=context) as r:
+            return b"pagedserve:" in r.read()
+    except (urllib.error.URLError, ssl.SSLError, ConnectionError):
+        return False
+
+
 def start(tmp: Path, *flags: str) -> Service:
     return Service(tmp / "serve.log", *flags)  # its plain client is not used: TLS only
 
@@ -97,6 +111,7 @@ def test_tls_serves_verified_clients_and_picks_up_rotated_certificates(tmp_path,
         channel = secure(svc.address, first)
         wait_ready(svc, channel)
         assert generate_ok(channel)
+        assert scrape_ok(svc.metrics_port, first)  # /metrics is HTTPS with the same pair
         assert not ready(grpc.insecure_channel(svc.address))  # plain text gets nothing
         assert not ready(secure(svc.address, second))  # nor a client trusting another CA
         # rotate: the new pair, from another CA, written over the files
@@ -106,6 +121,10 @@ def test_tls_serves_verified_clients_and_picks_up_rotated_certificates(tmp_path,
         assert ready(secure(svc.address, second))  # new connections get the new certificate
         assert not ready(secure(svc.address, first))
         assert "TLS certificates reloaded" in svc.log_path.read_text()
+        deadline = time.monotonic() + 15  # /metrics follows within its watch period
+        while not scrape_ok(svc.metrics_port, second):
+            assert time.monotonic() < deadline, "/metrics kept the old certificate"
+            time.sleep(0.5)
     finally:
         svc.stop()
 
