@@ -66,7 +66,12 @@ class ExecutorServer:
                     self._hello()
                 continue
             with self._phase("recv"):
-                msg = pb.SchedulerMessage.FromString(self.sock.recv())
+                data = self.sock.recv()
+            try:
+                msg = pb.SchedulerMessage.FromString(data)
+            except Exception as e:  # the scheduler's socket is the only peer; never crash on it
+                log.warning("dropped a malformed frame from the scheduler: %s", e)
+                continue
             kind = msg.WhichOneof("kind")
             if kind == "refuse":
                 if not self._refused:

@@ -146,12 +146,18 @@ class ExecutorLink:
     # ----------------------------------------------------------------- incoming
     async def _recv_loop(self) -> None:
         while True:
-            ident_frame, frame = await self.sock.recv_multipart(copy=False)
-            ident = ident_frame.bytes
-            msg = pb.ExecutorMessage.FromString(frame.bytes)
+            frames = await self.sock.recv_multipart(copy=False)
+            ident = frames[0].bytes
+            msg, why = decode_executor_message(frames[1:], self.capacity)
+            if msg is None:  # logged and dropped; from the adopted executor it is a failure
+                log.warning("dropped a malformed frame from %s: %s",
+                            "the executor" if ident == self._ident else "a peer", why)
+                if ident == self._ident and self.connected.is_set():
+                    self._lose(f"it sent a malformed frame ({why})")
+                continue
             kind = msg.WhichOneof("kind")
             if kind == "hello":
-                self._on_hello(ident, msg.hello, frame.get(zmq.SRCFD))
+                self._on_hello(ident, msg.hello, frames[1].get(zmq.SRCFD))
             elif kind == "result" and ident == self._ident:
                 self._last_seen = time.monotonic()
                 self._on_result(msg.result)
@@ -228,6 +234,36 @@ class ExecutorLink:
             self.results.put_nowait(LinkDown(why, self.generation, timed_out_step))
         self.generation += 1
         self._in_flight.clear()
+
+
+def decode_executor_message(frames: list, capacity: pb.Capacity | None,
+                            ) -> tuple[pb.ExecutorMessage | None, str]:
+    """One message from a peer, checked so that nothing in it can break the scheduler: one
+    frame of valid protobuf; a result's ids and tokens pair up and tokens lie in the
+    vocabulary; a hello carries a usable capacity. (None, why) otherwise."""
+    if len(frames) != 1:
+        return None, f"{len(frames)} frames, expected 1"
+    try:
+        msg = pb.ExecutorMessage.FromString(frames[0].bytes)
+    except Exception as e:  # DecodeError, and whatever else a hostile byte string provokes
+        return None, f"not an ExecutorMessage: {e}"
+    kind = msg.WhichOneof("kind")
+    if kind == "result":
+        r = msg.result
+        if len(r.req_ids) != len(r.sampled_token_ids):
+            return None, "a result whose request ids and tokens do not pair up"
+        vocab = capacity.vocab_size if capacity is not None else 0
+        if r.sampled_token_ids and (min(r.sampled_token_ids) < 0
+                                    or (vocab and max(r.sampled_token_ids) >= vocab)):
+            return None, "a result with a token outside the vocabulary"
+    elif kind == "hello":
+        cap = msg.hello.capacity
+        if not msg.hello.executor_id or min(cap.num_kv_blocks, cap.block_size,
+                                            cap.max_model_len, cap.vocab_size) < 1:
+            return None, "a hello without an executor id or a usable capacity"
+    elif kind is None:
+        return None, "an empty message"
+    return msg, ""
 
 
 def wire_sampling(params: GenerationParams) -> pb.Sampling:

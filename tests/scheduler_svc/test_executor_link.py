@@ -121,3 +121,33 @@ def test_a_step_left_unanswered_loses_the_executor_naming_the_step(tmp_path):
         await link.close()
 
     asyncio.run(main())
+
+
+def test_malformed_frames_are_dropped_and_the_adopted_executor_sending_one_is_lost(tmp_path):
+    async def main():
+        address = f"ipc://{tmp_path}/link"
+        link = ExecutorLink(address, LinkConfig(step_timeout_s=5, heartbeat_timeout_s=60))
+        lost = []
+        link.attach(lambda cap: None, lost.append)
+        tasks = await link.start()
+        stranger = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(address)
+        for frames in ([b"\x0a\xff\xff\xff\xff\x0f garbage"], [b"a", b"b"], [b""],
+                       [pb.ExecutorMessage(hello=pb.Hello(executor_id="x")).SerializeToString()]):
+            await stranger.send_multipart(frames)
+        ex = Executor(address, "exec-a")
+        assert (await ex.hello()).welcome.executor_id == "exec-a"  # the link still serves
+        assert not any(t.done() for t in tasks) and lost == []
+        req = Request(1, "r", 2, [5, 6], GenerationParams(max_tokens=4))
+        await link.send(1, one_request_step(req, 0, 2, [0], new=True))
+        await ex.recv()
+        await ex.answer(1, [1, 2], [9])  # ids and tokens do not pair up
+        down = await asyncio.wait_for(link.results.get(), 5)
+        assert isinstance(down, LinkDown) and "malformed frame" in lost[0]
+        assert not any(t.done() for t in tasks)
+        stranger.close()
+        ex.sock.close()
+        await link.close()
+
+    asyncio.run(main())
