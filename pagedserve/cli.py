@@ -13,9 +13,9 @@ import time
 
 from pagedserve.core import config
 from pagedserve.core.models import resolve_model
+from pagedserve.supervise import Supervised
 
 log = logging.getLogger("pagedserve")
-EXECUTOR_RESTARTS = 5  # within a serve session, before giving up
 
 
 CONFIG_HELP = ("YAML file of settings, keys as the flags' dest names (e.g. max_num_seqs; "
@@ -137,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """Start both processes; restart a dead executor. On SIGINT/SIGTERM drain the scheduler
-    first (the executor keeps running the admitted requests), then stop the executor."""
+    """Start both processes and restart either when it dies (pagedserve.supervise: at most 5
+    restarts in 60 s, with backoff). On SIGINT/SIGTERM drain the scheduler first (the executor
+    keeps running the admitted requests), then stop the executor."""
     resolve_model(args.model)  # convert a GGUF once, before two processes race for it
     from pagedserve.executor import flags as executor
     from pagedserve.scheduler import flags as scheduler
@@ -160,25 +161,16 @@ def _serve(args: argparse.Namespace) -> int:
     # needs (a decode step takes several times longer); let them sleep instead.
     exec_env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
     # Own process groups: a terminal's Ctrl-C reaches serve alone, which stops them in order.
-    sched = subprocess.Popen(sched_cmd, process_group=0)
-    execu = subprocess.Popen(exec_cmd, env=exec_env, process_group=0)
-    restarts, code = 0, 0
+    sched = Supervised("scheduler", lambda: subprocess.Popen(sched_cmd, process_group=0))
+    execu = Supervised("executor", lambda: subprocess.Popen(exec_cmd, env=exec_env,
+                                                            process_group=0))
+    code = 0
     while not stopping:
         time.sleep(0.2)
-        if sched.poll() is not None:
-            log.error("scheduler exited with %s", sched.returncode)
-            code = sched.returncode or 1
+        if not (sched.check() and execu.check()):  # restarts spent within their window
+            code = 1
             break
-        if execu.poll() is not None:
-            if restarts >= EXECUTOR_RESTARTS:
-                log.error("executor exited %d times; giving up", restarts + 1)
-                code = 1
-                break
-            restarts += 1
-            log.warning("executor exited with %s; restarting (%d/%d)", execu.returncode,
-                        restarts, EXECUTOR_RESTARTS)
-            execu = subprocess.Popen(exec_cmd, env=exec_env, process_group=0)
-    codes = [_terminate(sched, args.drain_timeout_s + 15), _terminate(execu, 15)]
+    codes = [_terminate(sched.proc, args.drain_timeout_s + 15), _terminate(execu.proc, 15)]
     log.info("scheduler exited with %s, executor with %s", *codes)
     return code or (0 if codes == [0, 0] else 1)
 

@@ -20,7 +20,8 @@ ALLOWED = {
     "pagedserve.scheduler": {"pagedserve.core", "pagedserve.protos"},
     "pagedserve.executor": {"pagedserve.core", "pagedserve.protos", "pagedserve.kernels"},
 }
-TOP = {"pagedserve.cli", "pagedserve.client", "pagedserve.quantize"}  # nothing imports these
+TOP = {"pagedserve.cli", "pagedserve.client", "pagedserve.quantize",  # nothing imports these
+       "pagedserve.supervise"}
 
 
 def package_dir(package: str) -> Path:

@@ -52,3 +52,26 @@ def test_an_executor_killed_mid_stream_is_noticed_at_once_and_its_requests_recom
         ids.extend(chunk.token_ids)
     assert ids == hf_greedy[4]
     assert stack.wait_health(SERVING) < 1
+
+
+def test_serve_restarts_a_scheduler_killed_for_real(tmp_path, model_dir, hf_greedy):
+    import psutil
+
+    from tests.integration.service import Service
+
+    svc = Service(tmp_path / "serve.log")
+    try:
+        svc.wait_serving()
+        serve = psutil.Process(svc.proc.pid)
+        [scheduler] = [p for p in serve.children() if "scheduler" in p.cmdline()]
+        scheduler.kill()
+        deadline = time.monotonic() + 120
+        while health(svc.client.channel) != SERVING:  # a new scheduler; the executor rejoins
+            assert svc.proc.poll() is None and time.monotonic() < deadline, \
+                svc.log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        _, ids, _ = svc.client.complete(chat=CHAT, temperature=0, max_tokens=24)
+        assert ids == hf_greedy[4]
+        assert "scheduler exited with -9; restarting" in svc.log_path.read_text()
+    finally:
+        assert svc.stop() == 0
