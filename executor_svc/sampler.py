@@ -11,6 +11,22 @@ from dataclasses import dataclass
 
 import torch
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """A bijection of 64-bit integers that scatters nearby inputs (SplitMix64's finalizer)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw at a position: for a given position,
+    distinct 64-bit seeds give distinct generator seeds (no two seeds alias)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ position)
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingSpec:
@@ -64,7 +80,7 @@ class Sampler:
             gen = self.unseeded
             if spec.seed is not None:
                 gen = torch.Generator(device=probs.device)
-                gen.manual_seed((spec.seed * 1_000_003 + pos) % (2**63))
+                gen.manual_seed(position_seed(spec.seed, pos))
             noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 

@@ -1,5 +1,5 @@
 import torch
-from pagedserve.executor.sampler import Sampler, SamplingSpec
+from pagedserve.executor.sampler import Sampler, SamplingSpec, position_seed
 
 CPU = torch.device("cpu")
 
@@ -54,3 +54,12 @@ def test_sampling_follows_the_distribution():
     spec = [SamplingSpec(temperature=1.0, seed=99)]
     ones = sum(Sampler(CPU)(x, spec, [p])[0] for p in range(4000))
     assert 0.72 < ones / 4000 < 0.78
+
+
+def test_seeds_a_power_of_two_apart_do_not_alias():
+    x = torch.zeros(1, 1000)  # uniform: the draw is the generator's alone
+    for a, b in ((5, 5 + 2**63), (0, 2**63), (7, 7 + 2**32)):
+        draws = [[Sampler(CPU)(x, [SamplingSpec(temperature=1.0, seed=s)], [p])[0]
+                  for p in range(8)] for s in (a, b)]
+        assert draws[0] != draws[1], (a, b)
+    assert len({position_seed(s, 3) for s in (1, 1 + 2**63, 2**64 - 1)}) == 3
