@@ -37,6 +37,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-client-ca", default="",
                    help="PEM CA certificates: clients must present a certificate they signed "
                         "(mutual TLS)")
+    p.add_argument("--max-input-bytes", type=int, default=0,
+                   help="most UTF-8 bytes of text or chat input per request, refused before "
+                        "tokenizing (0: 32 per token of max_model_len)")
     p.add_argument("--enable-reflection", action=argparse.BooleanOptionalAction, default=True,
                    help="gRPC server reflection (grpcurl lists and calls the API without the "
                         ".proto)")

@@ -29,10 +29,19 @@ class Limits:
     vocab_size: int
 
 
+BYTES_PER_TOKEN_BOUND = 32  # no tokenizer here averages more bytes per token than this
+
+
 class InputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, max_input_bytes: int = 0) -> None:
+        """max_input_bytes: the most UTF-8 bytes of text (or chat text) tokenized for one
+        request; 0: BYTES_PER_TOKEN_BOUND per token of max_model_len once that is known."""
         self.tok = tokenizer
         self.chat = ChatRenderer(tokenizer)
+        self.max_input_bytes = max_input_bytes
+
+    def byte_limit(self, max_model_len: int) -> int:
+        return self.max_input_bytes or BYTES_PER_TOKEN_BOUND * max_model_len
 
     def encode_text(self, text: str) -> list[int]:
         return list(self.tok.encode(text))
@@ -42,6 +51,21 @@ class InputProcessor:
             return self.chat.encode([(m.role, m.content) for m in chat.messages])
         except ChatError as e:
             raise InvalidRequest(str(e)) from e
+
+    def check_size(self, req: api.GenerateRequest | api.TokenizeRequest,
+                   max_model_len: int) -> None:
+        """Refuse input too large to be a prompt before any tokenizing work is spent on it."""
+        kind = req.WhichOneof("input")
+        if kind == "token_ids":
+            n, most, unit = len(req.token_ids.ids), max_model_len, "token ids"
+        elif kind in ("text", "chat"):
+            text = req.text if kind == "text" else (m.role + m.content for m in req.chat.messages)
+            n = sum(len(t.encode()) for t in ([text] if kind == "text" else text))
+            most, unit = self.byte_limit(max_model_len), "bytes"
+        else:
+            return
+        if n > most:
+            raise InvalidRequest(f"{kind}: {n} {unit}, more than the {most} a prompt may have")
 
     def prompt_ids(self, req: api.GenerateRequest | api.TokenizeRequest) -> list[int]:
         kind = req.WhichOneof("input")

@@ -75,7 +75,8 @@ async def serve(args: argparse.Namespace) -> None:
                     async_scheduling=args.async_scheduling)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])
     generate_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine, InputProcessor(tokenizer), model_name, tenants), server)
+        GenerationServicer(engine, InputProcessor(tokenizer, args.max_input_bytes), model_name,
+                           tenants), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)  # open: probes
     if args.enable_reflection:
         reflection.enable_server_reflection(

@@ -15,6 +15,7 @@ from pagedserve.scheduler.tenants import Admission, Tenant, Tenants
 
 _FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH}
 READY_TIMEOUT_S = 30.0
+MAX_MODEL_LEN_BOUND = 1 << 20  # Tokenize before an executor joined: no model is longer
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -60,6 +61,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if self.engine.draining:
             raise EngineError("UNAVAILABLE", "server is draining")
         limits = await self._limits()
+        self.inputs.check_size(request, limits.max_model_len)
         prompt = await asyncio.to_thread(self.inputs.prompt_ids, request)
         params = validate(request, prompt, limits)
         admission = self._admit(tenant, request.priority, len(prompt))
@@ -102,6 +104,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: api.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> api.TokenizeResponse:
         self._tenant(context)
+        cap = self.engine.link.capacity  # none yet: bound by the largest model length there is
+        self.inputs.check_size(request, cap.max_model_len if cap else MAX_MODEL_LEN_BOUND)
         ids = await asyncio.to_thread(self.inputs.prompt_ids, request)
         tokens = self.inputs.tok.convert_ids_to_tokens(ids)
         return api.TokenizeResponse(token_ids=ids, tokens=tokens)

@@ -90,6 +90,19 @@ def test_a_number_too_wide_for_its_32_bit_field_is_refused_not_truncated(service
     assert err.value.details().endswith("does not fit in 32 bits")
 
 
+def test_a_huge_prompt_is_refused_before_tokenizing(service):
+    text = "word " * 200_000  # 1 MB; the default model's limit is 32 bytes x 8192 tokens
+    for call in (lambda: list(service.client.stub.Generate(build_request(text=text),
+                                                          timeout=30)),
+                 lambda: service.client.stub.Tokenize(api.TokenizeRequest(text=text),
+                                                      timeout=30)):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == "text: 1000000 bytes, more than the 262144 a prompt may have"
+    assert service.client.complete(text="Hello", max_tokens=1)[1]
+
+
 def test_cancel_frees_blocks_within_a_step(service):
     stream = service.client.stub.Generate(
         build_request(text="Count: 1, 2, 3,", max_tokens=500, ignore_eos=True, temperature=0),

@@ -58,3 +58,25 @@ def test_prompt_sources(tokenizer):
                          (api.GenerateRequest(chat=api.ChatMessages()), "^chat.messages")):
         with pytest.raises(InvalidRequest, match=field):
             ip.prompt_ids(empty)
+
+
+def test_input_too_large_is_refused_before_tokenizing(tokenizer):
+    class Untouchable:  # a tokenizer that must not be asked
+        chat_template, added_tokens_decoder = "", {}
+
+        def encode(self, text):
+            raise AssertionError("tokenized")
+
+    inputs = InputProcessor(Untouchable())
+    big = api.GenerateRequest(text="x" * 3201)  # 32 bytes per token of max_model_len 100
+    with pytest.raises(InvalidRequest, match=r"^text: 3201 bytes, more than the 3200"):
+        inputs.check_size(big, 100)
+    chat = api.GenerateRequest(chat=api.ChatMessages(
+        messages=[api.ChatMessage(role="user", content="y" * 3200)]))
+    with pytest.raises(InvalidRequest, match=r"^chat: 3204 bytes"):
+        inputs.check_size(chat, 100)
+    ids = api.GenerateRequest(token_ids=api.TokenIds(ids=[1] * 101))
+    with pytest.raises(InvalidRequest, match=r"^token_ids: 101 token ids, more than the 100"):
+        inputs.check_size(ids, 100)
+    inputs.check_size(api.GenerateRequest(text="x" * 3200), 100)  # at the limit: fine
+    assert InputProcessor(Untouchable(), max_input_bytes=10).byte_limit(100) == 10
