@@ -29,6 +29,8 @@ from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedserve.scheduler.streams import EngineError, RequestStream
 from pagedserve.scheduler.telemetry import StepTiming, Telemetry
 
+from pagedserve.core.memory import release_free_memory
+
 log = logging.getLogger("pagedserve.scheduler")
 
 
@@ -67,6 +69,7 @@ class Engine:
         self._ready = asyncio.Event()  # set once the first executor joined (limits known)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._busy_since_trim = False
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -124,6 +127,7 @@ class Engine:
                       priority, arrival_seq=rid)
         stream = RequestStream.open(req, self.tokenizer, self._decode, timeout)
         self.streams.add(stream)
+        self._busy_since_trim = True
         self.scheduler.add(req)
         self.metrics.prompt_tokens.inc(len(prompt))
         self._wake.set()
@@ -213,6 +217,9 @@ class Engine:
         wait for a request, a finish or an abort."""
         if not sched.has_work():
             sched.check_idle()
+            if self._busy_since_trim:  # a burst ended: its freed memory goes back to the OS
+                release_free_memory()
+                self._busy_since_trim = False
         self._wake.clear()
         await self._wake.wait()
 
