@@ -3,6 +3,7 @@ timeouts): garbage on the executor address, an executor killed for real mid-stre
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -10,7 +11,7 @@ import zmq
 from grpc_health.v1 import health_pb2
 
 from pagedserve.client import build_request
-from tests.integration.service import Stack, health
+from tests.integration.service import Stack, health, scrape
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -75,3 +76,48 @@ def test_serve_restarts_a_scheduler_killed_for_real(tmp_path, model_dir, hf_gree
         assert "scheduler exited with -9; restarting" in svc.log_path.read_text()
     finally:
         assert svc.stop() == 0
+
+
+def test_an_executor_killed_in_a_long_prefill_loses_nothing(stack, model_dir, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = " ".join(f"item{i}" for i in range(900))  # ~3,500 tokens: a prefill of seconds
+    ids = tokenizer.encode(prompt)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                              pad_token_id=tokenizer.pad_token_id or 2)[0, len(ids):].tolist()
+    stream = stack.client.stub.Generate(build_request(token_ids=ids, temperature=0,
+                                                      max_tokens=6), timeout=180)
+    time.sleep(0.5)  # in its prefill now
+    stack.executor.kill()
+    stack.executor.wait()
+    stack.executor = stack.start_executor()
+    got = [t for chunk in stream for t in chunk.token_ids]
+    assert got == want
+    log = (stack.tmp / "scheduler.log").read_text()
+    [record] = [json.loads(line) for line in log.splitlines()
+                if line.startswith('{"event": "request_finished"')
+                and f'"prompt_tokens": {len(ids)},' in line]
+    assert record["preemptions"] == 1  # recomputed on the new executor, from its prompt
+
+
+def test_a_cancel_storm_leaks_no_blocks(stack, hf_greedy):
+    streams = [stack.client.stub.Generate(build_request(text=f"Story {i}:", max_tokens=200,
+                                                        ignore_eos=True), timeout=60)
+               for i in range(40)]
+    for i, s in enumerate(streams):
+        if i % 2:
+            next(s)  # some after their first token, some before
+        s.cancel()
+    deadline = time.monotonic() + 30
+    while True:
+        m = scrape(stack.metrics_port)
+        if m["pagedserve:num_requests_running"] == m["pagedserve:num_requests_waiting"] == 0:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"]
+    _, ids, _ = stack.client.complete(chat=CHAT, temperature=0, max_tokens=24)
+    assert ids == hf_greedy[4]
