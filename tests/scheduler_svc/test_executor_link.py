@@ -151,3 +151,30 @@ def test_malformed_frames_are_dropped_and_the_adopted_executor_sending_one_is_lo
         await link.close()
 
     asyncio.run(main())
+
+
+def test_results_from_any_peer_but_the_adopted_executor_are_ignored(tmp_path):
+    async def main():
+        address = f"ipc://{tmp_path}/link"
+        link = ExecutorLink(address, LinkConfig(step_timeout_s=5, heartbeat_timeout_s=60))
+        link.attach(lambda cap: None, lambda why: None)
+        await link.start()
+        stale, current = Executor(address, "before-restart"), Executor(address, "current")
+        await stale.hello()
+        link._lose("restarted")  # as a lost executor: the next hello is adopted
+        link.results.get_nowait()  # its LinkDown
+        assert (await current.hello()).welcome.executor_id == "current"
+        req = Request(1, "r", 2, [5, 6], GenerationParams(max_tokens=4))
+        await link.send(1, one_request_step(req, 0, 2, [0], new=True))
+        await current.recv()
+        await stale.answer(1, [1], [66])  # the old executor answers the step: dropped
+        await asyncio.sleep(0.2)
+        assert link.results.empty()
+        await current.answer(1, [1], [7])
+        got = await asyncio.wait_for(link.results.get(), 5)
+        assert list(got.sampled_token_ids) == [7]
+        stale.sock.close()
+        current.sock.close()
+        await link.close()
+
+    asyncio.run(main())
