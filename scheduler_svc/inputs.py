@@ -55,17 +55,13 @@ class InputProcessor:
     def check_size(self, req: api.GenerateRequest | api.TokenizeRequest,
                    max_model_len: int) -> None:
         """Refuse input too large to be a prompt before any tokenizing work is spent on it."""
-        kind = req.WhichOneof("input")
-        if kind == "token_ids":
-            n, most, unit = len(req.token_ids.ids), max_model_len, "token ids"
-        elif kind in ("text", "chat"):
-            text = req.text if kind == "text" else (m.role + m.content for m in req.chat.messages)
-            n = sum(len(t.encode()) for t in ([text] if kind == "text" else text))
-            most, unit = self.byte_limit(max_model_len), "bytes"
-        else:
+        kind = req.WhichOneof("input")  # token ids need no work: validate() bounds them
+        if kind not in ("text", "chat"):
             return
+        texts = [req.text] if kind == "text" else [m.role + m.content for m in req.chat.messages]
+        n, most = sum(len(t.encode()) for t in texts), self.byte_limit(max_model_len)
         if n > most:
-            raise InvalidRequest(f"{kind}: {n} {unit}, more than the {most} a prompt may have")
+            raise InvalidRequest(f"{kind}: {n} bytes, more than the {most} a prompt may have")
 
     def prompt_ids(self, req: api.GenerateRequest | api.TokenizeRequest) -> list[int]:
         kind = req.WhichOneof("input")

@@ -75,8 +75,6 @@ def test_input_too_large_is_refused_before_tokenizing(tokenizer):
         messages=[api.ChatMessage(role="user", content="y" * 3200)]))
     with pytest.raises(InvalidRequest, match=r"^chat: 3204 bytes"):
         inputs.check_size(chat, 100)
-    ids = api.GenerateRequest(token_ids=api.TokenIds(ids=[1] * 101))
-    with pytest.raises(InvalidRequest, match=r"^token_ids: 101 token ids, more than the 100"):
-        inputs.check_size(ids, 100)
+    inputs.check_size(api.GenerateRequest(token_ids=api.TokenIds(ids=[1] * 101)), 100)  # cheap
     inputs.check_size(api.GenerateRequest(text="x" * 3200), 100)  # at the limit: fine
     assert InputProcessor(Untouchable(), max_input_bytes=10).byte_limit(100) == 10
