@@ -28,10 +28,10 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from pagedserve.protos.v1 import generate_pb2_grpc
 
 from benchmarks.common import write_records
 from pagedserve.client import build_request
+from pagedserve.protos.v1 import generate_pb2_grpc
 
 
 @dataclass

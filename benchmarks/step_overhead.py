@@ -31,6 +31,7 @@ VOCAB = 32
 
 def stub_executor(address: str, num_blocks: int, block_size: int, keys: str = "") -> None:
     import torch
+
     from pagedserve.executor.runner import ModelRunner
     from pagedserve.executor.sampler import Sampler
     from pagedserve.executor.server import ExecutorServer

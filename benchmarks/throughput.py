@@ -55,6 +55,7 @@ async def _send_all(address: str, prompts: list[list[int]],
     """All requests at once from one asyncio client (threads would contend for the GIL and
     read tokens later than the server sends them); (TTFT, E2EL) each, and the wall time."""
     import grpc
+
     from pagedserve.protos.v1 import generate_pb2 as api
     from pagedserve.protos.v1 import generate_pb2_grpc
 
@@ -232,9 +233,8 @@ def roofline_seconds(cfg, prompt_lens: list[int], outputs: list[int], tbps: floa
 
 
 def main() -> None:
-    from pagedserve.executor.config import ModelConfig
-
     from pagedserve.core.models import resolve_model
+    from pagedserve.executor.config import ModelConfig
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="default")

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 import torch
+
 from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM
 
 log = logging.getLogger(__name__)

@@ -6,10 +6,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.model import LlamaForCausalLM, Ops, rope_cos_sin_cache
 from pagedserve.executor.quantization import QuantConfig, convert_checkpoint
-from safetensors import safe_open
 
 RANDOM_SCALE = 0.02 / 4.6  # random 4-bit weights spread like the N(0, 0.02) float ones
 

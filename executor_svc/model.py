@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.quantization import QuantConfig, QuantizationError, W4Linear
-from torch import nn
 
 Ops = Any  # the namespace kernels.get_ops() returns
 _PACKED_ALONG_N = (".qweight", ".scales", ".zeros")  # fused parts concatenate along dim 1

@@ -7,14 +7,14 @@ from itertools import chain
 
 import numpy as np
 import torch
+
+from pagedserve.core.wire import PENDING_TOKEN
 from pagedserve.executor.block_table import BlockTableArray
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM
 from pagedserve.executor.sampler import Sampler, SamplingSpec
 from pagedserve.executor.swap import SwapSpace
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
-
-from pagedserve.core.wire import PENDING_TOKEN
 
 
 @dataclass(slots=True)

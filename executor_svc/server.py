@@ -11,11 +11,6 @@ import traceback
 import uuid
 
 import zmq
-from pagedserve.executor.jit_watch import JitWatch
-from pagedserve.executor.profiling import StepProfiler
-from pagedserve.executor.runner import Launched
-from pagedserve.executor.worker import ExecutorConfig, Worker
-from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
 from pagedserve.core.link_security import (
     KeyPair,
@@ -24,6 +19,11 @@ from pagedserve.core.link_security import (
     load_keypair,
     load_public_key,
 )
+from pagedserve.executor.jit_watch import JitWatch
+from pagedserve.executor.profiling import StepProfiler
+from pagedserve.executor.runner import Launched
+from pagedserve.executor.worker import ExecutorConfig, Worker
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
 log = logging.getLogger("pagedserve.executor")
 HELLO_INTERVAL_S = 1.0  # resend hello until welcomed, and as a heartbeat while idle

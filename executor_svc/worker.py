@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.loader import build_model

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from pagedserve.kernels._checks import (
     FLOAT_DTYPES,
     check_contiguous,

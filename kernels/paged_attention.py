@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from pagedserve.kernels._checks import FLOAT_DTYPES, check_inner_contiguous, check_out, check_tensor
 
 _LOG2E = 1.4426950408889634

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from pagedserve.kernels.w4a16_common import (
     PLANE_BLOCK,
     check_gemm_args,

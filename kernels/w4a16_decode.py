@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from pagedserve.kernels.w4a16_common import (
     check_gemm_args,
     gemm_out,

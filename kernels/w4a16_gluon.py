@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from pagedserve.kernels.w4a16_common import (
     PLANE_BLOCK,
     check_gemm_args,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
 from pagedserve.kernels.w4a16_common import x2_variants
 
 

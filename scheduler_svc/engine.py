@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.core.memory import release_free_memory
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from pagedserve.scheduler.capacity import adopt
 from pagedserve.scheduler.delivery import StreamTable
@@ -28,8 +29,6 @@ from pagedserve.scheduler.request import GenerationParams, Request
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedserve.scheduler.streams import EngineError, RequestStream
 from pagedserve.scheduler.telemetry import StepTiming, Telemetry
-
-from pagedserve.core.memory import release_free_memory
 
 log = logging.getLogger("pagedserve.scheduler")
 

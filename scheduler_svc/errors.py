@@ -10,6 +10,7 @@ import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
+
 from pagedserve.protos.v1 import generate_pb2
 from pagedserve.scheduler.inputs import InvalidRequest
 from pagedserve.scheduler.streams import EngineError

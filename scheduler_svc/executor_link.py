@@ -31,9 +31,6 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
-from pagedserve.protos.internal.v1 import executor_pb2 as pb
-from pagedserve.scheduler.outputs import SchedulerOutput
-from pagedserve.scheduler.request import GenerationParams
 from zmq.utils.monitor import parse_monitor_message
 
 from pagedserve.core.link_security import (
@@ -42,6 +39,9 @@ from pagedserve.core.link_security import (
     check_exposure,
     load_keypair,
 )
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
+from pagedserve.scheduler.outputs import SchedulerOutput
+from pagedserve.scheduler.request import GenerationParams
 
 log = logging.getLogger("pagedserve.scheduler")
 

@@ -11,6 +11,15 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from pagedserve.core.link_security import (
+    LinkSecurityError,
+    allowed_keys,
+    check_exposure,
+    load_keypair,
+)
+from pagedserve.core.models import read_generation_eos, resolve_model
+from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
 from pagedserve.protos.v1 import generate_pb2_grpc
 from pagedserve.scheduler.engine import Engine
 from pagedserve.scheduler.errors import ErrorInterceptor
@@ -22,15 +31,6 @@ from pagedserve.scheduler.servicer import GenerationServicer
 from pagedserve.scheduler.telemetry import Telemetry, request_log
 from pagedserve.scheduler.tenants import Tenants, TenantsError
 from pagedserve.scheduler.tls import CertificateFiles, TLSError
-
-from pagedserve.core.link_security import (
-    LinkSecurityError,
-    allowed_keys,
-    check_exposure,
-    load_keypair,
-)
-from pagedserve.core.models import read_generation_eos, resolve_model
-from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
 
 log = logging.getLogger("pagedserve.scheduler")
 # Health service names: "" is liveness (SERVING while the process runs), the API's own name is

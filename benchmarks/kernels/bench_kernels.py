@@ -51,10 +51,11 @@ if ARGS.dry:
 
     fix_interpreter_index()
 
-import pagedserve.kernels.paged_attention as pa  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
+
+import pagedserve.kernels.paged_attention as pa  # noqa: E402
 from pagedserve.kernels import fused, reference  # noqa: E402
 
 DEV = torch.device("cpu" if ARGS.dry else "cuda")

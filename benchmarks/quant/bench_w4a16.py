@@ -28,6 +28,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common import environment  # noqa: E402
 from pagedserve.kernels import w4a16  # noqa: E402
 from pagedserve.kernels.w4a16_decode import (  # noqa: E402
     DECODE_MAX_ROWS,
@@ -37,8 +38,6 @@ from pagedserve.kernels.w4a16_decode import (  # noqa: E402
 from pagedserve.kernels.w4a16_gluon import GluonConfig, w4a16_gluon  # noqa: E402
 from pagedserve.kernels.w4a16_prefill import PrefillConfig, w4a16_prefill  # noqa: E402
 from pagedserve.kernels.w4a16_reference import dequantize, pack_int4  # noqa: E402
-
-from benchmarks.common import environment  # noqa: E402
 
 SHAPES = [(4096, 4096), (6144, 4096), (14336, 4096), (4096, 14336)]  # (n, k): qkv/o, gate, down
 ROWS = [1, 4, 16, 32, 64, 128, 256]

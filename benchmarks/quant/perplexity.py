@@ -18,14 +18,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common import write_records  # noqa: E402
+from pagedserve.core.models import resolve_model  # noqa: E402
 from pagedserve.executor.config import ModelConfig  # noqa: E402
 from pagedserve.executor.loader import build_model  # noqa: E402
 from pagedserve.executor.model import AttentionMetadata  # noqa: E402
 from pagedserve.executor.quantization import resolve_quantization  # noqa: E402
 from pagedserve.kernels import get_ops  # noqa: E402
-
-from benchmarks.common import write_records  # noqa: E402
-from pagedserve.core.models import resolve_model  # noqa: E402
 from pagedserve.quantize import DATA, quantize  # noqa: E402
 
 BLOCK = 16

@@ -144,11 +144,12 @@ def analyse_gluon(cfg=None):
     """The Gluon kernel (kernels/w4a16_gluon.py) built for sm_90: instruction counts over the
     whole kernel (its K loop is unrolled by two: 16 wgmmas)."""
     import torch
-    from pagedserve.kernels import w4a16_gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
+
+    from pagedserve.kernels import w4a16_gluon
 
     cfg = cfg or w4a16_gluon.GluonConfig()
     xp = torch.empty(cfg.block_m, 4096, dtype=torch.bfloat16)

@@ -15,6 +15,7 @@ act-order makes exactly G channels per group. A last partial group (K % G != 0) 
 from __future__ import annotations
 
 import torch
+
 from pagedserve.executor.quantization.config import QuantizationError
 from pagedserve.kernels.w4a16_reference import pack_int4, unpack_int4
 

@@ -6,9 +6,10 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
+
 from pagedserve.executor.quantization.config import QuantConfig, QuantizationError
 from pagedserve.executor.quantization.formats import from_awq, from_gptq
-from torch import nn
 
 _PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales")}
 

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from pagedserve.executor.quantization import algorithms as alg
 from pagedserve.executor.quantization.formats import to_awq, to_gptq
-from torch import nn
 
 log = logging.getLogger(__name__)
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

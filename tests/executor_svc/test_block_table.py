@@ -1,4 +1,5 @@
 import numpy as np
+
 from pagedserve.executor.block_table import BlockTableArray
 
 

@@ -4,10 +4,10 @@ import gc
 
 import pytest
 import torch
+
 from pagedserve.executor.cuda_graphs import capture_sizes
 from pagedserve.executor.worker import ExecutorConfig, Worker
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
-
 from tests.executor_svc.test_model_gpu import hf_greedy_tokens, save_random_llama
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,12 +1,13 @@
 """The paged model against HF transformers on small random-weight configs (fp32, CPU)."""
 
-import pagedserve.kernels.reference as ops
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import pagedserve.kernels.reference as ops
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.model import AttentionMetadata
-from transformers import AutoConfig, AutoModelForCausalLM
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512)

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.worker import ExecutorConfig, Worker
 from pagedserve.kernels import get_ops
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
-from transformers import AutoConfig, AutoModelForCausalLM
-
 from tests.executor_svc.test_model import run_paged
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

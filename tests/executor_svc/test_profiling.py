@@ -3,6 +3,7 @@ import json
 
 import pytest
 import torch
+
 from pagedserve.executor.profiling import StepProfiler, timeline
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from pagedserve.executor.quantization.pipeline import (
     QuantizeOptions,
     calibration_ids,
     quantize_model,
 )
-from transformers import AutoModelForCausalLM
-
 from pagedserve.quantize import DATA
 
 LAYERS = 2

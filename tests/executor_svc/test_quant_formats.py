@@ -7,6 +7,9 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.loader import build_model, iter_safetensors
 from pagedserve.executor.quantization import (
@@ -23,8 +26,6 @@ from pagedserve.executor.quantization.pipeline import (
 )
 from pagedserve.kernels import get_ops
 from pagedserve.kernels.w4a16_reference import dequantize
-from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
 
 OPS = get_ops("torch")
 

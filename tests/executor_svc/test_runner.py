@@ -1,9 +1,9 @@
 """The runner checks each plan against its mirror of the scheduler's request state."""
 
 import pytest
+
 from pagedserve.executor.worker import ExecutorConfig, Worker
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
-
 from tests.executor_svc.test_model_gpu import save_random_llama
 
 

@@ -1,4 +1,5 @@
 import torch
+
 from pagedserve.executor.sampler import Sampler, SamplingSpec, position_seed
 
 CPU = torch.device("cpu")

@@ -1,4 +1,5 @@
 import torch
+
 from pagedserve.executor.swap import SwapSpace
 
 

@@ -10,9 +10,9 @@ import time
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from pagedserve.protos.v1 import generate_pb2 as api
 
 from pagedserve.client import build_request
+from pagedserve.protos.v1 import generate_pb2 as api
 
 INVALID = [  # (request kwargs, code, field named in the message)
     (dict(text=""), "INVALID_ARGUMENT", "text: the prompt is empty"),

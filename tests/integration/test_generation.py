@@ -5,8 +5,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from pagedserve.protos.v1 import generate_pb2 as api
 
+from pagedserve.protos.v1 import generate_pb2 as api
 from tests.integration.conftest import BUDGET, MAX_TOKENS, PROMPTS, prompt_ids, request_kwargs
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import zmq
 from grpc_health.v1 import health_pb2
-from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from tests.integration.service import Stack, free_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

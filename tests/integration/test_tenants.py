@@ -8,10 +8,10 @@ import json
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-from pagedserve.protos.v1 import generate_pb2 as api
-from pagedserve.protos.v1 import generate_pb2_grpc
 
 from pagedserve.client import Client, build_request
+from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.protos.v1 import generate_pb2_grpc
 from tests.integration.service import Service, health
 
 KEYS = """

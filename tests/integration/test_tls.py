@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagedserve.protos.v1 import generate_pb2_grpc
 
 from pagedserve.client import build_request
+from pagedserve.protos.v1 import generate_pb2_grpc
 from tests.integration.service import Service
 
 crypto = pytest.importorskip("cryptography")

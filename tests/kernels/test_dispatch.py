@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 import pytest
-from pagedserve.kernels import reference
 
 from pagedserve import kernels
+from pagedserve.kernels import reference
 
 OPS = ("write_kv_cache", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_utils import rel_err
+
 from pagedserve.kernels import reference
 from pagedserve.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
 

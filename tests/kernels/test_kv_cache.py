@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagedserve.kernels import reference
 from pagedserve.kernels.kv_cache import write_kv_cache
 

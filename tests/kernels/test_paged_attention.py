@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_utils import make_paged_batch, rel_err
+
 from pagedserve.kernels import reference
 from pagedserve.kernels.paged_attention import paged_attention
 

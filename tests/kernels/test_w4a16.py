@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from kernel_utils import rel_err
+
 from pagedserve.kernels import w4a16
 from pagedserve.kernels.w4a16_common import plane_major
 from pagedserve.kernels.w4a16_decode import DecodeConfig, w4a16_decode

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_utils import rel_err
+from test_w4a16 import make, poisoned
+
 from pagedserve.kernels import w4a16, w4a16_gluon
 from pagedserve.kernels.w4a16_reference import dequantize
-from test_w4a16 import make, poisoned
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 needs_hopper = pytest.mark.skipif(not (HOPPER and w4a16_gluon.gluon is not None),

@@ -1,4 +1,5 @@
 import pytest
+
 from pagedserve.scheduler.block_manager import BlockManager
 
 

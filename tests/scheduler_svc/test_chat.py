@@ -2,6 +2,7 @@
 spells a special token stays text."""
 
 import pytest
+
 from pagedserve.scheduler.chat import ChatError, ChatRenderer
 
 

@@ -1,4 +1,5 @@
 import pytest
+
 from pagedserve.scheduler.detokenizer import IncrementalDetokenizer, StopStringMatcher, decoder_of
 
 TEXTS = [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from pagedserve.scheduler.capacity import fit_step_bounds
 from pagedserve.scheduler.engine import Engine

@@ -6,6 +6,7 @@ import asyncio
 
 import zmq
 import zmq.asyncio
+
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkConfig, LinkDown
 from pagedserve.scheduler.outputs import ScheduledRequest, SchedulerOutput

@@ -1,4 +1,5 @@
 import pytest
+
 from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.scheduler.inputs import InputProcessor, InvalidRequest, Limits, validate
 

@@ -1,5 +1,6 @@
-from pagedserve.scheduler.metrics import BatchHistogram
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from pagedserve.scheduler.metrics import BatchHistogram
 
 
 def test_batch_histogram_exports_what_one_observe_per_value_would():

@@ -1,9 +1,8 @@
+from pagedserve.core.wire import PENDING_TOKEN
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.outputs import SchedulerOutput
 from pagedserve.scheduler.request import GenerationParams, Request, RequestStatus
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
-
-from pagedserve.core.wire import PENDING_TOKEN
 
 
 def make(num_blocks=16, block_size=4, max_seqs=8, budget=16, watermark=0, threshold=0,

@@ -3,6 +3,7 @@
 import hashlib
 
 import pytest
+
 from pagedserve.scheduler.streams import EngineError
 from pagedserve.scheduler.tenants import Tenants, TenantsError
 
