@@ -55,6 +55,12 @@ class Tenant:
         self._refilled_at = now
         return self._bucket
 
+    def charge(self, tokens: int) -> None:
+        """Take tokens from the bucket (it may go below zero: later requests wait longer)."""
+        if self.tokens_per_minute:
+            self.tokens_available(time.monotonic())
+            self._bucket -= tokens
+
 
 @dataclass(slots=True)
 class Admission:
@@ -68,9 +74,7 @@ class Admission:
         if not self.released:
             self.released = True
             self.tenant.running -= 1
-            if self.tenant.tokens_per_minute:
-                self.tenant.tokens_available(time.monotonic())
-                self.tenant._bucket -= completion_tokens
+            self.tenant.charge(completion_tokens)
 
 
 class Tenants:
@@ -138,7 +142,7 @@ class Tenants:
                 wait = (prompt_tokens - available) / (tenant.tokens_per_minute / 60.0)
                 raise EngineError("RESOURCE_EXHAUSTED", f"tenant {tenant.name} used its tokens "
                                   f"per minute; retry in about {wait:.0f} s", retry_after_s=wait)
-            tenant._bucket -= prompt_tokens
+            tenant.charge(prompt_tokens)
         tenant.running += 1
         return Admission(tenant, priority)
 
