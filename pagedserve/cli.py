@@ -224,9 +224,7 @@ def _health(args: argparse.Namespace) -> int:
 
     service = HEALTH_READINESS if args.readiness else HEALTH_LIVENESS
     request = health_pb2.HealthCheckRequest(service=service)
-    tls = _tls_of(args)
-    with open_channel(args.address, tls["tls"], tls["tls_ca"], tls["tls_cert"],
-                      tls["tls_key"]) as channel:
+    with open_channel(args.address, **_tls_of(args)) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
         except grpc.RpcError as e:

@@ -56,18 +56,18 @@ def build_request(
     return req
 
 
-def channel(address: str, tls: bool = False, ca: str | None = None, cert: str | None = None,
-            key: str | None = None) -> grpc.Channel:
-    """A channel to the server: plain, or TLS (tls, or any file given) verified against `ca`
-    (default: the system's roots), presenting `cert`/`key` for mutual TLS."""
-    if not (tls or ca or cert or key):
+def channel(address: str, *, tls: bool = False, tls_ca: str | None = None,
+            tls_cert: str | None = None, tls_key: str | None = None) -> grpc.Channel:
+    """A channel to the server: plain, or TLS (tls, or any file given) verified against
+    `tls_ca` (default: the system's roots), presenting `tls_cert`/`tls_key` for mutual TLS."""
+    if not (tls or tls_ca or tls_cert or tls_key):
         return grpc.insecure_channel(address)
 
     def read(path: str | None) -> bytes | None:
         return Path(path).read_bytes() if path else None
 
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(read(ca), read(key),
-                                                                     read(cert)))
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(
+        read(tls_ca), read(tls_key), read(tls_cert)))
 
 
 class Client:
@@ -76,7 +76,8 @@ class Client:
                  tls_key: str | None = None) -> None:
         """api_key: sent as 'authorization: Bearer <key>' (a server with --api-keys needs it);
         tls_*: see channel()."""
-        self.channel = channel(address, tls, tls_ca, tls_cert, tls_key)
+        self.channel = channel(address, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
+                               tls_key=tls_key)
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import ssl
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -112,6 +114,11 @@ def test_tls_serves_verified_clients_and_picks_up_rotated_certificates(tmp_path,
         wait_ready(svc, channel)
         assert generate_ok(channel)
         assert scrape_ok(svc.metrics_port, first)  # /metrics is HTTPS with the same pair
+        (tmp_path / "first.pem").write_bytes(first.pem())
+        cli = [sys.executable, "-m", "pagedserve.cli", "health", "--address", svc.address]
+        assert subprocess.run([*cli, "--tls-ca", str(tmp_path / "first.pem")],
+                              capture_output=True, timeout=60).returncode == 0
+        assert subprocess.run(cli, capture_output=True, timeout=60).returncode == 1
         assert not ready(grpc.insecure_channel(svc.address))  # plain text gets nothing
         assert not ready(secure(svc.address, second))  # nor a client trusting another CA
         # rotate: the new pair, from another CA, written over the files
