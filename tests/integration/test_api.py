@@ -51,16 +51,21 @@ def test_missing_input(service):
     assert err.value.details().startswith("input:")
 
 
-def test_invalid_utf8_in_stop_string_names_the_field(service):
-    raw = build_request(text="hi", stop=["ok", "XY"]).SerializeToString()
-    raw = raw.replace(b"XY", b"\xff\xfe")
+def _raw_generate_error(service, raw: bytes) -> grpc.RpcError:
+    """The error a Generate call with these request bytes ends in (sent as they are)."""
     call = service.client.channel.unary_stream(
         "/pagedserve.v1.Generation/Generate", request_serializer=None,
         response_deserializer=api.GenerateResponse.FromString)
     with pytest.raises(grpc.RpcError) as err:
         list(call(raw, timeout=30))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details() == "sampling.stop[1]: not valid UTF-8"
+    return err.value
+
+
+def test_invalid_utf8_in_stop_string_names_the_field(service):
+    raw = build_request(text="hi", stop=["ok", "XY"]).SerializeToString()
+    err = _raw_generate_error(service, raw.replace(b"XY", b"\xff\xfe"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == "sampling.stop[1]: not valid UTF-8"
     assert service.client.complete(text="Hello", max_tokens=1)[1]
 
 
@@ -79,15 +84,10 @@ def _varint(n: int) -> bytes:
     ("sampling.max_tokens", bytes([5 << 3 | 2, 6, 1 << 3]) + _varint(2**32 + 5)),
 ])
 def test_a_number_too_wide_for_its_32_bit_field_is_refused_not_truncated(service, field, extra):
-    raw = build_request(text="hi").SerializeToString() + extra
-    call = service.client.channel.unary_stream(
-        "/pagedserve.v1.Generation/Generate", request_serializer=None,
-        response_deserializer=api.GenerateResponse.FromString)
-    with pytest.raises(grpc.RpcError) as err:
-        list(call(raw, timeout=30))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details().startswith(f"{field}: ")
-    assert err.value.details().endswith("does not fit in 32 bits")
+    err = _raw_generate_error(service, build_request(text="hi").SerializeToString() + extra)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith(f"{field}: ")
+    assert err.details().endswith("does not fit in 32 bits")
 
 
 def test_a_huge_prompt_is_refused_before_tokenizing(service):
