@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.core.config import add_step_args
+from pagedserve.core.config import add_insecure_link_arg, add_step_args
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -21,10 +21,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "encrypted and only executors in --executor-allowed-keys get in")
     p.add_argument("--executor-allowed-keys", default="",
                    help="directory of the executors' public keys (NAME.key files)")
-    p.add_argument("--insecure-executor-link", action=argparse.BooleanOptionalAction,
-                   default=False,
-                   help="allow binding the executor link where other hosts reach it without "
-                        "keys (prompts cross the network in plain text)")
+    add_insecure_link_arg(p)
     p.add_argument("--api-keys", default="",
                    help="YAML file of API keys and their tenants (priority range, concurrent "
                         "requests, tokens per minute; see scheduler_svc/tenants.py); clients "

@@ -113,3 +113,12 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step (prefill chunks + decodes)")
+
+
+def add_insecure_link_arg(p: argparse.ArgumentParser) -> None:
+    """Shared by both processes (one flag under `serve`): an executor link other hosts can
+    reach, without keys, is refused unless this is given."""
+    p.add_argument("--insecure-executor-link", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="allow an executor link that other hosts can reach without keys "
+                        "(prompts cross the network in plain text)")
