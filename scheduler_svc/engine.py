@@ -186,8 +186,7 @@ class Engine:
                 return []  # about steps already given up
             for step in inflight:
                 if step.step_id == item.timed_out_step:
-                    self._fail_step(step, "UNAVAILABLE", f"the executor did not answer step "
-                                    f"{step.step_id} within {self.link.cfg.step_timeout_s:g} s")
+                    self._timed_out(step)
         if isinstance(item, LinkDown) or inflight[0].generation != self.link.generation:
             inflight.clear()  # the executor is gone; its requests are recomputed
             return []
@@ -240,6 +239,19 @@ class Engine:
         self.metrics.executor_connected.set(1 if self.link.connected.is_set() else 0)
         if self.on_readiness is not None:
             self.on_readiness(self.serving)
+
+    def _timed_out(self, step: InFlight) -> None:
+        """A step went unanswered. A stall (a paused VM, a long GC) should cost its requests
+        only a recompute on the next executor, but a request that makes the executor hang
+        would hang every executor in turn: one in a second unanswered step fails."""
+        again = []
+        for s in step.out.scheduled():
+            s.req.num_step_timeouts += 1
+            if s.req.num_step_timeouts > 1:
+                again.append(self.streams.get(s.req.req_id))
+        self.streams.fail(again, "UNAVAILABLE",
+                          f"the executor did not answer a step with this request within "
+                          f"{self.link.cfg.step_timeout_s:g} s, twice")
 
     def _fail_step(self, step: InFlight, code: str, message: str) -> None:
         self.streams.fail([self.streams.get(s.req.req_id) for s in step.out.scheduled()],

@@ -50,7 +50,7 @@ log = logging.getLogger("pagedserve.scheduler")
 class LinkConfig:
     """When the executor counts as lost (then readiness is NOT_SERVING until a new one joins)."""
 
-    step_timeout_s: float = 120.0  # a step unanswered this long: its requests fail UNAVAILABLE
+    step_timeout_s: float = 120.0  # a step unanswered this long: the executor is lost
     heartbeat_timeout_s: float = 10.0  # silence of an idle executor (it beats every second)
     key_file: str = ""  # the scheduler's NAME.key_secret (CURVE); empty: no keys
     allowed_keys_dir: str = ""  # the executors' public NAME.key files

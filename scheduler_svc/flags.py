@@ -73,7 +73,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="bound on prompt tokens queued (0: none)")
     p.add_argument("--executor-timeout-s", type=float, default=120.0,
                    help="a step not answered within this many seconds means the executor is "
-                        "lost: its requests fail with UNAVAILABLE and a new executor is awaited")
+                        "lost: its requests are recomputed on the next executor, except that "
+                        "one in a second unanswered step fails with UNAVAILABLE")
     p.add_argument("--executor-heartbeat-timeout-s", type=float, default=10.0,
                    help="an idle executor silent for this long is lost (it beats every second)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,

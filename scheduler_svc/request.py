@@ -43,6 +43,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     on_executor: bool = False  # the executor holds this request's state
     num_preemptions: int = 0
+    num_step_timeouts: int = 0  # unanswered steps it was in (the second fails it)
     sort_key: tuple[int, int] = field(init=False)  # (priority, arrival): running order
     effective_priority: int = 0  # priority improved by aging while waiting
     queued_at_step: int = 0  # scheduler step at which it (re)entered the waiting queue
