@@ -129,7 +129,12 @@ def _response(request_id: str, chunk: Chunk) -> api.GenerateResponse:
     resp = api.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids)
     if chunk.finish_reason:
         resp.finish_reason = _FINISH[chunk.finish_reason]
-        resp.stop_reason = chunk.stop_reason
+        if isinstance(chunk.stop_reason, str):
+            resp.stop_string = chunk.stop_reason
+        elif chunk.stop_reason is not None:
+            resp.stop_token_id = chunk.stop_reason
+        if chunk.stop_reason is not None:  # for clients built before the oneof
+            resp.stop_reason = str(chunk.stop_reason)
         resp.usage.prompt_tokens = chunk.prompt_tokens
         resp.usage.completion_tokens = chunk.completion_tokens
     return resp
