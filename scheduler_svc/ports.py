@@ -14,13 +14,27 @@ class BindError(Exception):
 
 
 def check_addresses(args: argparse.Namespace) -> None:
-    """BindError if --port or a tcp:// --executor-bind cannot be bound now (the real binds come
-    later, and check again)."""
+    """BindError if --port or --executor-bind cannot be bound now (the real binds come later,
+    and check again)."""
     check_free(args.host, args.port, f"--port {args.port}")
-    if args.executor_bind.startswith("tcp://"):
-        host, _, port = args.executor_bind.removeprefix("tcp://").rpartition(":")
-        check_free("0.0.0.0" if host == "*" else host.strip("[]"), int(port),
-                   f"--executor-bind {args.executor_bind}")
+    bind, flag = args.executor_bind, f"--executor-bind {args.executor_bind}"
+    if bind.startswith("tcp://"):
+        host, _, port = bind.removeprefix("tcp://").rpartition(":")
+        check_free("0.0.0.0" if host == "*" else host.strip("[]"), int(port), flag)
+    elif bind.startswith("ipc://"):
+        check_ipc_free(bind.removeprefix("ipc://"), flag)
+
+
+def check_ipc_free(path: str, flag: str) -> None:
+    """BindError if a process listens on the Unix socket `path`. ZeroMQ's own bind would not
+    say so: it replaces the file, and the other process's executor could no longer reach it."""
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(path)
+        except OSError:
+            return  # no file, or one left by a process that is gone: ZeroMQ replaces it
+    raise BindError(f"{flag}: cannot listen on {path}: another process listens there (is "
+                    "another server running?)")
 
 
 def check_free(host: str, port: int, flag: str) -> None:

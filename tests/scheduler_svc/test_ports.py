@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import socket
 
 import pytest
+import zmq
 
 from pagedserve.scheduler import server
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkBindError
-from pagedserve.scheduler.ports import BindError, check_free
+from pagedserve.scheduler.ports import BindError, check_addresses, check_free
 
 
 def test_check_free_names_the_flag_of_a_busy_port():
@@ -24,6 +26,30 @@ def test_check_free_names_the_flag_of_a_busy_port():
         with pytest.raises(BindError, match="^--port 1: cannot resolve 'no.such.host.invalid'"):
             check_free("no.such.host.invalid", 1, "--port 1")
     check_free("127.0.0.1", port, f"--port {port}")  # free again once closed
+
+
+def test_an_ipc_executor_bind_in_use_is_refused(tmp_path):
+    """ZeroMQ binds a second ROUTER to the same ipc:// path without complaint (taking the path
+    from the first); the check refuses it, and accepts the file a dead process left."""
+    path = tmp_path / "link"
+    flag = f"--executor-bind ipc://{path}"
+    args = argparse.Namespace(host="127.0.0.1", port=0, executor_bind=f"ipc://{path}")
+    ctx = zmq.Context()
+    first = ctx.socket(zmq.ROUTER)
+    first.bind(f"ipc://{path}")
+    try:
+        with pytest.raises(BindError) as err:
+            check_addresses(args)
+        assert str(err.value) == (f"{flag}: cannot listen on {path}: another process listens "
+                                  "there (is another server running?)")
+    finally:
+        first.close(linger=0)
+        ctx.term()
+    stale = tmp_path / "stale"
+    with socket.socket(socket.AF_UNIX) as gone:  # a socket file nobody listens on
+        gone.bind(str(stale))
+    assert stale.exists()
+    check_addresses(argparse.Namespace(host="127.0.0.1", port=0, executor_bind=f"ipc://{stale}"))
 
 
 def test_a_second_grpc_server_cannot_share_a_port():
