@@ -56,6 +56,13 @@ def build_request(
     return req
 
 
+def stop_reason(response: api.GenerateResponse) -> int | str | None:
+    """What ended a FINISH_REASON_STOP request: the stop token's id (an int) or the stop string
+    (a str); None on other responses."""
+    kind = response.WhichOneof("stop")
+    return None if kind is None else getattr(response, kind)
+
+
 def channel(address: str, *, tls: bool = False, tls_ca: str | None = None,
             tls_cert: str | None = None, tls_key: str | None = None) -> grpc.Channel:
     """A channel to the server: plain, or TLS (tls, or any file given) verified against

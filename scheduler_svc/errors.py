@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             handler = handler._replace(
                 request_deserializer=_lenient(handler.request_deserializer, input_type))
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
+            # A streaming handler is an async generator (ours) or a coroutine that writes with
+            # context.write (grpc's health Watch): each keeps its own shape.
+            stream = handler.unary_stream
+            wrap = _wrap_stream if inspect.isasyncgenfunction(stream) else _wrap_unary
+            return handler._replace(unary_stream=wrap(stream))
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
         return handler

@@ -57,6 +57,10 @@ class LinkConfig:
     insecure: bool = False  # allow a link reachable from other hosts without keys
 
 
+class LinkBindError(Exception):
+    """The link's address cannot be bound; the message names --executor-bind."""
+
+
 @dataclass(frozen=True, slots=True)
 class LinkDown:
     """On the results queue when the executor that steps were sent to is gone: no step sent
@@ -96,13 +100,17 @@ class ExecutorLink:
         self.on_joined, self.on_lost = on_joined, on_lost
 
     async def start(self) -> list[asyncio.Task]:
-        """Bind (raises LinkSecurityError for an exposed address without keys, or bad keys)."""
+        """Bind (raises LinkSecurityError for an exposed address without keys, or bad keys;
+        LinkBindError for an address in use or not of this host)."""
         cfg = self.cfg
         check_exposure(self.address, bool(cfg.key_file), cfg.insecure)
         if cfg.key_file:
             self._secure(cfg.key_file, cfg.allowed_keys_dir)
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.sock.bind(self.address)
+        try:
+            self.sock.bind(self.address)
+        except zmq.ZMQError as e:
+            raise LinkBindError(f"--executor-bind {self.address}: cannot bind: {e}") from None
         self._tasks = [asyncio.create_task(self._recv_loop(), name="link-recv"),
                        asyncio.create_task(self._watchdog(), name="link-watchdog"),
                        asyncio.create_task(self._disconnects(self._monitor), name="link-monitor")]

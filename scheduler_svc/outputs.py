@@ -46,7 +46,7 @@ class Sampled:
     req: Request
     token: int
     finish_reason: str | None = None  # "stop" (EOS or a stop token) | "length" (max_tokens)
-    stop_reason: str = ""  # the stop token's id, as text
+    stop_reason: int | None = None  # the stop token's id
 
 
 @dataclass(frozen=True, slots=True)

@@ -272,7 +272,7 @@ class Scheduler:
             params = req.params
             if tok in params.stop_token_ids or (tok in self.eos_token_ids
                                                 and not params.ignore_eos):
-                out.finish_reason, out.stop_reason = "stop", str(tok)
+                out.finish_reason, out.stop_reason = "stop", tok
             elif req.fills_max_tokens(req.num_known_output_tokens):
                 out.finish_reason = "length"
             if out.finish_reason is not None:

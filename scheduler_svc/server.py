@@ -10,7 +10,6 @@ import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pagedserve.core.link_security import (
     LinkSecurityError,
@@ -21,11 +20,13 @@ from pagedserve.core.link_security import (
 from pagedserve.core.models import read_generation_eos, resolve_model
 from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
 from pagedserve.protos.v1 import generate_pb2_grpc
+from pagedserve.scheduler import reflection
 from pagedserve.scheduler.engine import Engine
 from pagedserve.scheduler.errors import ErrorInterceptor
-from pagedserve.scheduler.executor_link import ExecutorLink, LinkConfig
+from pagedserve.scheduler.executor_link import ExecutorLink, LinkBindError, LinkConfig
 from pagedserve.scheduler.inputs import InputProcessor
 from pagedserve.scheduler.metrics import Metrics
+from pagedserve.scheduler.ports import BindError, check_addresses
 from pagedserve.scheduler.scheduler import SchedulerConfig
 from pagedserve.scheduler.servicer import GenerationServicer
 from pagedserve.scheduler.telemetry import Telemetry, request_log
@@ -33,6 +34,7 @@ from pagedserve.scheduler.tenants import Tenants, TenantsError
 from pagedserve.scheduler.tls import CertificateFiles, TLSError
 
 log = logging.getLogger("pagedserve.scheduler")
+
 # Health service names: "" is liveness (SERVING while the process runs), the API's own name is
 # readiness (SERVING while a warmed-up executor is connected and the server is not draining).
 LIVENESS, SERVICE = HEALTH_LIVENESS, HEALTH_READINESS
@@ -44,6 +46,7 @@ async def serve(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     link_cfg = _link_config(args)  # before anything loads: a key problem fails at once
+    check_addresses(args)  # and a busy port
     tenants = Tenants.from_file(args.api_keys) if args.api_keys else None
     tls = _tls(args)
     model_dir = resolve_model(args.model)
@@ -73,29 +76,24 @@ async def serve(args: argparse.Namespace) -> None:
                     telemetry=Telemetry(metrics, tokenizer, args.log_prompts),
                     on_readiness=on_readiness, stream_interval=args.stream_interval,
                     async_scheduling=args.async_scheduling)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    server = grpc_server()
     generate_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(engine, InputProcessor(tokenizer, args.max_input_bytes), model_name,
                            tenants), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)  # open: probes
     if args.enable_reflection:
-        reflection.enable_server_reflection(
-            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), server)
+        reflection.enable(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
     if tenants is None:
         log.warning("no --api-keys: the API is open to anyone who reaches %s:%d", args.host,
                     args.port)
     await health_servicer.set(LIVENESS, SERVING)  # the process answers
     await health_servicer.set(SERVICE, NOT_SERVING)  # until an executor is connected
     address = f"{args.host}:{args.port}"
+    bind(server, address, args.port, tls)
     if tls is not None:
-        bound = server.add_secure_port(address, tls.credentials())
         loop.add_signal_handler(signal.SIGHUP, tls.reload)
         pending.add(loop.create_task(tls.watch(), name="tls-watch"))  # until the process ends
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise SystemExit(f"cannot bind gRPC port {address}")
     # Everything loaded so far (tokenizer, protobuf descriptors, ...) lives as long as the
     # process; frozen, it is out of the collector's reach, so a full collection (which lands
     # inside whatever step allocates at the time) no longer walks the tokenizer's objects.
@@ -114,6 +112,27 @@ async def serve(args: argparse.Namespace) -> None:
     await server.stop(grace=5)  # the streams deliver their last chunk or error
     await engine.close()
     log.info("stopped")
+
+
+def grpc_server() -> grpc.aio.Server:
+    # so_reuseport off: with it (gRPC's default on Linux) a second server on a busy port binds
+    # too, and the kernel splits new connections between the two.
+    return grpc.aio.server(interceptors=[ErrorInterceptor()], options=[("grpc.so_reuseport", 0)])
+
+
+def bind(server: grpc.aio.Server, address: str, port: int, tls: CertificateFiles | None,
+         ) -> None:
+    """Bind the API port, or exit with one line naming --port (BindError)."""
+    try:
+        if tls is not None:
+            bound = server.add_secure_port(address, tls.credentials())
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises where older versions returned 0
+        bound = 0
+    if bound == 0 or (port and bound != port):
+        raise BindError(f"--port {port}: cannot listen on {address} (is another server "
+                        "running?)")
 
 
 async def _drain(engine: Engine, timeout_s: float) -> None:
@@ -164,7 +183,7 @@ def run(args: argparse.Namespace) -> None:
     _setup_request_log()
     try:
         asyncio.run(serve(args))
-    except (LinkSecurityError, TenantsError, TLSError) as e:
+    except (LinkSecurityError, TenantsError, TLSError, BindError, LinkBindError) as e:
         raise SystemExit(f"pagedserve scheduler: {e}") from None
 
 

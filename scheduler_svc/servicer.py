@@ -15,7 +15,8 @@ from pagedserve.scheduler.streams import Chunk, EngineError
 from pagedserve.scheduler.tenants import Admission, Tenant, Tenants
 
 _FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH}
-READY_TIMEOUT_S = 30.0
+NO_EXECUTOR = ("no executor has joined the scheduler yet (readiness, health service "
+               "'pagedserve.v1.Generation', turns SERVING when one does)")
 MAX_MODEL_LEN_BOUND = 1 << 20  # Tokenize before an executor joined: no model is longer
 
 
@@ -49,10 +50,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         outcomes["admitted"].inc()
         return admission
 
-    async def _limits(self) -> Limits:
-        if not await self.engine.wait_ready(READY_TIMEOUT_S):
-            raise EngineError("UNAVAILABLE", "no executor has joined the scheduler yet")
+    def _limits(self) -> Limits:
+        """The model's limits, known once an executor has joined. Before that the call fails
+        at once, as it would against a server still loading its model (vLLM and TGI open their
+        port only then): UNAVAILABLE is the code clients retry and gRPC retry policies name.
+        After an executor is lost the limits stay known and new requests queue for the next."""
         cap = self.engine.link.capacity
+        if cap is None:
+            raise EngineError("UNAVAILABLE", NO_EXECUTOR)
         return Limits(max_model_len=cap.max_model_len, vocab_size=cap.vocab_size)
 
     async def Generate(  # noqa: N802 (gRPC method name)
@@ -61,7 +66,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         tenant = self._tenant(context)
         if self.engine.draining:
             raise EngineError("UNAVAILABLE", "server is draining")
-        limits = await self._limits()
+        limits = self._limits()
         self.inputs.check_size(request, limits.max_model_len)
         prompt = await asyncio.to_thread(self.inputs.prompt_ids, request)
         params = validate(request, prompt, limits)
@@ -115,7 +120,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: api.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> api.ModelInfo:
         self._tenant(context)
-        await self._limits()
+        self._limits()
         cap = self.engine.link.capacity
         return api.ModelInfo(
             model=self.model_name, max_model_len=cap.max_model_len, vocab_size=cap.vocab_size,
@@ -129,7 +134,12 @@ def _response(request_id: str, chunk: Chunk) -> api.GenerateResponse:
     resp = api.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids)
     if chunk.finish_reason:
         resp.finish_reason = _FINISH[chunk.finish_reason]
-        resp.stop_reason = chunk.stop_reason
+        if isinstance(chunk.stop_reason, str):
+            resp.stop_string = chunk.stop_reason
+        elif chunk.stop_reason is not None:
+            resp.stop_token_id = chunk.stop_reason
+        if chunk.stop_reason is not None:  # for clients built before the oneof
+            resp.stop_reason = str(chunk.stop_reason)
         resp.usage.prompt_tokens = chunk.prompt_tokens
         resp.usage.completion_tokens = chunk.completion_tokens
     return resp

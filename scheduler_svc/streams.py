@@ -21,7 +21,7 @@ class Chunk:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length"
-    stop_reason: str = ""
+    stop_reason: int | str | None = None  # the stop token's id, or the stop string matched
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -69,7 +69,7 @@ class RequestStream:
         stream.priority_class = priority_class(req.priority)
         return stream
 
-    def push(self, token: int, finish: str | None, stop_reason: str,
+    def push(self, token: int, finish: str | None, stop_reason: int | str | None,
              interval: int) -> Chunk | None:
         """One sampled token (and the scheduler's finish decision): the chunk to queue now, or
         None while it is held back. The first token goes out at once, then every `interval`

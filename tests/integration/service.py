@@ -112,8 +112,9 @@ class Stack:
     so that a test can kill, pause or replace the executor."""
 
     def __init__(self, tmp: Path, *scheduler_flags: str, executor_flags: tuple[str, ...] = (),
-                 link_host: str = "127.0.0.1") -> None:
-        """link_host: where the scheduler binds the executor link (0.0.0.0 needs keys)."""
+                 link_host: str = "127.0.0.1", executor: bool = True) -> None:
+        """link_host: where the scheduler binds the executor link (0.0.0.0 needs keys);
+        executor: start one now (else the test calls start_executor)."""
         self.tmp = tmp
         self.executor_flags = executor_flags
         self.port, self.zmq_port, self.metrics_port = free_port(), free_port(), free_port()
@@ -123,7 +124,7 @@ class Stack:
                                      "--executor-bind", self.bind,
                                      "--metrics-port", str(self.metrics_port), *scheduler_flags)
         self.executors = 0
-        self.executor = self.start_executor()
+        self.executor = self.start_executor() if executor else None
         self.client = Client(self.address)
 
     def _start(self, command: str, *flags: str, log_name: str = "") -> subprocess.Popen:
@@ -154,6 +155,6 @@ class Stack:
     def stop(self) -> None:
         self.client.close()
         for proc in (self.scheduler, self.executor):
-            if proc.poll() is None:
+            if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()

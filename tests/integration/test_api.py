@@ -9,7 +9,8 @@ import time
 
 import grpc
 import pytest
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from google.protobuf import descriptor_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 
 from pagedserve.client import build_request
 from pagedserve.protos.v1 import generate_pb2 as api
@@ -127,12 +128,40 @@ def test_tokenize_and_model_info(service, tokenizer):
     assert info.num_kv_blocks > 0
 
 
-def test_reflection_lists_the_services(service):
-    stub = reflection_pb2_grpc.ServerReflectionStub(service.client.channel)
-    reqs = iter([reflection_pb2.ServerReflectionRequest(list_services="")])
-    names = {s.name for r in stub.ServerReflectionInfo(reqs)
-             for s in r.list_services_response.service}
-    assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= names
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_lists_the_services(service, version):
+    # grpcio-reflection ships v1alpha's messages only; v1's are the same on the wire (the
+    # package differs, not a field), so they call v1's method path as a v1 client does
+    info = service.client.channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+    listed, own = info(iter([
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol=f"grpc.reflection.{version}.ServerReflection")]), timeout=30)
+    assert sorted(s.name for s in listed.list_services_response.service) == [
+        "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection", "pagedserve.v1.Generation"]
+    [file] = own.file_descriptor_response.file_descriptor_proto
+    fdp = descriptor_pb2.FileDescriptorProto.FromString(file)
+    assert (fdp.package, fdp.service[0].method[0].input_type) == (
+        f"grpc.reflection.{version}", f".grpc.reflection.{version}.ServerReflectionRequest")
+
+
+def test_stop_token_and_stop_string_are_told_apart(service):
+    """The model's EOS is token 2; a stop string "2" must not read the same."""
+    chat = [("user", "What is the capital of France?")]
+    _, ids, eos = service.client.complete(chat=chat, temperature=0, max_tokens=24)
+    text, _, digit = service.client.complete("Count from one to five: 1,", temperature=0,
+                                             max_tokens=8, stop=["2"])  # " 2, 3, 4, "
+    assert ids[-1] == 2 and eos.finish_reason == api.FINISH_REASON_STOP
+    assert (eos.WhichOneof("stop"), eos.stop_token_id) == ("stop_token_id", 2)
+    assert digit.finish_reason == api.FINISH_REASON_STOP and text == " "
+    assert (digit.WhichOneof("stop"), digit.stop_string) == ("stop_string", "2")
+    assert eos.stop_reason == digit.stop_reason == "2"  # the deprecated field, as before
+    _, _, length = service.client.complete("Count: 1,", temperature=0, max_tokens=2)
+    assert length.WhichOneof("stop") is None and length.stop_reason == ""
 
 
 def test_cli_generate_prints_only_the_answer(service):

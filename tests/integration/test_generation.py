@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from pagedserve.client import stop_reason
 from pagedserve.protos.v1 import generate_pb2 as api
 from tests.integration.conftest import BUDGET, MAX_TOKENS, PROMPTS, prompt_ids, request_kwargs
 
@@ -30,7 +31,7 @@ def check_against_hf(results, hf_greedy, tokenizer):
         assert last.usage.completion_tokens == len(ref)
         stopped = ref[-1] == 2 and len(ref) <= MAX_TOKENS
         if stopped:
-            assert last.finish_reason == api.FINISH_REASON_STOP and last.stop_reason == "2"
+            assert last.finish_reason == api.FINISH_REASON_STOP and stop_reason(last) == 2
         else:
             assert last.finish_reason == api.FINISH_REASON_LENGTH
 
@@ -92,11 +93,11 @@ def test_stop_string_and_stop_token(service, hf_greedy, tokenizer):
     text, _, last = service.client.complete(chat=[("user", PROMPTS[4][1])], temperature=0,
                                             max_tokens=MAX_TOKENS, stop=["Paris"])
     assert text == ref_text[: ref_text.index("Paris")]
-    assert last.finish_reason == api.FINISH_REASON_STOP and last.stop_reason == "Paris"
+    assert last.finish_reason == api.FINISH_REASON_STOP and stop_reason(last) == "Paris"
     stop_id = hf_greedy[4][2]
     _, ids, last = service.client.complete(chat=[("user", PROMPTS[4][1])], temperature=0,
                                            max_tokens=MAX_TOKENS, stop_token_ids=[stop_id])
-    assert ids == hf_greedy[4][:3] and last.stop_reason == str(stop_id)
+    assert ids == hf_greedy[4][:3] and stop_reason(last) == stop_id
 
 
 def test_stream_interval_sends_fewer_messages_with_the_same_tokens(interval_service, hf_greedy,
@@ -141,7 +142,7 @@ def test_async_scheduling_matches_hf(async_service, hf_greedy, tokenizer):
     text, _, last = async_service.client.complete(chat=[("user", PROMPTS[4][1])], temperature=0,
                                                   max_tokens=MAX_TOKENS, stop=["Paris"])
     ref_text = tokenizer.decode(hf_greedy[4], skip_special_tokens=True)
-    assert text == ref_text[: ref_text.index("Paris")] and last.stop_reason == "Paris"
+    assert text == ref_text[: ref_text.index("Paris")] and stop_reason(last) == "Paris"
     _, ids, last = async_service.client.complete(chat=[("user", PROMPTS[4][1])], temperature=0,
                                                  max_tokens=30, ignore_eos=True)
     assert len(ids) == 30 and last.usage.completion_tokens == 30

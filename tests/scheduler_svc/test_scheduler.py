@@ -402,7 +402,7 @@ def test_update_decides_finishes_and_frees_their_blocks_at_once():
     s.schedule()
     got = s.update([1, 2, 3, 4], [2, 5, 2, 8])
     assert [(x.req.req_id, x.finish_reason, x.stop_reason) for x in got] == [
-        (1, "stop", "2"), (2, "stop", "5"), (3, None, ""), (4, "length", "")]
+        (1, "stop", 2), (2, "stop", 5), (3, None, None), (4, "length", None)]
     assert [r.status for r in reqs] == [RequestStatus.FINISHED, RequestStatus.FINISHED,
                                         RequestStatus.RUNNING, RequestStatus.FINISHED]
     assert s.blocks.block_table(1) == [] and s.blocks.block_table(3) != []
