@@ -309,10 +309,13 @@ def _rpc_error(address: str, e) -> str:
     """One line for a failed call; a server that is not there gets a hint instead of gRPC's
     list of addresses tried (the call does not wait for a connection, so this is immediate)."""
     code, details = e.code().name, " ".join((e.details() or "").split())
+    if code == "UNAVAILABLE" and "Connection refused" in details:
+        return (f"pagedserve: error: no server is running at {address} (connection refused); "
+                f"start one with `pagedserve serve`, or give --address of a running one")
     if code == "UNAVAILABLE" and "failed to connect to all addresses" in details:
-        cause = "connection refused" if "Connection refused" in details else details
-        return (f"pagedserve: error: no server is running at {address} ({cause}); start one "
-                f"with `pagedserve serve`, or give --address of a running one")
+        # something answers but the connection fails: e.g. a TLS server asked in plain text
+        return (f"pagedserve: error: cannot connect to {address} (is it a TLS server? then "
+                f"give --tls or --tls-ca): {details}")
     if code == "UNAVAILABLE" and ("DNS resolution failed" in details
                                   or "errors resolving" in details):
         return f"pagedserve: error: cannot resolve the host of {address}"

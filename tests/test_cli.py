@@ -5,15 +5,18 @@ mistakes (no server running, a wrong --model) get one line and a non-zero exit, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +106,28 @@ def test_no_server_running_is_one_line_fast(command):
         f"pagedserve: error: no server is running at {address} (connection refused); start "
         f"one with `pagedserve serve`, or give --address of a running one")
     assert elapsed < 3.0  # ~0.3 s here: no torch, and the call does not wait for a connection
+
+
+def test_a_server_that_drops_the_connection_is_not_called_missing():
+    """Something listens but ends the connection (as a TLS server does to a plain client):
+    the one line must not say that no server runs there."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def drop() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                listener.accept()[0].close()
+
+    threading.Thread(target=drop, daemon=True).start()
+    try:
+        out, _ = pagedserve("health", "--address", address)
+    finally:
+        listener.close()
+    assert out.returncode == 1
+    [line] = out.stderr.strip().splitlines()
+    assert line.startswith(f"pagedserve: error: cannot connect to {address} (is it a TLS "
+                           "server? then give --tls or --tls-ca): ")
 
 
 def test_an_unresolvable_host_is_one_line():
