@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from pagedserve.core.progress import phase
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.loader import build_model
@@ -79,8 +80,9 @@ class Worker:
         weights = Path(cfg.model) if cfg.load_format == "auto" else None
         quant = resolve_quantization(cfg.model, cfg.quantization, random=weights is None)
         max_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
-        model = build_model(self.model_cfg, load_ops(backend), self.dtype, self.device,
-                            max_len, weights, quant=quant)
+        with phase(f"loading weights of {cfg.model} onto {self.device}"):
+            model = build_model(self.model_cfg, load_ops(backend), self.dtype, self.device,
+                                max_len, weights, quant=quant)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         log.info("model weights: %.2f GiB on %s%s", self.weight_bytes / GiB, self.device,
                  f" ({quant.method} 4-bit, group {quant.group_size})" if quant else "")
@@ -145,17 +147,17 @@ class Worker:
             sizes += [n for n in (24, 48, 96, 192) if n <= min(self.max_model_len,
                                                           self.max_num_batched_tokens)
                       and -(-n // self.block_size) <= self.num_blocks]
-        start = time.perf_counter()
-        for step, n in enumerate(sizes):
-            req = pb.NewRequest(req_id=0, token_ids=[0] * n, num_computed_tokens=0,
-                                block_ids=list(range(-(-n // self.block_size))),
-                                sampling=pb.Sampling(temperature=0.0, top_p=1.0))
-            self.runner.execute(pb.StepPlan(step_id=step, new_requests=[req],
-                                            new_num_scheduled_tokens=[n]))
-            self.runner.reset()  # the blocks' slots hold garbage now; nothing reads them unwritten
-        log.info("warm-up forwards of %s tokens: %.2f s", sizes, time.perf_counter() - start)
+        with phase(f"warm-up forwards of {sizes} tokens"):
+            for step, n in enumerate(sizes):
+                req = pb.NewRequest(req_id=0, token_ids=[0] * n, num_computed_tokens=0,
+                                    block_ids=list(range(-(-n // self.block_size))),
+                                    sampling=pb.Sampling(temperature=0.0, top_p=1.0))
+                self.runner.execute(pb.StepPlan(step_id=step, new_requests=[req],
+                                                new_num_scheduled_tokens=[n]))
+                self.runner.reset()  # the slots hold garbage now; nothing reads them unwritten
         if self.graphs is not None:
-            self.graphs.capture()
+            with phase(f"capturing CUDA graphs of decode batches up to {self.graphs.max_batch}"):
+                self.graphs.capture()
             self.runner.graphs = self.graphs
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -175,8 +177,10 @@ class Worker:
         per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.dtype.itemsize)
         if self.device.type != "cuda":
             return cfg.kv_cache_bytes // per_block
-        peak = self._profile(model, cfg, max_len, prefill=True)
-        graph_peak = 0 if cfg.enforce_eager else self._profile(model, cfg, max_len, prefill=False)
+        with phase(f"profiling memory of a {cfg.max_num_batched_tokens}-token step"):
+            peak = self._profile(model, cfg, max_len, prefill=True)
+            graph_peak = 0 if cfg.enforce_eager else self._profile(model, cfg, max_len,
+                                                                     prefill=False)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free  # CUDA context, weights, anything else on the card

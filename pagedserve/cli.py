@@ -1,4 +1,7 @@
-"""The `pagedserve` command: serve | scheduler | executor | generate."""
+"""The `pagedserve` command: serve | scheduler | executor | quantize | keys | health | generate.
+
+The client commands (keys, health, generate) and every --help import neither torch, triton nor
+transformers: heavy imports live inside the commands that run a model."""
 
 from __future__ import annotations
 
@@ -12,10 +15,11 @@ import sys
 import time
 
 from pagedserve.core import config
-from pagedserve.core.models import resolve_model
+from pagedserve.core.models import ModelNotFoundError, resolve_model
 from pagedserve.supervise import Supervised
 
 log = logging.getLogger("pagedserve")
+HELP = argparse.ArgumentDefaultsHelpFormatter  # every flag's help ends with its default
 
 
 CONFIG_HELP = ("YAML file of settings, keys as the flags' dest names (e.g. max_num_seqs; "
@@ -30,8 +34,7 @@ def _model_arg(p: argparse.ArgumentParser) -> None:
 
 def _process_parser(sub, name: str, help: str, *adders) -> argparse.ArgumentParser:
     # "resolve": both processes' flags go into `serve`, and the step bounds belong to both
-    p = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       conflict_handler="resolve")
+    p = sub.add_parser(name, help=help, formatter_class=HELP, conflict_handler="resolve")
     p.add_argument("--config", help=CONFIG_HELP)
     _model_arg(p)
     for add_args in adders:
@@ -47,7 +50,7 @@ def _parser(file_values: dict | None = None, environ=os.environ) -> argparse.Arg
     from pagedserve.scheduler import flags as scheduler
 
     file_values = config.normalize(file_values or {})
-    p = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    p = argparse.ArgumentParser(prog="pagedserve", description=__doc__, formatter_class=HELP)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     sub = p.add_subparsers(dest="command", required=True)
     serve = _process_parser(sub, "serve", "run scheduler and executor as two processes",
@@ -62,41 +65,60 @@ def _parser(file_values: dict | None = None, environ=os.environ) -> argparse.Arg
     config.check_keys(file_values, known, "config file")
     for parser in processes:
         config.apply(parser, file_values, environ)
-    q = sub.add_parser("quantize", help="write a 4-bit AWQ/GPTQ checkpoint of --model")
+    q = sub.add_parser("quantize", help="write a 4-bit AWQ/GPTQ checkpoint of --model",
+                       formatter_class=HELP)
     _model_arg(q)
     quantize.add_args(q)
     k = sub.add_parser("keys", help="make a CURVE key pair for the executor link: DIR/NAME.key "
-                                    "(public) and DIR/NAME.key_secret (kept if they exist)")
+                                    "(public) and DIR/NAME.key_secret (kept if they exist)",
+                       formatter_class=HELP)
     k.add_argument("dir", help="directory to write into")
     k.add_argument("--name", required=True,
                    help="e.g. scheduler, or executor (whose NAME.key goes into the scheduler's "
                         "--executor-allowed-keys directory)")
-    h = sub.add_parser("health", help="exit 0 if the server at --address is serving")
-    h.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", "localhost:50051"),
-                   help="the scheduler's gRPC address")
+    h = sub.add_parser("health", help="exit 0 if the server at --address is serving",
+                       formatter_class=HELP)
+    _address_arg(h)
     h.add_argument("--readiness", action=argparse.BooleanOptionalAction, default=True,
                    help="check readiness (an executor is connected; the default), or with "
                         "--no-readiness liveness (the process answers)")
-    g = sub.add_parser("generate", help="stream a completion from a running server")
+    g = sub.add_parser("generate", help="stream a completion from a running server",
+                       formatter_class=HELP)
     for client in (h, g):
         _tls_args(client)
+    _generate_args(g)
+    return p
+
+
+def _address_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", "localhost:50051"),
+                   help="the scheduler's gRPC address, HOST:PORT [env PAGEDSERVE_ADDRESS]")
+
+
+def _generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("prompt", help="prompt text, or - to read it from stdin")
-    g.add_argument("--address", default=os.environ.get("PAGEDSERVE_ADDRESS", "localhost:50051"))
+    _address_arg(g)
     g.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                    help="sent as 'authorization: Bearer <key>' [env PAGEDSERVE_API_KEY]")
     g.add_argument("--chat", action="store_true", help="send as a user message (chat template)")
     g.add_argument("--system", help="system message (with --chat)")
-    g.add_argument("--max-tokens", type=int)
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--seed", type=int)
+    # None leaves the field unset: the server's default applies (protos/.../generate.proto)
+    g.add_argument("--max-tokens", type=int,
+                   help="most tokens to generate (None: up to the model's context length)")
+    g.add_argument("--temperature", type=float,
+                   help="sampling temperature, 0 for greedy (None: 1.0)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass, in (0, 1] (None: 1.0)")
+    g.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (None: all)")
+    g.add_argument("--seed", type=int,
+                   help="sampling seed for a reproducible answer (None: not reproducible)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--priority", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token (benchmarks)")
+    g.add_argument("--priority", type=int, default=0,
+                   help="scheduling priority, lower runs first (within the API key's range)")
     g.add_argument("--json", action="store_true", help="one JSON object per streamed chunk")
-    g.add_argument("--timeout", type=float, default=600.0)
-    return p
+    g.add_argument("--timeout", type=float, default=600.0,
+                   help="deadline of the whole request, seconds")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except ModelNotFoundError as e:  # a usage error: one line, like argparse's own
+        print(f"pagedserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "health":
@@ -123,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         from pagedserve.quantize import run as quantize
 
         return quantize(args)
+    if args.command in ("serve", "scheduler", "executor"):
+        # before the server modules' imports (seconds): a bad --model fails at once; and serve
+        # converts a GGUF here once, before two processes race for it
+        resolve_model(args.model)
     if args.command == "scheduler":
         from pagedserve.scheduler.server import run
 
@@ -140,7 +174,6 @@ def _serve(args: argparse.Namespace) -> int:
     """Start both processes and restart either when it dies (pagedserve.supervise: at most 5
     restarts in 60 s, with backoff). On SIGINT/SIGTERM drain the scheduler first (the executor
     keeps running the admitted requests), then stop the executor."""
-    resolve_model(args.model)  # convert a GGUF once, before two processes race for it
     from pagedserve.executor import flags as executor
     from pagedserve.scheduler import flags as scheduler
 
@@ -228,7 +261,7 @@ def _health(args: argparse.Namespace) -> int:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(request, timeout=5)
         except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            print(_rpc_error(args.address, e), file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     print(status)
@@ -246,6 +279,7 @@ def _generate(args: argparse.Namespace) -> int:
         source = {"chat": chat}
     else:
         source = {"text": prompt}
+    wrote = False
     with Client(args.address, args.api_key, **_tls_of(args)) as client:
         try:
             for chunk in client.generate(
@@ -260,12 +294,32 @@ def _generate(args: argparse.Namespace) -> int:
                 else:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
+                wrote = True
         except grpc.RpcError as e:
-            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            if wrote and not args.json:
+                sys.stdout.write("\n")  # the error starts its own line after the partial text
+            print(_rpc_error(args.address, e), file=sys.stderr)
             return 1
     if not args.json:
         sys.stdout.write("\n")
     return 0
+
+
+def _rpc_error(address: str, e) -> str:
+    """One line for a failed call; a server that is not there gets a hint instead of gRPC's
+    list of addresses tried (the call does not wait for a connection, so this is immediate)."""
+    code, details = e.code().name, " ".join((e.details() or "").split())
+    if code == "UNAVAILABLE" and "Connection refused" in details:
+        return (f"pagedserve: error: no server is running at {address} (connection refused); "
+                f"start one with `pagedserve serve`, or give --address of a running one")
+    if code == "UNAVAILABLE" and "failed to connect to all addresses" in details:
+        # something answers but the connection fails: e.g. a TLS server asked in plain text
+        return (f"pagedserve: error: cannot connect to {address} (is it a TLS server? then "
+                f"give --tls or --tls-ca): {details}")
+    if code == "UNAVAILABLE" and ("DNS resolution failed" in details
+                                  or "errors resolving" in details):
+        return f"pagedserve: error: cannot resolve the host of {address}"
+    return f"pagedserve: error: {code}: {details}"
 
 
 if __name__ == "__main__":

