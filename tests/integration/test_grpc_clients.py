@@ -172,17 +172,18 @@ def _second(command: str, *flags: str) -> tuple[subprocess.CompletedProcess, flo
     return done, time.monotonic() - start
 
 
+@pytest.mark.parametrize("command", ["scheduler", "serve"])
 @pytest.mark.parametrize("busy", ["--port", "--executor-bind"])
-def test_a_second_scheduler_on_a_busy_port_fails_at_once_naming_the_flag(service, busy):
+def test_a_second_server_on_a_busy_port_fails_at_once_naming_the_flag(service, busy, command):
     flags = {"--port": str(free_port()), "--executor-bind": f"tcp://127.0.0.1:{free_port()}",
              "--metrics-port": "0"}
     flags[busy] = {"--port": str(service.port),
                    "--executor-bind": f"tcp://127.0.0.1:{service.zmq_port}"}[busy]
-    done, took = _second("scheduler", "--host", "127.0.0.1",
+    done, took = _second(command, "--host", "127.0.0.1",
                          *[x for kv in flags.items() for x in kv])
     assert done.returncode == 1
     assert done.stderr.splitlines() == [
-        f"pagedserve scheduler: {busy} {flags[busy]}: cannot listen on "
+        f"pagedserve {command}: {busy} {flags[busy]}: cannot listen on "
         f"127.0.0.1:{service.port if busy == '--port' else service.zmq_port}: "
         "Address already in use (is another server running?)"]
     assert took < 15  # the imports on a busy 2-core machine; no model, no tokenizer
