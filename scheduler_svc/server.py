@@ -26,6 +26,7 @@ from pagedserve.scheduler.errors import ErrorInterceptor
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkConfig
 from pagedserve.scheduler.inputs import InputProcessor
 from pagedserve.scheduler.metrics import Metrics
+from pagedserve.scheduler.rpc_metrics import RpcMetrics
 from pagedserve.scheduler.scheduler import SchedulerConfig
 from pagedserve.scheduler.servicer import GenerationServicer
 from pagedserve.scheduler.telemetry import Telemetry, request_log
@@ -40,22 +41,32 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+class PortError(OSError):
+    """A port flag that cannot be used; the message names the flag."""
+
+
 async def serve(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     link_cfg = _link_config(args)  # before anything loads: a key problem fails at once
     tenants = Tenants.from_file(args.api_keys) if args.api_keys else None
     tls = _tls(args)
+    model_name = args.served_model_name or args.model
+    metrics = Metrics(model_name, tenants=tuple(tenants.by_name) if tenants else ())
+    if args.metrics_port:  # before the slow loading: a busy port fails at once
+        try:
+            reload_metrics_tls = metrics.serve(args.metrics_port, args.host, args.tls_cert,
+                                               args.tls_key)
+        except ValueError as e:
+            raise TLSError(f"TLS certificate files for /metrics: {e}") from None
+        except OSError as e:  # busy, or a host with no such address
+            raise PortError(f"--metrics-port {args.metrics_port}: cannot listen on "
+                            f"{args.host}:{args.metrics_port}: {e.strerror or e}") from None
+        if tls is not None:
+            tls.follow(reload_metrics_tls)
     model_dir = resolve_model(args.model)
     tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
-    model_name = args.served_model_name or args.model
-    metrics = Metrics(model_name, tenants=tuple(tenants.by_name) if tenants else ())
-    if args.metrics_port:
-        reload_metrics_tls = metrics.serve(args.metrics_port, args.host, args.tls_cert,
-                                           args.tls_key)
-        if tls is not None:
-            tls.follow(reload_metrics_tls)
     health_servicer = health.aio.HealthServicer()
     loop = asyncio.get_running_loop()
 
@@ -73,7 +84,8 @@ async def serve(args: argparse.Namespace) -> None:
                     telemetry=Telemetry(metrics, tokenizer, args.log_prompts),
                     on_readiness=on_readiness, stream_interval=args.stream_interval,
                     async_scheduling=args.async_scheduling)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    server = grpc.aio.server(interceptors=[RpcMetrics(metrics.rpcs, model_name),
+                                           ErrorInterceptor()])
     generate_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(engine, InputProcessor(tokenizer, args.max_input_bytes), model_name,
                            tenants), server)
@@ -164,7 +176,7 @@ def run(args: argparse.Namespace) -> None:
     _setup_request_log()
     try:
         asyncio.run(serve(args))
-    except (LinkSecurityError, TenantsError, TLSError) as e:
+    except (LinkSecurityError, TenantsError, TLSError, PortError) as e:
         raise SystemExit(f"pagedserve scheduler: {e}") from None
 
 
