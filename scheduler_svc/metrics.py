@@ -92,6 +92,19 @@ class BatchHistogram(Collector):
         return [family]
 
 
+class _Children(dict):
+    """A family's children by label value, bound up front (the hot path does no label lookup);
+    a value not foreseen (say a new failure status) is bound when first used, not an error."""
+
+    def __init__(self, bind: Callable[[str], object], values: tuple[str, ...]) -> None:
+        super().__init__((v, bind(v)) for v in values)
+        self._bind = bind
+
+    def __missing__(self, value: str) -> object:
+        child = self[value] = self._bind(value)
+        return child
+
+
 def priority_class(priority: int) -> str:
     return str(max(-2, min(2, priority)))
 
@@ -113,7 +126,7 @@ class Metrics:
         def by(kind: type, name: str, doc: str, label: str, values: tuple[str, ...],
                **kw: object) -> dict[str, object]:
             family = kind(PREFIX + name, doc, ["model_name", label], registry=r, **kw)
-            return {v: family.labels(m, v) for v in values}
+            return _Children(lambda v: family.labels(m, v), values)
 
         def hist(name: str, doc: str, buckets: tuple) -> Histogram:
             return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,

@@ -157,8 +157,10 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(stack):
         prom.wait(f'pagedserve_request_success_total{{{sel}, finished_reason="{reason}"}}', n)
     prom.wait(f'sum(pagedserve_request_success_total{{{sel}, finished_reason=~"stop|length"}})',
               6)
-    prom.wait(f'pagedserve_grpc_server_handled_total{{{sel}, grpc_method="Generate", '
-              'grpc_code="INVALID_ARGUMENT"}', 1)
+    for code, n in (("OK", 6), ("CANCELLED", 1), ("DEADLINE_EXCEEDED", 1),
+                    ("INVALID_ARGUMENT", 1)):
+        prom.wait(f'pagedserve_grpc_server_handled_total{{{sel}, grpc_method="Generate", '
+                  f'grpc_code="{code}"}}', n)
     prom.wait(f'sum(pagedserve_request_prompt_tokens_count{{{sel}}})', 8)  # all that ran
 
     # $model: label_values(metric, label) -> the label's values among that metric's series
