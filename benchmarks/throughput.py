@@ -103,7 +103,7 @@ def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str
         print("  server:", line[:400], flush=True)
 
     def delta(key):
-        return after.get(f"pagedserve:{key}", 0) - before.get(f"pagedserve:{key}", 0)
+        return after.get(f"pagedserve_{key}", 0) - before.get(f"pagedserve_{key}", 0)
 
     def steps(mode):
         return delta(f'executor_steps_total{{mode="{mode}"}}')
@@ -123,11 +123,11 @@ def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str
             "round_trip_ms": mean_ms("step_round_trip_seconds"),
             "execute_ms": mean_ms("executor_step_seconds"),
             "kv_token_utilization_at_peak":
-                after.get("pagedserve:kv_cache_token_utilization_at_peak"),
-            "num_kv_blocks": after.get("pagedserve:num_kv_blocks"),
+                after.get("pagedserve_kv_cache_token_utilization_at_peak"),
+            "num_kv_blocks": after.get("pagedserve_num_kv_blocks"),
             "jit_compiles_mid_run": len(compiles),
-            "kv_capacity_tokens": after.get("pagedserve:kv_cache_capacity_tokens"),
-            "weight_gib": after.get("pagedserve:model_weight_bytes", 0) / 2**30,
+            "kv_capacity_tokens": after.get("pagedserve_kv_cache_capacity_tokens"),
+            "weight_gib": after.get("pagedserve_model_weight_bytes", 0) / 2**30,
             "device": info.device, "dtype": info.dtype, "attention_backend": info.attention_backend}
 
 

@@ -13,7 +13,9 @@ is handed out again, which evicts it. A request's blocks are freed tail first, s
 evicted before its prefix.
 
 Invariants (checked by `check_integrity`): a block's ref count equals the number of tables
-holding it; ref 0 <=> on the free list; the cache maps each key to the one block carrying it.
+holding it; ref 0 <=> on the free list; the cache maps each key to the one block carrying it;
+num_shared_refs is the sum over blocks of (ref - 1) where ref > 1. Only cached blocks are shared,
+and a cached block is full and computed in every table holding it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class BlockManager:
         self._cached: dict[BlockKey, int] = {}
         self._tables: dict[int, list[int]] = {}
         self._hashes: dict[int, list[int]] = {}  # req -> chained hash of each registered block
+        self.num_shared_refs = 0  # references beyond a block's first: its tokens held once
 
     # ------------------------------------------------------------------ queries
     @property
@@ -111,6 +114,8 @@ class BlockManager:
         for b in prefix:
             if self._ref[b] == 0:
                 del self._free[b]
+            else:
+                self.num_shared_refs += 1
             self._ref[b] += 1
         new = [self._pop_free() for _ in range(max(need, 0))]
         self._tables[req_id] = (table or list(prefix)) + new
@@ -138,6 +143,8 @@ class BlockManager:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 self._free[b] = None
+            else:
+                self.num_shared_refs -= 1
         self._hashes.pop(req_id, None)
 
     def _pop_free(self) -> int:
@@ -162,6 +169,8 @@ class BlockManager:
         problems = []
         if owners != self._ref:
             problems.append("ref counts differ from table membership")
+        if self.num_shared_refs != sum(r - 1 for r in self._ref if r > 1):
+            problems.append("num_shared_refs differs from the ref counts")
         if any((r == 0) != (b in self._free) for b, r in enumerate(self._ref)):
             problems.append("free list differs from unreferenced blocks")
         if any(self._key[b] != k for k, b in self._cached.items()) or \

@@ -132,10 +132,11 @@ class Engine:
         self._wake.set()
         return stream
 
-    def abort(self, stream: RequestStream) -> None:
-        """Drop a request (client gone); its blocks are free before the next step is planned."""
+    def abort(self, stream: RequestStream, reason: str = "abort") -> None:
+        """Drop a request (client gone, or reason "deadline_exceeded"); its blocks are free
+        before the next step is planned."""
         if not stream.finished:
-            self.streams.leave(stream, "abort")
+            self.streams.leave(stream, reason)
             self._wake.set()
 
     # ----------------------------------------------------------------- step loop
@@ -229,7 +230,7 @@ class Engine:
                            if s.req.prompt_len + s.req.params.max_tokens > cap.max_model_len],
                           "UNAVAILABLE", "the new executor's max_model_len is too small for "
                           "this request")
-        self.telemetry.executor_joined(cap)
+        self.telemetry.executor_joined(cap, self.cfg.enable_prefix_caching)
         self._ready.set()
         self.link.connected.set()  # readiness below reads it
         self._notify_readiness()

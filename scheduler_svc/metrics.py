@@ -1,4 +1,8 @@
-"""Prometheus metrics of the scheduler (names follow vLLM's, with the pagedserve: prefix).
+"""Prometheus metrics of the scheduler: vLLM's names with the prefix pagedserve_ for vllm:.
+
+The prefix has no colon: served as OpenMetrics (which Prometheus asks for first) prometheus_client
+escapes a colon to an underscore in the samples but not in HELP/TYPE, so a scraper would store
+`vllm:x`-style names under another name than their metadata says.
 
 Every series carries `model_name` (the served model name). Per-request latencies that depend on
 scheduling order (queue time, TTFT, end-to-end) also carry `priority`: the request's priority
@@ -19,26 +23,34 @@ import threading
 from collections.abc import Callable
 
 from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     disable_created_metrics,
-    start_http_server,
 )
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-PREFIX = "pagedserve:"
+from pagedserve.scheduler import metrics_http
+
+PREFIX = "pagedserve_"
 PRIORITY_CLASSES = ("-2", "-1", "0", "1", "2")
-FINISH_REASONS = ("stop", "length")
+# stop, length: finished; abort: the client cancelled or left; deadline_exceeded: its gRPC
+# deadline passed; the rest: the failing status (executor lost, step failed, drained)
+FINISH_REASONS = ("stop", "length", "abort", "deadline_exceeded", "unavailable", "internal")
+SUCCESS_REASONS = ("stop", "length")
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTION_MODES = ("eager", "cuda_graph")
 REFUSAL_REASONS = ("queue_full", "unauthenticated")
 TENANT_OUTCOMES = ("admitted", "denied", "throttled")  # denied: priority; throttled: a quota
 _LATENCY = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 _LONG = (.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TOKENS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # 1 .. 5M, as vLLM's 1-2-5
 _ITL = (.005, .01, .02, .03, .05, .075, .1, .15, .2, .3, .5, 1, 2.5)
 
 
@@ -80,6 +92,19 @@ class BatchHistogram(Collector):
         return [family]
 
 
+class _Children(dict):
+    """A family's children by label value, bound up front (the hot path does no label lookup);
+    a value not foreseen (say a new failure status) is bound when first used, not an error."""
+
+    def __init__(self, bind: Callable[[str], object], values: tuple[str, ...]) -> None:
+        super().__init__((v, bind(v)) for v in values)
+        self._bind = bind
+
+    def __missing__(self, value: str) -> object:
+        child = self[value] = self._bind(value)
+        return child
+
+
 def priority_class(priority: int) -> str:
     return str(max(-2, min(2, priority)))
 
@@ -101,7 +126,7 @@ class Metrics:
         def by(kind: type, name: str, doc: str, label: str, values: tuple[str, ...],
                **kw: object) -> dict[str, object]:
             family = kind(PREFIX + name, doc, ["model_name", label], registry=r, **kw)
-            return {v: family.labels(m, v) for v in values}
+            return _Children(lambda v: family.labels(m, v), values)
 
         def hist(name: str, doc: str, buckets: tuple) -> Histogram:
             return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
@@ -118,8 +143,9 @@ class Metrics:
         self.weight_bytes = gauge("model_weight_bytes",
                                   "Bytes of model parameters on the executor's device")
         self.kv_token_util = gauge("kv_cache_token_utilization",
-                                   "Tokens in the running requests' KV / the capacity of the "
-                                   "blocks in use (what paging wastes is 1 minus this)")
+                                   "Tokens the KV blocks in use hold (a block shared by "
+                                   "requests through the prefix cache counted once) / their "
+                                   "capacity; 1 minus this is what partly filled blocks waste")
         self.kv_token_util_at_peak = gauge(
             "kv_cache_token_utilization_at_peak",
             "kv_cache_token_utilization when the most KV blocks were in use")
@@ -141,8 +167,31 @@ class Metrics:
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found cached")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens admitted")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
-        self.success = by(Counter, "request_success", "Finished requests, by finish reason",
-                          "finished_reason", FINISH_REASONS)
+        self.success = by(Counter, "request_success",
+                          "Requests that left the engine, by finish reason: stop, length; abort "
+                          "(the client cancelled or left), deadline_exceeded, or a failure's "
+                          "status (unavailable, internal)", "finished_reason", FINISH_REASONS)
+        self.rpcs = Counter(PREFIX + "grpc_server_handled",
+                            "RPCs completed, by method and gRPC status code (OK, or why the "
+                            "request was rejected or failed, e.g. INVALID_ARGUMENT)",
+                            ["model_name", "grpc_service", "grpc_method", "grpc_code"], registry=r)
+        self.request_prompt_tokens = hist("request_prompt_tokens",
+                                          "Prompt tokens of each request that left the engine",
+                                          _TOKENS)
+        self.request_generation_tokens = hist(
+            "request_generation_tokens", "Tokens generated for each request that left the engine",
+            _TOKENS)
+        self.request_max_tokens = hist("request_params_max_tokens",
+                                       "max_tokens of each request that left the engine (the "
+                                       "room up to max_model_len when unset)", _TOKENS)
+        self.inference_time = hist("request_inference_time_seconds",
+                                   "First scheduled to last token, per finished request", _LONG)
+        self.cache_config = Gauge(PREFIX + "cache_config_info",
+                                  "The KV cache of the executor now joined (value 1); vLLM's "
+                                  "label names: num_gpu_blocks are device blocks, num_cpu_blocks "
+                                  "swap blocks in host memory",
+                                  ["model_name", "block_size", "num_gpu_blocks", "num_cpu_blocks",
+                                   "cache_dtype", "enable_prefix_caching"], registry=r)
         self.queue_time = by(Histogram, "request_queue_time_seconds",
                              "Arrival to first scheduled", "priority", PRIORITY_CLASSES,
                              buckets=_LATENCY)
@@ -175,19 +224,21 @@ class Metrics:
             "device_memory_total_bytes", "Executor device memory in all (CPU: host memory)")
         self.executor_connected = gauge("executor_connected",
                                         "1 while a warmed-up executor is connected")
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)  # process_*, python_info, python_gc_*: the process's own
 
     def names(self) -> set[str]:
-        """Every sample name this registry exports (e.g. for checking dashboards)."""
-        return {s.name for family in self.registry.collect() for s in family.samples}
+        """Every sample name this registry can export, including families with no labelled
+        child yet (e.g. for checking dashboards); *_created series are not served."""
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+        return {family.name + s for family in self.registry.collect()
+                for s in suffixes.get(family.type, ("",))}
 
     def serve(self, port: int, host: str = "0.0.0.0", certfile: str = "",
               keyfile: str = "") -> Callable[[], None]:
-        """/metrics over HTTP, or HTTPS with certfile and keyfile. Returns what re-reads those
-        files for new connections (a no-op over HTTP)."""
+        """/metrics over HTTP, or HTTPS with certfile and keyfile (OSError: the port cannot be
+        bound; ValueError: the files cannot be used). Returns what re-reads those files for new
+        connections (a no-op over HTTP)."""
         disable_created_metrics()  # no *_created series: they double what Prometheus stores
-        httpd, _ = start_http_server(port, addr=host, registry=self.registry,
-                                     certfile=certfile or None, keyfile=keyfile or None)
-        if not certfile:
-            return lambda: None
-        context = httpd.socket.context  # the listening socket's: each handshake reads it
-        return lambda: context.load_cert_chain(certfile, keyfile)
+        _, reload = metrics_http.start(self.registry, port, host, certfile, keyfile)
+        return reload

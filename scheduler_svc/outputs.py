@@ -57,7 +57,7 @@ class SchedulerStats:
     num_blocks: int
     free_blocks: int
     block_size: int
-    running_computed_tokens: int  # KV tokens the running requests hold
+    kv_tokens_held: int  # KV tokens in the blocks in use; a shared block's counted once
     preemptions: int
     swap_preemptions: int  # of preemptions, those swapped rather than recomputed
     priority_preemptions: int

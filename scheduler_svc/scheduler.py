@@ -296,7 +296,8 @@ class Scheduler:
             running=len(self.running), waiting=len(self.waiting),
             swapped=sum(1 for r in self.waiting if r.swapped_blocks),
             num_blocks=b.num_blocks, free_blocks=b.num_free_blocks, block_size=b.block_size,
-            running_computed_tokens=sum(r.num_computed_tokens for r in self.running),
+            kv_tokens_held=sum(r.num_computed_tokens for r in self.running)
+            - b.block_size * b.num_shared_refs,
             preemptions=self.num_preemptions, swap_preemptions=self.num_swap_preemptions,
             priority_preemptions=self.num_priority_preemptions,
             prefix_queried_tokens=self.prefix_queried_tokens,

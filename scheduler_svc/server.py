@@ -27,6 +27,7 @@ from pagedserve.scheduler.executor_link import ExecutorLink, LinkBindError, Link
 from pagedserve.scheduler.inputs import InputProcessor
 from pagedserve.scheduler.metrics import Metrics
 from pagedserve.scheduler.ports import BindError, check_addresses
+from pagedserve.scheduler.rpc_metrics import RpcMetrics
 from pagedserve.scheduler.scheduler import SchedulerConfig
 from pagedserve.scheduler.servicer import GenerationServicer
 from pagedserve.scheduler.telemetry import Telemetry, request_log
@@ -49,16 +50,22 @@ async def serve(args: argparse.Namespace) -> None:
     check_addresses(args)  # and a busy port
     tenants = Tenants.from_file(args.api_keys) if args.api_keys else None
     tls = _tls(args)
+    model_name = args.served_model_name or args.model
+    metrics = Metrics(model_name, tenants=tuple(tenants.by_name) if tenants else ())
+    if args.metrics_port:  # before the slow loading: a busy port fails at once
+        try:
+            reload_metrics_tls = metrics.serve(args.metrics_port, args.host, args.tls_cert,
+                                               args.tls_key)
+        except ValueError as e:
+            raise TLSError(f"TLS certificate files for /metrics: {e}") from None
+        except OSError as e:  # busy, or a host with no such address
+            raise BindError(f"--metrics-port {args.metrics_port}: cannot listen on "
+                            f"{args.host}:{args.metrics_port}: {e.strerror or e}") from None
+        if tls is not None:
+            tls.follow(reload_metrics_tls)
     model_dir = resolve_model(args.model)
     tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
-    model_name = args.served_model_name or args.model
-    metrics = Metrics(model_name, tenants=tuple(tenants.by_name) if tenants else ())
-    if args.metrics_port:
-        reload_metrics_tls = metrics.serve(args.metrics_port, args.host, args.tls_cert,
-                                           args.tls_key)
-        if tls is not None:
-            tls.follow(reload_metrics_tls)
     health_servicer = health.aio.HealthServicer()
     loop = asyncio.get_running_loop()
 
@@ -76,7 +83,7 @@ async def serve(args: argparse.Namespace) -> None:
                     telemetry=Telemetry(metrics, tokenizer, args.log_prompts),
                     on_readiness=on_readiness, stream_interval=args.stream_interval,
                     async_scheduling=args.async_scheduling)
-    server = grpc_server()
+    server = grpc_server(RpcMetrics(metrics.rpcs, model_name))
     generate_pb2_grpc.add_GenerationServicer_to_server(
         GenerationServicer(engine, InputProcessor(tokenizer, args.max_input_bytes), model_name,
                            tenants), server)
@@ -114,10 +121,12 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("stopped")
 
 
-def grpc_server() -> grpc.aio.Server:
-    # so_reuseport off: with it (gRPC's default on Linux) a second server on a busy port binds
-    # too, and the kernel splits new connections between the two.
-    return grpc.aio.server(interceptors=[ErrorInterceptor()], options=[("grpc.so_reuseport", 0)])
+def grpc_server(*outer: grpc.aio.ServerInterceptor) -> grpc.aio.Server:
+    """The API server: `outer` interceptors see each call before the ErrorInterceptor does.
+    so_reuseport off: with it (gRPC's default on Linux) a second server on a busy port binds
+    too, and the kernel splits new connections between the two."""
+    return grpc.aio.server(interceptors=[*outer, ErrorInterceptor()],
+                           options=[("grpc.so_reuseport", 0)])
 
 
 def bind(server: grpc.aio.Server, address: str, port: int, tls: CertificateFiles | None,

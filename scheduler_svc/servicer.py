@@ -11,6 +11,7 @@ from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.protos.v1 import generate_pb2_grpc
 from pagedserve.scheduler.engine import Engine
 from pagedserve.scheduler.inputs import InputProcessor, Limits, validate
+from pagedserve.scheduler.rpc_metrics import past_deadline
 from pagedserve.scheduler.streams import Chunk, EngineError
 from pagedserve.scheduler.tenants import Admission, Tenant, Tenants
 
@@ -100,8 +101,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     raise error
                 if item.finish_reason:
                     return
-        finally:  # client cancelled, or the stream ended: free the request's blocks now
-            self.engine.abort(stream)
+        finally:  # the client left or its deadline passed (gRPC cancels us), or the stream
+            # ended: free the request's blocks now
+            self.engine.abort(stream, "deadline_exceeded" if past_deadline(context)
+                              else "abort")
             if admission is not None:
                 admission.release(stream.num_tokens)
                 self.engine.metrics.tenant_generation_tokens[tenant.name].inc(stream.num_tokens)

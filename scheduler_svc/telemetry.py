@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
-from pagedserve.scheduler.metrics import Metrics
+from pagedserve.scheduler.metrics import SUCCESS_REASONS, Metrics
 from pagedserve.scheduler.outputs import SchedulerStats
 from pagedserve.scheduler.streams import RequestStream
 
@@ -66,12 +66,17 @@ class Telemetry:
             self._itl = []
 
     def finished(self, stream: RequestStream, reason: str, now: float) -> None:
-        """reason: "stop" or "length" (counted as successes), else "abort" or a status code."""
+        """reason: one of metrics.FINISH_REASONS (a status code's name in lower case)."""
         m = self.metrics
-        if reason in m.success:
-            m.success[reason].inc()
+        m.success[reason].inc()
+        req = stream.req
+        m.request_prompt_tokens.observe(req.prompt_len)
+        m.request_generation_tokens.observe(req.num_output_tokens)
+        m.request_max_tokens.observe(req.params.max_tokens)
+        if reason in SUCCESS_REASONS:
             m.e2e[stream.priority_class].observe(now - stream.arrival)
             m.decode_time.observe(now - stream.first_token_at)
+            m.inference_time.observe(now - (stream.scheduled_at or stream.arrival))
         if request_log.isEnabledFor(logging.INFO):
             request_log.info(json.dumps(self._record(stream, reason, now)))
 
@@ -95,8 +100,11 @@ class Telemetry:
         rate = sum(t.num_tokens for t in recent) / busy if busy > 0 else 0.0
         return max(1.0, min(60.0, queued_tokens / rate if rate > 0 else 1.0))
 
-    def executor_joined(self, cap: pb.Capacity) -> None:
+    def executor_joined(self, cap: pb.Capacity, prefix_caching: bool) -> None:
         m = self.metrics
+        m.cache_config.clear()  # the previous executor's
+        m.cache_config.labels(m.model_name, cap.block_size, cap.num_kv_blocks,
+                              cap.num_swap_blocks, cap.dtype, prefix_caching).set(1)
         m.total_blocks.set(cap.num_kv_blocks)
         m.kv_capacity_tokens.set(cap.num_kv_blocks * cap.block_size)
         m.weight_bytes.set(cap.weight_bytes)
@@ -111,7 +119,7 @@ class Telemetry:
         m.free_blocks.set(st.free_blocks)
         used = st.num_blocks - st.free_blocks
         if used:
-            util = st.running_computed_tokens / (used * st.block_size)
+            util = st.kv_tokens_held / (used * st.block_size)
             m.kv_token_util.set(util)
             if used >= self._peak_blocks_used:
                 self._peak_blocks_used = used

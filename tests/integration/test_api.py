@@ -110,11 +110,11 @@ def test_cancel_frees_blocks_within_a_step(service):
         timeout=120)
     first = [next(stream) for _ in range(3)]
     assert all(c.token_ids for c in first)
-    assert service.metrics()["pagedserve:num_requests_running"] == 1
+    assert service.metrics()["pagedserve_num_requests_running"] == 1
     stream.cancel()
     m = service.wait_idle(timeout=5)
-    assert m["pagedserve:num_requests_running"] == 0
-    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"]
+    assert m["pagedserve_num_requests_running"] == 0
+    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"]
 
 
 def test_tokenize_and_model_info(service, tokenizer):

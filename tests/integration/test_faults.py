@@ -160,11 +160,11 @@ def test_a_cancel_storm_leaks_no_blocks(stack, recovers, hf_greedy):
     deadline = time.monotonic() + 30
     while True:
         m = scrape(stack.metrics_port)
-        if m["pagedserve:num_requests_running"] == m["pagedserve:num_requests_waiting"] == 0:
+        if m["pagedserve_num_requests_running"] == m["pagedserve_num_requests_waiting"] == 0:
             break
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"]
+    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"]
     _, ids, _ = stack.client.complete(chat=CHAT, temperature=0, max_tokens=24)
     assert ids == hf_greedy[4]
 

@@ -43,7 +43,7 @@ def test_one_at_a_time_matches_hf(service, hf_greedy, tokenizer):
 def test_all_at_once_matches_hf(service, hf_greedy, tokenizer):
     check_against_hf(run_all(service, concurrently=True), hf_greedy, tokenizer)
     m = service.wait_idle()
-    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"]
+    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"]
 
 
 def test_long_prompt_is_chunked(service, tokenizer):
@@ -51,14 +51,14 @@ def test_long_prompt_is_chunked(service, tokenizer):
     assert long_len > BUDGET  # so it cannot be prefilled in one step
     m = service.metrics()
     # every step stayed within the token budget
-    assert m[f'pagedserve:iteration_tokens_total_bucket{{le="{BUDGET}.0"}}'] == \
-        m["pagedserve:iteration_tokens_total_count"]
+    assert m[f'pagedserve_iteration_tokens_total_bucket{{le="{BUDGET}.0"}}'] == \
+        m["pagedserve_iteration_tokens_total_count"]
 
 
 def run_until_preempted(svc, mode, hf_greedy, tokenizer, rounds=3):
     """The 8 prompts at once, checked against HF each round, until a round has preempted
     (whether it does depends on how the concurrent requests happen to arrive); the metrics."""
-    key = f'pagedserve:num_preemptions_total{{mode="{mode}"}}'
+    key = f'pagedserve_num_preemptions_total{{mode="{mode}"}}'
     for _ in range(rounds):
         check_against_hf(run_all(svc, concurrently=True), hf_greedy, tokenizer)
         m = svc.wait_idle()
@@ -72,8 +72,8 @@ def test_preemption_keeps_outputs_identical(mode, tight_service, swap_service, h
                                             tokenizer):
     svc = tight_service if mode == "recompute" else swap_service
     m = run_until_preempted(svc, mode, hf_greedy, tokenizer)
-    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"] == 10
-    assert m["pagedserve:num_requests_swapped"] == 0
+    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"] == 10
+    assert m["pagedserve_num_requests_swapped"] == 0
 
 
 def test_seeded_sampling_is_reproducible_alone_and_batched(service):
@@ -128,8 +128,8 @@ def test_prefix_cache_hits_keep_outputs_identical(service, hf_greedy, tokenizer)
     check_against_hf(run_all(service, concurrently=False), hf_greedy, tokenizer)
     after = service.metrics()
     expected = sum((len(prompt_ids(tokenizer, *p)) - 1) // 16 * 16 for p in PROMPTS)
-    hits = "pagedserve:prefix_cache_hits_total"
-    queries = "pagedserve:prefix_cache_queries_total"
+    hits = "pagedserve_prefix_cache_hits_total"
+    queries = "pagedserve_prefix_cache_queries_total"
     assert after[hits] - before[hits] == expected
     assert after[queries] - before[queries] == sum(
         len(prompt_ids(tokenizer, *p)) for p in PROMPTS)
@@ -147,10 +147,10 @@ def test_async_scheduling_matches_hf(async_service, hf_greedy, tokenizer):
                                                  max_tokens=30, ignore_eos=True)
     assert len(ids) == 30 and last.usage.completion_tokens == 30
     m = async_service.wait_idle()
-    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"]
+    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"]
 
 
 def test_async_scheduling_under_preemption_matches_hf(async_tight_service, hf_greedy,
                                                       tokenizer):
     m = run_until_preempted(async_tight_service, "recompute", hf_greedy, tokenizer)
-    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"]
+    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"]

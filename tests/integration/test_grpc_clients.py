@@ -173,18 +173,18 @@ def _second(command: str, *flags: str) -> tuple[subprocess.CompletedProcess, flo
 
 
 @pytest.mark.parametrize("command", ["scheduler", "serve"])
-@pytest.mark.parametrize("busy", ["--port", "--executor-bind"])
+@pytest.mark.parametrize("busy", ["--port", "--executor-bind", "--metrics-port"])
 def test_a_second_server_on_a_busy_port_fails_at_once_naming_the_flag(service, busy, command):
     flags = {"--port": str(free_port()), "--executor-bind": f"tcp://127.0.0.1:{free_port()}",
              "--metrics-port": "0"}
-    flags[busy] = {"--port": str(service.port),
-                   "--executor-bind": f"tcp://127.0.0.1:{service.zmq_port}"}[busy]
+    taken = {"--port": service.port, "--executor-bind": service.zmq_port,
+             "--metrics-port": service.metrics_port}[busy]
+    flags[busy] = f"tcp://127.0.0.1:{taken}" if busy == "--executor-bind" else str(taken)
     done, took = _second(command, "--host", "127.0.0.1",
                          *[x for kv in flags.items() for x in kv])
     assert done.returncode == 1
     assert done.stderr.splitlines() == [
-        f"pagedserve {command}: {busy} {flags[busy]}: cannot listen on "
-        f"127.0.0.1:{service.port if busy == '--port' else service.zmq_port}: "
+        f"pagedserve {command}: {busy} {flags[busy]}: cannot listen on 127.0.0.1:{taken}: "
         "Address already in use (is another server running?)"]
     assert took < 15  # the imports on a busy 2-core machine; no model, no tokenizer
     _, ids, _ = service.client.complete(text="Hello", max_tokens=2, temperature=0)

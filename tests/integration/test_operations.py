@@ -51,7 +51,7 @@ def test_metrics_move_by_exactly_the_traffic(service, tokenizer):
     assert [c.usage.completion_tokens for rid, *_ in TRAFFIC for c in outs[rid][-1:]] == [3, 5, 7]
 
     def d(key: str) -> float:
-        return _delta(before, after, f"pagedserve:{key}")
+        return _delta(before, after, f"pagedserve_{key}")
 
     assert d("prompt_tokens_total") == prompt
     assert d("generation_tokens_total") == gen
@@ -75,10 +75,10 @@ def test_metrics_move_by_exactly_the_traffic(service, tokenizer):
     assert steps >= max(n for _, _, n, _ in TRAFFIC)
     assert d("executor_step_seconds_count") == d('executor_steps_total{mode="eager"}') == steps
     assert d('executor_steps_total{mode="cuda_graph"}') == 0
-    assert 0 < after["pagedserve:device_memory_used_bytes"] \
-        <= after["pagedserve:device_memory_total_bytes"]
-    assert after["pagedserve:executor_connected"] == 1
-    assert after["pagedserve:num_requests_running"] == after["pagedserve:num_requests_waiting"] == 0
+    assert 0 < after["pagedserve_device_memory_used_bytes"] \
+        <= after["pagedserve_device_memory_total_bytes"]
+    assert after["pagedserve_executor_connected"] == 1
+    assert after["pagedserve_num_requests_running"] == after["pagedserve_num_requests_waiting"] == 0
 
     records = {r["request_id"]: r for r in _request_log(service.log_path.read_text())}
     for rid, text, n, priority in TRAFFIC:
@@ -94,8 +94,8 @@ def _settled(service: Service) -> dict[str, float]:
     deadline = time.monotonic() + 10
     while True:
         m = service.wait_idle()
-        steps = m["pagedserve:iteration_tokens_total_count"]
-        if steps == m["pagedserve:executor_step_seconds_count"] or time.monotonic() > deadline:
+        steps = m["pagedserve_iteration_tokens_total_count"]
+        if steps == m["pagedserve_executor_step_seconds_count"] or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
 

@@ -51,7 +51,7 @@ def test_no_key_or_a_wrong_key_is_unauthenticated_and_health_stays_open(keyed):
                                                            metadata=m, timeout=30)
                       )[0] == grpc.StatusCode.UNAUTHENTICATED
     assert health(keyed.client.channel) == health_pb2.HealthCheckResponse.SERVING
-    assert keyed.metrics()['pagedserve:num_requests_refused_total{reason="unauthenticated"}'] == 4
+    assert keyed.metrics()['pagedserve_num_requests_refused_total{reason="unauthenticated"}'] == 4
 
 
 def test_a_tenant_gets_served_within_its_bounds(keyed):
@@ -71,10 +71,10 @@ def test_a_tenant_gets_served_within_its_bounds(keyed):
         assert code == grpc.StatusCode.PERMISSION_DENIED and "(1..2)" in details
         assert free.complete(text="hi", max_tokens=2)[1]  # 0: the tenant's default, 1
     m = keyed.wait_idle()
-    assert m['pagedserve:tenant_requests_total{outcome="admitted",tenant="paying"}'] == 2
-    assert m['pagedserve:tenant_requests_total{outcome="throttled",tenant="paying"}'] == 1
-    assert m['pagedserve:tenant_requests_total{outcome="denied",tenant="free"}'] == 1
-    assert m['pagedserve:tenant_generation_tokens_total{tenant="free"}'] == 2
+    assert m['pagedserve_tenant_requests_total{outcome="admitted",tenant="paying"}'] == 2
+    assert m['pagedserve_tenant_requests_total{outcome="throttled",tenant="paying"}'] == 1
+    assert m['pagedserve_tenant_requests_total{outcome="denied",tenant="free"}'] == 1
+    assert m['pagedserve_tenant_generation_tokens_total{tenant="free"}'] == 2
     records = [json.loads(line) for line in keyed.log_path.read_text().splitlines()
                if line.startswith('{"event": "request_finished"')]
     assert [(r["tenant"], r["priority"]) for r in records][-1] == ("free", 1)

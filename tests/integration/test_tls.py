@@ -88,7 +88,7 @@ def scrape_ok(port: int, ca: CA) -> bool:
     try:
         with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", timeout=5,
                                     context=context) as r:
-            return b"pagedserve:" in r.read()
+            return b"pagedserve_" in r.read()
     except (urllib.error.URLError, ssl.SSLError, ConnectionError):
         return False
 
