@@ -153,13 +153,13 @@ def _run(args: argparse.Namespace) -> int:
         from pagedserve.quantize import run as quantize
 
         return quantize(args)
-    if args.command == "serve":  # else the scheduler fails on it, restarted 5 times
-        from pagedserve.scheduler.ports import BindError, check_addresses
+    if args.command in ("serve", "scheduler"):  # before seconds of imports; and serve would
+        from pagedserve.scheduler.ports import BindError, check_addresses  # restart it 5 times
 
         try:
             check_addresses(args)
         except BindError as e:
-            raise SystemExit(f"pagedserve serve: {e}") from None
+            raise SystemExit(f"pagedserve {args.command}: {e}") from None
     if args.command in ("serve", "scheduler", "executor"):
         # before the server modules' imports (seconds): a bad --model fails at once; and serve
         # converts a GGUF here once, before two processes race for it

@@ -186,6 +186,6 @@ def test_a_second_server_on_a_busy_port_fails_at_once_naming_the_flag(service, b
     assert done.stderr.splitlines() == [
         f"pagedserve {command}: {busy} {flags[busy]}: cannot listen on 127.0.0.1:{taken}: "
         "Address already in use (is another server running?)"]
-    assert took < 15  # the imports on a busy 2-core machine; no model, no tokenizer
+    assert took < 5  # checked before the server's imports (seconds on 2 busy cores)
     _, ids, _ = service.client.complete(text="Hello", max_tokens=2, temperature=0)
     assert len(ids) == 2  # the first one still serves
