@@ -1,9 +1,10 @@
 """Result records shared by every benchmark (schema: ../shared/BENCHMARKS.md).
 
 benchmarks/results/ keeps one append-only JSONL per family (`throughput.jsonl`, `serve.jsonl`,
-`step_overhead.jsonl`, `kernels.jsonl`, `w4a16_gemm.jsonl`, `perplexity.jsonl`), oldest record
-first. Every record carries the environment (`commit`, `gpu`, `torch`, `triton`, `command`),
-`recorded_at` (UTC) and `run`: `<family>_<time>`, shared by the records of one invocation.
+`step_overhead.jsonl`, `load.jsonl`, `kernels.jsonl`, `w4a16_gemm.jsonl`, `perplexity.jsonl`),
+oldest record first. Every record carries the environment (`commit`, `gpu`, `torch`, `triton`,
+`command`), `recorded_at` (UTC) and `run`: `<family>_<time>`, shared by the records of one
+invocation.
 
 `PAGEDSERVE_RESULTS=DIR` makes the benchmarks append to DIR/<family>.jsonl instead (a scratch
 folder on the device machine); their records join the families here with

@@ -208,12 +208,12 @@ def plot(mem: Memory, path: Path, title: str) -> None:
     ts = [t / 60 for t, _, _ in mem.samples]
     for name in mem.pids:
         ax.plot(ts, [s[name] / 2**20 for _, _, s in mem.samples], label=name)
-    last = None
+    last, top, n = None, ax.get_ylim()[1], 0
     for t, phase, _ in mem.samples:
-        if phase != last:
+        if phase != last:  # labels alternate in height: short phases sit close together
             ax.axvline(t / 60, color="grey", lw=0.5)
-            ax.text(t / 60, ax.get_ylim()[1] * 0.98, f" {phase}", va="top", fontsize=8)
-            last = phase
+            ax.text(t / 60, top * (0.98 - 0.06 * (n % 2)), f" {phase}", va="top", fontsize=8)
+            last, n = phase, n + 1
     ax.set_xlabel("minutes")
     ax.set_ylabel("resident memory, MiB")
     ax.set_title(title, fontsize=9)
