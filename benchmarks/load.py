@@ -266,7 +266,7 @@ def main() -> None:
             rec[name]["load_avg_1m_before"] = round(load_before, 2)
             idle = svc.wait_idle(timeout=60)
             rec[name]["kv_blocks_in_use_after"] = int(
-                idle["pagedserve:num_kv_blocks"] - idle["pagedserve:num_free_kv_blocks"])
+                idle["pagedserve_num_kv_blocks"] - idle["pagedserve_num_free_kv_blocks"])
             marks[f"after_{name}"] = mem.sample()
             print(name, json.dumps(rec[name]), flush=True)
         mem.phase = "idle"

@@ -58,12 +58,12 @@ def recovers(request, hf_greedy):
     yield s
     s.wait_health(SERVING)
     deadline = time.monotonic() + 30
-    while (m := scrape(s.metrics_port))["pagedserve:num_requests_running"] + \
-            m["pagedserve:num_requests_waiting"] > 0:
+    while (m := scrape(s.metrics_port))["pagedserve_num_requests_running"] + \
+            m["pagedserve_num_requests_waiting"] > 0:
         assert time.monotonic() < deadline, m
         time.sleep(0.2)
-    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"]
-    assert m["pagedserve:num_requests_swapped"] == 0
+    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"]
+    assert m["pagedserve_num_requests_swapped"] == 0
     _, ids, _ = s.client.complete(chat=CHAT, temperature=0, max_tokens=24)
     assert ids == hf_greedy[4]
     for proc in (s.scheduler, s.executor):
@@ -188,7 +188,7 @@ def test_an_executor_killed_while_a_request_is_swapped_out_loses_nothing(
             futures = [pool.submit(run, p) for p in PROMPTS]
             killed = False
             while not killed and not all(f.done() for f in futures):
-                if scrape(s.metrics_port)["pagedserve:num_requests_swapped"] > 0:
+                if scrape(s.metrics_port)["pagedserve_num_requests_swapped"] > 0:
                     s.executor.kill()
                     s.executor.wait()
                     s.executor = s.start_executor()
