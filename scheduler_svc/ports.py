@@ -17,7 +17,7 @@ def check_addresses(args: argparse.Namespace) -> None:
     """BindError if --port, --metrics-port or --executor-bind cannot be bound now (the real
     binds come later, and check again)."""
     check_free(args.host, args.port, f"--port {args.port}")
-    if args.metrics_port:
+    if getattr(args, "metrics_port", 0):  # 0 or absent: no metrics port
         check_free(args.host, args.metrics_port, f"--metrics-port {args.metrics_port}")
     bind, flag = args.executor_bind, f"--executor-bind {args.executor_bind}"
     if bind.startswith("tcp://"):
