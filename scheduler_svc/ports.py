@@ -14,9 +14,11 @@ class BindError(Exception):
 
 
 def check_addresses(args: argparse.Namespace) -> None:
-    """BindError if --port or --executor-bind cannot be bound now (the real binds come later,
-    and check again)."""
+    """BindError if --port, --http-port or --executor-bind cannot be bound now (the real binds
+    come later, and check again)."""
     check_free(args.host, args.port, f"--port {args.port}")
+    if args.http_port:
+        check_free(args.host, args.http_port, f"--http-port {args.http_port}")
     bind, flag = args.executor_bind, f"--executor-bind {args.executor_bind}"
     if bind.startswith("tcp://"):
         host, _, port = bind.removeprefix("tcp://").rpartition(":")

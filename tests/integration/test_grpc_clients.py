@@ -176,7 +176,7 @@ def _second(command: str, *flags: str) -> tuple[subprocess.CompletedProcess, flo
 @pytest.mark.parametrize("busy", ["--port", "--executor-bind"])
 def test_a_second_server_on_a_busy_port_fails_at_once_naming_the_flag(service, busy, command):
     flags = {"--port": str(free_port()), "--executor-bind": f"tcp://127.0.0.1:{free_port()}",
-             "--metrics-port": "0"}
+             "--metrics-port": "0", "--http-port": "0"}
     flags[busy] = {"--port": str(service.port),
                    "--executor-bind": f"tcp://127.0.0.1:{service.zmq_port}"}[busy]
     done, took = _second(command, "--host", "127.0.0.1",
