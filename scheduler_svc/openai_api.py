@@ -99,8 +99,8 @@ class OpenAIApp:
         headers = {"x-request-id": rid}
         if not req.stream:
             return await _complete(request, call, shape, headers)
-        return _EventStream(_events(call, shape, usage), call, headers=headers,
-                            media_type="text/event-stream")
+        return _EventStream(_events(call, shape, usage), call, media_type="text/event-stream",
+                            headers={**headers, "cache-control": "no-cache"})
 
 
 class _Shape:

@@ -61,7 +61,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, allow_inf_nan=False)
     top_p: float | None = None
@@ -75,20 +75,20 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     priority: Int32 = 0
     # not supported yet (see unsupported())
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    n: int | None = 1
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
     logit_bias: dict[str, float] | None = None
-    min_p: float = 0.0
-    min_tokens: int = 0
+    min_p: float | None = 0.0
+    min_tokens: int | None = 0
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -108,14 +108,24 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+    # accepted, with no effect on a server that has no tools, storage or tiers
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    # not supported (see unsupported())
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
-_UNSUPPORTED_DEFAULTS = {  # field -> its default; another value is refused until supported
+_UNSUPPORTED_DEFAULTS = {  # field -> its default (null is too); others refused until supported
     "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-    "logit_bias": None, "min_p": 0.0, "min_tokens": 0, "logprobs": (None, False),
-    "top_logprobs": None, "best_of": (None, 1), "suffix": None, "echo": False,
+    "logit_bias": None, "min_p": 0.0, "min_tokens": 0, "logprobs": False,
+    "top_logprobs": None, "best_of": 1, "suffix": None, "echo": False,
+    "tools": None, "tool_choice": "none", "response_format": {"type": "text"},
 }
 
 
@@ -124,8 +134,7 @@ def unsupported(req: _Request) -> str | None:
     for name, default in _UNSUPPORTED_DEFAULTS.items():
         if name not in type(req).model_fields:
             continue
-        value = getattr(req, name)
-        if value not in (default if isinstance(default, tuple) else (default,)):
+        if getattr(req, name) not in (None, default):
             return name
     return None
 
@@ -227,7 +236,8 @@ def _chat_input(req: ChatCompletionRequest, out: api.GenerateRequest) -> None:
                 raise OpenAIError(400, f"messages[{i}].content: only text parts are supported",
                                   f"messages[{i}].content")
             content = "".join(p.text for p in content)
-        out.chat.messages.append(api.ChatMessage(role=m.role, content=content or ""))
+        role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for it
+        out.chat.messages.append(api.ChatMessage(role=role, content=content or ""))
 
 
 # inputs.validate names the GenerateRequest field (sampling.top_p: ...); the client knows the
