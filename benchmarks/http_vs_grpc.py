@@ -1,10 +1,11 @@
 """The cost of the OpenAI-compatible HTTP API against gRPC, on the CPU default model (not in CI).
 
-One `pagedserve serve`; --streams concurrent streams sent at once (the same text prompts, seeds
-and max_tokens, ignore_eos, so every request generates exactly max_tokens) through gRPC, then
-through HTTP (POST /v1/completions, stream: true, read as server-sent events), alternating for
---rounds rounds. Reports output tokens/s, TTFT and end-to-end latency per API and round, and the
-HTTP/gRPC throughput ratio; appends one record to benchmarks/results/http.jsonl.
+One `pagedserve serve`; --streams concurrent streams sent at once (the same text prompts, seeds and
+max_tokens, ignore_eos, so every request generates exactly max_tokens) through gRPC, then through
+HTTP (POST /v1/completions, stream: true, read as server-sent events), alternating for --rounds
+rounds, with the prefix cache off (each burst prefills the same prompts). Reports output tokens/s,
+TTFT, end-to-end latency and the CPU seconds of scheduler, executor and client per API and round,
+and the HTTP/gRPC throughput ratio; appends one record to benchmarks/results/http.jsonl.
 
     python -m benchmarks.http_vs_grpc --streams 256 --max-tokens 64
 """
@@ -89,6 +90,13 @@ async def http_burst(base: str, texts: list[str], max_tokens: int) -> dict:
         return summary(outcomes, time.perf_counter() - start)
 
 
+def cpu_seconds(procs: dict) -> dict[str, float]:
+    """CPU time so far of the server's processes and of this client (where the cost lands)."""
+    out = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
+    out["client"] = time.process_time()
+    return out
+
+
 def main() -> None:
     import psutil
 
@@ -103,7 +111,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
-    flags = ["--max-num-seqs", str(args.streams), *args.server_flag]
+    # no prefix cache: every burst sends the same prompts, and a later one would skip their
+    # prefill, favouring whichever API goes second
+    flags = ["--max-num-seqs", str(args.streams), "--no-enable-prefix-caching",
+             *args.server_flag]
     svc = Service(Path(tempfile.mkdtemp()) / "serve.log", *flags)
     texts = prompts(args.streams, args.seed)
     rec: dict = {"model": "default", "cpu_count": psutil.cpu_count(), "streams": args.streams,
@@ -111,13 +122,19 @@ def main() -> None:
                  "grpc": [], "http": []}
     try:
         svc.wait_serving(timeout=600)
+        children = psutil.Process(svc.proc.pid).children()
+        procs = {name: next(c for c in children if name in c.cmdline())
+                 for name in ("scheduler", "executor")}
         asyncio.run(grpc_burst(svc.address, texts[:8], 4))  # warm both paths once
         asyncio.run(http_burst(svc.http_url, texts[:8], 4))
         for _ in range(args.rounds):
             for api, run in (("grpc", lambda: grpc_burst(svc.address, texts, args.max_tokens)),
                              ("http", lambda: http_burst(svc.http_url, texts,
                                                          args.max_tokens))):
+                before = cpu_seconds(procs)
                 result = asyncio.run(run())
+                after = cpu_seconds(procs)
+                result["cpu_s"] = {k: round(after[k] - before[k], 1) for k in after}
                 svc.wait_idle(timeout=60)
                 rec[api].append(result)
                 print(api, json.dumps(result), flush=True)
