@@ -116,6 +116,9 @@ BAD = [  # (endpoint, kwargs, param)
     ("chat", dict(frequency_penalty=1.0), "frequency_penalty"),
     ("chat", dict(extra_body={"min_p": 0.1}), "min_p"),
     ("chat", dict(logit_bias={"42": 5}), "logit_bias"),
+    ("chat", dict(response_format={"type": "json_object"}), "response_format"),
+    ("chat", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    ("chat", dict(stream_options={"include_usage": True}), "stream_options"),
 ]
 
 
@@ -133,6 +136,25 @@ def test_bad_input_is_a_bad_request_naming_the_param(service, endpoint, kwargs, 
     assert err.value.param == param
     assert err.value.body["message"].startswith(param + ":")
     assert err.value.type == "invalid_request_error"
+
+
+def test_what_sdks_send_by_default_is_accepted(service, tokenizer):
+    """Nulls for the defaults, OpenAI's `developer` role (the template's system role), and
+    parameters that mean nothing here (store, metadata) do not fail a request."""
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0, "n": None, "logprobs": None,
+            "presence_penalty": None, "stream": None, "store": False, "metadata": {"a": "b"},
+            "response_format": {"type": "text"}, "tools": None, "parallel_tool_calls": None,
+            "messages": [{"role": "developer", "content": "Answer briefly."},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
+    resp = post(service, "/v1/chat/completions", body)
+    assert resp.status == 200, resp.read()
+    out = json.loads(resp.read())
+    system = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}],
+        add_generation_prompt=True, tokenize=True)
+    system = system if isinstance(system, list) else system["input_ids"]
+    assert out["usage"]["prompt_tokens"] == len(system)
+    assert resp.headers["x-request-id"] == out["id"]
 
 
 def test_an_unknown_model_is_not_found_and_models_lists_the_served_one(service):
