@@ -174,7 +174,7 @@ class Engine:
         if out.is_empty:
             return None
         for s in out.new:
-            self.telemetry.scheduled(self.streams.get(s.req.req_id), time.monotonic())
+            self.telemetry.scheduled(self.streams.get(s.req.req_id), time.monotonic(), s.start)
         step = InFlight(next(self._step_ids), out, self.link.generation, t0, time.perf_counter())
         self.metrics.plan_time.observe(step.t1 - t0)
         return step

@@ -10,7 +10,8 @@ from pagedserve.core.config import add_insecure_link_arg, add_step_args
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The scheduler's flags; defaults come through pagedserve.core.config (env, config file)."""
-    p.add_argument("--host", default="0.0.0.0", help="bind host of the gRPC and metrics ports")
+    p.add_argument("--host", default="0.0.0.0",
+                   help="bind host of the gRPC, HTTP and metrics ports")
     p.add_argument("--port", type=int, default=50051, help="gRPC port of the public API")
     p.add_argument("--executor-bind", default="tcp://127.0.0.1:5557",
                    help="ZeroMQ address the executor connects to (tcp:// or ipc://); one that "
@@ -40,6 +41,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-reflection", action=argparse.BooleanOptionalAction, default=True,
                    help="gRPC server reflection (grpcurl lists and calls the API without the "
                         ".proto)")
+    p.add_argument("--http-port", type=int, default=8080,
+                   help="port of the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health), same keys and TLS as the "
+                        "gRPC API (0 disables)")
     p.add_argument("--metrics-port", type=int, default=8000,
                    help="Prometheus /metrics HTTP port (0 disables)")
     p.add_argument("--tokenizer", default="",

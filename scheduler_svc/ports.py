@@ -14,11 +14,12 @@ class BindError(Exception):
 
 
 def check_addresses(args: argparse.Namespace) -> None:
-    """BindError if --port, --metrics-port or --executor-bind cannot be bound now (the real
-    binds come later, and check again)."""
+    """BindError if --port, --metrics-port, --http-port or --executor-bind cannot be bound now
+    (the real binds come later, and check again)."""
     check_free(args.host, args.port, f"--port {args.port}")
-    if getattr(args, "metrics_port", 0):  # 0 or absent: no metrics port
-        check_free(args.host, args.metrics_port, f"--metrics-port {args.metrics_port}")
+    for flag in ("metrics_port", "http_port"):  # 0 or absent: not served
+        if port := getattr(args, flag, 0):
+            check_free(args.host, port, f"--{flag.replace('_', '-')} {port}")
     bind, flag = args.executor_bind, f"--executor-bind {args.executor_bind}"
     if bind.startswith("tcp://"):
         host, _, port = bind.removeprefix("tcp://").rpartition(":")

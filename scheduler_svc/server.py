@@ -21,11 +21,13 @@ from pagedserve.core.models import read_generation_eos, resolve_model
 from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
 from pagedserve.protos.v1 import generate_pb2_grpc
 from pagedserve.scheduler import reflection
-from pagedserve.scheduler.engine import Engine
+from pagedserve.scheduler.engine import Engine, _crash_on_error
 from pagedserve.scheduler.errors import ErrorInterceptor
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkBindError, LinkConfig
+from pagedserve.scheduler.http_server import http_server
 from pagedserve.scheduler.inputs import InputProcessor
 from pagedserve.scheduler.metrics import Metrics
+from pagedserve.scheduler.openai_api import OpenAIApp
 from pagedserve.scheduler.ports import BindError, check_addresses
 from pagedserve.scheduler.rpc_metrics import RpcMetrics
 from pagedserve.scheduler.scheduler import SchedulerConfig
@@ -84,9 +86,11 @@ async def serve(args: argparse.Namespace) -> None:
                     on_readiness=on_readiness, stream_interval=args.stream_interval,
                     async_scheduling=args.async_scheduling)
     server = grpc_server(RpcMetrics(metrics.rpcs, model_name))
-    generate_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine, InputProcessor(tokenizer, args.max_input_bytes), model_name,
-                           tenants), server)
+    servicer = GenerationServicer(engine, InputProcessor(tokenizer, args.max_input_bytes),
+                                  model_name, tenants)
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    http = http_server(OpenAIApp(servicer, model_name).app, args, tls) if args.http_port \
+        else None
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)  # open: probes
     if args.enable_reflection:
         reflection.enable(
@@ -108,6 +112,10 @@ async def serve(args: argparse.Namespace) -> None:
     gc.freeze()
     await engine.start()
     await server.start()
+    if http is not None:
+        http_task = loop.create_task(http.serve(sockets=[http.socket]), name="http")
+        http_task.add_done_callback(_crash_on_error)
+        log.info("OpenAI-compatible HTTP API on %s:%d", args.host, args.http_port)
     log.info("gRPC listening on %s; waiting for an executor on %s", address, args.executor_bind)
 
     stop = asyncio.Event()
@@ -117,6 +125,9 @@ async def serve(args: argparse.Namespace) -> None:
     await _drain(engine, args.drain_timeout_s)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=5)  # the streams deliver their last chunk or error
+    if http is not None:
+        http.should_exit = True  # after the drain: its streams have ended too
+        await http_task
     await engine.close()
     log.info("stopped")
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 
 import grpc
 
@@ -12,13 +13,60 @@ from pagedserve.protos.v1 import generate_pb2_grpc
 from pagedserve.scheduler.engine import Engine
 from pagedserve.scheduler.inputs import InputProcessor, Limits, validate
 from pagedserve.scheduler.rpc_metrics import past_deadline
-from pagedserve.scheduler.streams import Chunk, EngineError
+from pagedserve.scheduler.streams import Chunk, EngineError, RequestStream
 from pagedserve.scheduler.tenants import Admission, Tenant, Tenants
 
 _FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH}
 NO_EXECUTOR = ("no executor has joined the scheduler yet (readiness, health service "
                "'pagedserve.v1.Generation', turns SERVING when one does)")
 MAX_MODEL_LEN_BOUND = 1 << 20  # Tokenize before an executor joined: no model is longer
+Metadata = Iterable[tuple[str, str | bytes]] | None  # gRPC metadata, or the HTTP headers
+
+
+@dataclass(eq=False, slots=True)
+class Call:
+    """An admitted request, as the APIs see it: its chunks, and close() when it ends."""
+
+    engine: Engine
+    stream: RequestStream
+    admission: Admission | None
+    closed: bool = False
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """The request's output until it finishes; an engine error is raised after the chunks
+        queued before it."""
+        queue = self.stream.queue
+        while True:
+            item = await queue.get()
+            if isinstance(item, EngineError):
+                raise item
+            # Chunks that queued while the last write was on its way go out as one message:
+            # a slow client or a busy server sends fewer, larger messages, not a backlog.
+            error = None
+            while not item.finish_reason and not queue.empty():
+                nxt = queue.get_nowait()
+                if isinstance(nxt, EngineError):
+                    error = nxt
+                    break
+                item = item.then(nxt)
+            yield item
+            if error is not None:
+                raise error
+            if item.finish_reason:
+                return
+
+    def close(self, reason: str = "abort") -> None:
+        """Free the request's blocks now (client gone, or the stream ended; reason is what the
+        request log and metrics say if it had not finished) and settle its tenant's accounts;
+        only the first call counts."""
+        if self.closed:
+            return
+        self.closed = True
+        self.engine.abort(self.stream, reason)
+        if self.admission is not None:
+            self.admission.release(self.stream.num_tokens)
+            self.engine.metrics.tenant_generation_tokens[self.admission.tenant.name].inc(
+                self.stream.num_tokens)
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -30,11 +78,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.model_name = model_name
         self.tenants = tenants
 
-    def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant | None:
+    def authenticate(self, metadata: Metadata) -> Tenant | None:
+        """The tenant of the request's API key (None when the service runs without keys)."""
         if self.tenants is None:
             return None
         try:
-            return self.tenants.authenticate(context.invocation_metadata())
+            return self.tenants.authenticate(metadata)
         except EngineError:
             self.engine.metrics.refused["unauthenticated"].inc()
             raise
@@ -61,10 +110,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise EngineError("UNAVAILABLE", NO_EXECUTOR)
         return Limits(max_model_len=cap.max_model_len, vocab_size=cap.vocab_size)
 
-    async def Generate(  # noqa: N802 (gRPC method name)
-        self, request: api.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[api.GenerateResponse]:
-        tenant = self._tenant(context)
+    async def start(self, request: api.GenerateRequest, tenant: Tenant | None,
+                    timeout: float | None) -> Call:
+        """Validate and admit an authenticated request, and queue it; the HTTP API calls this
+        too, so that both APIs share validation, tenants, admission control and deadlines.
+        The caller must close() the Call it gets, however the request ends."""
         if self.engine.draining:
             raise EngineError("UNAVAILABLE", "server is draining")
         limits = self._limits()
@@ -75,44 +125,31 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             stream = self.engine.submit(request.request_id, prompt, params,
                                         admission.priority if admission else request.priority,
-                                        timeout=context.time_remaining())
+                                        timeout=timeout)
         except EngineError:
             if admission is not None:
                 admission.release(0)
             raise
         stream.tenant = tenant.name if tenant else ""
-        rid = stream.req.external_id
+        return Call(self.engine, stream, admission)
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: api.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api.GenerateResponse]:
+        tenant = self.authenticate(context.invocation_metadata())
+        call = await self.start(request, tenant, context.time_remaining())
+        rid = call.stream.req.external_id
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, EngineError):
-                    raise item
-                # Chunks that queued while the last write was on its way go out as one message:
-                # a slow client or a busy server sends fewer, larger messages, not a backlog.
-                error = None
-                while not item.finish_reason and not stream.queue.empty():
-                    nxt = stream.queue.get_nowait()
-                    if isinstance(nxt, EngineError):
-                        error = nxt
-                        break
-                    item = item.then(nxt)
-                yield _response(rid, item)
-                if error is not None:
-                    raise error
-                if item.finish_reason:
-                    return
+            async for chunk in call.chunks():
+                yield _response(rid, chunk)
         finally:  # the client left or its deadline passed (gRPC cancels us), or the stream
             # ended: free the request's blocks now
-            self.engine.abort(stream, "deadline_exceeded" if past_deadline(context)
-                              else "abort")
-            if admission is not None:
-                admission.release(stream.num_tokens)
-                self.engine.metrics.tenant_generation_tokens[tenant.name].inc(stream.num_tokens)
+            call.close("deadline_exceeded" if past_deadline(context) else "abort")
 
     async def Tokenize(  # noqa: N802
         self, request: api.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> api.TokenizeResponse:
-        self._tenant(context)
+        self.authenticate(context.invocation_metadata())
         cap = self.engine.link.capacity  # none yet: bound by the largest model length there is
         self.inputs.check_size(request, cap.max_model_len if cap else MAX_MODEL_LEN_BOUND)
         ids = await asyncio.to_thread(self.inputs.prompt_ids, request)
@@ -122,7 +159,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def GetModelInfo(  # noqa: N802
         self, request: api.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> api.ModelInfo:
-        self._tenant(context)
+        self.authenticate(context.invocation_metadata())
         self._limits()
         cap = self.engine.link.capacity
         return api.ModelInfo(

@@ -55,6 +55,7 @@ class RequestStream:
     deadline: float = float("inf")
     priority_class: str = "0"  # the metrics' priority label
     num_tokens: int = 0  # output tokens pushed
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     tenant: str = ""  # the API key's tenant ("" when the service runs without keys)
     held: Chunk | None = None  # tokens not yet queued (stream_interval)
 

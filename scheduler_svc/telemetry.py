@@ -44,9 +44,11 @@ class Telemetry:
         self._peak_blocks_used = 0
         self._counters_seen: dict = {}  # scheduler totals already added to counters
 
-    def scheduled(self, stream: RequestStream, now: float) -> None:
+    def scheduled(self, stream: RequestStream, now: float, cached_tokens: int = 0) -> None:
+        """First scheduled, with cached_tokens of its prompt found in the prefix cache."""
         if not stream.scheduled_at:
             stream.scheduled_at = now
+            stream.cached_tokens = cached_tokens
             self.metrics.queue_time[stream.priority_class].observe(now - stream.arrival)
 
     def token(self, stream: RequestStream, now: float) -> None:
@@ -143,6 +145,7 @@ class Telemetry:
             "event": "request_finished", "ts": round(time.time(), 3),
             "request_id": req.external_id, "finish_reason": reason,
             "prompt_tokens": req.prompt_len, "completion_tokens": req.num_output_tokens,
+            "cached_tokens": stream.cached_tokens,
             "priority": req.priority, "preemptions": req.num_preemptions,
             "queue_s": since_arrival(stream.scheduled_at),
             "ttft_s": since_arrival(stream.first_token_at),

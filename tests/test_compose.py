@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,8 @@ def test_compose_file_is_wired(compose):
     bind_port = sched["PAGEDSERVE_EXECUTOR_BIND"].rsplit(":", 1)[1]
     assert execu["PAGEDSERVE_SCHEDULER_ADDRESS"] == f"tcp://scheduler:{bind_port}"
     published = {p.split(":")[1] for p in svc["scheduler"]["ports"]}
-    assert {sched["PAGEDSERVE_PORT"], sched["PAGEDSERVE_METRICS_PORT"]} <= published
+    assert {sched["PAGEDSERVE_PORT"], sched["PAGEDSERVE_HTTP_PORT"],
+            sched["PAGEDSERVE_METRICS_PORT"]} <= published
     assert sched["PAGEDSERVE_MODEL"] == execu["PAGEDSERVE_MODEL"]
     assert "model-cache" in compose["volumes"]
     assert "--readiness" in svc["scheduler"]["healthcheck"]["test"]
@@ -158,6 +160,9 @@ def test_compose_services_run_and_answer(compose, model_dir, tmp_path):
             text, _, _ = client.complete(chat=[("user", "What is the capital of France?")],
                                          temperature=0, max_tokens=16)
         assert text == "The capital of France is Paris."
+        http_port = svc["scheduler"]["environment"]["PAGEDSERVE_HTTP_PORT"]
+        assert urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health",
+                                      timeout=10).status == 200  # the OpenAI API's readiness
         metrics_port = int(svc["scheduler"]["environment"]["PAGEDSERVE_METRICS_PORT"])
         scraped = {key.split("{")[0] for key in scrape(metrics_port)}
         assert dashboard_metric_names() <= scraped  # what Prometheus would get

@@ -62,13 +62,16 @@ def scrape(port: int, model_name: str = "default") -> dict[str, float]:
 class Service:
     def __init__(self, log_path: Path, *flags: str) -> None:
         self.port, self.zmq_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.http_port = free_port()  # the OpenAI-compatible API: http_url + "/v1"
         self.address = f"127.0.0.1:{self.port}"
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
         named = dict(zip(flags, flags[1:], strict=False))  # the metrics' model_name label
         self.model_name = named.get("--served-model-name") or named.get("--model", "default")
         self.log_path = log_path
         cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--host", "127.0.0.1",
                "--port", str(self.port), "--executor-bind", f"tcp://127.0.0.1:{self.zmq_port}",
-               "--metrics-port", str(self.metrics_port), *flags]
+               "--metrics-port", str(self.metrics_port), "--http-port", str(self.http_port),
+               *flags]
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -123,11 +126,13 @@ class Stack:
         self.tmp = tmp
         self.executor_flags = executor_flags
         self.port, self.zmq_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.http_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.bind = f"tcp://{link_host}:{self.zmq_port}"
         self.scheduler = self._start("scheduler", "--host", "127.0.0.1", "--port", str(self.port),
                                      "--executor-bind", self.bind,
-                                     "--metrics-port", str(self.metrics_port), *scheduler_flags)
+                                     "--metrics-port", str(self.metrics_port),
+                                     "--http-port", str(self.http_port), *scheduler_flags)
         self.executors = 0
         self.executor = self.start_executor() if executor else None
         self.client = Client(self.address)

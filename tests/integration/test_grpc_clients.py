@@ -176,7 +176,7 @@ def _second(command: str, *flags: str) -> tuple[subprocess.CompletedProcess, flo
 @pytest.mark.parametrize("busy", ["--port", "--executor-bind", "--metrics-port"])
 def test_a_second_server_on_a_busy_port_fails_at_once_naming_the_flag(service, busy, command):
     flags = {"--port": str(free_port()), "--executor-bind": f"tcp://127.0.0.1:{free_port()}",
-             "--metrics-port": "0"}
+             "--metrics-port": "0", "--http-port": "0"}
     taken = {"--port": service.port, "--executor-bind": service.zmq_port,
              "--metrics-port": service.metrics_port}[busy]
     flags[busy] = f"tcp://127.0.0.1:{taken}" if busy == "--executor-bind" else str(taken)

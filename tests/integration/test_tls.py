@@ -93,6 +93,19 @@ def scrape_ok(port: int, ca: CA) -> bool:
         return False
 
 
+def https_ok(port: int, ca: CA, client: tuple[Path, Path] | None = None) -> bool:
+    """The OpenAI-compatible API's /health over HTTPS, verified against ca."""
+    context = ssl.create_default_context(cadata=ca.pem().decode())
+    if client is not None:
+        context.load_cert_chain(*client)
+    try:
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/health", timeout=5,
+                                    context=context) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ssl.SSLError, ConnectionError):
+        return False
+
+
 def start(tmp: Path, *flags: str) -> Service:
     return Service(tmp / "serve.log", *flags)  # its plain client is not used: TLS only
 
@@ -114,6 +127,7 @@ def test_tls_serves_verified_clients_and_picks_up_rotated_certificates(tmp_path,
         wait_ready(svc, channel)
         assert generate_ok(channel)
         assert scrape_ok(svc.metrics_port, first)  # /metrics is HTTPS with the same pair
+        assert https_ok(svc.http_port, first)  # and so is the HTTP API
         (tmp_path / "first.pem").write_bytes(first.pem())
         cli = [sys.executable, "-m", "pagedserve.cli", "health", "--address", svc.address]
         assert subprocess.run([*cli, "--tls-ca", str(tmp_path / "first.pem")],
@@ -132,6 +146,9 @@ def test_tls_serves_verified_clients_and_picks_up_rotated_certificates(tmp_path,
         while not scrape_ok(svc.metrics_port, second):
             assert time.monotonic() < deadline, "/metrics kept the old certificate"
             time.sleep(0.5)
+        while not https_ok(svc.http_port, second):
+            assert time.monotonic() < deadline, "the HTTP API kept the old certificate"
+            time.sleep(0.5)
     finally:
         svc.stop()
 
@@ -147,6 +164,9 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(tmp_path, model_dir):
         wait_ready(svc, good)
         assert generate_ok(good)
         assert not ready(secure(svc.address, ca))  # no client certificate
+        assert https_ok(svc.http_port, ca, ca.issue("http-client", tmp_path))
+        assert not https_ok(svc.http_port, ca)
+        assert not https_ok(svc.http_port, ca, stranger.issue("http-intruder", tmp_path))
         assert not ready(secure(svc.address, ca, stranger.issue("intruder", tmp_path)))
     finally:
         svc.stop()

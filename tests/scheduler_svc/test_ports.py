@@ -11,6 +11,7 @@ import zmq
 
 from pagedserve.scheduler import server
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkBindError
+from pagedserve.scheduler.http_server import http_server
 from pagedserve.scheduler.ports import BindError, check_addresses, check_free
 
 
@@ -33,7 +34,7 @@ def test_an_ipc_executor_bind_in_use_is_refused(tmp_path):
     from the first); the check refuses it, and accepts the file a dead process left."""
     path = tmp_path / "link"
     flag = f"--executor-bind ipc://{path}"
-    args = argparse.Namespace(host="127.0.0.1", port=0, executor_bind=f"ipc://{path}")
+    args = argparse.Namespace(host="127.0.0.1", port=0, http_port=0, executor_bind=f"ipc://{path}")
     ctx = zmq.Context()
     first = ctx.socket(zmq.ROUTER)
     first.bind(f"ipc://{path}")
@@ -49,7 +50,8 @@ def test_an_ipc_executor_bind_in_use_is_refused(tmp_path):
     with socket.socket(socket.AF_UNIX) as gone:  # a socket file nobody listens on
         gone.bind(str(stale))
     assert stale.exists()
-    check_addresses(argparse.Namespace(host="127.0.0.1", port=0, executor_bind=f"ipc://{stale}"))
+    check_addresses(argparse.Namespace(host="127.0.0.1", port=0, http_port=0,
+                                       executor_bind=f"ipc://{stale}"))
 
 
 def test_a_second_grpc_server_cannot_share_a_port():
@@ -82,3 +84,20 @@ def test_a_busy_executor_bind_names_its_flag():
             await link.close()
 
     asyncio.run(main())
+
+
+def test_a_busy_http_port_names_its_flag_in_the_early_check_and_at_the_bind():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = argparse.Namespace(host="127.0.0.1", port=0, http_port=port, tls_cert="",
+                                  executor_bind="tcp://127.0.0.1:0")
+        message = (f"--http-port {port}: cannot listen on 127.0.0.1:{port}: Address already "
+                   "in use (is another server running?)")
+        with pytest.raises(BindError) as early:
+            check_addresses(args)
+        assert str(early.value) == message
+        with pytest.raises(BindError) as late:
+            http_server(None, args, None)
+        assert str(late.value) == message

@@ -1,0 +1,60 @@
+"""uvicorn serving the HTTP API on the scheduler's own asyncio loop, beside gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import socket
+import ssl
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+from pagedserve.scheduler.ports import BindError
+from pagedserve.scheduler.tls import CertificateFiles
+
+
+class HTTPServer(uvicorn.Server):
+    """uvicorn's server minus its signal handlers: SIGTERM is the scheduler's, which drains the
+    engine first and then sets should_exit."""
+
+    socket: socket.socket
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def http_server(app: Any, args: argparse.Namespace, tls: CertificateFiles | None) -> HTTPServer:
+    """A server for app on --host:--http-port, its socket bound now (BindError names the flag),
+    speaking TLS with the gRPC API's certificates, reloaded with them."""
+    extra: dict[str, Any] = {}
+    if tls is not None:
+        extra = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
+        if args.tls_client_ca:
+            extra |= {"ssl_ca_certs": args.tls_client_ca, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning",
+                            access_log=False,
+                            timeout_graceful_shutdown=5, **extra)
+    config.load()
+    if tls is not None:  # each handshake reads the context: new connections get new files
+        tls.follow(lambda: config.ssl.load_cert_chain(args.tls_cert, args.tls_key))
+    server = HTTPServer(config)
+    server.socket = _bind(args.host, args.http_port)
+    return server
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise BindError(f"--http-port {port}: cannot listen on {host}:{port}: {e.strerror} "
+                        "(is another server running?)") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,248 @@
+"""The OpenAI-compatible HTTP API (Starlette on uvicorn), served by the scheduler process on the
+gRPC server's asyncio loop: a request goes through GenerationServicer.start, the same path as a
+gRPC Generate call (tenants, validation, admission, deadline), then straight to the engine.
+
+    POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events)
+    GET /v1/models, GET /health (readiness: 200 when an executor is joined, else 503)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pagedserve.scheduler.inputs import InvalidRequest
+from pagedserve.scheduler.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    invalid,
+    parse,
+    to_generate,
+)
+from pagedserve.scheduler.servicer import Call, GenerationServicer
+from pagedserve.scheduler.streams import Chunk, EngineError
+
+TIMEOUT_HEADER = "x-request-timeout"  # seconds the request may live, as a gRPC deadline
+_DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+class OpenAIApp:
+    def __init__(self, servicer: GenerationServicer, model_name: str) -> None:
+        self.gen, self.engine, self.model_name = servicer, servicer.engine, model_name
+        self.created = int(time.time())
+        self.app = Starlette(routes=[
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ], exception_handlers={HTTPException: _http_error, OpenAIError: _error})
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.serving:
+            return JSONResponse({"status": "ok"})
+        why = "draining" if self.engine.draining else "no executor has joined"
+        return JSONResponse({"status": why}, status_code=503)
+
+    async def models(self, request: Request) -> Response:
+        self._authenticate(request)
+        card: dict[str, Any] = {"id": self.model_name, "object": "model",
+                                "created": self.created, "owned_by": "pagedserve"}
+        if (cap := self.engine.link.capacity) is not None:
+            card["max_model_len"] = cap.max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, CompletionRequest)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, ChatCompletionRequest)
+
+    def _authenticate(self, request: Request) -> Any:
+        try:
+            return self.gen.authenticate([("authorization", request.headers.get(
+                "authorization", ""))])
+        except EngineError as e:
+            raise OpenAIError(401, str(e), code="invalid_api_key") from None
+
+    async def _generate(self, request: Request, model: type) -> Response:
+        tenant = self._authenticate(request)
+        req = parse(model, await request.body())
+        if req.model != self.model_name:
+            raise OpenAIError(404, f"The model '{req.model}' does not exist; this server "
+                              f"serves '{self.model_name}'", "model", "model_not_found")
+        if req.stream_options is not None and not req.stream:
+            raise OpenAIError(400, "stream_options: only allowed with stream: true",
+                              "stream_options")
+        chat = model is ChatCompletionRequest
+        rid = request.headers.get("x-request-id") or \
+            f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            call = await self.gen.start(to_generate(req, rid), tenant, _timeout(request))
+        except InvalidRequest as e:
+            raise invalid(str(e), req) from None
+        except EngineError as e:
+            raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        shape = _Shape(rid, self.model_name, chat, usage)
+        headers = {"x-request-id": rid}
+        if not req.stream:
+            return await _complete(request, call, shape, headers)
+        return _EventStream(_events(call, shape, usage), call, media_type="text/event-stream",
+                            headers={**headers, "cache-control": "no-cache"})
+
+
+class _Shape:
+    """The response objects of one request; a streamed chunk's JSON is built around its text
+    (json-encoding only that), since each token of every stream goes through here."""
+
+    def __init__(self, rid: str, model: str, chat: bool, include_usage: bool) -> None:
+        self.rid, self.model, self.chat = rid, model, chat
+        self.created = int(time.time())
+        self.kind = "chat.completion" if chat else "text_completion"
+        head = _DUMPS({"id": rid, "object": self.kind + (".chunk" if chat else ""),
+                       "created": self.created, "model": model})[:-1]
+        self._head = (f'data: {head},"choices":[{{"index":0,' +
+                      ('"delta":{"content":' if chat else '"text":')).encode()
+        self._tail = (("}" if chat else "") + ',"logprobs":null,"finish_reason":null}]' +
+                      (',"usage":null' if include_usage else "") + "}\n\n").encode()
+
+    def delta(self, text: str) -> bytes:
+        return self._head + _DUMPS(text).encode() + self._tail
+
+    def obj(self, choices: list[dict], streamed: bool, **fields: Any) -> dict:
+        """A response object (a streamed chunk, or the whole answer) with more fields (usage)."""
+        kind = self.kind + (".chunk" if self.chat and streamed else "")
+        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices, **fields}
+
+    def choice(self, text: str | None, finish: Chunk | None, final: bool) -> dict:
+        """A choice: the whole message (final) or a streamed delta with the finish reason."""
+        if self.chat:
+            body = {"message": {"role": "assistant", "content": text}} if final else \
+                {"delta": {} if text is None else {"content": text}}
+        else:
+            body = {"text": text or ""}
+        return {"index": 0, **body, "logprobs": None,
+                "finish_reason": finish.finish_reason if finish else None,
+                "stop_reason": finish.stop_reason if finish else None}  # vLLM's: what matched
+
+
+def _usage(chunk: Chunk, call: Call) -> dict:
+    return {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.completion_tokens,
+            "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": call.stream.cached_tokens}}
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + _DUMPS(obj).encode() + b"\n\n"
+
+
+async def _events(call: Call, shape: _Shape, include_usage: bool) -> AsyncIterator[bytes]:
+    """The server-sent events of a streamed request; an error after the response began goes
+    out as an event with OpenAI's error object (the SDK raises it), then [DONE]."""
+    extra = {"usage": None} if include_usage else {}  # OpenAI's: null but in the last
+    try:
+        if shape.chat:  # the first chunk carries the role, as OpenAI's do
+            first = shape.choice(None, None, False)
+            first["delta"] = {"role": "assistant", "content": ""}
+            yield _sse(shape.obj([first], True, **extra))
+        async for chunk in call.chunks():
+            if not chunk.finish_reason:
+                yield shape.delta(chunk.text)
+                continue
+            yield _sse(shape.obj([shape.choice(chunk.text or None, chunk, False)], True,
+                                 **extra))
+            if include_usage:
+                yield _sse(shape.obj([], True, usage=_usage(chunk, call)))
+    except EngineError as e:
+        yield _sse(OpenAIError.from_grpc(e.code, str(e)).body())
+    yield b"data: [DONE]\n\n"
+
+
+async def _complete(request: Request, call: Call, shape: _Shape,
+                    headers: dict[str, str]) -> Response:
+    """A non-streamed request, ended early (its blocks freed) if the client goes away."""
+
+    async def collect() -> Chunk:
+        whole = Chunk("", [])
+        async for chunk in call.chunks():
+            whole = whole.then(chunk)
+        return whole
+
+    work = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+        try:
+            whole = work.result()
+        except EngineError as e:
+            raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
+        body = shape.obj([shape.choice(whole.text, whole, True)], False,
+                         usage=_usage(whole, call))
+        return JSONResponse(body, headers=headers)
+    finally:
+        for task in (work, gone):
+            task.cancel()
+        call.close()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStream(StreamingResponse):
+    """A streamed response that closes its Call however it ends: finished, failed, or the
+    client gone (Starlette then cancels the stream, wherever it was waiting)."""
+
+    def __init__(self, content: AsyncIterator[bytes], call: Call, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.call = call
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.call.close()
+
+
+def _timeout(request: Request) -> float | None:
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise OpenAIError(400, f"the {TIMEOUT_HEADER} header must be a positive number of "
+                          f"seconds, got {value!r}")
+    return seconds
+
+
+async def _error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, OpenAIError)
+    headers = {}
+    if exc.retry_after_s is not None:  # whole seconds, rounded up, as HTTP's Retry-After is
+        headers["retry-after"] = str(math.ceil(exc.retry_after_s))
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return await _error(request, OpenAIError(exc.status_code, f"{request.method} "
+                                             f"{request.url.path}: {exc.detail}"))

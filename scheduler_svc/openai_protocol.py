@@ -1,0 +1,262 @@
+"""The OpenAI API's request bodies, their translation into the gRPC API's GenerateRequest (so
+that both APIs share one validation, inputs.validate), and OpenAI's error object.
+
+Fields OpenAI (or vLLM) defines that the engine cannot honour yet are accepted in the models and
+refused by `unsupported()` when a request sets them to anything but their default.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pagedserve.protos.v1 import generate_pb2 as api
+
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
+STATUS = {  # an EngineError's gRPC code -> (HTTP status, OpenAI error type)
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
+    "NOT_FOUND": (404, "invalid_request_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "DEADLINE_EXCEEDED": (504, "timeout_error"),
+    "UNAVAILABLE": (503, "service_unavailable_error"),
+    "INTERNAL": (500, "server_error"),
+}
+
+
+class OpenAIError(Exception):
+    """An error the client gets as {"error": {message, type, param, code}} with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s
+
+    @classmethod
+    def from_grpc(cls, code: str, message: str, retry_after_s: float | None = None
+                  ) -> OpenAIError:
+        status, _ = STATUS.get(code, (500, "server_error"))
+        return cls(status, message, code=code.lower(), retry_after_s=retry_after_s)
+
+    def body(self) -> dict[str, Any]:
+        kind = next((t for s, t in STATUS.values() if s == self.status), "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """What completions and chat completions share. Unknown fields are refused, as OpenAI
+    does: a misspelt parameter should not be silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, allow_inf_nan=False)
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: Int32 | None = None
+    stop_token_ids: list[Count] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    priority: Int32 = 0
+    # not supported yet (see unsupported())
+    n: int | None = 1
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = 0.0
+    min_tokens: int | None = 0
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    # accepted, with no effect on a server that has no tools, storage or tiers
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    # not supported (see unsupported())
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+_UNSUPPORTED_DEFAULTS = {  # field -> its default (null is too); others refused until supported
+    "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "logit_bias": None, "min_p": 0.0, "min_tokens": 0, "logprobs": False,
+    "top_logprobs": None, "best_of": 1, "suffix": None, "echo": False,
+    "tools": None, "tool_choice": "none", "response_format": {"type": "text"},
+}
+
+
+def unsupported(req: _Request) -> str | None:
+    """The first field the request sets that the engine does not support yet."""
+    for name, default in _UNSUPPORTED_DEFAULTS.items():
+        if name not in type(req).model_fields:
+            continue
+        if getattr(req, name) not in (None, default):
+            return name
+    return None
+
+
+def parse(model: type[_Request], body: bytes) -> _Request:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = _param(err["loc"])
+        where = f"{param}: " if param else ""
+        raise OpenAIError(400, f"{where}{err['msg']}", param,
+                          "invalid_json" if err["type"] == "json_invalid" else None) from None
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
+
+
+def _param(loc: tuple) -> str | None:
+    """pydantic's error location as OpenAI names a parameter: messages[0].content."""
+    out = ""
+    for p in loc:
+        if isinstance(p, str) and (p in _TYPE_NAMES or "[" in p or p[:1].isupper()):
+            continue  # a union's member, named by its type (str, list[int], ContentPart)
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out or None
+
+
+def to_generate(req: _Request, request_id: str) -> api.GenerateRequest:
+    """The one translation from an OpenAI request to the engine's parameters (as the gRPC API's
+    GenerateRequest, validated by inputs.validate like any gRPC request)."""
+    name = unsupported(req)
+    if name is not None:
+        raise OpenAIError(400, f"{name}: not supported yet", name, "unsupported_parameter")
+    out = api.GenerateRequest(request_id=request_id, priority=req.priority)
+    if isinstance(req, ChatCompletionRequest):
+        _chat_input(req, out)
+    else:
+        _completion_input(req, out)
+    s = out.sampling
+    limit = _max_tokens(req)
+    if limit is not None:
+        if not 1 <= limit < 2**31:
+            raise OpenAIError(400, f"{_max_tokens_name(req)}: must be >= 1, got {limit}",
+                              _max_tokens_name(req))
+        s.max_tokens = limit
+    if req.temperature is not None:
+        s.temperature = req.temperature
+    if req.top_p is not None:
+        s.top_p = req.top_p
+    if req.top_k is not None:
+        s.top_k = max(0, req.top_k) if req.top_k >= -1 else req.top_k  # vLLM's -1: all
+    if req.seed is not None:
+        s.seed = req.seed % 2**64  # OpenAI's seed is any integer; the proto's is unsigned
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    s.stop.extend(stops)
+    s.stop_token_ids.extend(req.stop_token_ids or [])
+    s.ignore_eos = req.ignore_eos
+    s.include_special_tokens = not req.skip_special_tokens
+    return out
+
+
+def _max_tokens(req: _Request) -> int | None:
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
+
+
+def _max_tokens_name(req: _Request) -> str:
+    chat = isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
+    return "max_completion_tokens" if chat else "max_tokens"
+
+
+def _completion_input(req: CompletionRequest, out: api.GenerateRequest) -> None:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise OpenAIError(400, "prompt: a batch of prompts is not supported yet; send one "
+                              "prompt per request", "prompt", "unsupported_parameter")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        out.text = prompt
+    else:
+        for t in prompt:
+            if not 0 <= t < 2**31:
+                raise OpenAIError(400, f"prompt: token id {t} is outside the vocabulary",
+                                  "prompt")
+        out.token_ids.ids.extend(prompt)
+        if not prompt:
+            out.token_ids.SetInParent()
+
+
+def _chat_input(req: ChatCompletionRequest, out: api.GenerateRequest) -> None:
+    out.chat.SetInParent()
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(p.type != "text" or p.text is None for p in content):
+                raise OpenAIError(400, f"messages[{i}].content: only text parts are supported",
+                                  f"messages[{i}].content")
+            content = "".join(p.text for p in content)
+        role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for it
+        out.chat.messages.append(api.ChatMessage(role=role, content=content or ""))
+
+
+# inputs.validate names the GenerateRequest field (sampling.top_p: ...); the client knows the
+# OpenAI parameter
+_FIELD = re.compile(r"^(sampling\.(\w+)|chat\.messages(\[\d+\]\.\w+)?|text|token_ids|input)"
+                    r"(?=:)")
+
+
+def invalid(message: str, req: _Request) -> OpenAIError:
+    """An inputs.InvalidRequest, renamed for the OpenAI API."""
+    m = _FIELD.match(message)
+    if m is None:
+        return OpenAIError(400, message)
+    field = m.group(1)
+    if m.group(2):
+        param = _max_tokens_name(req) if m.group(2) == "max_tokens" else m.group(2)
+    elif field.startswith("chat.messages"):
+        param = "messages" + (m.group(3) or "")
+    else:
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    return OpenAIError(400, param + message[m.end():], param)
+

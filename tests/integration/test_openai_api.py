@@ -1,0 +1,291 @@
+"""The OpenAI-compatible HTTP API against a running `pagedserve serve`, called with the official
+`openai` SDK (and once with plain HTTP, for the server-sent events' framing)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+
+from pagedserve.client import Client, build_request
+from pagedserve.protos.v1 import generate_pb2 as api
+from tests.integration.conftest import MAX_TOKENS, PROMPTS
+from tests.integration.service import Service, Stack
+
+MODEL = "default"
+
+
+def sdk(svc, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=svc.http_url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def post(svc, path: str, body: dict, headers: dict | None = None):
+    """A raw POST: the response, or the HTTPError it raised (a response too)."""
+    req = urllib.request.Request(svc.http_url + path, json.dumps(body).encode(),
+                                 {"content-type": "application/json", **(headers or {})})
+    try:
+        return urllib.request.urlopen(req, timeout=120)
+    except urllib.error.HTTPError as e:
+        return e
+
+
+@pytest.mark.parametrize("i", [i for i, (kind, _) in enumerate(PROMPTS) if kind == "text"])
+def test_completions_greedy_equals_hf(service, hf_greedy, tokenizer, i):
+    out = sdk(service).completions.create(model=MODEL, prompt=PROMPTS[i][1],
+                                          max_tokens=MAX_TOKENS, temperature=0)
+    assert out.object == "text_completion" and out.model == MODEL
+    assert out.choices[0].text == tokenizer.decode(hf_greedy[i], skip_special_tokens=True)
+    assert out.usage.completion_tokens == len(hf_greedy[i])
+    assert out.usage.prompt_tokens == len(tokenizer.encode(PROMPTS[i][1]))
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+@pytest.mark.parametrize("i", [i for i, (kind, _) in enumerate(PROMPTS) if kind == "chat"])
+def test_chat_greedy_equals_hf_streamed_and_not(service, hf_greedy, tokenizer, i):
+    client, messages = sdk(service), [{"role": "user", "content": PROMPTS[i][1]}]
+    want = tokenizer.decode(hf_greedy[i], skip_special_tokens=True)
+    whole = client.chat.completions.create(model=MODEL, messages=messages,
+                                           max_completion_tokens=MAX_TOKENS, temperature=0)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == want
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == want
+    finishes = [c.choices[0].finish_reason for c in chunks[:-1]]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert all(c.usage is None for c in chunks[:-1])
+    last = chunks[-1]  # include_usage: one more chunk, no choices, the usage
+    assert last.choices == [] and last.usage.completion_tokens == len(hf_greedy[i])
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_stop_string_ends_the_text_before_it(service, hf_greedy, tokenizer):
+    want = tokenizer.decode(hf_greedy[0], skip_special_tokens=True)  # " Paris. ..."
+    stop = want.split()[2]
+    client = sdk(service)
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt=PROMPTS[0][1], temperature=0,
+                                        max_tokens=MAX_TOKENS, stop=["never here", stop],
+                                        stream=stream)
+        chunks = list(out) if stream else [out]
+        assert "".join(c.choices[0].text for c in chunks) == want[:want.index(stop)]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert chunks[-1].choices[0].model_extra["stop_reason"] == stop
+
+
+def test_usage_counts_cached_prompt_tokens_on_a_repeated_prompt(service):
+    prompt = f"A prompt no other test sends ({time.time_ns()}): " + "tea and biscuits, " * 20
+    block = service.client.stub.GetModelInfo(api.GetModelInfoRequest(), timeout=30).block_size
+    client = sdk(service)
+    first, second = (client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+                     for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    n = second.usage.prompt_tokens
+    # whole blocks of the prompt, less its last token (which is always computed)
+    assert second.usage.prompt_tokens_details.cached_tokens == (n - 1) // block * block > 0
+
+
+BAD = [  # (endpoint, kwargs, param)
+    ("completions", dict(temperature=-1), "temperature"),
+    ("completions", dict(max_tokens=0), "max_tokens"),
+    ("completions", dict(top_p=1.5), "top_p"),
+    ("completions", dict(extra_body={"top_k": -3}), "top_k"),
+    ("completions", dict(stop=[""]), "stop"),
+    ("completions", dict(extra_body={"stop_token_ids": [10**6]}), "stop_token_ids"),
+    ("completions", dict(prompt="x " * 20000), "prompt"),
+    ("completions", dict(prompt=""), "prompt"),
+    ("completions", dict(n=3), "n"),
+    ("completions", dict(presence_penalty=0.5), "presence_penalty"),
+    ("completions", dict(logprobs=2), "logprobs"),
+    ("completions", dict(echo=True), "echo"),
+    ("completions", dict(extra_body={"max_tokenz": 3}), "max_tokenz"),
+    ("chat", dict(max_completion_tokens=10**6), "max_completion_tokens"),
+    ("chat", dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
+    ("chat", dict(messages=[]), "messages"),
+    ("chat", dict(logprobs=True, top_logprobs=3), "logprobs"),
+    ("chat", dict(frequency_penalty=1.0), "frequency_penalty"),
+    ("chat", dict(extra_body={"min_p": 0.1}), "min_p"),
+    ("chat", dict(logit_bias={"42": 5}), "logit_bias"),
+    ("chat", dict(response_format={"type": "json_object"}), "response_format"),
+    ("chat", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    ("chat", dict(stream_options={"include_usage": True}), "stream_options"),
+]
+
+
+@pytest.mark.parametrize("endpoint, kwargs, param", BAD, ids=[f"{e}-{p}" for e, _, p in BAD])
+def test_bad_input_is_a_bad_request_naming_the_param(service, endpoint, kwargs, param):
+    client = sdk(service)
+    with pytest.raises(openai.BadRequestError) as err:
+        if endpoint == "chat":
+            client.chat.completions.create(**{"model": MODEL, "max_tokens": 4, "messages": [
+                {"role": "user", "content": "hi"}], **kwargs})
+        else:
+            client.completions.create(**{"model": MODEL, "prompt": "hi", "max_tokens": 4,
+                                         **kwargs})
+    assert err.value.status_code == 400
+    assert err.value.param == param
+    assert err.value.body["message"].startswith(param + ":")
+    assert err.value.type == "invalid_request_error"
+
+
+def test_what_sdks_send_by_default_is_accepted(service, tokenizer):
+    """Nulls for the defaults, OpenAI's `developer` role (the template's system role), and
+    parameters that mean nothing here (store, metadata) do not fail a request."""
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0, "n": None, "logprobs": None,
+            "presence_penalty": None, "stream": None, "store": False, "metadata": {"a": "b"},
+            "response_format": {"type": "text"}, "tools": None, "parallel_tool_calls": None,
+            "messages": [{"role": "developer", "content": "Answer briefly."},
+                         {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
+    resp = post(service, "/v1/chat/completions", body)
+    assert resp.status == 200, resp.read()
+    out = json.loads(resp.read())
+    system = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}],
+        add_generation_prompt=True, tokenize=True)
+    system = system if isinstance(system, list) else system["input_ids"]
+    assert out["usage"]["prompt_tokens"] == len(system)
+    assert resp.headers["x-request-id"] == out["id"]
+
+
+def test_an_unknown_model_is_not_found_and_models_lists_the_served_one(service):
+    client = sdk(service)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    assert (err.value.param, err.value.code) == ("model", "model_not_found")
+    assert [m.id for m in client.models.list()] == [MODEL]
+    health = urllib.request.urlopen(service.http_url + "/health", timeout=10)
+    assert health.status == 200
+
+
+def test_sse_framing_over_plain_http(service):
+    resp = post(service, "/v1/completions", {"model": MODEL, "prompt": PROMPTS[0][1],
+                                             "max_tokens": 5, "temperature": 0,
+                                             "stream": True})
+    assert resp.status == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    raw = resp.read().decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]  # every event ends in a blank line
+    assert all(e.startswith("data: ") and "\n" not in e for e in events[:-1])
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert [c["object"] for c in chunks] == ["text_completion"] * len(chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert "usage" not in chunks[-1]  # only with stream_options.include_usage
+
+
+def test_a_deadline_header_ends_a_long_request(service):
+    resp = post(service, "/v1/completions", {"model": MODEL, "prompt": "Count:",
+                                             "max_tokens": 4000, "ignore_eos": True},
+                {"x-request-timeout": "1"})
+    assert resp.status == 504
+    assert json.loads(resp.read())["error"]["code"] == "deadline_exceeded"
+    assert service.wait_idle(30)["pagedserve:num_requests_running"] == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_drops_frees_the_blocks(service, stream):
+    body = json.dumps({"model": MODEL, "prompt": "Count:", "max_tokens": 4000,
+                       "ignore_eos": True, "stream": stream}).encode()
+    sock = socket.create_connection(("127.0.0.1", service.http_port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                 b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 60
+    while service.metrics()["pagedserve:num_requests_running"] < 1:  # it runs
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    if stream:
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")  # tokens are flowing
+    sock.close()
+    start = time.monotonic()
+    m = service.wait_idle(10)
+    assert m["pagedserve:num_requests_running"] == 0
+    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"]
+    assert time.monotonic() - start < 5  # 4000 tokens would take minutes on a CPU
+
+
+KEYS = """
+tenants:
+  paying: {priority: [-2, 0], max_concurrent: 1}
+keys:
+  - {key: sk-paying, tenant: paying}
+"""
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory, model_dir):
+    tmp = tmp_path_factory.mktemp("openai_keys")
+    (tmp / "keys.yaml").write_text(KEYS)
+    svc = Service(tmp / "serve.log", "--api-keys", str(tmp / "keys.yaml"))
+    svc.wait_serving()
+    yield svc
+    svc.stop()
+
+
+def test_api_keys_are_the_grpc_tenants(keyed):
+    for key in ("none", "sk-wrong"):
+        with pytest.raises(openai.AuthenticationError) as err:
+            sdk(keyed, key).completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert err.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            sdk(keyed, key).models.list()
+    paying = sdk(keyed, "sk-paying")
+    assert paying.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
+    with pytest.raises(openai.PermissionDeniedError):  # outside the tenant's priority range
+        paying.completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                  extra_body={"priority": 5})
+    # max_concurrent 1, counted across both APIs: an HTTP stream holds the tenant's one slot
+    stream = paying.completions.create(model=MODEL, prompt="Count:", max_tokens=4000,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    with pytest.raises(openai.RateLimitError) as err:
+        paying.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert err.value.response.headers["retry-after"] == "1"
+    with Client(keyed.address, api_key="sk-paying") as grpc_client, \
+            pytest.raises(grpc.RpcError) as grpc_err:
+        list(grpc_client.stub.Generate(build_request(text="hi", max_tokens=2),
+                                       metadata=(("authorization", "Bearer sk-paying"),),
+                                       timeout=30))
+    assert grpc_err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    stream.close()  # the slot is free again
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert paying.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+
+def test_without_an_executor_health_and_requests_are_503(tmp_path):
+    stack = Stack(tmp_path, executor=False)
+    try:
+        svc = type("S", (), {"http_url": f"http://127.0.0.1:{stack.http_port}"})
+        deadline = time.monotonic() + 120
+        while True:  # the scheduler loads its tokenizer before it listens
+            try:
+                urllib.request.urlopen(svc.http_url + "/health", timeout=5)
+                raise AssertionError("healthy without an executor")
+            except urllib.error.HTTPError as e:
+                assert e.code == 503
+                break
+            except urllib.error.URLError:
+                assert time.monotonic() < deadline, stack.logs()
+                time.sleep(0.5)
+        with pytest.raises(openai.InternalServerError) as err:
+            sdk(svc).chat.completions.create(model=MODEL, max_tokens=2,
+                                             messages=[{"role": "user", "content": "hi"}])
+        assert err.value.status_code == 503
+        assert "no executor has joined" in err.value.message
+    finally:
+        stack.stop()
