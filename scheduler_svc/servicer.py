@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
 
 import grpc
@@ -11,6 +12,7 @@ from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.protos.v1 import generate_pb2_grpc
 from pagedserve.scheduler.engine import Engine
 from pagedserve.scheduler.inputs import InputProcessor, Limits, validate
+from pagedserve.scheduler.parallel import submit_parallel
 from pagedserve.scheduler.streams import Chunk, EngineError
 from pagedserve.scheduler.tenants import Admission, Tenant, Tenants
 
@@ -72,39 +74,26 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         params = validate(request, prompt, limits)
         admission = self._admit(tenant, request.priority, len(prompt))
         try:
-            stream = self.engine.submit(request.request_id, prompt, params,
-                                        admission.priority if admission else request.priority,
-                                        timeout=context.time_remaining())
+            streams = submit_parallel(self.engine, request.request_id, prompt, params,
+                                      admission.priority if admission else request.priority,
+                                      timeout=context.time_remaining())
         except EngineError:
             if admission is not None:
                 admission.release(0)
             raise
-        stream.tenant = tenant.name if tenant else ""
-        rid = stream.req.external_id
+        for stream in streams:
+            stream.tenant = tenant.name if tenant else ""
+        rid, queue = streams[0].req.external_id, streams[0].queue
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, EngineError):
-                    raise item
-                # Chunks that queued while the last write was on its way go out as one message:
-                # a slow client or a busy server sends fewer, larger messages, not a backlog.
-                error = None
-                while not item.finish_reason and not stream.queue.empty():
-                    nxt = stream.queue.get_nowait()
-                    if isinstance(nxt, EngineError):
-                        error = nxt
-                        break
-                    item = item.then(nxt)
+            async for item in _merged(queue, len(streams)):
                 yield _response(rid, item)
-                if error is not None:
-                    raise error
-                if item.finish_reason:
-                    return
-        finally:  # client cancelled, or the stream ended: free the request's blocks now
-            self.engine.abort(stream)
+        finally:  # client cancelled, or the streams ended: free the requests' blocks now
+            for stream in streams:
+                self.engine.abort(stream)
             if admission is not None:
-                admission.release(stream.num_tokens)
-                self.engine.metrics.tenant_generation_tokens[tenant.name].inc(stream.num_tokens)
+                n = sum(s.num_tokens for s in streams)
+                admission.release(n)
+                self.engine.metrics.tenant_generation_tokens[tenant.name].inc(n)
 
     async def Tokenize(  # noqa: N802
         self, request: api.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -130,8 +119,33 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         )
 
 
+async def _merged(queue: asyncio.Queue, n: int) -> AsyncIterator[Chunk]:
+    """The chunks of n completions sharing a queue, until each has finished; an EngineError
+    on the queue is raised. Chunks of one completion that queued while the last write was on
+    its way go out as one message: a slow client or a busy server sends fewer, larger
+    messages, not a backlog."""
+    held: deque = deque()  # taken off the queue, not sent yet (another completion's, an error)
+    while n:
+        item = held.popleft() if held else await queue.get()
+        if isinstance(item, EngineError):
+            raise item
+        while not item.finish_reason and (held or not queue.empty()):
+            nxt = held.popleft() if held else queue.get_nowait()
+            if isinstance(nxt, EngineError) or nxt.index != item.index:
+                held.appendleft(nxt)
+                break
+            item = item.then(nxt)
+        yield item
+        if item.finish_reason:
+            n -= 1
+
+
 def _response(request_id: str, chunk: Chunk) -> api.GenerateResponse:
-    resp = api.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids)
+    resp = api.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
+                                index=chunk.index)
+    for tok, lp in zip(chunk.token_ids, chunk.logprobs, strict=False):
+        resp.logprobs.add(token_id=tok, logprob=lp.logprob, top_token_ids=lp.top_ids,
+                          top_logprobs=lp.top_logprobs)
     if chunk.finish_reason:
         resp.finish_reason = _FINISH[chunk.finish_reason]
         if isinstance(chunk.stop_reason, str):
