@@ -121,3 +121,19 @@ def test_sampling_extras_defaults_and_values():
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p,
             p.logit_bias, p.min_tokens, p.logprobs, p.n) == (
         -2.0, 2.0, 1.5, 1.0, ((0, 100.0), (999, -100.0)), 97, 0, 16)
+
+
+def test_a_logit_bias_map_parses_and_a_key_wider_than_32_bits_is_named():
+    """The lenient parser walks every field for 32-bit values sent wider; a map's entries are
+    walked by key (iterating it as a list of messages raised AttributeError: UNKNOWN)."""
+    from pagedserve.scheduler.errors import _lenient, _twin
+
+    parse = _lenient(api.GenerateRequest.FromString, api.GenerateRequest.DESCRIPTOR)
+    ok = request()
+    ok.sampling.logit_bias.update({5: -100.0, 7: 2.5})
+    assert parse(ok.SerializeToString()) == ok
+    wide = _twin("wide", "pagedserve.v1.GenerateRequest")()
+    wide.token_ids.ids.append(1)
+    wide.sampling.logit_bias[2**33 + 5] = 1.0
+    assert parse(wide.SerializeToString()).message == (
+        f"sampling.logit_bias: key {2**33 + 5} does not fit in 32 bits")
