@@ -73,8 +73,10 @@ def main() -> None:
     def rebuild() -> None:  # the alternative: counts from the token ids, every step
         counts.load([(s, t, args.context // 2) for s, t in zip(slots, ids, strict=True)])
 
+    sampled = logits.argmax(-1)
+
     def record() -> None:  # what a step adds for the counts (inside sample() already)
-        counts.record(torch.tensor(slots, device=dev), logits.argmax(-1))
+        counts.record(torch.tensor(slots, device=dev), sampled)
 
     res = {name: timed(fn, dev, args.steps) for name, fn in (
         ("plain greedy", lambda: step(plain)),

@@ -82,13 +82,19 @@ class TokenCounts:
                                accumulate=True)
 
     def apply(self, logits: torch.Tensor, slots: torch.Tensor, params: torch.Tensor,
-              repetition: bool) -> torch.Tensor:
+              which: tuple[bool, bool, bool]) -> torch.Tensor:
         """Penalized logits of R rows: logits [R, V], slots [R], params [R, 3] = (repetition,
-        frequency, presence). repetition=False: no row has one (its gather is skipped)."""
+        frequency, presence); `which` says which of the three any row has (the others' full
+        [R, V] passes are skipped)."""
+        repetition, frequency, presence = which
         out = self.output[slots]  # [R, V]
-        seen_out = out > 0
+        seen_out = out > 0 if repetition or presence else None
         if repetition:
             rep = params[:, 0:1]
             seen = seen_out | self.prompt[slots]
             logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-        return logits - params[:, 1:2] * out - params[:, 2:3] * seen_out
+        if frequency:
+            logits = logits - params[:, 1:2] * out
+        if presence:
+            logits = logits - params[:, 2:3] * seen_out
+        return logits

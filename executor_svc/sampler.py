@@ -176,10 +176,15 @@ class Sampler:
         if pen:
             params = np.array([(specs[i].repetition_penalty, specs[i].frequency_penalty,
                                 specs[i].presence_penalty) for i in pen], np.float32)
-            idx = torch.tensor(pen, device=dev)
             slots = torch.tensor([batch.count_slots[i] for i in pen], device=dev)
-            x[idx] = batch.counts.apply(x[idx], slots, torch.from_numpy(params).to(dev),
-                                        repetition=bool((params[:, 0] != 1.0).any()))
+            which = (bool((params[:, 0] != 1.0).any()), bool(params[:, 1].any()),
+                     bool(params[:, 2].any()))
+            params_t = torch.from_numpy(params).to(dev)
+            if len(pen) == len(specs):  # every row: no gather and scatter back
+                x = batch.counts.apply(x, slots, params_t, which)
+            else:
+                idx = torch.tensor(pen, device=dev)
+                x[idx] = batch.counts.apply(x[idx], slots, params_t, which)
         return x
 
     def _sample(
@@ -228,9 +233,12 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: in
               ) -> torch.Tensor:
     """[R, 1 + 2k]: each row's sampled token's logprob under the raw logits, then its k most
     likely tokens' logprobs and ids (ids as float32: exact below 2**24, any vocabulary)."""
-    idx = torch.tensor(rows, device=logits.device)
-    lp = torch.log_softmax(logits[idx].float(), dim=-1)
-    parts = [lp.gather(1, tokens[idx][:, None])]
+    if len(rows) == logits.shape[0]:  # every row: no gather
+        lp, chosen = torch.log_softmax(logits.float(), dim=-1), tokens
+    else:
+        idx = torch.tensor(rows, device=logits.device)
+        lp, chosen = torch.log_softmax(logits[idx].float(), dim=-1), tokens[idx]
+    parts = [lp.gather(1, chosen[:, None])]
     if k:
         top = lp.topk(k, dim=-1)
         parts += [top.values, top.indices.float()]
