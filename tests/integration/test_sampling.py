@@ -207,3 +207,22 @@ def test_cancelling_n_completions_midway_frees_every_block(service):
     m = service.wait_idle()
     assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"]
     assert m["pagedserve:num_requests_running"] == 0
+
+
+def test_async_scheduling_gives_the_same_penalized_outputs_and_logprobs(async_service, service):
+    """With --async-scheduling the executor samples step N+1 before N's tokens reach the
+    scheduler: the counts it keeps must still include N's token."""
+    kw = {"repetition_penalty": 1.3, "frequency_penalty": 0.7, "min_tokens": 10, "logprobs": 2}
+
+    def run(svc):
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            return list(pool.map(lambda p: [(list(r.token_ids), [(e.token_id, list(
+                e.top_token_ids)) for e in r.logprobs]) for r in svc.client.generate(
+                **request_kwargs(*p), max_tokens=MAX_TOKENS, temperature=0, timeout=300, **kw)],
+                PROMPTS))
+
+    def flat(outs):
+        return [([t for ids, _ in o for t in ids], [e for _, lps in o for e in lps])
+                for o in outs]
+
+    assert flat(run(async_service)) == flat(run(service))
