@@ -12,7 +12,15 @@ from pagedserve.core.wire import PENDING_TOKEN
 from pagedserve.executor.block_table import BlockTableArray
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM
-from pagedserve.executor.sampler import Sampler, SamplingSpec
+from pagedserve.executor.penalties import TokenCounts
+from pagedserve.executor.sampler import (
+    HostLogprobs,
+    SampleOutput,
+    Sampler,
+    SamplingBatch,
+    SamplingSpec,
+    read_logprobs,
+)
 from pagedserve.executor.swap import SwapSpace
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
@@ -26,6 +34,8 @@ class Launched:
     indices: list[int]  # where each state's token goes in its token_ids
     tokens: torch.Tensor  # [S] int64 on the device
     graphed: bool
+    sampled: SampleOutput | None = None  # the logprobs of the rows that asked
+    logprobs: HostLogprobs | None = None  # set by finish()
 
 
 @dataclass(slots=True)
@@ -35,12 +45,20 @@ class RequestState:
     row: int  # its row in the runner's BlockTableArray (the block table, mirrored from plans)
     num_computed: int  # tokens whose KV is in the cache
     sampling: SamplingSpec
+    num_prompt: int = 0  # of token_ids, the prompt's (penalties and min_tokens count the rest)
+    count_slot: int = -1  # its TokenCounts slot if it uses a penalty
     # the launched step whose token is this request's last (pending) entry, and its row there
     pending: tuple[Launched, int] | None = None
 
 
 def sampling_spec(s: pb.Sampling) -> SamplingSpec:
-    return SamplingSpec(s.temperature, s.top_k, s.top_p, s.seed if s.has_seed else None)
+    return SamplingSpec(
+        s.temperature, s.top_k, s.top_p, s.seed if s.has_seed else None, min_p=s.min_p,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty or 1.0,
+        logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values, strict=True)),
+        min_tokens=s.min_tokens, min_tokens_masked_ids=tuple(s.min_tokens_masked_ids),
+        logprobs=s.top_logprobs if s.logprobs else -1)
 
 
 class ModelRunner:
@@ -52,18 +70,21 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler,
         swap: SwapSpace | None = None,
+        counts: TokenCounts | None = None,
     ) -> None:
         self.model, self.kv_caches = model, kv_caches
         self.swap = swap or SwapSpace(0, [])
         self.block_size, self.device, self.sampler = block_size, device, sampler
         self.requests: dict[int, RequestState] = {}
         self.tables = BlockTableArray()
+        self.counts = counts or TokenCounts(model.cfg.vocab_size, device)
         self.graphs: DecodeGraphs | None = None  # set by the worker after capture (CUDA)
         self.last_step_graphed = False  # whether the last step replayed a CUDA graph
 
     def reset(self) -> None:
         self.requests.clear()
         self.tables = BlockTableArray()
+        self.counts.reset()
 
     def execute(self, plan: pb.StepPlan) -> tuple[list[int], list[int]]:
         """Run one step; return (req_ids, sampled token ids) of requests that sampled."""
@@ -73,6 +94,8 @@ class ModelRunner:
     def finish(self, launched: Launched) -> tuple[list[int], list[int]]:
         """Wait for a launched step's tokens and put them in place of its pending entries."""
         tokens = launched.tokens.tolist()
+        if launched.sampled is not None:
+            launched.logprobs = read_logprobs(launched.sampled)
         for st, i, tok in zip(launched.states, launched.indices, tokens, strict=True):
             st.token_ids[i] = tok
             if st.pending is not None and st.pending[0] is launched:
@@ -86,16 +109,27 @@ class ModelRunner:
         for rid in (*plan.finished_req_ids, *plan.preempted_req_ids):
             if (st := self.requests.pop(rid, None)) is not None:
                 self.tables.remove(st.row)
+                if st.count_slot >= 0:
+                    self.counts.release(st.count_slot)
         if plan.swap_out_src or plan.swap_in_src:
             self.swap.swap_out(self.kv_caches, list(plan.swap_out_src), list(plan.swap_out_dst))
             self.swap.swap_in(self.kv_caches, list(plan.swap_in_src), list(plan.swap_in_dst))
         batch: list[tuple[int, int]] = []  # (req_id, num tokens scheduled)
+        arrivals = []  # (count slot, token ids, prompt tokens) of new penalized requests
         for new, n in zip(plan.new_requests, plan.new_num_scheduled_tokens, strict=True):
-            self.requests[new.req_id] = RequestState(
-                list(new.token_ids), self.tables.add(list(new.block_ids)),
-                new.num_computed_tokens, sampling_spec(new.sampling),
-            )
+            if (old := self.requests.pop(new.req_id, None)) is not None:  # a drifted mirror
+                self.tables.remove(old.row)
+                if old.count_slot >= 0:
+                    self.counts.release(old.count_slot)
+            st = RequestState(list(new.token_ids), self.tables.add(list(new.block_ids)),
+                              new.num_computed_tokens, sampling_spec(new.sampling),
+                              new.num_prompt_tokens or len(new.token_ids))
+            if st.sampling.penalized:
+                st.count_slot = self.counts.acquire()
+                arrivals.append((st.count_slot, st.token_ids, st.num_prompt))
+            self.requests[new.req_id] = st
             batch.append((new.req_id, n))
+        self.counts.load(arrivals)
         offset = 0
         for rid, start, n, nb in zip(plan.cached_req_ids, plan.cached_num_computed_tokens,
                                      plan.cached_num_scheduled_tokens, plan.cached_num_new_blocks,
@@ -192,12 +226,21 @@ class ModelRunner:
                                                         strict=True) if s]
         if not samplers:
             return None
-        tokens = self.sampler.sample(logits, [st.sampling for _, st in samplers],
-                                     [len(st.token_ids) for _, st in samplers])
+        sampled = self.sampler.sample(logits, self._sampling_batch([st for _, st in samplers]))
         launched = Launched([rid for rid, _ in samplers], [st for _, st in samplers],
-                            [len(st.token_ids) for _, st in samplers], tokens,
-                            self.last_step_graphed)
+                            [len(st.token_ids) for _, st in samplers], sampled.tokens,
+                            self.last_step_graphed,
+                            sampled if sampled.logprobs is not None else None)
         for row, (_, st) in enumerate(samplers):
             st.token_ids.append(PENDING_TOKEN)
             st.pending = (launched, row)
         return launched
+
+    def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
+        batch = SamplingBatch([st.sampling for st in states], [len(st.token_ids) for st in states])
+        if any(st.sampling.min_tokens for st in states):
+            batch.num_output = [len(st.token_ids) - st.num_prompt for st in states]
+        if any(st.count_slot >= 0 for st in states):
+            batch.count_slots = [st.count_slot for st in states]
+            batch.counts = self.counts
+        return batch

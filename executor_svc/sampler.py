@@ -1,15 +1,26 @@
-"""Token sampling: greedy, temperature, top-k, top-p, and per-request seeds.
+"""Token sampling for the whole batch on the device: logit bias, min_tokens, penalties, then
+greedy or temperature / min-p / top-k / top-p sampling with per-request seeds, and logprobs.
 
 A seeded request draws its randomness from (seed, position of the token being sampled) alone,
 so it gets the same tokens whatever else shares the batch, and after a preemption too.
 Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks i with probability p_i.
+
+Order (vLLM's): logprobs are taken from the raw logits; then logit_bias is added, the
+min_tokens ids masked, the penalties applied, and what is left is sampled. Every stage works on
+the rows that need it with a few batched tensor ops (their per-row parameters travel in one
+small host-to-device copy per stage); a batch where no row needs a stage skips it, so a plain
+batch costs what it did before these existed. A new per-row input (a grammar's token bitmask)
+is one more optional field of SamplingBatch and one more stage in Sampler.process.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from pagedserve.executor.penalties import TokenCounts
 
 _MASK64 = (1 << 64) - 1
 
@@ -34,10 +45,72 @@ class SamplingSpec:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0
+    min_tokens_masked_ids: tuple[int, ...] = ()  # masked while output < min_tokens
+    logprobs: int = -1  # -1: none; 0: the sampled token's; k: and the k most likely
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """One step's sampling rows ([S] parallel lists) and the per-row extras some rows need."""
+
+    specs: list[SamplingSpec]
+    positions: list[int]  # position each sampled token will occupy (the seeds' input)
+    # output tokens each row has before this one (min_tokens); None: no row has min_tokens
+    num_output: list[int] | None = None
+    # each row's TokenCounts slot (-1: no penalty); None: no row has a penalty
+    count_slots: list[int] | None = None
+    counts: TokenCounts | None = None
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    tokens: torch.Tensor  # [S] int64 on the device
+    logprob_rows: list[int] = field(default_factory=list)  # rows that asked, ascending
+    logprob_ks: list[int] = field(default_factory=list)  # alternatives each asked for
+    # [R, 1 + 2 * max k] float32 on the device: sampled logprob, top logprobs, top ids
+    logprobs: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class HostLogprobs:
+    """SampleOutput's logprobs read back, in StepResult's packed layout."""
+
+    rows: list[int]
+    sampled: list[float]
+    num_top: list[int]
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+def read_logprobs(out: SampleOutput) -> HostLogprobs | None:
+    if out.logprobs is None:
+        return None
+    packed = out.logprobs.tolist()
+    kmax = (len(packed[0]) - 1) // 2 if packed else 0
+    top_ids, top_lps = [], []
+    for row, k in zip(packed, out.logprob_ks, strict=True):
+        top_lps.extend(row[1:1 + k])
+        top_ids.extend(int(t) for t in row[1 + kmax:1 + kmax + k])
+    return HostLogprobs(out.logprob_rows, [r[0] for r in packed], out.logprob_ks, top_ids,
+                        top_lps)
 
 
 class Sampler:
@@ -55,23 +128,72 @@ class Sampler:
         specs: list[SamplingSpec],
         positions: list[int],  # position each sampled token will occupy
     ) -> list[int]:
-        return self.sample(logits, specs, positions).tolist()
+        return self.sample(logits, SamplingBatch(specs, positions)).tokens.tolist()
 
-    def sample(self, logits: torch.Tensor, specs: list[SamplingSpec],
-               positions: list[int]) -> torch.Tensor:
-        """The sampled ids [S] int64 on the logits' device, without waiting for them."""
-        out = logits.argmax(dim=-1)
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        """The sampled ids [S] int64 on the logits' device (and logprobs of the rows that ask),
+        without waiting for them."""
+        specs = batch.specs
+        x = self.process(logits, batch)
+        out = x.argmax(dim=-1)
         rows = [i for i, s in enumerate(specs) if not s.greedy]
         if rows:
-            out[rows] = self._sample(logits[rows], [specs[i] for i in rows],
-                                     [positions[i] for i in rows])
-        return out
+            out[rows] = self._sample(x[rows], [specs[i] for i in rows],
+                                     [batch.positions[i] for i in rows])
+        if batch.count_slots is not None:
+            pen = [i for i, slot in enumerate(batch.count_slots) if slot >= 0]
+            idx = torch.tensor(pen, device=logits.device)
+            slots = torch.tensor([batch.count_slots[i] for i in pen], device=logits.device)
+            batch.counts.record(slots, out[idx])
+        result = SampleOutput(out)
+        lp_rows = [i for i, s in enumerate(specs) if s.logprobs >= 0]
+        if lp_rows:
+            result.logprob_rows = lp_rows
+            result.logprob_ks = [specs[i].logprobs for i in lp_rows]
+            result.logprobs = _logprobs(logits, out, lp_rows, max(result.logprob_ks))
+        return result
+
+    def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The logits after logit_bias, min_tokens and penalties: a new tensor if any row has
+        one of them, else the same."""
+        specs, dev = batch.specs, logits.device
+        bias = [(i, t, v) for i, s in enumerate(specs) for t, v in s.logit_bias]
+        masked = ([(i, t) for i, (s, n) in enumerate(zip(specs, batch.num_output, strict=True))
+                   if n < s.min_tokens for t in s.min_tokens_masked_ids]
+                  if batch.num_output is not None else [])
+        pen = ([i for i, slot in enumerate(batch.count_slots) if slot >= 0]
+               if batch.count_slots is not None else [])
+        if not (bias or masked or pen):
+            return logits
+        x = logits.clone()
+        if bias:
+            rows, ids, vals = zip(*bias, strict=True)
+            x.index_put_((torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)),
+                         torch.tensor(vals, dtype=x.dtype, device=dev), accumulate=True)
+        if masked:
+            rows_ids = torch.tensor(masked, device=dev)
+            x[rows_ids[:, 0], rows_ids[:, 1]] = float("-inf")
+        if pen:
+            params = np.array([(specs[i].repetition_penalty, specs[i].frequency_penalty,
+                                specs[i].presence_penalty) for i in pen], np.float32)
+            slots = torch.tensor([batch.count_slots[i] for i in pen], device=dev)
+            which = (bool((params[:, 0] != 1.0).any()), bool(params[:, 1].any()),
+                     bool(params[:, 2].any()))
+            params_t = torch.from_numpy(params).to(dev)
+            if len(pen) == len(specs):  # every row: no gather and scatter back
+                x = batch.counts.apply(x, slots, params_t, which)
+            else:
+                idx = torch.tensor(pen, device=dev)
+                x[idx] = batch.counts.apply(x[idx], slots, params_t, which)
+        return x
 
     def _sample(
         self, logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int]
     ) -> torch.Tensor:
         temps = torch.tensor([s.temperature for s in specs], device=logits.device)
         logits = logits / temps[:, None]
+        if any(s.min_p > 0.0 for s in specs):
+            logits = self._min_p(logits, specs)
         if any(s.top_k > 0 or s.top_p < 1.0 for s in specs):
             logits = self._top_k_top_p(logits, specs)
         probs = torch.softmax(logits, dim=-1)
@@ -83,6 +205,13 @@ class Sampler:
                 gen.manual_seed(position_seed(spec.seed, pos))
             noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _min_p(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
+        min_p = torch.tensor([s.min_p for s in specs], device=logits.device)
+        probs = torch.softmax(logits, dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+        return logits.masked_fill(probs < floor, float("-inf"))
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
@@ -98,3 +227,19 @@ class Sampler:
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: int
+              ) -> torch.Tensor:
+    """[R, 1 + 2k]: each row's sampled token's logprob under the raw logits, then its k most
+    likely tokens' logprobs and ids (ids as float32: exact below 2**24, any vocabulary)."""
+    if len(rows) == logits.shape[0]:  # every row: no gather
+        lp, chosen = torch.log_softmax(logits.float(), dim=-1), tokens
+    else:
+        idx = torch.tensor(rows, device=logits.device)
+        lp, chosen = torch.log_softmax(logits[idx].float(), dim=-1), tokens[idx]
+    parts = [lp.gather(1, chosen[:, None])]
+    if k:
+        top = lp.topk(k, dim=-1)
+        parts += [top.values, top.indices.float()]
+    return torch.cat(parts, dim=1)

@@ -117,7 +117,12 @@ class ExecutorServer:
                 req_ids, tokens = self.worker.runner.finish(launched)
         except Exception as e:
             return self._failed(step_id, e)
-        return self._result(step_id, req_ids, tokens, start, launched.graphed)
+        result = self._result(step_id, req_ids, tokens, start, launched.graphed)
+        if (lp := launched.logprobs) is not None:
+            result.logprob_rows[:], result.sampled_logprobs[:] = lp.rows, lp.sampled
+            result.num_top_logprobs[:], result.top_logprob_token_ids[:] = lp.num_top, lp.top_ids
+            result.top_logprobs[:] = lp.top_logprobs
+        return result
 
     @staticmethod
     def _failed(step_id: int, e: Exception) -> pb.StepResult:

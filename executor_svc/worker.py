@@ -17,9 +17,10 @@ from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM
+from pagedserve.executor.penalties import TokenCounts
 from pagedserve.executor.quantization import resolve_quantization
 from pagedserve.executor.runner import ModelRunner
-from pagedserve.executor.sampler import Sampler, SamplingSpec
+from pagedserve.executor.sampler import MAX_TOP_LOGPROBS, Sampler, SamplingBatch, SamplingSpec
 from pagedserve.executor.swap import SwapSpace
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
@@ -89,6 +90,7 @@ class Worker:
         self.block_size = cfg.block_size
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self.sampler = Sampler(self.device)
+        self.counts = TokenCounts(self.model_cfg.vocab_size, self.device)
         self.num_blocks = self._num_blocks(cfg, model, max_len)
         if self.num_blocks < 1:
             raise RuntimeError("no memory left for the KV cache: lower the model size or raise "
@@ -116,7 +118,7 @@ class Worker:
                  self.max_model_len)
         self.swap = SwapSpace(cfg.swap_space_bytes // per_block, kv)
         self.runner = ModelRunner(model, kv, cfg.block_size, self.device, self.sampler,
-                                  self.swap)
+                                  self.swap, self.counts)
         self.graphs: DecodeGraphs | None = None
         if on_cuda and backend == "triton" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(model, kv, cfg.max_num_seqs, self.max_model_len,
@@ -234,9 +236,17 @@ class Worker:
         logits = model(torch.zeros(tokens, dtype=torch.int64, device=dev),
                        torch.from_numpy(positions).to(dev), kv, meta,
                        torch.from_numpy(cu_q[1:] - 1).to(dev))
-        if prefill:  # the sampler's temporaries on the largest logits a step can make
-            spec = SamplingSpec(temperature=1.0, top_k=50, top_p=0.9, seed=0)
-            self.sampler(logits, [spec] * seqs, [1] * seqs)
+        if prefill:  # the sampler's temporaries on the largest logits a step can make, with
+            # every extra; the penalties' count slots of every sequence stay allocated after
+            # (TokenCounts never shrinks), so they are in the memory in use, not in the KV cache
+            spec = SamplingSpec(temperature=1.0, top_k=50, top_p=0.9, seed=0, min_p=0.05,
+                                repetition_penalty=1.1, frequency_penalty=0.5,
+                                logprobs=MAX_TOP_LOGPROBS)
+            slots = [self.counts.acquire() for _ in range(seqs)]
+            self.counts.load([(s, [0, 1], 1) for s in slots])
+            self.sampler.sample(logits, SamplingBatch([spec] * seqs, [1] * seqs,
+                                                      count_slots=slots, counts=self.counts))
+            self.counts.reset()
         torch.cuda.synchronize(dev)
         # reserved, not allocated: the caching allocator's segments and rounding count too
         peak = torch.cuda.max_memory_reserved(dev) - base

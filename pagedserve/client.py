@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -34,6 +34,14 @@ def build_request(
     include_special_tokens: bool = False,
     priority: int = 0,
     request_id: str = "",
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    min_p: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
+    logprobs: int | None = None,
+    n: int | None = None,
 ) -> api.GenerateRequest:
     req = api.GenerateRequest(request_id=request_id, priority=priority)
     if sum(x is not None for x in (text, chat, token_ids)) != 1:
@@ -46,13 +54,19 @@ def build_request(
         req.token_ids.ids.extend(token_ids)
     s = req.sampling
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
-                        ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+                        ("top_k", top_k), ("top_p", top_p), ("seed", seed),
+                        ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty),
+                        ("repetition_penalty", repetition_penalty), ("min_p", min_p),
+                        ("logprobs", logprobs), ("n", n)):
         if value is not None:
             setattr(s, name, value)
     s.stop.extend(stop)
     s.stop_token_ids.extend(stop_token_ids)
     s.ignore_eos = ignore_eos
     s.include_special_tokens = include_special_tokens
+    s.logit_bias.update(logit_bias or {})
+    s.min_tokens = min_tokens
     return req
 
 

@@ -42,7 +42,8 @@ class StreamTable:
             if stream is None:
                 continue
             self.telemetry.token(stream, now)
-            chunk = stream.push(s.token, s.finish_reason, s.stop_reason, self.stream_interval)
+            chunk = stream.push(s.token, s.finish_reason, s.stop_reason, self.stream_interval,
+                                s.logprob)
             if chunk is None:
                 continue
             if chunk.finish_reason:

@@ -145,11 +145,26 @@ def _truncated_int(data: bytes, input_type: Descriptor, strict: Any) -> str | No
     return _first_difference(wide, strict, "")
 
 
+def _is_map(field: FieldDescriptor) -> bool:
+    return field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
+
+
+def _has_key(strict_map: Any, key: int) -> bool:
+    try:
+        return key in strict_map
+    except ValueError:  # outside the strict map's key type: the value it holds was truncated
+        return False
+
+
 def _first_difference(wide: Any, strict: Any, prefix: str) -> str | None:
     for field, value in wide.ListFields():
         name = prefix + field.name
         mine = getattr(strict, field.name)
-        if field.type == FieldDescriptor.TYPE_MESSAGE:
+        if _is_map(field):  # iterating a map gives its keys: integer keys are what may differ
+            key = next((k for k in value if isinstance(k, int) and not _has_key(mine, k)), None)
+            if key is not None:
+                return f"{name}: key {key} does not fit in 32 bits"
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
             pairs = zip(value, mine, strict=True) if field.is_repeated else [(value, mine)]
             for i, (w, s) in enumerate(pairs):
                 where = f"{name}[{i}]." if field.is_repeated else name + "."
@@ -167,6 +182,8 @@ def _first_difference(wide: Any, strict: Any, prefix: str) -> str | None:
 def _bad_utf8_field(msg: Any, prefix: str) -> str | None:
     for field, value in msg.ListFields():
         name = prefix + field.name
+        if _is_map(field):  # no map of this API has string keys or values
+            continue
         repeated = field.is_repeated
         items = list(value) if repeated else [value]
         for i, item in enumerate(items):

@@ -41,7 +41,7 @@ from pagedserve.core.link_security import (
 )
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from pagedserve.scheduler.outputs import SchedulerOutput
-from pagedserve.scheduler.request import GenerationParams
+from pagedserve.scheduler.request import Request
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -264,6 +264,8 @@ def decode_executor_message(frames: list, capacity: pb.Capacity | None,
         if r.sampled_token_ids and (min(r.sampled_token_ids) < 0
                                     or (vocab and max(r.sampled_token_ids) >= vocab)):
             return None, "a result with a token outside the vocabulary"
+        if why := _bad_logprobs(r, vocab):
+            return None, why
     elif kind == "hello":
         cap = msg.hello.capacity
         if not msg.hello.executor_id or min(cap.num_kv_blocks, cap.block_size,
@@ -274,9 +276,17 @@ def decode_executor_message(frames: list, capacity: pb.Capacity | None,
     return msg, ""
 
 
-def wire_sampling(params: GenerationParams) -> pb.Sampling:
-    return pb.Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                       has_seed=params.seed is not None, seed=params.seed or 0)
+def wire_sampling(req: Request) -> pb.Sampling:
+    p = req.params
+    s = pb.Sampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                    has_seed=p.seed is not None, seed=p.seed or 0,
+                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                    repetition_penalty=p.repetition_penalty, min_p=p.min_p,
+                    min_tokens=p.min_tokens, min_tokens_masked_ids=req.min_tokens_masked_ids,
+                    logprobs=p.logprobs is not None, top_logprobs=p.logprobs or 0)
+    if p.logit_bias:
+        s.logit_bias_ids[:], s.logit_bias_values[:] = zip(*p.logit_bias, strict=True)
+    return s
 
 
 def encode_plan(step_id: int, out: SchedulerOutput) -> bytes:
@@ -289,7 +299,7 @@ def encode_plan(step_id: int, out: SchedulerOutput) -> bytes:
     for s in out.new:
         plan.new_requests.add(req_id=s.req.req_id, token_ids=s.req.token_ids,
                               num_computed_tokens=s.start, block_ids=s.block_ids,
-                              sampling=wire_sampling(s.req.params))
+                              sampling=wire_sampling(s.req), num_prompt_tokens=s.req.prompt_len)
         plan.new_num_scheduled_tokens.append(s.num_tokens)
     if out.cached:  # column by column: one extend per field, not one append per request
         cached = out.cached
@@ -299,3 +309,21 @@ def encode_plan(step_id: int, out: SchedulerOutput) -> bytes:
         plan.cached_num_new_blocks.extend([len(s.block_ids) for s in cached])
         plan.cached_new_block_ids.extend([i for s in cached for i in s.block_ids])
     return pb.SchedulerMessage(plan=plan).SerializeToString()
+
+
+def _bad_logprobs(r: pb.StepResult, vocab: int) -> str:
+    """Why a result's packed logprobs do not fit together (see StepResult), or ""."""
+    rows = r.logprob_rows
+    if not (len(rows) == len(r.sampled_logprobs) == len(r.num_top_logprobs)):
+        return "a result whose logprob rows do not pair up"
+    if rows and (min(rows) < 0 or max(rows) >= len(r.req_ids)
+                 or any(a >= b for a, b in zip(rows, rows[1:], strict=False))):
+        return "a result with logprob rows outside its requests or out of order"
+    total = sum(r.num_top_logprobs)
+    if (min(r.num_top_logprobs, default=0) < 0 or total != len(r.top_logprob_token_ids)
+            or total != len(r.top_logprobs)):
+        return "a result whose top logprobs do not add up"
+    ids = r.top_logprob_token_ids
+    if ids and (min(ids) < 0 or (vocab and max(ids) >= vocab)):
+        return "a result with a logprob token outside the vocabulary"
+    return ""

@@ -17,6 +17,9 @@ from pagedserve.scheduler.request import GenerationParams
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_REQUEST_ID_LEN = 256
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
+MAX_LOGIT_BIAS = 1024  # entries: each costs a little work on every step of the request
+MAX_N = 16  # completions per request
 
 
 class InvalidRequest(ValueError):
@@ -119,5 +122,50 @@ def validate(req: api.GenerateRequest, prompt: list[int], limits: Limits) -> Gen
         max_tokens=max_tokens, temperature=temperature, top_k=s.top_k, top_p=top_p,
         seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
         stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        skip_special_tokens=not s.include_special_tokens,
+        skip_special_tokens=not s.include_special_tokens, **_extras(s, max_tokens, limits),
     )
+
+
+def _extras(s: api.SamplingParams, max_tokens: int, limits: Limits) -> dict[str, Any]:
+    """The penalties, filters, logprobs and n, checked with vLLM's ranges."""
+    extras: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        if s.HasField(name):
+            v = getattr(s, name)
+            if not -2.0 <= v <= 2.0:
+                raise InvalidRequest(f"sampling.{name}: must be in [-2, 2], got {v}")
+            extras[name] = v
+    if s.HasField("repetition_penalty"):
+        if not (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0):
+            raise InvalidRequest(f"sampling.repetition_penalty: must be > 0, got "
+                                 f"{s.repetition_penalty}")
+        extras["repetition_penalty"] = s.repetition_penalty
+    if s.HasField("min_p"):
+        if not 0.0 <= s.min_p <= 1.0:
+            raise InvalidRequest(f"sampling.min_p: must be in [0, 1], got {s.min_p}")
+        extras["min_p"] = s.min_p
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"sampling.logit_bias: at most {MAX_LOGIT_BIAS} entries, got "
+                             f"{len(s.logit_bias)}")
+    for t, v in s.logit_bias.items():
+        if not 0 <= t < limits.vocab_size:
+            raise InvalidRequest(f"sampling.logit_bias: token {t} is outside the vocabulary "
+                                 f"[0, {limits.vocab_size})")
+        if not -100.0 <= v <= 100.0:
+            raise InvalidRequest(f"sampling.logit_bias: the bias of token {t} must be in "
+                                 f"[-100, 100], got {v}")
+    extras["logit_bias"] = tuple(sorted(s.logit_bias.items()))
+    if not 0 <= s.min_tokens <= max_tokens:
+        raise InvalidRequest(f"sampling.min_tokens: must be in [0, max_tokens = {max_tokens}], "
+                             f"got {s.min_tokens}")
+    extras["min_tokens"] = s.min_tokens
+    if s.HasField("logprobs"):
+        if not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"sampling.logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                 f"{s.logprobs}")
+        extras["logprobs"] = s.logprobs
+    if s.HasField("n"):
+        if not 1 <= s.n <= MAX_N:
+            raise InvalidRequest(f"sampling.n: must be in [1, {MAX_N}], got {s.n}")
+        extras["n"] = s.n
+    return extras

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from pagedserve.scheduler.request import Request
 
 
@@ -39,6 +40,27 @@ class SchedulerOutput:
         return self.new + self.cached
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A sampled token's logprob and its most likely alternatives (GenerationParams.logprobs of
+    them, most likely first), from the model's raw distribution."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+def logprobs_of(result: pb.StepResult) -> dict[int, TokenLogprob]:
+    """A result's logprobs by row (index in its req_ids); checked on arrival by the link."""
+    out, at = {}, 0
+    for row, lp, k in zip(result.logprob_rows, result.sampled_logprobs, result.num_top_logprobs,
+                          strict=True):
+        out[row] = TokenLogprob(lp, tuple(result.top_logprob_token_ids[at:at + k]),
+                                tuple(result.top_logprobs[at:at + k]))
+        at += k
+    return out
+
+
 @dataclass(slots=True)
 class Sampled:
     """A token a step sampled for a request, and whether it ended the request."""
@@ -47,6 +69,7 @@ class Sampled:
     token: int
     finish_reason: str | None = None  # "stop" (EOS or a stop token) | "length" (max_tokens)
     stop_reason: int | None = None  # the stop token's id
+    logprob: TokenLogprob | None = None  # if the request asked for logprobs
 
 
 @dataclass(frozen=True, slots=True)

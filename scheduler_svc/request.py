@@ -28,6 +28,20 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # OpenAI's, over the output tokens: logit -= frequency * count + presence * (count > 0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # HF's and vLLM's, over prompt and output tokens: a seen token's logit is divided by it if
+    # positive, multiplied if negative
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # keep tokens with p >= min_p * max p (after temperature)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # until this many output tokens: EOS (unless ignore_eos) and stop_token_ids are masked,
+    # and nothing ends the request but max_tokens
+    min_tokens: int = 0
+    # None: no logprobs; 0: the sampled token's logprob; k (<= 20): also the k most likely
+    logprobs: int | None = None
+    n: int = 1  # completions of the prompt (each a Request; see scheduler_svc/parallel.py)
 
 
 @dataclass(eq=False, slots=True)
@@ -51,6 +65,11 @@ class Request:
     # Async scheduling: the last num_pending entries of token_ids are PENDING_TOKENs for tokens
     # that steps in flight will sample; each result fills the oldest.
     num_pending: int = 0
+    # what the executor masks until min_tokens: EOS ids (unless ignore_eos), stop_token_ids
+    min_tokens_masked_ids: tuple[int, ...] = ()
+    index: int = 0  # which of its GenerateRequest's n completions
+    # n > 1: completion 0, whose prompt the others wait for (to take it from the prefix cache)
+    first_sibling: Request | None = None
 
     def __post_init__(self) -> None:
         self.sort_key = (self.priority, self.arrival_seq)

@@ -33,7 +33,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagedserve.scheduler.block_manager import BlockManager, HostBlockPool
-from pagedserve.scheduler.outputs import Sampled, ScheduledRequest, SchedulerOutput, SchedulerStats
+from pagedserve.scheduler.outputs import (
+    Sampled,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+    TokenLogprob,
+)
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.waiting_queue import WaitingQueue
 
@@ -99,6 +105,10 @@ class Scheduler:
         return None
 
     def add(self, req: Request) -> None:
+        p = req.params
+        if p.min_tokens:
+            eos = () if p.ignore_eos else tuple(sorted(self.eos_token_ids))
+            req.min_tokens_masked_ids = tuple(dict.fromkeys(eos + p.stop_token_ids))
         self.requests[req.req_id] = req
         self._enqueue(req)
 
@@ -195,6 +205,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting.head
+            if self._waits_for_first(req):
+                break
             admit = self._resume_swapped if req.swapped_blocks else self._admit_fresh
             n = admit(out, req, budget)
             if n is None:
@@ -204,6 +216,16 @@ class Scheduler:
             bisect.insort(self.running, req, key=_by_priority)
             budget -= n
         return budget
+
+    def _waits_for_first(self, req: Request) -> bool:
+        """Whether a completion of an n > 1 request waits for completion 0 to schedule its
+        whole prompt, whose blocks it then takes from the prefix cache (scheduler_svc/
+        parallel.py). Only while completion 0 runs: a waiting one may be behind this one in
+        the queue (preempted and requeued), and waiting for it then would wait forever."""
+        first = req.first_sibling
+        return (first is not None and self.cfg.enable_prefix_caching and req.num_output_tokens == 0
+                and first.status == RequestStatus.RUNNING
+                and first.num_computed_tokens < first.prompt_len)
 
     def _admit_fresh(self, out: SchedulerOutput, req: Request, budget: int) -> int | None:
         """Start (or restart) a request from its cached prefix; None if it does not fit."""
@@ -258,20 +280,24 @@ class Scheduler:
             did = True
         return did
 
-    def update(self, req_ids: list[int], token_ids: list[int]) -> list[Sampled]:
+    def update(self, req_ids: list[int], token_ids: list[int],
+               logprobs: dict[int, TokenLogprob] | None = None) -> list[Sampled]:
         """Record a step's sampled tokens and decide, here and only here, which requests they
         end (EOS, a stop token, max_tokens): those are finished at once, so they are out of
-        the next plan. Finished and aborted requests are skipped."""
+        the next plan. Before min_tokens only max_tokens ends one. Finished and aborted
+        requests are skipped. logprobs: by row, for the requests that asked."""
         sampled = []
-        for rid, tok in zip(req_ids, token_ids, strict=True):
+        for row, (rid, tok) in enumerate(zip(req_ids, token_ids, strict=True)):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.add_token(tok)
-            out = Sampled(req, tok)
+            out = Sampled(req, tok, logprob=logprobs.get(row) if logprobs else None)
             params = req.params
-            if tok in params.stop_token_ids or (tok in self.eos_token_ids
-                                                and not params.ignore_eos):
+            # (the executor masks EOS and stop ids before min_tokens: this only makes sure)
+            if req.num_known_output_tokens >= params.min_tokens and (
+                    tok in params.stop_token_ids
+                    or (tok in self.eos_token_ids and not params.ignore_eos)):
                 out.finish_reason, out.stop_reason = "stop", tok
             elif req.fills_max_tokens(req.num_known_output_tokens):
                 out.finish_reason = "length"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.protos.v1 import generate_pb2_grpc
 from pagedserve.scheduler.engine import Engine
 from pagedserve.scheduler.inputs import InputProcessor, Limits, validate
+from pagedserve.scheduler.parallel import submit_parallel
 from pagedserve.scheduler.rpc_metrics import past_deadline
 from pagedserve.scheduler.streams import Chunk, EngineError, RequestStream
 from pagedserve.scheduler.tenants import Admission, Tenant, Tenants
@@ -25,48 +27,38 @@ Metadata = Iterable[tuple[str, str | bytes]] | None  # gRPC metadata, or the HTT
 
 @dataclass(eq=False, slots=True)
 class Call:
-    """An admitted request, as the APIs see it: its chunks, and close() when it ends."""
+    """An admitted request, as the APIs see it: its chunks (of its n completions, told apart
+    by Chunk.index), and close() when it ends."""
 
     engine: Engine
-    stream: RequestStream
+    streams: list[RequestStream]  # one per completion; they share streams[0].queue
     admission: Admission | None
     closed: bool = False
 
+    @property
+    def stream(self) -> RequestStream:
+        """The first completion's stream (its request id, prompt and cached tokens)."""
+        return self.streams[0]
+
     async def chunks(self) -> AsyncIterator[Chunk]:
-        """The request's output until it finishes; an engine error is raised after the chunks
-        queued before it."""
-        queue = self.stream.queue
-        while True:
-            item = await queue.get()
-            if isinstance(item, EngineError):
-                raise item
-            # Chunks that queued while the last write was on its way go out as one message:
-            # a slow client or a busy server sends fewer, larger messages, not a backlog.
-            error = None
-            while not item.finish_reason and not queue.empty():
-                nxt = queue.get_nowait()
-                if isinstance(nxt, EngineError):
-                    error = nxt
-                    break
-                item = item.then(nxt)
-            yield item
-            if error is not None:
-                raise error
-            if item.finish_reason:
-                return
+        """The output until every completion finished; an engine error is raised after the
+        chunks queued before it."""
+        async for chunk in _merged(self.stream.queue, len(self.streams)):
+            yield chunk
 
     def close(self, reason: str = "abort") -> None:
-        """Free the request's blocks now (client gone, or the stream ended; reason is what the
-        request log and metrics say if it had not finished) and settle its tenant's accounts;
+        """Free the requests' blocks now (client gone, or the streams ended; reason is what the
+        request log and metrics say of one not finished) and settle the tenant's accounts;
         only the first call counts."""
         if self.closed:
             return
         self.closed = True
-        self.engine.abort(self.stream, reason)
+        for stream in self.streams:
+            self.engine.abort(stream, reason)
         if self.admission is not None:
-            self.admission.release(self.stream.num_tokens)
-            self.engine.metrics.tenant_generation_tokens[self.admission.tenant.name].inc(
-                self.stream.num_tokens)
+            n = sum(s.num_tokens for s in self.streams)
+            self.admission.release(n)
+            self.engine.metrics.tenant_generation_tokens[self.admission.tenant.name].inc(n)
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -123,15 +115,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         params = validate(request, prompt, limits)
         admission = self._admit(tenant, request.priority, len(prompt))
         try:
-            stream = self.engine.submit(request.request_id, prompt, params,
-                                        admission.priority if admission else request.priority,
-                                        timeout=timeout)
+            streams = submit_parallel(self.engine, request.request_id, prompt, params,
+                                      admission.priority if admission else request.priority,
+                                      timeout=timeout)
         except EngineError:
             if admission is not None:
                 admission.release(0)
             raise
-        stream.tenant = tenant.name if tenant else ""
-        return Call(self.engine, stream, admission)
+        for stream in streams:
+            stream.tenant = tenant.name if tenant else ""
+        return Call(self.engine, streams, admission)
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: api.GenerateRequest, context: grpc.aio.ServicerContext
@@ -143,7 +136,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             async for chunk in call.chunks():
                 yield _response(rid, chunk)
         finally:  # the client left or its deadline passed (gRPC cancels us), or the stream
-            # ended: free the request's blocks now
+            # ended: free the requests' blocks now
             call.close("deadline_exceeded" if past_deadline(context) else "abort")
 
     async def Tokenize(  # noqa: N802
@@ -170,8 +163,33 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         )
 
 
+async def _merged(queue: asyncio.Queue, n: int) -> AsyncIterator[Chunk]:
+    """The chunks of n completions sharing a queue, until each has finished; an EngineError
+    on the queue is raised. Chunks of one completion that queued while the last write was on
+    its way go out as one message: a slow client or a busy server sends fewer, larger
+    messages, not a backlog."""
+    held: deque = deque()  # taken off the queue, not sent yet (another completion's, an error)
+    while n:
+        item = held.popleft() if held else await queue.get()
+        if isinstance(item, EngineError):
+            raise item
+        while not item.finish_reason and (held or not queue.empty()):
+            nxt = held.popleft() if held else queue.get_nowait()
+            if isinstance(nxt, EngineError) or nxt.index != item.index:
+                held.appendleft(nxt)
+                break
+            item = item.then(nxt)
+        yield item
+        if item.finish_reason:
+            n -= 1
+
+
 def _response(request_id: str, chunk: Chunk) -> api.GenerateResponse:
-    resp = api.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids)
+    resp = api.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
+                                index=chunk.index)
+    for tok, lp in zip(chunk.token_ids, chunk.logprobs, strict=False):
+        resp.logprobs.add(token_id=tok, logprob=lp.logprob, top_token_ids=lp.top_ids,
+                          top_logprobs=lp.top_logprobs)
     if chunk.finish_reason:
         resp.finish_reason = _FINISH[chunk.finish_reason]
         if isinstance(chunk.stop_reason, str):

@@ -11,6 +11,7 @@ from typing import Any
 
 from pagedserve.scheduler.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pagedserve.scheduler.metrics import priority_class
+from pagedserve.scheduler.outputs import TokenLogprob
 from pagedserve.scheduler.request import Request
 
 
@@ -24,12 +25,15 @@ class Chunk:
     stop_reason: int | str | None = None  # the stop token's id, or the stop string matched
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, if asked for
+    index: int = 0  # which of the request's n completions
 
     def then(self, later: Chunk) -> Chunk:
-        """This chunk followed by a later one, as one (the later one's finish and usage win)."""
+        """This chunk followed by a later one of the same completion, as one (the later one's
+        finish and usage win)."""
         return Chunk(self.text + later.text, self.token_ids + later.token_ids,
                      later.finish_reason, later.stop_reason, later.prompt_tokens,
-                     later.completion_tokens)
+                     later.completion_tokens, self.logprobs + later.logprobs, self.index)
 
 
 class EngineError(Exception):
@@ -71,18 +75,24 @@ class RequestStream:
         return stream
 
     def push(self, token: int, finish: str | None, stop_reason: int | str | None,
-             interval: int) -> Chunk | None:
+             interval: int, logprob: TokenLogprob | None = None) -> Chunk | None:
         """One sampled token (and the scheduler's finish decision): the chunk to queue now, or
         None while it is held back. The first token goes out at once, then every `interval`
-        tokens; a matched stop string ends the request here (finish_reason "stop")."""
+        tokens; a matched stop string ends the request here (finish_reason "stop"), but not
+        before min_tokens output tokens (vLLM's rule: text before that is not searched)."""
         self.num_tokens += 1
         delta = self.detok.push(token)
         if finish:
             delta += self.detok.flush()
-        text, matched = self.matcher.feed(delta, final=finish is not None)
+        if self.num_tokens < self.req.params.min_tokens:
+            text, matched = delta, None
+        else:
+            text, matched = self.matcher.feed(delta, final=finish is not None)
         if matched is not None:
             finish, stop_reason = "stop", matched
-        chunk = Chunk(text, [token])
+        chunk = Chunk(text, [token], index=self.req.index)
+        if logprob is not None:
+            chunk.logprobs.append(logprob)
         if finish:
             chunk.finish_reason, chunk.stop_reason = finish, stop_reason
             chunk.prompt_tokens, chunk.completion_tokens = self.req.prompt_len, self.num_tokens

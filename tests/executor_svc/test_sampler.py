@@ -64,3 +64,160 @@ def test_seeds_a_power_of_two_apart_do_not_alias():
                   for p in range(8)] for s in (a, b)]
         assert draws[0] != draws[1], (a, b)
     assert len({position_seed(s, 3) for s in (1, 1 + 2**63, 2**64 - 1)}) == 3
+
+
+# ---------------------------------------------------------------- penalties, filters, logprobs
+# The oracle is HF transformers' logits processors (and, for what HF lacks, tests/hf_processors
+# written from OpenAI's formula), applied to the same logits and token histories.
+
+from pagedserve.executor.penalties import TokenCounts  # noqa: E402
+from pagedserve.executor.sampler import SamplingBatch  # noqa: E402
+from tests.hf_processors import processors  # noqa: E402
+
+VOCAB = 64
+EOS = 3
+
+
+def hf_processors(spec, prompt_len):
+    return processors(prompt_len, logit_bias=dict(spec.logit_bias), min_tokens=spec.min_tokens,
+                      masked_ids=spec.min_tokens_masked_ids,
+                      repetition_penalty=spec.repetition_penalty,
+                      presence_penalty=spec.presence_penalty,
+                      frequency_penalty=spec.frequency_penalty)
+
+
+SPECS = [  # one row per feature, one with all, one plain
+    SamplingSpec(repetition_penalty=1.3),
+    SamplingSpec(repetition_penalty=0.7),
+    SamplingSpec(presence_penalty=1.5),
+    SamplingSpec(frequency_penalty=0.6),
+    SamplingSpec(frequency_penalty=-0.5, presence_penalty=-1.0),
+    SamplingSpec(logit_bias=((5, 4.0), (9, -100.0), (EOS, 2.5))),
+    SamplingSpec(min_tokens=6, min_tokens_masked_ids=(EOS, 7)),
+    SamplingSpec(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3,
+                 logit_bias=((11, 3.0),), min_tokens=4, min_tokens_masked_ids=(EOS,)),
+    SamplingSpec(),
+]
+
+
+class Rows:
+    """The runner's part: per-row histories, count slots loaded on arrival."""
+
+    def __init__(self, specs, prompts):
+        self.specs, self.counts = specs, TokenCounts(VOCAB, CPU)
+        self.history = [list(p) for p in prompts]
+        self.prompt_lens = [len(p) for p in prompts]
+        self.slots = [self.counts.acquire() if s.penalized else -1 for s in specs]
+        self.counts.load([(slot, h, n) for slot, h, n in
+                          zip(self.slots, self.history, self.prompt_lens, strict=True)
+                          if slot >= 0])
+
+    def batch(self):
+        return SamplingBatch(list(self.specs), [len(h) for h in self.history],
+                             num_output=[len(h) - n for h, n in
+                                         zip(self.history, self.prompt_lens, strict=True)],
+                             count_slots=list(self.slots), counts=self.counts)
+
+
+def test_greedy_steps_with_each_penalty_and_filter_equal_hf_processors():
+    """Twelve greedy steps on fresh random logits: each step's processed logits equal HF's
+    processors on the row's history, so the counts kept on the device (loaded on arrival,
+    then one scatter per step) track the history exactly."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()
+               for n in torch.randint(3, 12, (len(SPECS),), generator=gen)]
+    rows = Rows(SPECS, prompts)
+    sampler = Sampler(CPU, seed=0)
+    for _ in range(12):
+        x = torch.randn(len(SPECS), VOCAB, generator=gen) * 3
+        x[:, EOS] += 4  # EOS likely: min_tokens has something to hold back
+        batch = rows.batch()
+        ours = sampler.process(x, batch)
+        for i, spec in enumerate(SPECS):
+            want = hf_processors(spec, rows.prompt_lens[i])(
+                torch.tensor([rows.history[i]]), x[i:i + 1].clone())
+            torch.testing.assert_close(ours[i:i + 1], want, rtol=0, atol=1e-5)
+        tokens = sampler.sample(x, batch).tokens.tolist()
+        assert tokens == ours.argmax(-1).tolist()
+        for h, t in zip(rows.history, tokens, strict=True):
+            h.append(t)
+    # the penalties changed what greedy picks (else this test could not fail)
+    assert rows.history[0][rows.prompt_lens[0]:] != rows.history[-1][rows.prompt_lens[-1]:]
+    # min_tokens held EOS back for 6 tokens
+    assert EOS not in rows.history[6][rows.prompt_lens[6]:][:6]
+
+
+def test_counts_rebuilt_from_token_ids_equal_incremental_ones():
+    """Preemption by recompute reloads a request's counts from its token ids: the same counts
+    as the incremental ones."""
+    gen = torch.Generator().manual_seed(5)
+    spec = SamplingSpec(frequency_penalty=0.4, repetition_penalty=1.1)
+    rows = Rows([spec], [[1, 2, 2, 9]])
+    sampler = Sampler(CPU)
+    for _ in range(10):
+        x = torch.randn(1, VOCAB, generator=gen)
+        rows.history[0].append(sampler.sample(x, rows.batch()).tokens.item())
+    again = TokenCounts(VOCAB, CPU)
+    again.load([(again.acquire(), rows.history[0], 4)])
+    slot = rows.slots[0]
+    assert torch.equal(again.output[0], rows.counts.output[slot])
+    assert torch.equal(again.prompt[0], rows.counts.prompt[slot])
+    assert rows.counts.output[slot].sum().item() == 10
+
+
+def test_a_plain_batch_skips_every_extra():
+    x = logits()
+    batch = SamplingBatch([SamplingSpec(temperature=0.8)] * 4, [0] * 4)
+    assert Sampler(CPU).process(x, batch) is x
+    assert Sampler(CPU).sample(x, batch).logprobs is None
+
+
+def test_count_slots_grow_and_are_reused():
+    counts = TokenCounts(VOCAB, CPU)
+    slots = [counts.acquire() for _ in range(5)]
+    assert sorted(slots) == [0, 1, 2, 3, 4] and counts.capacity == 8
+    counts.load([(slots[2], [4, 4, 5], 1)])
+    counts.release(slots[2])
+    again = counts.acquire()
+    assert again == slots[2]
+    counts.load([(again, [6, 7], 2)])  # a new request in a reused slot starts from zero
+    assert counts.output[again].sum().item() == 0
+    assert counts.prompt[again].nonzero().flatten().tolist() == [6, 7]
+
+
+def test_min_p_keeps_tokens_at_least_that_fraction_of_the_top():
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    s = Sampler(CPU, seed=0)
+    draws = {s(x, [SamplingSpec(temperature=1.0, min_p=0.2)], [0])[0] for _ in range(300)}
+    assert draws == {0, 1, 2}  # 0.05 < 0.2 * 0.5
+
+
+def test_seeded_penalized_rows_do_not_depend_on_the_batch():
+    spec = SamplingSpec(temperature=1.0, seed=11, frequency_penalty=1.0)
+    x = logits(rows=3, vocab=VOCAB)
+    alone = Rows([spec], [[1, 2, 3]])
+    together = Rows([SamplingSpec(temperature=0.5), spec, SamplingSpec(presence_penalty=1.0)],
+                    [[4], [1, 2, 3], [5, 6]])
+    a = Sampler(CPU).sample(x[1:2], alone.batch()).tokens.tolist()
+    b = Sampler(CPU).sample(x, together.batch()).tokens.tolist()
+    assert b[1] == a[0]
+
+
+def test_logprobs_are_the_raw_log_softmax_and_its_top_k():
+    """Of the logits before bias and penalties (vLLM's default), whatever token was chosen."""
+    x = logits(rows=3, vocab=VOCAB)
+    specs = [SamplingSpec(logprobs=5, logit_bias=((7, 100.0),)), SamplingSpec(),
+             SamplingSpec(temperature=1.0, seed=1, logprobs=0)]
+    out = Sampler(CPU).sample(x, SamplingBatch(specs, [0, 0, 0]))
+    from pagedserve.executor.sampler import read_logprobs
+
+    host = read_logprobs(out)
+    ref = torch.log_softmax(x, -1)
+    tokens = out.tokens.tolist()
+    assert tokens[0] == 7  # the bias chose it; its logprob is still the raw one
+    assert host.rows == [0, 2] and host.num_top == [5, 0]
+    torch.testing.assert_close(torch.tensor(host.sampled),
+                               torch.stack([ref[0, 7], ref[2, tokens[2]]]), rtol=0, atol=1e-6)
+    top = ref[0].topk(5)
+    assert host.top_ids == top.indices.tolist()
+    torch.testing.assert_close(torch.tensor(host.top_logprobs), top.values, rtol=0, atol=1e-6)

@@ -179,3 +179,27 @@ def test_results_from_any_peer_but_the_adopted_executor_are_ignored(tmp_path):
         await link.close()
 
     asyncio.run(main())
+
+
+def test_a_result_whose_logprobs_do_not_fit_together_is_refused():
+    from zmq import Frame
+
+    from pagedserve.scheduler.executor_link import decode_executor_message
+
+    cap = pb.Capacity(vocab_size=100)
+
+    def why(**fields):
+        result = pb.StepResult(step_id=1, req_ids=[1, 2], sampled_token_ids=[5, 6], **fields)
+        frame = Frame(pb.ExecutorMessage(result=result).SerializeToString())
+        return decode_executor_message([frame], cap)[1]
+
+    good = dict(logprob_rows=[0, 1], sampled_logprobs=[-0.1, -2.0], num_top_logprobs=[2, 0],
+                top_logprob_token_ids=[5, 7], top_logprobs=[-0.1, -3.0])
+    assert why(**good) == ""
+    assert why(**{**good, "logprob_rows": [0]}) == "a result whose logprob rows do not pair up"
+    assert why(**{**good, "logprob_rows": [0, 2]}).startswith("a result with logprob rows outside")
+    assert why(**{**good, "logprob_rows": [1, 0]}).startswith("a result with logprob rows outside")
+    assert why(**{**good, "num_top_logprobs": [3, 0]}) == ("a result whose top logprobs do not "
+                                                           "add up")
+    assert why(**{**good, "top_logprob_token_ids": [5, 100]}) == ("a result with a logprob token "
+                                                                  "outside the vocabulary")

@@ -79,3 +79,61 @@ def test_input_too_large_is_refused_before_tokenizing(tokenizer):
     inputs.check_size(api.GenerateRequest(token_ids=api.TokenIds(ids=[1] * 101)), 100)  # cheap
     inputs.check_size(api.GenerateRequest(text="x" * 3200), 100)  # at the limit: fine
     assert InputProcessor(Untouchable(), max_input_bytes=10).byte_limit(100) == 10
+
+
+@pytest.mark.parametrize("sampling, message", [
+    ({"presence_penalty": 2.5}, "sampling.presence_penalty: must be in [-2, 2], got 2.5"),
+    ({"presence_penalty": float("nan")}, "sampling.presence_penalty: must be in [-2, 2]"),
+    ({"frequency_penalty": -2.5}, "sampling.frequency_penalty: must be in [-2, 2], got -2.5"),
+    ({"repetition_penalty": 0.0}, "sampling.repetition_penalty: must be > 0, got 0.0"),
+    ({"repetition_penalty": float("inf")}, "sampling.repetition_penalty: must be > 0"),
+    ({"min_p": 1.5}, "sampling.min_p: must be in [0, 1], got 1.5"),
+    ({"min_p": -0.25}, "sampling.min_p: must be in [0, 1], got -0.25"),
+    ({"logit_bias": {1000: 1.0}}, "sampling.logit_bias: token 1000 is outside the vocabulary "
+                                  "[0, 1000)"),
+    ({"logit_bias": {-1: 1.0}}, "sampling.logit_bias: token -1 is outside the vocabulary"),
+    ({"logit_bias": {5: 101.0}}, "sampling.logit_bias: the bias of token 5 must be in "
+                                 "[-100, 100], got 101.0"),
+    ({"min_tokens": -1}, "sampling.min_tokens: must be in [0, max_tokens = 97], got -1"),
+    ({"min_tokens": 11, "max_tokens": 10},
+     "sampling.min_tokens: must be in [0, max_tokens = 10], got 11"),
+    ({"logprobs": 21}, "sampling.logprobs: must be in [0, 20], got 21"),
+    ({"logprobs": -1}, "sampling.logprobs: must be in [0, 20], got -1"),
+    ({"n": 0}, "sampling.n: must be in [1, 16], got 0"),
+    ({"n": 17}, "sampling.n: must be in [1, 16], got 17"),
+])
+def test_bad_sampling_extras_are_refused_with_the_field_and_range(sampling, message):
+    r = request(**{k: v for k, v in sampling.items() if k != "logit_bias"})
+    r.sampling.logit_bias.update(sampling.get("logit_bias", {}))
+    with pytest.raises(InvalidRequest) as e:
+        validate(r, [1, 2, 3], LIMITS)
+    assert str(e.value).startswith(message)
+
+
+def test_sampling_extras_defaults_and_values():
+    p = validate(request(), [1, 2, 3], LIMITS)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p,
+            p.logit_bias, p.min_tokens, p.logprobs, p.n) == (0.0, 0.0, 1.0, 0.0, (), 0, None, 1)
+    r = request(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1.5, min_p=1.0,
+                min_tokens=97, logprobs=0, n=16)
+    r.sampling.logit_bias.update({999: -100.0, 0: 100.0})
+    p = validate(r, [1, 2, 3], LIMITS)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p,
+            p.logit_bias, p.min_tokens, p.logprobs, p.n) == (
+        -2.0, 2.0, 1.5, 1.0, ((0, 100.0), (999, -100.0)), 97, 0, 16)
+
+
+def test_a_logit_bias_map_parses_and_a_key_wider_than_32_bits_is_named():
+    """The lenient parser walks every field for 32-bit values sent wider; a map's entries are
+    walked by key (iterating it as a list of messages raised AttributeError: UNKNOWN)."""
+    from pagedserve.scheduler.errors import _lenient, _twin
+
+    parse = _lenient(api.GenerateRequest.FromString, api.GenerateRequest.DESCRIPTOR)
+    ok = request()
+    ok.sampling.logit_bias.update({5: -100.0, 7: 2.5})
+    assert parse(ok.SerializeToString()) == ok
+    wide = _twin("wide", "pagedserve.v1.GenerateRequest")()
+    wide.token_ids.ids.append(1)
+    wide.sampling.logit_bias[2**33 + 5] = 1.0
+    assert parse(wide.SerializeToString()).message == (
+        f"sampling.logit_bias: key {2**33 + 5} does not fit in 32 bits")

@@ -418,3 +418,80 @@ def test_cached_requests_carry_where_their_tokens_start():
     assert [(x.start, x.num_tokens) for x in first.new] == [(0, 4)]
     second = s.schedule()
     assert [(x.start, x.num_tokens) for x in second.cached] == [(4, 2)]
+
+
+def test_min_tokens_holds_eos_and_stop_ids_until_reached():
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, enable_prefix_caching=False)
+    s = Scheduler(cfg, BlockManager(16, 4, 0, False), eos_token_ids=[2])
+    params = GenerationParams(max_tokens=10, min_tokens=3, stop_token_ids=(9,))
+    r = Request(1, "r1", 3, [5, 6, 7], params)
+    s.add(r)
+    assert r.min_tokens_masked_ids == (2, 9)  # what the executor masks until then
+    ends = []
+    for tok in (2, 9, 2):  # tokens 1 and 2 cannot stop it; the third (EOS) does
+        out = s.schedule()
+        [sampled] = s.update([1], [tok]) if out.scheduled() else []
+        ends.append(sampled.finish_reason)
+    assert ends == [None, None, "stop"]
+    ignoring = Request(2, "r2", 3, [5, 6, 7], GenerationParams(max_tokens=10, min_tokens=3,
+                                                                ignore_eos=True))
+    s.add(ignoring)
+    assert ignoring.min_tokens_masked_ids == ()
+
+
+def test_the_plan_carries_the_sampling_extras_to_the_executor():
+    from pagedserve.executor.runner import sampling_spec
+    from pagedserve.protos.internal.v1 import executor_pb2 as pb
+    from pagedserve.scheduler.executor_link import encode_plan
+
+    s = Scheduler(SchedulerConfig(enable_prefix_caching=False), BlockManager(16, 4, 0, False),
+                  eos_token_ids=[2])
+    params = GenerationParams(max_tokens=10, presence_penalty=0.5, frequency_penalty=-0.25,
+                              repetition_penalty=1.5, min_p=0.125, logit_bias=((4, -3.0),),
+                              min_tokens=2, logprobs=3)
+    s.add(Request(1, "r1", 3, [5, 6, 7], params))
+    plan = pb.SchedulerMessage.FromString(encode_plan(1, s.schedule())).plan
+    new = plan.new_requests[0]
+    assert new.num_prompt_tokens == 3
+    spec = sampling_spec(new.sampling)
+    assert (spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty, spec.min_p,
+            spec.logit_bias, spec.min_tokens, spec.min_tokens_masked_ids, spec.logprobs) == (
+        0.5, -0.25, 1.5, 0.125, ((4, -3.0),), 2, (2,), 3)
+    plain = sampling_spec(pb.Sampling())  # an unset repetition penalty is none, not 0
+    assert not plain.penalized and plain.logprobs == -1
+
+
+def test_completions_of_one_prompt_wait_for_its_first_and_share_its_blocks():
+    """n = 3, a 10-token prompt prefilled in chunks of 4: completions 1 and 2 wait until
+    completion 0 has scheduled its whole prompt, then take its two full blocks from the prefix
+    cache and compute only the last 2 tokens; ending all of them frees every block."""
+    s = make(budget=8, threshold=4, caching=True)
+    first = req(1, 10, tokens=list(range(10)))
+    kids = [req(i, 10, tokens=list(range(10))) for i in (2, 3)]
+    for k in kids:
+        k.first_sibling = first
+    for r in (first, *kids):
+        s.add(r)
+    assert plan(s.schedule()) == [("new", 1, 4)]  # the budget had room for them: they wait
+    assert plan(s.schedule()) == [("cached", 1, 4, [1])]
+    out = s.schedule()
+    assert plan(out) == [("new", 2, 2), ("new", 3, 2), ("cached", 1, 2, [2])]
+    table = s.blocks.block_table(1)
+    assert s.blocks.block_table(2)[:2] == s.blocks.block_table(3)[:2] == table[:2]
+    assert len({table[2], s.blocks.block_table(2)[2], s.blocks.block_table(3)[2]}) == 3
+    step(s, out)
+    for r in (1, 2, 3):
+        s.finish(r)
+    s.check_idle(full=True)
+
+
+def test_a_completion_does_not_wait_for_a_first_that_is_not_running():
+    """Completion 0 preempted and requeued behind completion 1: waiting for it would wait
+    forever (it cannot pass the head of the queue)."""
+    s = make(budget=16, caching=True)
+    first = Request(1, "r1", 6, list(range(6)), GenerationParams(max_tokens=100), arrival_seq=5)
+    kid = req(2, 6, tokens=list(range(6)))
+    kid.first_sibling = first
+    s.add(first)
+    s.add(kid)
+    assert plan(s.schedule()) == [("new", 2, 6), ("new", 1, 2)]

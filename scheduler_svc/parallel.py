@@ -1,0 +1,58 @@
+"""n > 1: one prompt, n completions, each its own Request (own tokens, blocks, seed and
+finish), their chunks on one shared queue, told apart by Chunk.index.
+
+The prompt is computed once: completions 1..n-1 wait in the queue (Scheduler._waits_for_first)
+until completion 0's whole prompt has been scheduled, then find its blocks in the prefix cache,
+shared by reference count, and compute only what is not in a full block (at most
+block_size - 1 tokens each). Why not fork completion 0's block table instead: the prefix cache
+already does reference-counted sharing, eviction and the accounting that preemption and abort
+rely on; a fork would be a second path through all of that for the same saving. Without prefix
+caching the completions do not wait and each computes the prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import TYPE_CHECKING
+
+from pagedserve.scheduler.request import GenerationParams
+from pagedserve.scheduler.streams import EngineError, RequestStream
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.engine import Engine
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # odd: i -> seed + i * _GOLDEN is a bijection of 64-bit ints
+
+
+def child_seed(seed: int, index: int) -> int:
+    """Completion `index`'s seed: the request's seed itself for 0, distinct for each index
+    (the sampler scrambles it with the position, so nearby seeds draw unrelated tokens)."""
+    return (seed + index * _GOLDEN) & _MASK64
+
+
+def submit_parallel(engine: Engine, external_id: str, prompt: list[int],
+                    params: GenerationParams, priority: int = 0,
+                    timeout: float | None = None) -> list[RequestStream]:
+    """Queue params.n completions of one prompt; their streams share streams[0].queue. All or
+    none: if one is refused (queue full), those already queued are aborted."""
+    streams: list[RequestStream] = []
+    queue: asyncio.Queue = asyncio.Queue()
+    try:
+        for i in range(params.n):
+            p = params if i == 0 or params.seed is None else dataclasses.replace(
+                params, seed=child_seed(params.seed, i))
+            stream = engine.submit(external_id, prompt, p, priority, timeout)
+            # nothing has run yet (no await since submit): the stream can still be re-pointed
+            stream.queue = queue
+            stream.req.index = i
+            if i:
+                stream.req.first_sibling = streams[0].req
+                stream.req.external_id = streams[0].req.external_id
+            streams.append(stream)
+    except EngineError:
+        for s in streams:
+            engine.abort(s)
+        raise
+    return streams
