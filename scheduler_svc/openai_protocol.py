@@ -74,14 +74,14 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     priority: Int32 = 0
-    # not supported yet (see unsupported())
-    n: int | None = 1
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
     logit_bias: dict[str, float] | None = None
-    min_p: float | None = 0.0
-    min_tokens: int | None = 0
+    min_p: float | None = None  # vLLM's
+    min_tokens: int | None = None  # vLLM's
+    # not supported yet over HTTP (see unsupported()); the gRPC API has it
+    n: int | None = 1
 
 
 class CompletionRequest(_Request):
@@ -122,8 +122,7 @@ class ChatCompletionRequest(_Request):
 
 
 _UNSUPPORTED_DEFAULTS = {  # field -> its default (null is too); others refused until supported
-    "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-    "logit_bias": None, "min_p": 0.0, "min_tokens": 0, "logprobs": False,
+    "n": 1, "logprobs": False,
     "top_logprobs": None, "best_of": 1, "suffix": None, "echo": False,
     "tools": None, "tool_choice": "none", "response_format": {"type": "text"},
 }
@@ -194,6 +193,17 @@ def to_generate(req: _Request, request_id: str) -> api.GenerateRequest:
     s.stop_token_ids.extend(req.stop_token_ids or [])
     s.ignore_eos = req.ignore_eos
     s.include_special_tokens = not req.skip_special_tokens
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        if getattr(req, name) is not None:  # unset: the proto's default (off)
+            setattr(s, name, getattr(req, name))
+    if req.min_tokens is not None:
+        s.min_tokens = req.min_tokens
+    for token, bias in (req.logit_bias or {}).items():
+        try:  # OpenAI's keys are token ids as strings
+            s.logit_bias[int(token)] = bias
+        except (ValueError, OverflowError):
+            raise OpenAIError(400, f"logit_bias: key {token!r} is not a token id",
+                              "logit_bias") from None
     return out
 
 

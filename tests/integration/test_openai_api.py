@@ -105,7 +105,7 @@ BAD = [  # (endpoint, kwargs, param)
     ("completions", dict(prompt="x " * 20000), "prompt"),
     ("completions", dict(prompt=""), "prompt"),
     ("completions", dict(n=3), "n"),
-    ("completions", dict(presence_penalty=0.5), "presence_penalty"),
+    ("completions", dict(presence_penalty=2.5), "presence_penalty"),
     ("completions", dict(logprobs=2), "logprobs"),
     ("completions", dict(echo=True), "echo"),
     ("completions", dict(extra_body={"max_tokenz": 3}), "max_tokenz"),
@@ -113,9 +113,10 @@ BAD = [  # (endpoint, kwargs, param)
     ("chat", dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
     ("chat", dict(messages=[]), "messages"),
     ("chat", dict(logprobs=True, top_logprobs=3), "logprobs"),
-    ("chat", dict(frequency_penalty=1.0), "frequency_penalty"),
-    ("chat", dict(extra_body={"min_p": 0.1}), "min_p"),
-    ("chat", dict(logit_bias={"42": 5}), "logit_bias"),
+    ("chat", dict(frequency_penalty=-3.0), "frequency_penalty"),
+    ("chat", dict(extra_body={"min_p": 1.5}), "min_p"),
+    ("chat", dict(logit_bias={"42": 500}), "logit_bias"),
+    ("chat", dict(logit_bias={"forty": 5}), "logit_bias"),
     ("chat", dict(response_format={"type": "json_object"}), "response_format"),
     ("chat", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     ("chat", dict(stream_options={"include_usage": True}), "stream_options"),
@@ -189,7 +190,7 @@ def test_a_deadline_header_ends_a_long_request(service):
                 {"x-request-timeout": "1"})
     assert resp.status == 504
     assert json.loads(resp.read())["error"]["code"] == "deadline_exceeded"
-    assert service.wait_idle(30)["pagedserve:num_requests_running"] == 0
+    assert service.wait_idle(30)["pagedserve_num_requests_running"] == 0
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -200,7 +201,7 @@ def test_a_client_that_drops_frees_the_blocks(service, stream):
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
                  b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
     deadline = time.monotonic() + 60
-    while service.metrics()["pagedserve:num_requests_running"] < 1:  # it runs
+    while service.metrics()["pagedserve_num_requests_running"] < 1:  # it runs
         assert time.monotonic() < deadline
         time.sleep(0.05)
     if stream:
@@ -208,8 +209,8 @@ def test_a_client_that_drops_frees_the_blocks(service, stream):
     sock.close()
     start = time.monotonic()
     m = service.wait_idle(10)
-    assert m["pagedserve:num_requests_running"] == 0
-    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"]
+    assert m["pagedserve_num_requests_running"] == 0
+    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"]
     assert time.monotonic() - start < 5  # 4000 tokens would take minutes on a CPU
 
 
@@ -289,3 +290,18 @@ def test_without_an_executor_health_and_requests_are_503(tmp_path):
         assert "no executor has joined" in err.value.message
     finally:
         stack.stop()
+
+
+def test_penalties_min_tokens_and_logit_bias_give_what_grpc_gives(service):
+    """The HTTP API hands them to the same engine: greedy output equals the gRPC call's."""
+    kw = dict(presence_penalty=0.8, frequency_penalty=0.5, logit_bias={"42": 3.0})
+    extra = dict(repetition_penalty=1.3, min_p=0.05, min_tokens=12)
+    out = sdk(service).completions.create(model=MODEL, prompt=PROMPTS[0][1], max_tokens=16,
+                                          temperature=0, **kw, extra_body=extra)
+    text, ids, _ = service.client.complete(
+        text=PROMPTS[0][1], max_tokens=16, temperature=0, logit_bias={42: 3.0},
+        **{k: v for k, v in kw.items() if k != "logit_bias"}, **extra)
+    plain = sdk(service).completions.create(model=MODEL, prompt=PROMPTS[0][1], max_tokens=16,
+                                            temperature=0)
+    assert out.choices[0].text == text != plain.choices[0].text
+    assert out.usage.completion_tokens == len(ids) >= 12

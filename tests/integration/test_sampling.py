@@ -113,13 +113,13 @@ def test_penalized_outputs_survive_preemption(tight_service, service):
             return list(pool.map(lambda p: complete(svc, p, **kw)[1], PROMPTS))
 
     refs = [complete(service, p, **kw)[1] for p in PROMPTS]  # one at a time: no preemption
-    key = 'pagedserve:num_preemptions_total{mode="recompute"}'
+    key = 'pagedserve_num_preemptions_total{mode="recompute"}'
     before = tight_service.metrics()[key]
     for _ in range(3):
         assert run(tight_service) == refs
         m = tight_service.wait_idle()
         if m[key] > before:
-            assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"]
+            assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"]
             return
     raise AssertionError("no preemption in 3 rounds")
 
@@ -191,7 +191,7 @@ def test_greedy_n_gives_identical_hf_outputs_and_computes_the_prompt_once(servic
     out, _ = completions(service, 2, text=text, max_tokens=MAX_TOKENS, temperature=0)
     assert out[0][0] == out[1][0] == ref
     m = service.wait_idle()
-    hits = m["pagedserve:prefix_cache_hits_total"] - before["pagedserve:prefix_cache_hits_total"]
+    hits = m["pagedserve_prefix_cache_hits_total"] - before["pagedserve_prefix_cache_hits_total"]
     assert hits == (len(ids) - 1) // 16 * 16
 
 
@@ -205,8 +205,8 @@ def test_cancelling_n_completions_midway_frees_every_block(service):
             break
     stream.close()
     m = service.wait_idle()
-    assert m["pagedserve:num_free_kv_blocks"] == m["pagedserve:num_kv_blocks"]
-    assert m["pagedserve:num_requests_running"] == 0
+    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"]
+    assert m["pagedserve_num_requests_running"] == 0
 
 
 def test_async_scheduling_gives_the_same_penalized_outputs_and_logprobs(async_service, service):
