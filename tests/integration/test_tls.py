@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.client import build_request
 from pagedserve.protos.v1 import generate_pb2_grpc
-from tests.integration.service import Service
+from tests.integration.service import READINESS, Service
 
 crypto = pytest.importorskip("cryptography")
 from cryptography import x509  # noqa: E402
@@ -70,9 +70,10 @@ def secure(address: str, ca: CA, client: tuple[Path, Path] | None = None) -> grp
 
 
 def ready(channel: grpc.Channel) -> bool:
+    """Readiness: an executor has joined (before that, Generate is UNAVAILABLE at once)."""
     try:
         return health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=5).status == SERVING
+            health_pb2.HealthCheckRequest(service=READINESS), timeout=5).status == SERVING
     except grpc.RpcError:
         return False
 
