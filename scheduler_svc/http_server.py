@@ -11,7 +11,7 @@ from typing import Any
 
 import uvicorn
 
-from pagedserve.scheduler.ports import BindError
+from pagedserve.scheduler.ports import cannot_listen
 from pagedserve.scheduler.tls import CertificateFiles
 
 
@@ -53,8 +53,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise BindError(f"--http-port {port}: cannot listen on {host}:{port}: {e.strerror} "
-                        "(is another server running?)") from None
+        raise cannot_listen(f"--http-port {port}", host, port, e) from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock

@@ -54,6 +54,11 @@ def check_free(host: str, port: int, flag: str) -> None:
             try:
                 s.bind(address)
             except OSError as e:
-                hint = " (is another server running?)" if e.errno == errno.EADDRINUSE else ""
-                raise BindError(f"{flag}: cannot listen on {host}:{port}: {e.strerror}{hint}"
-                                ) from None
+                raise cannot_listen(flag, host, port, e) from None
+
+
+def cannot_listen(flag: str, host: str, port: int, error: OSError) -> BindError:
+    """The one-line error for a failed bind of host:port given by `flag` (the early check's
+    and the real binds' alike)."""
+    hint = " (is another server running?)" if error.errno == errno.EADDRINUSE else ""
+    return BindError(f"{flag}: cannot listen on {host}:{port}: {error.strerror or error}{hint}")

@@ -28,7 +28,7 @@ from pagedserve.scheduler.http_server import http_server
 from pagedserve.scheduler.inputs import InputProcessor
 from pagedserve.scheduler.metrics import Metrics
 from pagedserve.scheduler.openai_api import OpenAIApp
-from pagedserve.scheduler.ports import BindError, check_addresses
+from pagedserve.scheduler.ports import BindError, cannot_listen, check_addresses
 from pagedserve.scheduler.rpc_metrics import RpcMetrics
 from pagedserve.scheduler.scheduler import SchedulerConfig
 from pagedserve.scheduler.servicer import GenerationServicer
@@ -61,8 +61,8 @@ async def serve(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise TLSError(f"TLS certificate files for /metrics: {e}") from None
         except OSError as e:  # busy, or a host with no such address
-            raise BindError(f"--metrics-port {args.metrics_port}: cannot listen on "
-                            f"{args.host}:{args.metrics_port}: {e.strerror or e}") from None
+            raise cannot_listen(f"--metrics-port {args.metrics_port}", args.host,
+                                args.metrics_port, e) from None
         if tls is not None:
             tls.follow(reload_metrics_tls)
     model_dir = resolve_model(args.model)
