@@ -107,20 +107,14 @@ class ModelRunner:
         samples. A decode row whose input is the token of a step launched but not finished
         reads it on the device, so step N+1 can be launched before N's tokens are read."""
         for rid in (*plan.finished_req_ids, *plan.preempted_req_ids):
-            if (st := self.requests.pop(rid, None)) is not None:
-                self.tables.remove(st.row)
-                if st.count_slot >= 0:
-                    self.counts.release(st.count_slot)
+            self._forget(rid)
         if plan.swap_out_src or plan.swap_in_src:
             self.swap.swap_out(self.kv_caches, list(plan.swap_out_src), list(plan.swap_out_dst))
             self.swap.swap_in(self.kv_caches, list(plan.swap_in_src), list(plan.swap_in_dst))
         batch: list[tuple[int, int]] = []  # (req_id, num tokens scheduled)
         arrivals = []  # (count slot, token ids, prompt tokens) of new penalized requests
         for new, n in zip(plan.new_requests, plan.new_num_scheduled_tokens, strict=True):
-            if (old := self.requests.pop(new.req_id, None)) is not None:  # a drifted mirror
-                self.tables.remove(old.row)
-                if old.count_slot >= 0:
-                    self.counts.release(old.count_slot)
+            self._forget(new.req_id)  # none unless the mirror drifted
             st = RequestState(list(new.token_ids), self.tables.add(list(new.block_ids)),
                               new.num_computed_tokens, sampling_spec(new.sampling),
                               new.num_prompt_tokens or len(new.token_ids))
@@ -235,6 +229,13 @@ class ModelRunner:
             st.token_ids.append(PENDING_TOKEN)
             st.pending = (launched, row)
         return launched
+
+    def _forget(self, rid: int) -> None:
+        """Drop a request's state, its block-table row and its token-count slot, if held."""
+        if (st := self.requests.pop(rid, None)) is not None:
+            self.tables.remove(st.row)
+            if st.count_slot >= 0:
+                self.counts.release(st.count_slot)
 
     def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
         batch = SamplingBatch([st.sampling for st in states], [len(st.token_ids) for st in states])
