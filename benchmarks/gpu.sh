@@ -12,6 +12,8 @@
 #   w1cb      W1 on 1B, throughput settings + async, beside HF generate bs256 and HF CB
 #   big       W1 and W2 on 8B and 1B with the throughput settings
 #   bigasync  big with --async-scheduling
+#   extras    W1 on 8B, throughput settings, plain / every request with a repetition penalty and
+#             top_logprobs=5 / extras / plain; then the sampler alone (sampler_extras.py)
 #   w1eager   W1 on 1B with --enforce-eager (compare with big: what CUDA graphs buy)
 #   w2        W2 on 1B and 8B, default step budget and streaming, no peer
 #   profile   torch profile of W1 on 8B (2 prefill steps, 4 graphed decodes): ops tables
@@ -155,6 +157,10 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     big) for m in M8 M1; do fast W1 $m; fast W2 $m; done ;;
     bigasync) for m in M8 M1; do for w in W1 W2; do
       fast $w $m --server-flag=--async-scheduling; done; done ;;
+    extras)
+      for x in "" --sampling-extras --sampling-extras ""; do fast W1 M8 $x; done
+      python3 benchmarks/sampler_extras.py --batch 256 --vocab 128256 --context 640 2>&1 \
+        | tee -a $B/sampler_extras.log ;;
     w1eager) fast W1 M1 --server-flag=--enforce-eager ;;
     w2) for m in M1 M8; do tp W2 $m --hf none; done ;;
     profile) profile M8 8b ;;

@@ -50,8 +50,12 @@ def workload(name: str, requests: int, prompt: int, output: int,
     return prompts, outs.tolist()
 
 
-async def _send_all(address: str, prompts: list[list[int]],
-                    outputs: list[int]) -> tuple[list[tuple[float, float]], float]:
+# what `--sampling-extras` asks of every request: issue 18's cost check of the sampler extras
+EXTRAS = {"repetition_penalty": 1.1, "logprobs": 5}
+
+
+async def _send_all(address: str, prompts: list[list[int]], outputs: list[int],
+                    extras: dict | None = None) -> tuple[list[tuple[float, float]], float]:
     """All requests at once from one asyncio client (threads would contend for the GIL and
     read tokens later than the server sends them); (TTFT, E2EL) each, and the wall time."""
     import grpc
@@ -62,13 +66,14 @@ async def _send_all(address: str, prompts: list[list[int]],
     async def one(stub, ids: list[int], n_out: int) -> tuple[float, float]:
         req = api.GenerateRequest(token_ids=api.TokenIds(ids=ids),
                                   sampling=api.SamplingParams(max_tokens=n_out, temperature=0.0,
-                                                              ignore_eos=True))
+                                                              ignore_eos=True, **(extras or {})))
         sent = time.perf_counter()
         ttft, n = None, 0
         async for chunk in stub.Generate(req, timeout=3600):
             if ttft is None:
                 ttft = time.perf_counter() - sent
             n += len(chunk.token_ids)
+            assert not extras or len(chunk.logprobs) == len(chunk.token_ids)
         assert n == n_out, (n, n_out)
         return ttft, time.perf_counter() - sent
 
@@ -80,7 +85,8 @@ async def _send_all(address: str, prompts: list[list[int]],
         return lat, time.perf_counter() - start
 
 
-def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str]) -> dict:
+def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str],
+                   extras: dict | None = None) -> dict:
     from tests.integration.service import Service, scrape
 
     log_path = Path(tempfile.mkdtemp()) / "serve.log"
@@ -91,7 +97,7 @@ def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str
         svc.client.complete(token_ids=prompts[0], max_tokens=4, temperature=0)  # warm-up
         before = scrape(svc.metrics_port, info.model)
 
-        lat, wall = asyncio.run(_send_all(svc.address, prompts, outputs))
+        lat, wall = asyncio.run(_send_all(svc.address, prompts, outputs, extras))
         after = scrape(svc.metrics_port, info.model)
     finally:
         svc.stop()
@@ -251,6 +257,8 @@ def main() -> None:
     p.add_argument("--hf", action="append", default=None,
                    help="peers: generate:BATCH or cb (repeatable; default generate:<all>; "
                         "none: no peer)")
+    p.add_argument("--sampling-extras", action="store_true",
+                   help=f"every request also asks for {EXTRAS} (greedy stays greedy)")
     args = p.parse_args()
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_pretrained(model_dir)
@@ -260,7 +268,8 @@ def main() -> None:
              "--max-num-seqs", str(args.max_num_seqs), *args.server_flag]
     if args.tokenizer:
         flags += ["--tokenizer", args.tokenizer]
-    ours = run_pagedserve(prompts, outputs, flags)
+    extras = EXTRAS if args.sampling_extras else None
+    ours = run_pagedserve(prompts, outputs, flags, extras)
     name = args.workload or f"{len(prompts)}x{args.prompt}->{args.output}"
     common = {"workload": name, "model": Path(str(model_dir)).name,
               "weights": args.load_format, "device": ours["device"], "dtype": ours["dtype"],
@@ -273,8 +282,9 @@ def main() -> None:
                                                 ceil["copy_tbps"], ceil["gemm_tflops"])
         common.update(ceil, bound_output_tok_s=bound)
     records = [{**common, "engine": "pagedserve", "server_flags": " ".join(args.server_flag),
-                **ours}]
-    line = f"{name} {common['model']} on {ours['device']}: pagedserve " \
+                **({"sampling": extras} if extras else {}), **ours}]
+    line = f"{name} {common['model']} on {ours['device']}: pagedserve" \
+           f"{' with ' + str(extras) if extras else ''} " \
            f"{ours['output_tok_s']:.0f} out tok/s"
     if on_gpu:
         line += f" ({ours['output_tok_s'] / bound:.2f} of the bound {bound:.0f})"
