@@ -141,9 +141,9 @@ class ModelRunner:
             batch.append((rid, n))
         if not batch:
             return None
-        return self._run(batch)
+        return self._run(batch, plan)
 
-    def _run(self, batch: list[tuple[int, int]]) -> Launched | None:
+    def _run(self, batch: list[tuple[int, int]], plan: pb.StepPlan) -> Launched | None:
         bs, dev = self.block_size, self.device
         states = [self.requests[rid] for rid, _ in batch]
         b = len(batch)
@@ -220,7 +220,10 @@ class ModelRunner:
                                                         strict=True) if s]
         if not samplers:
             return None
-        sampled = self.sampler.sample(logits, self._sampling_batch([st for _, st in samplers]))
+        sampling = self._sampling_batch([st for _, st in samplers])
+        if plan.bitmask_req_ids:
+            self._add_bitmask(sampling, [rid for rid, _ in samplers], plan, logits.shape[-1])
+        sampled = self.sampler.sample(logits, sampling)
         launched = Launched([rid for rid, _ in samplers], [st for _, st in samplers],
                             [len(st.token_ids) for _, st in samplers], sampled.tokens,
                             self.last_step_graphed,
@@ -236,6 +239,24 @@ class ModelRunner:
             self.tables.remove(st.row)
             if st.count_slot >= 0:
                 self.counts.release(st.count_slot)
+
+    def _add_bitmask(self, sampling: SamplingBatch, req_ids: list[int], plan: pb.StepPlan,
+                     vocab: int) -> None:
+        """The plan's token bitmask rows, on the device in sampling-row order."""
+        words, ids = (vocab + 31) // 32, list(plan.bitmask_req_ids)
+        if len(plan.token_bitmask) != 4 * words * len(ids):
+            raise ValueError(f"token_bitmask: {len(plan.token_bitmask)} bytes for {len(ids)} "
+                             f"rows of {words} words")
+        row_of = {rid: row for row, rid in enumerate(req_ids)}
+        rows = [row_of.get(rid, -1) for rid in ids]
+        if min(rows) < 0 or len(set(ids)) != len(ids):
+            raise ValueError("bitmask_req_ids: a request that does not sample in this step, or "
+                             "twice")
+        order = sorted(range(len(ids)), key=rows.__getitem__)  # ascending sampling rows
+        host = torch.frombuffer(bytearray(plan.token_bitmask), dtype=torch.int32)
+        mask = host.view(len(ids), words)[order]
+        sampling.bitmask = mask.to(self.device, non_blocking=False)
+        sampling.bitmask_rows = [rows[i] for i in order]
 
     def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
         batch = SamplingBatch([st.sampling for st in states], [len(st.token_ids) for st in states])

@@ -9,8 +9,10 @@ Order (vLLM's): logprobs are taken from the raw logits; then logit_bias is added
 min_tokens ids masked, the penalties applied, and what is left is sampled. Every stage works on
 the rows that need it with a few batched tensor ops (their per-row parameters travel in one
 small host-to-device copy per stage); a batch where no row needs a stage skips it, so a plain
-batch costs what it did before these existed. A new per-row input (a grammar's token bitmask)
-is one more optional field of SamplingBatch and one more stage in Sampler.process.
+batch costs what it did before these existed. Last, the rows constrained by a grammar
+(structured outputs) have every token their bitmask does not allow set to -inf: the bits are
+unpacked on the device, so a step's masks cost one copy of R * vocab / 8 bytes. Logprobs stay
+those of the raw logits (the mask is not a model probability, as vLLM's default).
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ class SamplingBatch:
     # each row's TokenCounts slot (-1: no penalty); None: no row has a penalty
     count_slots: list[int] | None = None
     counts: TokenCounts | None = None
+    # structured outputs: [R, ceil(V / 32)] int32 allowed-token bits on the device (bit b of
+    # word w allows token 32 w + b) for the rows bitmask_rows; None: no row is constrained
+    bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -163,7 +169,7 @@ class Sampler:
                   if batch.num_output is not None else [])
         pen = ([i for i, slot in enumerate(batch.count_slots) if slot >= 0]
                if batch.count_slots is not None else [])
-        if not (bias or masked or pen):
+        if not (bias or masked or pen or batch.bitmask is not None):
             return logits
         x = logits.clone()
         if bias:
@@ -185,6 +191,13 @@ class Sampler:
             else:
                 idx = torch.tensor(pen, device=dev)
                 x[idx] = batch.counts.apply(x[idx], slots, params_t, which)
+        if batch.bitmask is not None:
+            allowed = unpack_bitmask(batch.bitmask, x.shape[-1])
+            if len(batch.bitmask_rows) == len(specs):
+                x.masked_fill_(~allowed, float("-inf"))
+            else:
+                idx = torch.tensor(batch.bitmask_rows, device=dev)
+                x[idx] = x[idx].masked_fill(~allowed, float("-inf"))
         return x
 
     def _sample(
@@ -227,6 +240,13 @@ class Sampler:
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, W] int32 bits -> [R, vocab] bool (True: allowed), on the bitmask's device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # arithmetic shift: &1 keeps bit 31 right
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: int

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -42,6 +43,12 @@ def build_request(
     min_tokens: int = 0,
     logprobs: int | None = None,
     n: int | None = None,
+    json_object: bool = False,
+    json_schema: str | Mapping | None = None,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
+    lark_grammar: str | None = None,
 ) -> api.GenerateRequest:
     req = api.GenerateRequest(request_id=request_id, priority=priority)
     if sum(x is not None for x in (text, chat, token_ids)) != 1:
@@ -67,6 +74,16 @@ def build_request(
     s.include_special_tokens = include_special_tokens
     s.logit_bias.update(logit_bias or {})
     s.min_tokens = min_tokens
+    # structured outputs: at most one (SamplingParams.constraint)
+    if json_object:
+        s.json_object = True
+    if json_schema is not None:
+        s.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    for name, value in (("regex", regex), ("grammar", grammar), ("lark_grammar", lark_grammar)):
+        if value is not None:
+            setattr(s, name, value)
+    if choice is not None:
+        s.choice.choices.extend(choice)
     return req
 
 

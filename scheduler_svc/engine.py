@@ -23,9 +23,10 @@ from pagedserve.scheduler.capacity import adopt
 from pagedserve.scheduler.delivery import StreamTable
 from pagedserve.scheduler.detokenizer import decoder_of
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkDown
+from pagedserve.scheduler.grammar import Grammars
 from pagedserve.scheduler.metrics import Metrics
 from pagedserve.scheduler.outputs import Sampled, SchedulerOutput, logprobs_of
-from pagedserve.scheduler.request import GenerationParams, Request
+from pagedserve.scheduler.request import Constraint, GenerationParams, Request
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedserve.scheduler.streams import EngineError, RequestStream
 from pagedserve.scheduler.telemetry import StepTiming, Telemetry
@@ -42,6 +43,7 @@ class InFlight:
     generation: int  # the link's generation it was sent under
     t0: float  # planning started (perf_counter)
     t1: float  # sent
+    bitmask_s: float = 0.0  # of t1 - t0, filling token bitmasks
 
 
 class Engine:
@@ -69,6 +71,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._busy_since_trim = False
+        self.grammars: Grammars | None = None  # structured outputs; made when an executor joins
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -107,11 +110,21 @@ class Engine:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.link.close()
+        if self.grammars is not None:
+            self.grammars.close()
 
     # ----------------------------------------------------------------- requests
+    async def compile(self, constraint: Constraint) -> Any:
+        """A constraint's compiled grammar (cached; compiled off the step loop), for submit;
+        InvalidRequest naming the field if the schema, regex or grammar is bad."""
+        assert self.grammars is not None, "compile before the executor joined"
+        return await self.grammars.compile(constraint)
+
     def submit(self, external_id: str, prompt: list[int], params: GenerationParams,
-               priority: int = 0, timeout: float | None = None) -> RequestStream:
-        """Queue a request; `timeout` (seconds, the client's gRPC deadline) bounds its life."""
+               priority: int = 0, timeout: float | None = None,
+               grammar: Any = None) -> RequestStream:
+        """Queue a request; `timeout` (seconds, the client's gRPC deadline) bounds its life;
+        `grammar`: the compiled params.constraint (compile())."""
         assert self.scheduler is not None, "submit before the executor joined"
         if self.draining:
             raise EngineError("UNAVAILABLE", "server is draining")
@@ -123,7 +136,8 @@ class Engine:
                               f"{retry:.0f} s", retry_after_s=retry)
         rid = next(self._ids)
         req = Request(rid, external_id or f"req-{rid}", len(prompt), list(prompt), params,
-                      priority, arrival_seq=rid)
+                      priority, arrival_seq=rid,
+                      matcher=None if grammar is None else Grammars.matcher(grammar))
         stream = RequestStream.open(req, self.tokenizer, self._decode, timeout)
         self.streams.add(stream)
         self._busy_since_trim = True
@@ -173,11 +187,28 @@ class Engine:
         out = sched.schedule(ahead=ahead)
         if out.is_empty:
             return None
+        bitmask_s = self._fill_bitmasks(out)
         for s in out.new:
             self.telemetry.scheduled(self.streams.get(s.req.req_id), time.monotonic(), s.start)
-        step = InFlight(next(self._step_ids), out, self.link.generation, t0, time.perf_counter())
+        step = InFlight(next(self._step_ids), out, self.link.generation, t0, time.perf_counter(),
+                        bitmask_s)
         self.metrics.plan_time.observe(step.t1 - t0)
         return step
+
+    def _fill_bitmasks(self, out: SchedulerOutput) -> float:
+        """The bitmask rows of the constrained requests that sample in this step (their
+        matchers have seen every token before it: the scheduler plans none ahead of its
+        token); the host time it took, 0.0 without any."""
+        rows = [s.req for s in out.scheduled()
+                if s.req.matcher is not None and s.start + s.num_tokens == s.req.num_tokens]
+        if not rows:
+            return 0.0
+        t0 = time.perf_counter()
+        out.bitmask_req_ids = [r.req_id for r in rows]
+        out.token_bitmask = self.grammars.fill([r.matcher for r in rows])
+        took = time.perf_counter() - t0
+        self.metrics.bitmask_time.observe(took)
+        return took
 
     def _apply(self, inflight: deque[InFlight], item: pb.StepResult | LinkDown) -> list[Sampled]:
         """Match a result (or the link going down) to the oldest step in flight; the tokens
@@ -196,7 +227,7 @@ class Engine:
         step = inflight.popleft()
         timing = StepTiming(len(step.out.new) + len(step.out.cached),
                             step.out.num_batched_tokens, step.t1 - step.t0,
-                            time.perf_counter() - step.t1, item.execute_seconds)
+                            time.perf_counter() - step.t1, item.execute_seconds, step.bitmask_s)
         if item.error:
             self.telemetry.step(item, timing, 0)
             self._fail_step(step, "INTERNAL", f"executor step failed: {item.error}")
@@ -227,6 +258,10 @@ class Engine:
     def _joined(self, cap: pb.Capacity) -> None:
         self.scheduler = adopt(self.scheduler, self.cfg, cap, self.kv_watermark,
                                self.eos_token_ids)
+        if self.grammars is None or self.grammars.vocab_size != cap.vocab_size:
+            if self.grammars is not None:  # (the running requests' matchers stay valid)
+                self.grammars.close()
+            self.grammars = Grammars(self.tokenizer, cap.vocab_size, sorted(self.eos_token_ids))
         self.streams.fail([s for s in self.streams  # admitted under an earlier executor
                            if s.req.prompt_len + s.req.params.max_tokens > cap.max_model_len],
                           "UNAVAILABLE", "the new executor's max_model_len is too small for "

@@ -301,6 +301,9 @@ def encode_plan(step_id: int, out: SchedulerOutput) -> bytes:
                               num_computed_tokens=s.start, block_ids=s.block_ids,
                               sampling=wire_sampling(s.req), num_prompt_tokens=s.req.prompt_len)
         plan.new_num_scheduled_tokens.append(s.num_tokens)
+    if out.bitmask_req_ids:
+        plan.bitmask_req_ids.extend(out.bitmask_req_ids)
+        plan.token_bitmask = out.token_bitmask
     if out.cached:  # column by column: one extend per field, not one append per request
         cached = out.cached
         plan.cached_req_ids.extend([s.req.req_id for s in cached])

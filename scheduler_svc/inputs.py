@@ -6,13 +6,14 @@ INVALID_ARGUMENT. Nothing a client sends should reach the scheduler unchecked.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.scheduler.chat import ChatError, ChatRenderer
-from pagedserve.scheduler.request import GenerationParams
+from pagedserve.scheduler.request import Constraint, GenerationParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
@@ -20,6 +21,7 @@ MAX_REQUEST_ID_LEN = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
 MAX_LOGIT_BIAS = 1024  # entries: each costs a little work on every step of the request
 MAX_N = 16  # completions per request
+MAX_CHOICES = 1024  # strings of a choice constraint
 
 
 class InvalidRequest(ValueError):
@@ -168,4 +170,28 @@ def _extras(s: api.SamplingParams, max_tokens: int, limits: Limits) -> dict[str,
         if not 1 <= s.n <= MAX_N:
             raise InvalidRequest(f"sampling.n: must be in [1, {MAX_N}], got {s.n}")
         extras["n"] = s.n
+    if (kind := s.WhichOneof("constraint")) is not None:
+        if s.min_tokens:
+            raise InvalidRequest(f"sampling.min_tokens: cannot be combined with {kind} (the "
+                                 f"constraint decides where the output ends)")
+        extras["constraint"] = _constraint(s, kind)
     return extras
+
+
+def _constraint(s: api.SamplingParams, kind: str) -> Constraint:
+    """The structured-output constraint; its text is checked by compiling it (grammar.py)."""
+    if kind == "json_object":
+        if not s.json_object:
+            raise InvalidRequest("sampling.json_object: set it to true, or leave it unset")
+        return Constraint(kind)
+    if kind == "choice":
+        choices = list(s.choice.choices)
+        if not 1 <= len(choices) <= MAX_CHOICES or not all(choices):
+            empty = "" if all(choices) else " with an empty one"
+            raise InvalidRequest(f"sampling.choice: 1..{MAX_CHOICES} non-empty strings needed, "
+                                 f"got {len(choices)}{empty}")
+        return Constraint(kind, json.dumps(choices, ensure_ascii=False))
+    spec = getattr(s, kind)
+    if not spec.strip():
+        raise InvalidRequest(f"sampling.{kind}: empty")
+    return Constraint(kind, spec)

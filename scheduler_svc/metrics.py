@@ -211,6 +211,11 @@ class Metrics:
                               (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10))
         self.plan_time = hist("scheduler_plan_seconds", "Scheduler time to plan a step",
                               (.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1))
+        self.bitmask_time = hist("grammar_bitmask_seconds",
+                                 "Scheduler time filling a step's token bitmasks (structured "
+                                 "outputs; steps with a constrained request only)",
+                                 (.00001, .00005, .0001, .00025, .0005, .001, .0025, .005, .01,
+                                  .025))
         self.round_trip = hist("step_round_trip_seconds",
                                "Plan sent to result received, per step (the executor's time "
                                "plus the link)",

@@ -7,6 +7,7 @@ refused by `unsupported()` when a request sets them to anything but their defaul
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any
 
@@ -80,6 +81,13 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     min_p: float | None = None  # vLLM's
     min_tokens: int | None = None  # vLLM's
+    # structured outputs, vLLM's: `structured_outputs` (0.12 on) and the guided_* before it
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's (chat), vLLM's for both
     # not supported yet over HTTP (see unsupported()); the gRPC API has it
     n: int | None = 1
 
@@ -118,13 +126,12 @@ class ChatCompletionRequest(_Request):
     # not supported (see unsupported())
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 _UNSUPPORTED_DEFAULTS = {  # field -> its default (null is too); others refused until supported
     "n": 1, "logprobs": False,
     "top_logprobs": None, "best_of": 1, "suffix": None, "echo": False,
-    "tools": None, "tool_choice": "none", "response_format": {"type": "text"},
+    "tools": None, "tool_choice": "none",
 }
 
 
@@ -204,7 +211,68 @@ def to_generate(req: _Request, request_id: str) -> api.GenerateRequest:
         except (ValueError, OverflowError):
             raise OpenAIError(400, f"logit_bias: key {token!r} is not a token id",
                               "logit_bias") from None
+    _constrain(req, s)
     return out
+
+
+# (OpenAI's or vLLM's parameter, its key, the SamplingParams constraint field)
+_CONSTRAINTS = (
+    ("guided_json", None, "json_schema"), ("guided_regex", None, "regex"),
+    ("guided_choice", None, "choice"), ("guided_grammar", None, "grammar"),
+    ("structured_outputs", "json", "json_schema"), ("structured_outputs", "regex", "regex"),
+    ("structured_outputs", "choice", "choice"), ("structured_outputs", "grammar", "grammar"),
+    ("structured_outputs", "json_object", "json_object"),
+)
+
+
+def constraint_param(req: _Request) -> str | None:
+    """The parameter that set the request's constraint (for errors about it)."""
+    rf = req.response_format
+    if rf is not None and rf.get("type") in ("json_object", "json_schema"):
+        return "response_format"
+    return next((p for p, key, _ in _CONSTRAINTS if _value(req, p, key) is not None), None)
+
+
+def _value(req: _Request, param: str, key: str | None) -> Any:
+    value = getattr(req, param)
+    return value if key is None or value is None else value.get(key)
+
+
+def _constrain(req: _Request, s: api.SamplingParams) -> None:
+    """response_format, structured_outputs or guided_*: SamplingParams' constraint."""
+    found = [(p, key, field, v) for p, key, field in _CONSTRAINTS
+             if (v := _value(req, p, key)) not in (None, False)]
+    rf = req.response_format
+    kind = None if rf is None else rf.get("type")
+    if kind == "json_object":
+        found.append(("response_format", None, "json_object", True))
+    elif kind == "json_schema":
+        schema = (rf.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise OpenAIError(400, "response_format: json_schema.schema must be a JSON Schema "
+                              "object", "response_format")
+        found.append(("response_format", None, "json_schema", schema))
+    elif kind not in (None, "text"):
+        raise OpenAIError(400, f"response_format: type must be text, json_object or "
+                          f"json_schema, got {kind!r}", "response_format")
+    if len(found) > 1:
+        raise OpenAIError(400, f"{found[1][0]}: only one constraint per request",
+                          found[1][0])
+    if not found:
+        return
+    param, _, field, value = found[0]
+    if field == "json_object":
+        s.json_object = True
+    elif field == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise OpenAIError(400, f"{param}: a list of strings", param)
+        s.choice.choices.extend(value)
+    elif not isinstance(value, str) and field == "json_schema":
+        s.json_schema = json.dumps(value)
+    elif isinstance(value, str):
+        setattr(s, field, value)
+    else:
+        raise OpenAIError(400, f"{param}: a string", param)
 
 
 def _max_tokens(req: _Request) -> int | None:
@@ -256,13 +324,18 @@ _FIELD = re.compile(r"^(sampling\.(\w+)|chat\.messages(\[\d+\]\.\w+)?|text|token
                     r"(?=:)")
 
 
+_CONSTRAINT_FIELDS = {"json_object", "json_schema", "regex", "choice", "grammar", "lark_grammar"}
+
+
 def invalid(message: str, req: _Request) -> OpenAIError:
     """An inputs.InvalidRequest, renamed for the OpenAI API."""
     m = _FIELD.match(message)
     if m is None:
         return OpenAIError(400, message)
     field = m.group(1)
-    if m.group(2):
+    if m.group(2) in _CONSTRAINT_FIELDS:
+        param = constraint_param(req) or m.group(2)
+    elif m.group(2):
         param = _max_tokens_name(req) if m.group(2) == "max_tokens" else m.group(2)
     elif field.startswith("chat.messages"):
         param = "messages" + (m.group(3) or "")

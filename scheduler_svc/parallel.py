@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.scheduler.request import GenerationParams
 from pagedserve.scheduler.streams import EngineError, RequestStream
@@ -34,16 +34,17 @@ def child_seed(seed: int, index: int) -> int:
 
 def submit_parallel(engine: Engine, external_id: str, prompt: list[int],
                     params: GenerationParams, priority: int = 0,
-                    timeout: float | None = None) -> list[RequestStream]:
+                    timeout: float | None = None, grammar: Any = None) -> list[RequestStream]:
     """Queue params.n completions of one prompt; their streams share streams[0].queue. All or
-    none: if one is refused (queue full), those already queued are aborted."""
+    none: if one is refused (queue full), those already queued are aborted. grammar: the
+    compiled constraint, each completion matched against it on its own."""
     streams: list[RequestStream] = []
     queue: asyncio.Queue = asyncio.Queue()
     try:
         for i in range(params.n):
             p = params if i == 0 or params.seed is None else dataclasses.replace(
                 params, seed=child_seed(params.seed, i))
-            stream = engine.submit(external_id, prompt, p, priority, timeout)
+            stream = engine.submit(external_id, prompt, p, priority, timeout, grammar)
             # nothing has run yet (no await since submit): the stream can still be re-pointed
             stream.queue = queue
             stream.req.index = i

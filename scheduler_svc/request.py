@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.core.wire import PENDING_TOKEN
 
@@ -12,6 +13,17 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, never run or preempted (then recomputed from scratch)
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a request's output must match (structured outputs; scheduler_svc/grammar.py): kind
+    is a SamplingParams.constraint field's name; spec the schema (JSON text), regex or grammar,
+    a JSON list of strings for "choice", "" for "json_object". Hashable: the grammar cache's
+    key."""
+
+    kind: str
+    spec: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +54,7 @@ class GenerationParams:
     # None: no logprobs; 0: the sampled token's logprob; k (<= 20): also the k most likely
     logprobs: int | None = None
     n: int = 1  # completions of the prompt (each a Request; see scheduler_svc/parallel.py)
+    constraint: Constraint | None = None  # structured output; None: free text
 
 
 @dataclass(eq=False, slots=True)
@@ -70,6 +83,8 @@ class Request:
     index: int = 0  # which of its GenerateRequest's n completions
     # n > 1: completion 0, whose prompt the others wait for (to take it from the prefix cache)
     first_sibling: Request | None = None
+    # structured outputs: its xgrammar GrammarMatcher, advanced by every token received
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         self.sort_key = (self.priority, self.arrival_seq)

@@ -28,6 +28,7 @@ short ones the reverse.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from pagedserve.scheduler.outputs import (
 )
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.waiting_queue import WaitingQueue
+
+log = logging.getLogger("pagedserve.scheduler")
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +184,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, budget)
+            # a constrained request's next mask depends on its token still in flight (async
+            # scheduling): it waits for that token and runs in the step after
+            n = 0 if req.matcher is not None and req.num_pending else self._chunk(req, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -294,11 +299,19 @@ class Scheduler:
             req.add_token(tok)
             out = Sampled(req, tok, logprob=logprobs.get(row) if logprobs else None)
             params = req.params
+            # the mask allowed only tokens the matcher accepts: a refusal means a broken
+            # executor, and the request ends rather than go on off its grammar
+            refused = req.matcher is not None and not req.matcher.accept_token(tok)
+            if refused:
+                log.error("request %s: the executor sampled token %d, which its grammar "
+                          "refuses; ending it", req.external_id, tok)
             # (the executor masks EOS and stop ids before min_tokens: this only makes sure)
             if req.num_known_output_tokens >= params.min_tokens and (
                     tok in params.stop_token_ids
                     or (tok in self.eos_token_ids and not params.ignore_eos)):
                 out.finish_reason, out.stop_reason = "stop", tok
+            elif refused or (req.matcher is not None and req.matcher.is_terminated()):
+                out.finish_reason = "stop"  # (EOS under ignore_eos: stop_reason stays None)
             elif req.fills_max_tokens(req.num_known_output_tokens):
                 out.finish_reason = "length"
             if out.finish_reason is not None:

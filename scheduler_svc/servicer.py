@@ -113,11 +113,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.inputs.check_size(request, limits.max_model_len)
         prompt = await asyncio.to_thread(self.inputs.prompt_ids, request)
         params = validate(request, prompt, limits)
+        grammar = None if params.constraint is None else \
+            await self.engine.compile(params.constraint)
         admission = self._admit(tenant, request.priority, len(prompt))
         try:
             streams = submit_parallel(self.engine, request.request_id, prompt, params,
                                       admission.priority if admission else request.priority,
-                                      timeout=timeout)
+                                      timeout=timeout, grammar=grammar)
         except EngineError:
             if admission is not None:
                 admission.release(0)

@@ -221,3 +221,48 @@ def test_logprobs_are_the_raw_log_softmax_and_its_top_k():
     top = ref[0].topk(5)
     assert host.top_ids == top.indices.tolist()
     torch.testing.assert_close(torch.tensor(host.top_logprobs), top.values, rtol=0, atol=1e-6)
+
+
+def _pack(allowed: torch.Tensor) -> torch.Tensor:
+    """[R, V] bool -> [R, ceil(V/32)] int32 bits (xgrammar's layout), by plain Python."""
+    rows, vocab = allowed.shape
+    words = (vocab + 31) // 32
+    out = []
+    for r in range(rows):
+        ws = []
+        for w in range(words):
+            v = sum(1 << b for b in range(32) if 32 * w + b < vocab and allowed[r, 32 * w + b])
+            ws.append(v - (1 << 32) if v >= 1 << 31 else v)
+        out.append(ws)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def test_bitmask_rows_sample_only_allowed_tokens_and_others_are_untouched():
+    torch.manual_seed(0)
+    vocab = 70  # not a multiple of 32: the last word is partial; bit 31 set in some words
+    logits = torch.randn(4, vocab)
+    allowed = torch.rand(2, vocab) < 0.2
+    allowed[:, 31] = allowed[:, 63] = True
+    specs = [SamplingSpec(), SamplingSpec(temperature=1.0, seed=5), SamplingSpec(),
+             SamplingSpec(temperature=1.0, seed=6)]
+    batch = SamplingBatch(specs, [3, 3, 3, 3], bitmask=_pack(allowed), bitmask_rows=[0, 3])
+    x = Sampler(torch.device("cpu")).process(logits, batch)
+    assert torch.equal(x[[1, 2]], logits[[1, 2]])
+    expect = torch.where(allowed, logits[[0, 3]], torch.full_like(logits[[0, 3]], -torch.inf))
+    assert torch.equal(x[[0, 3]], expect)
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    for _ in range(50):
+        out = sampler.sample(logits, batch).tokens
+        assert allowed[0, out[0]] and allowed[1, out[3]]
+    assert out[2] == logits[2].argmax()
+
+
+def test_bitmask_leaves_logprobs_those_of_the_raw_logits():
+    logits = torch.randn(1, 40)
+    allowed = torch.zeros(1, 40, dtype=torch.bool)
+    allowed[0, 7] = True
+    batch = SamplingBatch([SamplingSpec(logprobs=0)], [1], bitmask=_pack(allowed),
+                          bitmask_rows=[0])
+    out = Sampler(torch.device("cpu")).sample(logits, batch)
+    assert out.tokens.tolist() == [7]
+    assert torch.allclose(out.logprobs[0, 0], torch.log_softmax(logits, -1)[0, 7])

@@ -1,0 +1,149 @@
+"""The scheduler's side of structured outputs: the grammar cache and compile thread, matchers
+advancing with the tokens, the end when a match is whole, and async scheduling's rule that a
+constrained request is not planned ahead of its own token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import numpy as np
+import pytest
+import xgrammar as xgr
+
+from pagedserve.scheduler.grammar import Grammars
+from pagedserve.scheduler.inputs import InvalidRequest
+from pagedserve.scheduler.request import Constraint, GenerationParams, Request
+from tests.scheduler_svc.test_scheduler import make, plan
+
+VOCAB = ["a", "b", "c", "</s>"]  # a toy vocabulary: token 3 is EOS
+EOS = 3
+
+
+def matcher(regex: str) -> xgr.GrammarMatcher:
+    info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[EOS])
+    return xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_regex(regex))
+
+
+def constrained(rid: int, regex: str, max_tokens: int = 10) -> Request:
+    r = Request(rid, f"r{rid}", 2, [0, 1], GenerationParams(max_tokens=max_tokens),
+                arrival_seq=rid)
+    r.matcher = matcher(regex)
+    return r
+
+
+def test_the_request_ends_when_its_match_is_whole_and_eos_comes():
+    s = make()
+    s.eos_token_ids = frozenset([EOS])
+    r = constrained(1, "ab")
+    s.add(r)
+    s.schedule()
+    assert s.update([1], [0])[0].finish_reason is None  # "a"
+    s.schedule()
+    assert s.update([1], [1])[0].finish_reason is None  # "ab": whole, EOS still to come
+    s.schedule()
+    done = s.update([1], [EOS])[0]
+    assert (done.finish_reason, done.stop_reason) == ("stop", EOS)
+    assert r.matcher.is_terminated()
+
+
+def test_ignore_eos_still_ends_at_the_grammars_end():
+    s = make()
+    s.eos_token_ids = frozenset([EOS])
+    r = Request(1, "r1", 2, [0, 1], GenerationParams(max_tokens=10, ignore_eos=True))
+    r.matcher = matcher("a")
+    s.add(r)
+    s.schedule()
+    s.update([1], [0])
+    s.schedule()
+    done = s.update([1], [EOS])[0]
+    assert (done.finish_reason, done.stop_reason) == ("stop", None)
+
+
+def test_a_token_the_grammar_refuses_ends_the_request():
+    s = make()
+    r = constrained(1, "ab")
+    s.add(r)
+    s.schedule()
+    assert s.update([1], [2])[0].finish_reason == "stop"  # "c": a broken executor's token
+    assert 1 not in s.requests
+
+
+def test_async_planning_skips_a_constrained_request_until_its_token_is_back():
+    s = make()
+    free = Request(2, "r2", 2, [5, 6], GenerationParams(max_tokens=10), arrival_seq=2)
+    s.add(constrained(1, "[ab]+"))
+    s.add(free)
+    out1 = s.schedule()
+    s.expect_tokens(out1)
+    out2 = s.schedule(ahead=True)
+    assert [p[1] for p in plan(out2)] == [2]  # 1's mask needs the token step 1 samples
+    s.expect_tokens(out2)
+    s.update([1, 2], [0, 9])
+    out3 = s.schedule(ahead=True)
+    assert [p[1] for p in plan(out3)] == [1, 2]
+
+
+@pytest.fixture
+def grammars(tokenizer):
+    g = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], cache_size=2)
+    yield g
+    g.close()
+
+
+def test_compiles_are_cached_bounded_and_shared(grammars):
+    async def run():
+        a, b, c = (Constraint("regex", r) for r in ("[0-9]+", "x|y", "z+"))
+        first = await asyncio.gather(*(grammars.compile(a) for _ in range(5)))
+        assert grammars.num_compiled == 1 and all(x is first[0] for x in first)
+        await grammars.compile(b)
+        await grammars.compile(c)  # the cache holds 2: a goes
+        assert await grammars.compile(b) is not None and grammars.num_compiled == 3
+        await grammars.compile(a)
+        assert grammars.num_compiled == 4
+
+    asyncio.run(run())
+
+
+def test_a_slow_compile_does_not_stall_the_event_loop(grammars):
+    big = {"type": "object", "properties": {
+        f"p{i}": {"type": "object", "properties": {
+            f"q{j}": {"type": "string", "pattern": "[a-z]{3,9}"} for j in range(8)}}
+        for i in range(8)}}
+
+    async def run():
+        ticks, gaps = 0, []
+        task = asyncio.ensure_future(grammars.compile(Constraint("json_schema", json.dumps(big))))
+        last = time.perf_counter()
+        while not task.done():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last, ticks = now, ticks + 1
+        await task
+        return ticks, max(gaps)
+
+    ticks, worst = asyncio.run(run())
+    assert ticks >= 10 and worst < 0.25, (ticks, worst)
+
+
+def test_errors_name_the_field_and_are_not_cached(grammars):
+    async def run():
+        for _ in range(2):
+            with pytest.raises(InvalidRequest, match=r"^sampling\.grammar: EBNF parser error"):
+                await grammars.compile(Constraint("grammar", "root ::= "))
+        assert grammars.num_compiled == 2
+
+    asyncio.run(run())
+
+
+def test_fill_gives_the_matchers_allowed_tokens(grammars, tokenizer):
+    async def run():
+        return await grammars.compile(Constraint("choice", json.dumps(["yes", "no"])))
+
+    m = grammars.matcher(asyncio.run(run()))
+    bits = np.frombuffer(grammars.fill([m]), np.int32)
+    assert len(bits) == (len(tokenizer) + 31) // 32
+    allowed = {t for t in range(len(tokenizer)) if (int(bits[t // 32]) >> (t % 32)) & 1}
+    assert {tokenizer.decode([t]) for t in allowed} == {"y", "ye", "yes", "n", "no"}
