@@ -156,6 +156,9 @@ def run(args: argparse.Namespace) -> None:
     except LinkSecurityError as e:
         raise SystemExit(f"pagedserve executor: {e}") from None
 
+    if args.tensor_parallel_size < 1:
+        raise SystemExit(f"pagedserve executor: --tensor-parallel-size must be at least 1, got "
+                         f"{args.tensor_parallel_size}")
     group = None
     if args.tensor_parallel_size > 1:  # followers start loading while this process does
         from pagedserve.executor.distributed import Group
