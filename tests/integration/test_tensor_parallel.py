@@ -1,7 +1,8 @@
-"""`serve --tensor-parallel-size 2` on the CPU (gloo): the default model's 9 query / 3 KV heads
-split 6+3 / 2+1 over two ranks. Greedy outputs equal HF's under preemption with prefix caching
-on; a rank killed for real is the executor lost: the group goes, serve restarts it, and the
-stream in flight completes with HF's tokens."""
+"""`serve --tensor-parallel-size 2 --async-scheduling` on the CPU (gloo): the default model's
+9 query / 3 KV heads split 6+3 / 2+1 over two ranks; a decode row's input id, the previous
+step's sample, reaches rank 1 by the broadcast without a host read. Greedy outputs equal HF's
+under preemption with prefix caching on; a rank killed for real is the executor lost: the group
+goes, serve restarts it, and the stream in flight completes with HF's tokens."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ CHAT = [("user", "What is the capital of France?")]
 @pytest.fixture(scope="module")
 def tp_service(tmp_path_factory, model_dir):
     yield from _serving(tmp_path_factory, "tp2", "--tensor-parallel-size", "2", *TIGHT,
+                        "--async-scheduling",
                         "--preemption-mode", "recompute", "--enable-prefix-caching")
 
 
