@@ -33,6 +33,10 @@
 #             alternated for AB_ROUNDS rounds (default 2); REPORT.md pairs them
 #   curve     the executor link's CURVE keys against none: W1 on 1B, throughput settings,
 #             plain/curve/curve/plain; records carry curve and ab (baseline: no keys)
+#   tp        needs 2 GPUs (nvidia-h200-x2): 8B W1 at TP=1 then TP=2 (throughput settings);
+#             8B decode TPOT at 1 running request, TP=1 then TP=2; the Llama-3.1-70B config
+#             (benchmarks/models/llama3.1-70b, random bf16) at TP=2, W1 and W2; then a torch
+#             profile of 8B W1 at TP=2 (the all-reduce's share of a decode step: nccl rows)
 # Records go to $B/records (PAGEDSERVE_RESULTS), logs, profiles and dumps to $B; all of it comes
 # back as $OUT/bundle.tgz (the device returns at most 8 files). Back here:
 #   tar xzf bundle.tgz -C /tmp/b && .venv/bin/python -m benchmarks.common add /tmp/b/records/*
@@ -60,6 +64,8 @@ TOK=(--tokenizer benchmarks/models/smollm2-135m)
 M1=(--model benchmarks/models/llama3.2-1b --load-format random "${TOK[@]}")
 M8=(--model benchmarks/models/llama3.1-8b --load-format random "${TOK[@]}")
 M135=(--model benchmarks/models/smollm2-135m --load-format random)
+M70=(--model benchmarks/models/llama3.1-70b --load-format random "${TOK[@]}")
+TP2=(--server-flag=--tensor-parallel-size --server-flag=2)
 FAST=(--hf none --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8)
 start=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
@@ -191,6 +197,19 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         ${QUANT_BENCH:-} 2>&1 | tee $B/bench_w4a16.log | grep -v " done$" | tail -30 ;;
     ab) ab ;;
     curve) curve ;;
+    tp)
+      fast W1 M8; fast W1 M8 "${TP2[@]}"
+      for t in 1 2; do  # TPOT at one running request: 8B decode, 128 -> 512 tokens
+        tp "" M8 --hf none --requests 2 --prompt 128 --output 512 --max-num-seqs 1 \
+          --server-flag=--tensor-parallel-size --server-flag=$t
+      done
+      # 70B: 65.8 GiB of weights per card; the KV cache and graphs take what is left
+      fast W1 M70 "${TP2[@]}" --server-flag=--max-model-len --server-flag=4096
+      fast W2 M70 "${TP2[@]}" --server-flag=--max-model-len --server-flag=4096
+      fast W1 M8 "${TP2[@]}" --server-flag=--torch-profile-dir --server-flag=/tmp/profile_tp \
+        --server-flag=--torch-profile-steps --server-flag=5:2,80:4
+      mkdir -p $B/profile_tp && cp /tmp/profile_tp/ops_* $B/profile_tp/ 2>/dev/null
+      grep -iE "nccl|all_reduce|allreduce|all_gather" /tmp/profile_tp/ops_*_80.txt | head -8 ;;
     *) echo "unknown part $part" ;;
   esac
   save

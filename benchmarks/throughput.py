@@ -238,6 +238,16 @@ def roofline_seconds(cfg, prompt_lens: list[int], outputs: list[int], tbps: floa
     return t
 
 
+def tensor_parallel_size(server_flags: list[str]) -> int:
+    """The ranks that serve runs with, from the forwarded flags (--flag VALUE or --flag=VALUE)."""
+    for i, flag in enumerate(server_flags):
+        if flag.startswith("--tensor-parallel-size="):
+            return int(flag.split("=", 1)[1])
+        if flag == "--tensor-parallel-size" and i + 1 < len(server_flags):
+            return int(server_flags[i + 1])
+    return 1
+
+
 def main() -> None:
     from pagedserve.core.models import resolve_model
     from pagedserve.executor.config import ModelConfig
@@ -276,10 +286,13 @@ def main() -> None:
               "num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
               "output_tokens": sum(outputs)}
     on_gpu = ours["device"] != "cpu"
-    if on_gpu:
+    tp = tensor_parallel_size(args.server_flag)
+    if tp > 1:
+        common["tensor_parallel_size"] = tp
+    if on_gpu:  # N ranks: N cards' bandwidth and GEMM rate (the all-reduces are not in it)
         ceil = ceilings("cuda")
         bound = sum(outputs) / roofline_seconds(cfg, list(map(len, prompts)), outputs,
-                                                ceil["copy_tbps"], ceil["gemm_tflops"])
+                                                tp * ceil["copy_tbps"], tp * ceil["gemm_tflops"])
         common.update(ceil, bound_output_tok_s=bound)
     records = [{**common, "engine": "pagedserve", "server_flags": " ".join(args.server_flag),
                 **({"sampling": extras} if extras else {}), **ours}]

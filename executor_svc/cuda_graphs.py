@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -62,6 +63,10 @@ class DecodeGraphs:
         self._stage_dev = torch.zeros((4, n), dtype=i64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # tensor parallelism: rank 0 hands the staged inputs (padded batch, batch, table width)
+        # to the other ranks, which replay their own graphs (executor_svc/distributed.py); the
+        # graphs hold the NCCL all-reduces and all-gather, captured on every rank in one order
+        self.before_replay: Callable[[int, int, int], None] | None = None
 
     def _args(self, bs: int):
         meta = AttentionMetadata(
@@ -120,5 +125,7 @@ class DecodeGraphs:
         self.seq_lens[:bs].copy_(self._stage_dev[3, :bs])
         nb = tables.shape[1]
         self.block_tables[:b, :nb].copy_(torch.from_numpy(tables), non_blocking=True)
+        if self.before_replay is not None:
+            self.before_replay(bs, b, nb)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]

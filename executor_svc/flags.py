@@ -42,6 +42,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="auto: triton on CUDA, torch on CPU")
     p.add_argument("--quantization", choices=["auto", "none", "awq", "gptq"], default="auto",
                    help="4-bit weights; auto: from config.json's quantization_config")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over this many GPUs of this host (cpu: processes, "
+                        "gloo); the executor starts one process per extra rank")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                    help="CUDA: run every step eagerly instead of replaying captured CUDA graphs "
                         "for decode steps")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.executor import tp_layers as tp
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.quantization import QuantConfig, QuantizationError, W4Linear
 
@@ -73,7 +74,7 @@ class Attention(nn.Module):
                                     cfg.attention_bias, quant, ops)
         self.o_proj = make_linear(self.h * self.d, cfg.hidden_size, False, quant, ops)
         self.scale = self.d**-0.5
-        self.ops = ops
+        self.ops, self.cfg = ops, cfg
 
     def forward(
         self,
@@ -95,7 +96,7 @@ class Attention(nn.Module):
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
         )
-        return self.o_proj(o.reshape(t, self.h * self.d))
+        return tp.all_reduce(self.o_proj(o.reshape(t, self.h * self.d)), self.cfg)
 
 
 class MLP(nn.Module):
@@ -104,10 +105,11 @@ class MLP(nn.Module):
         self.gate_up_proj = make_linear(cfg.hidden_size, 2 * cfg.intermediate_size, False,
                                         quant, ops)
         self.down_proj = make_linear(cfg.intermediate_size, cfg.hidden_size, False, quant, ops)
-        self.ops = ops
+        self.ops, self.cfg = ops, cfg
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))),
+                             self.cfg)
 
 
 class DecoderLayer(nn.Module):
@@ -129,12 +131,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops, max_pos: int,
                  quant: QuantConfig | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        # embeddings, norms and lm_head stay in float whatever `quant` says
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.cfg, self.quant = cfg, quant
+        tp.check_quant(cfg, quant)
+        # embeddings, norms and lm_head stay in float whatever `quant` says; with tensor
+        # parallelism each rank holds its slice of the vocabulary (tp_layers)
+        vocab = tp.vocab_rows(cfg)[1]
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops, quant) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # [max_pos, head_dim] float32; filled on the model's device by the loader
@@ -150,16 +155,17 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] rows whose next-token logits are needed
     ) -> torch.Tensor:  # [S, vocab] float32
-        x = self.embed_tokens(input_ids)
+        x = tp.embed(self.embed_tokens, input_ids, self.cfg)
         residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.cos_sin, kv, meta)
         x, _ = self.norm(x, residual)
-        return self.lm_head(x[logits_indices]).float()
+        return tp.logits(self.lm_head, x[logits_indices], self.cfg)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up projections. Quantized modules come
-        already converted (quantization.convert_checkpoint): their parts fuse along N."""
+        already converted (quantization.convert_checkpoint): their parts fuse along N. With
+        tensor parallelism each tensor is cut to this rank's slice first (tp_layers.shard)."""
         params = dict(self.named_parameters())
         h, hkv, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
         qkv_rows = {"q": (0, h * d), "k": (h * d, hkv * d), "v": ((h + hkv) * d, hkv * d)}
@@ -184,6 +190,11 @@ class LlamaForCausalLM(nn.Module):
                     continue  # GPTQ writers add zero biases to bias-free layers
                 raise KeyError(f"unexpected weight {name}")
             dst = params[target].data
+            tensor = tp.shard(name, tensor, self.cfg, self.quant)
+            if dst.shape[0] > tensor.shape[0] and name.rpartition(".")[0].endswith(
+                    ("embed_tokens", "lm_head")):  # the last rank's vocabulary slice: padded
+                dst[tensor.shape[0]:].zero_()
+                dst = dst[:tensor.shape[0]]
             if target.endswith(".perm"):
                 if rows is not None and any(x.startswith(f"{target}[") for x in loaded) \
                         and not torch.equal(dst, tensor.to(dst.dtype)):

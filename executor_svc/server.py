@@ -151,24 +151,26 @@ def _link_keys(args: argparse.Namespace) -> tuple[KeyPair | None, bytes]:
 
 
 def run(args: argparse.Namespace) -> None:
-    from pagedserve.core.models import resolve_model
-
     try:
         keys = _link_keys(args)  # before the model loads: a key problem fails at once
     except LinkSecurityError as e:
         raise SystemExit(f"pagedserve executor: {e}") from None
 
-    cfg = ExecutorConfig(
-        model=str(resolve_model(args.model)), load_format=args.load_format, device=args.device,
-        dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
-        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)), num_kv_blocks=args.num_kv_blocks,
-        swap_space_bytes=int(args.swap_space_gib * (1 << 30)),
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        attention_backend=args.attention_backend, quantization=args.quantization,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        enforce_eager=args.enforce_eager,
-    )
-    worker = Worker(cfg)
+    if args.tensor_parallel_size < 1:
+        raise SystemExit(f"pagedserve executor: --tensor-parallel-size must be at least 1, got "
+                         f"{args.tensor_parallel_size}")
+    group = None
+    if args.tensor_parallel_size > 1:  # followers start loading while this process does
+        from pagedserve.executor.distributed import Group
+
+        try:
+            group = Group(args, args.tensor_parallel_size)
+        except ValueError as e:
+            raise SystemExit(f"pagedserve executor: {e}") from None
+    worker = Worker(executor_config(args, 0, args.tensor_parallel_size,
+                                    str(group.device) if group else args.device))
+    if group is not None:
+        group.lead(worker)
     worker.warm_up()
     if worker.device.type == "cuda":
         JitWatch().install()
@@ -183,3 +185,21 @@ def run(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, stop)
     log.info("executor %s connecting to %s", server.executor_id, args.scheduler_address)
     server.serve_forever()
+    if group is not None:
+        group.stop()
+
+
+def executor_config(args: argparse.Namespace, rank: int, size: int, device: str) -> ExecutorConfig:
+    """The worker's config from the executor's flags (rank 0's and every follower's)."""
+    from pagedserve.core.models import resolve_model
+
+    return ExecutorConfig(
+        model=str(resolve_model(args.model)), load_format=args.load_format, device=device,
+        dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
+        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)), num_kv_blocks=args.num_kv_blocks,
+        swap_space_bytes=int(args.swap_space_gib * (1 << 30)),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        attention_backend=args.attention_backend, quantization=args.quantization,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager, tensor_parallel_size=size, tensor_parallel_rank=rank,
+    )

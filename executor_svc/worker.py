@@ -50,6 +50,8 @@ class ExecutorConfig:
     enforce_eager: bool = False  # CUDA: no graphs, every step launches its kernels eagerly
     attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
     quantization: str = "auto"  # "auto" (config.json's quantization_config), "none", "awq", "gptq"
+    tensor_parallel_size: int = 1  # ranks of the group (executor_svc/distributed.py)
+    tensor_parallel_rank: int = 0  # this process's rank: its share of the model and KV cache
 
 
 def load_ops(backend: str) -> SimpleNamespace:
@@ -77,7 +79,8 @@ class Worker:
         self.backend = backend
         if cfg.load_format not in ("auto", "random"):
             raise ValueError(f"load format must be auto or random, got {cfg.load_format!r}")
-        self.model_cfg = ModelConfig.from_pretrained(cfg.model)
+        self.model_cfg = ModelConfig.from_pretrained(cfg.model).for_rank(
+            cfg.tensor_parallel_rank, cfg.tensor_parallel_size)
         weights = Path(cfg.model) if cfg.load_format == "auto" else None
         quant = resolve_quantization(cfg.model, cfg.quantization, random=weights is None)
         max_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
@@ -92,6 +95,10 @@ class Worker:
         self.sampler = Sampler(self.device)
         self.counts = TokenCounts(self.model_cfg.vocab_size, self.device)
         self.num_blocks = self._num_blocks(cfg, model, max_len)
+        if cfg.tensor_parallel_size > 1:  # every rank holds its heads of every block
+            from pagedserve.executor.distributed import min_over_ranks
+
+            self.num_blocks = min_over_ranks(self.num_blocks, self.device)
         if self.num_blocks < 1:
             raise RuntimeError("no memory left for the KV cache: lower the model size or raise "
                                "the memory budget")

@@ -1,0 +1,187 @@
+"""Tensor parallelism on the CPU: a real 2-rank gloo group (this process is rank 0, the group
+spawns rank 1 as the executor does) against one rank, on small random-weight Llama, Mistral and
+Qwen2 configs and an AWQ checkpoint. The same step plans run through both executors: chunked
+prefill, decode, a request preempted by swap and resumed, and a request reusing another's
+cached prefix blocks; the greedy tokens must be equal (fp32)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pagedserve.executor import flags
+from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.distributed import Group
+from pagedserve.executor.server import executor_config
+from pagedserve.executor.worker import Worker
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
+
+BS = 4  # tokens per block
+GREEDY = pb.Sampling(temperature=0.0, top_p=1.0)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=255, max_position_embeddings=256)
+CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
+    "llama": dict(model_type="llama", **TINY),
+    "mistral": dict(model_type="mistral", **TINY),
+    "qwen2-bias": dict(model_type="qwen2", **TINY),
+    # one KV head for two ranks: each holds a copy; tied embeddings share the vocabulary slice
+    "llama-gqa1-tied": dict(model_type="llama", tie_word_embeddings=True,
+                            **{**TINY, "num_key_value_heads": 1}),
+}
+
+
+def executor_args(model_dir, tp: int) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model")
+    flags.add_args(p)
+    return p.parse_args(["--model", str(model_dir), "--device", "cpu", "--block-size", str(BS),
+                         "--num-kv-blocks", "48", "--swap-space-gib", "0.001",
+                         "--tensor-parallel-size", str(tp)])
+
+
+class Plans:
+    """Step plans as the scheduler would send them, for a script of greedy requests; keeps each
+    request's tokens, computed count and blocks as the scheduler's mirror does."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.step_id = runner, 0
+        self.free = list(range(47, -1, -1))
+        self.host_free = list(range(8))
+        self.reqs: dict[int, dict] = {}
+
+    def _blocks(self, r: dict, upto: int) -> list[int]:
+        new = []
+        while len(r["blocks"]) * BS < upto:
+            new.append(self.free.pop())
+            r["blocks"].append(new[-1])
+        return new
+
+    def step(self, new=(), cached=(), swap_out=(), swap_in=()) -> None:
+        """new: (rid, prompt, tokens to schedule, prefix blocks of another request to reuse);
+        cached: (rid, tokens to schedule); swap_out: rids preempted to host; swap_in: rids
+        resumed from host (sent again as new requests, one token scheduled)."""
+        plan = pb.StepPlan(step_id=self.step_id)
+        self.step_id += 1
+        for rid in swap_out:
+            r = self.reqs[rid]
+            r["host"] = [self.host_free.pop() for _ in r["blocks"]]
+            plan.swap_out_src.extend(r["blocks"])
+            plan.swap_out_dst.extend(r["host"])
+            plan.preempted_req_ids.append(rid)
+            self.free += r["blocks"]
+            r["blocks"] = []
+        for rid in swap_in:
+            r = self.reqs[rid]
+            self._blocks(r, len(r["tokens"]))
+            plan.swap_in_src.extend(r["host"])
+            plan.swap_in_dst.extend(r["blocks"][:len(r["host"])])
+            self.host_free += r["host"]
+            plan.new_requests.add(req_id=rid, token_ids=r["tokens"],
+                                  num_computed_tokens=r["computed"], block_ids=r["blocks"],
+                                  sampling=GREEDY, num_prompt_tokens=r["prompt"])
+            plan.new_num_scheduled_tokens.append(1)
+            r["sched"] = 1
+        for rid, prompt, n, prefix_of in new:
+            shared = self.reqs[prefix_of]["blocks"][:2] if prefix_of is not None else []
+            r = self.reqs[rid] = dict(tokens=list(prompt), computed=len(shared) * BS,
+                                      blocks=list(shared), prompt=len(prompt), out=[], sched=n)
+            self._blocks(r, r["computed"] + n)
+            plan.new_requests.add(req_id=rid, token_ids=prompt, num_computed_tokens=r["computed"],
+                                  block_ids=r["blocks"], sampling=GREEDY)
+            plan.new_num_scheduled_tokens.append(n)
+        for rid, n in cached:
+            r = self.reqs[rid]
+            added = self._blocks(r, r["computed"] + n)
+            plan.cached_req_ids.append(rid)
+            plan.cached_num_computed_tokens.append(r["computed"])
+            plan.cached_num_scheduled_tokens.append(n)
+            plan.cached_num_new_blocks.append(len(added))
+            plan.cached_new_block_ids.extend(added)
+            r["sched"] = n
+        for r in self.reqs.values():
+            r["computed"] += r.pop("sched", 0)
+        for rid, tok in zip(*self.runner.execute(plan), strict=True):
+            self.reqs[rid]["tokens"].append(tok)
+            self.reqs[rid]["out"].append(tok)
+
+
+def script(runner) -> dict[int, list[int]]:
+    g = torch.Generator().manual_seed(3)
+    p1, p2 = (torch.randint(0, 255, (n,), generator=g).tolist() for n in (13, 9))
+    p3 = p1[:8] + torch.randint(0, 255, (6,), generator=g).tolist()  # shares 2 blocks of p1
+    s = Plans(runner)
+    s.step(new=[(1, p1, 8, None), (2, p2, 9, None)])  # 1: a prefill chunk; 2: whole
+    s.step(cached=[(1, 5), (2, 1)])
+    for _ in range(4):
+        s.step(cached=[(1, 1), (2, 1)])
+    s.step(cached=[(1, 1)], swap_out=[2])
+    s.step(new=[(3, p3, 6, 1)], cached=[(1, 1)])  # 3: prefix-cache hit on 1's blocks
+    s.step(cached=[(1, 1), (3, 1)], swap_in=[2])
+    for _ in range(6):
+        s.step(cached=[(1, 1), (2, 1), (3, 1)])
+    return {rid: r["out"] for rid, r in s.reqs.items()}
+
+
+def tensor_parallel_tokens(model_dir) -> dict[int, list[int]]:
+    args = executor_args(model_dir, 2)
+    threads = torch.get_num_threads()
+    group = Group(args, 2)
+    try:
+        worker = Worker(executor_config(args, 0, 2, "cpu"))
+        group.lead(worker)
+        worker.warm_up()
+        return script(worker.runner)
+    finally:
+        group.stop()
+        torch.set_num_threads(threads)
+
+
+def single_rank_tokens(model_dir) -> dict[int, list[int]]:
+    worker = Worker(executor_config(executor_args(model_dir, 1), 0, 1, "cpu"))
+    worker.warm_up()
+    return script(worker.runner)
+
+
+def save_random(path, name: str) -> None:
+    torch.manual_seed(0)
+    d = dict(CONFIGS[name])
+    # a wider spread than HF's 0.02 init: logits far enough apart that summation order
+    # (the all-reduce's) cannot flip a greedy choice
+    hf = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(d.pop("model_type"), initializer_range=0.2, **d),
+        dtype=torch.float32)
+    hf.save_pretrained(path)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_two_ranks_give_the_tokens_of_one(tmp_path, name):
+    save_random(tmp_path, name)
+    want = single_rank_tokens(tmp_path)
+    assert [len(v) for v in want.values()] == [14, 13, 8]
+    assert tensor_parallel_tokens(tmp_path) == want
+
+
+def test_awq_checkpoint_on_two_ranks(tmp_path):
+    from tests.executor_svc.test_quant_formats import _quantized_tiny
+
+    _, qdir = _quantized_tiny(tmp_path, "awq", 32)
+    assert tensor_parallel_tokens(qdir) == single_rank_tokens(qdir)
+
+
+def test_shares_of_heads_and_refusals():
+    cfg = ModelConfig.from_dict(dict(model_type="llama", hidden_size=576, num_attention_heads=9,
+                                     num_key_value_heads=3, intermediate_size=1536,
+                                     vocab_size=49152))
+    # SmolLM2-135M: 3 KV heads over 2 ranks, each with its 3 query heads
+    shares = [cfg.for_rank(r, 2) for r in (0, 1)]
+    assert [(c.head_start, c.num_heads, c.kv_head_start, c.num_kv_heads) for c in shares] == \
+        [(0, 6, 0, 2), (6, 3, 2, 1)]
+    assert [c.intermediate_size for c in shares] == [768, 768]
+    with pytest.raises(ValueError, match="3 KV heads / 9 heads cannot be split over 6 ranks"):
+        cfg.for_rank(0, 6)
+    with pytest.raises(ValueError, match="intermediate_size 1536 is not divisible by tensor "
+                                         "parallel size 5"):
+        cfg.for_rank(0, 5)
