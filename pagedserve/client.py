@@ -42,6 +42,7 @@ def build_request(
     min_tokens: int = 0,
     logprobs: int | None = None,
     n: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> api.GenerateRequest:
     req = api.GenerateRequest(request_id=request_id, priority=priority)
     if sum(x is not None for x in (text, chat, token_ids)) != 1:
@@ -58,7 +59,8 @@ def build_request(
                         ("presence_penalty", presence_penalty),
                         ("frequency_penalty", frequency_penalty),
                         ("repetition_penalty", repetition_penalty), ("min_p", min_p),
-                        ("logprobs", logprobs), ("n", n)):
+                        ("logprobs", logprobs), ("n", n),
+                        ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(s, name, value)
     s.stop.extend(stop)

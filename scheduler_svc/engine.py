@@ -24,7 +24,12 @@ from pagedserve.scheduler.delivery import StreamTable
 from pagedserve.scheduler.detokenizer import decoder_of
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkDown
 from pagedserve.scheduler.metrics import Metrics
-from pagedserve.scheduler.outputs import Sampled, SchedulerOutput, logprobs_of
+from pagedserve.scheduler.outputs import (
+    Sampled,
+    SchedulerOutput,
+    logprobs_of,
+    prompt_logprobs_of,
+)
 from pagedserve.scheduler.request import GenerationParams, Request
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedserve.scheduler.streams import EngineError, RequestStream
@@ -201,6 +206,10 @@ class Engine:
             self.telemetry.step(item, timing, 0)
             self._fail_step(step, "INTERNAL", f"executor step failed: {item.error}")
             return []
+        for rid, start, entries in (prompt_logprobs_of(item) if item.prompt_logprob_req_ids
+                                    else ()):
+            if (stream := self.streams.get(rid)) is not None:
+                stream.record_prompt_logprobs(start, entries)
         sampled = self.scheduler.update(list(item.req_ids), list(item.sampled_token_ids),
                                         logprobs_of(item) if item.logprob_rows else None)
         self.telemetry.step(item, timing, len(sampled))

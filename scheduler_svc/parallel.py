@@ -41,8 +41,9 @@ def submit_parallel(engine: Engine, external_id: str, prompt: list[int],
     queue: asyncio.Queue = asyncio.Queue()
     try:
         for i in range(params.n):
-            p = params if i == 0 or params.seed is None else dataclasses.replace(
-                params, seed=child_seed(params.seed, i))
+            p = params if i == 0 else dataclasses.replace(  # completion 0 scores the prompt
+                params, prompt_logprobs=None,
+                seed=None if params.seed is None else child_seed(params.seed, i))
             stream = engine.submit(external_id, prompt, p, priority, timeout)
             # nothing has run yet (no await since submit): the stream can still be re-pointed
             stream.queue = queue

@@ -42,6 +42,8 @@ class GenerationParams:
     # None: no logprobs; 0: the sampled token's logprob; k (<= 20): also the k most likely
     logprobs: int | None = None
     n: int = 1  # completions of the prompt (each a Request; see scheduler_svc/parallel.py)
+    # None: no prompt logprobs; k (<= 20): each prompt token's logprob, rank and k alternatives
+    prompt_logprobs: int | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -70,6 +72,9 @@ class Request:
     index: int = 0  # which of its GenerateRequest's n completions
     # n > 1: completion 0, whose prompt the others wait for (to take it from the prefix cache)
     first_sibling: Request | None = None
+    # prompt tokens not scored yet (params.prompt_logprobs): while so, the request reads no
+    # prefix cache and the executor scores the positions it computes
+    needs_prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self.sort_key = (self.priority, self.arrival_seq)
