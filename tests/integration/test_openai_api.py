@@ -104,15 +104,23 @@ BAD = [  # (endpoint, kwargs, param)
     ("completions", dict(extra_body={"stop_token_ids": [10**6]}), "stop_token_ids"),
     ("completions", dict(prompt="x " * 20000), "prompt"),
     ("completions", dict(prompt=""), "prompt"),
-    ("completions", dict(n=3), "n"),
+    ("completions", dict(n=0), "n"),
+    ("completions", dict(n=17), "n"),
     ("completions", dict(presence_penalty=2.5), "presence_penalty"),
-    ("completions", dict(logprobs=2), "logprobs"),
+    ("completions", dict(logprobs=21), "logprobs"),
+    ("completions", dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
+    ("completions", dict(stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
+    ("completions", dict(best_of=2), "best_of"),
     ("completions", dict(echo=True), "echo"),
     ("completions", dict(extra_body={"max_tokenz": 3}), "max_tokenz"),
     ("chat", dict(max_completion_tokens=10**6), "max_completion_tokens"),
     ("chat", dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
     ("chat", dict(messages=[]), "messages"),
-    ("chat", dict(logprobs=True, top_logprobs=3), "logprobs"),
+    ("chat", dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("chat", dict(logprobs=True, top_logprobs=-1), "top_logprobs"),
+    ("chat", dict(top_logprobs=3), "top_logprobs"),
+    ("chat", dict(n=0), "n"),
+    ("chat", dict(extra_body={"prompt_logprobs": -1}), "prompt_logprobs"),
     ("chat", dict(frequency_penalty=-3.0), "frequency_penalty"),
     ("chat", dict(extra_body={"min_p": 1.5}), "min_p"),
     ("chat", dict(logit_bias={"42": 500}), "logit_bias"),
@@ -305,3 +313,75 @@ def test_penalties_min_tokens_and_logit_bias_give_what_grpc_gives(service):
                                             temperature=0)
     assert out.choices[0].text == text != plain.choices[0].text
     assert out.usage.completion_tokens == len(ids) >= 12
+
+
+def choices_by_index(chunks):
+    """{index: (text, finish reasons)} of a streamed response's chunks."""
+    out: dict[int, tuple[str, list]] = {}
+    for c in chunks:
+        for ch in c.choices:
+            text, finishes = out.get(ch.index, ("", []))
+            delta = ch.delta.content if hasattr(ch, "delta") else ch.text
+            out[ch.index] = (text + (delta or ""), finishes + [ch.finish_reason])
+    return out
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_n_with_a_seed_gives_n_reproducible_choices_and_counts_the_prompt_once(service,
+                                                                              endpoint):
+    client = sdk(service)
+
+    def call(**kw):
+        if endpoint == "chat":
+            return client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Tell me about cats."}],
+                max_tokens=12, temperature=1.0, seed=1234, **kw)
+        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                          temperature=1.0, seed=1234, **kw)
+
+    def texts(out):
+        return [c.message.content if endpoint == "chat" else c.text for c in out.choices]
+
+    first, again, alone = call(n=3), call(n=3), call()
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts(first) == texts(again) and len(set(texts(first))) == 3
+    assert texts(first)[0] == texts(alone)[0]  # choice 0 samples with the seed itself
+    # the gRPC call with the same parameters: the same completions, each with its usage
+    source = dict(chat=[("user", "Tell me about cats.")]) if endpoint == "chat" else \
+        dict(text="Once upon a time")
+    grpc_texts, finals = {}, []
+    for r in service.client.generate(**source, n=3, max_tokens=12, temperature=1.0,
+                                     seed=1234, timeout=300):
+        grpc_texts[r.index] = grpc_texts.get(r.index, "") + r.text
+        if r.finish_reason:
+            finals.append(r)
+    assert texts(first) == [grpc_texts[i] for i in range(3)]
+    assert [c.finish_reason for c in first.choices] == [
+        {1: "stop", 2: "length"}[r.finish_reason] for r in sorted(finals, key=lambda r: r.index)]
+    assert first.usage.prompt_tokens == alone.usage.prompt_tokens == finals[0].usage.prompt_tokens
+    assert first.usage.completion_tokens == sum(r.usage.completion_tokens for r in finals)
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streamed_n_tells_choices_apart_and_each_ends_with_its_finish(service, endpoint):
+    client = sdk(service)
+    kw = dict(model=MODEL, max_tokens=10, temperature=1.0, seed=99, n=2)
+    if endpoint == "chat":
+        create = client.chat.completions.create
+        kw["messages"] = [{"role": "user", "content": "Name a colour."}]
+    else:
+        create, kw["prompt"] = client.completions.create, "My favourite colour is"
+    whole = create(**kw)
+    chunks = list(create(**kw, stream=True, stream_options={"include_usage": True}))
+    got = choices_by_index(chunks[:-1])
+    assert sorted(got) == [0, 1]
+    for c in whole.choices:
+        text, finishes = got[c.index]
+        assert text == (c.message.content if endpoint == "chat" else c.text)
+        assert finishes[-1] == c.finish_reason and not any(finishes[:-1])
+    last = chunks[-1]  # the prompt once, every choice's tokens (the cache is warmer now)
+    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens,
+                                   last.usage.total_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
+    assert all(len(c.choices) == 1 for c in chunks[:-1])  # one choice per chunk, as OpenAI

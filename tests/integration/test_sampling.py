@@ -27,13 +27,6 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def eos_ids(service):
     return tuple(service.client.model_info().eos_token_ids)
 
