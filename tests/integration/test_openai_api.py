@@ -15,7 +15,7 @@ import pytest
 
 from pagedserve.client import Client, build_request
 from pagedserve.protos.v1 import generate_pb2 as api
-from tests.integration.conftest import MAX_TOKENS, PROMPTS
+from tests.integration.conftest import MAX_TOKENS, PROMPTS, prompt_ids
 from tests.integration.service import Service, Stack
 
 MODEL = "default"
@@ -385,3 +385,89 @@ def test_streamed_n_tells_choices_apart_and_each_ends_with_its_finish(service, e
                                    last.usage.total_tokens) == (
         whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
     assert all(len(c.choices) == 1 for c in chunks[:-1])  # one choice per chunk, as OpenAI
+
+
+def hf_log_softmax(model, ids):
+    """HF's fp32 log_softmax at every position of ids: [len(ids), V] (row p scores p + 1)."""
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_chat_logprobs_equal_hf_log_softmax_streamed_and_not(service, tokenizer, hf_model):
+    messages = [{"role": "user", "content": PROMPTS[4][1]}]
+    client = sdk(service)
+    kw = dict(model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True,
+              top_logprobs=5)
+    whole = client.chat.completions.create(**kw)
+    _, ids, _ = service.client.complete(chat=[("user", PROMPTS[4][1])], max_tokens=10,
+                                        temperature=0, timeout=300)
+    prompt = prompt_ids(tokenizer, "chat", PROMPTS[4][1])
+    ref = hf_log_softmax(hf_model, prompt + ids)[len(prompt) - 1:-1]
+    content = whole.choices[0].logprobs.content
+    assert [e.token for e in content] == [tokenizer.decode([t]) for t in ids]
+    for i, (e, t) in enumerate(zip(content, ids, strict=True)):
+        assert abs(e.logprob - ref[i, t].item()) < 1e-4
+        assert bytes(e.bytes) == tokenizer.decode([t]).encode()
+        top = ref[i].topk(5)
+        assert [a.token for a in e.top_logprobs] == [tokenizer.decode([a]) for a in
+                                                     top.indices.tolist()]
+        assert max(abs(a.logprob - b) for a, b in zip(e.top_logprobs, top.values.tolist(),
+                                                      strict=True)) < 1e-4
+    streamed = [e for c in client.chat.completions.create(**kw, stream=True) if c.choices
+                and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    # the same tokens; logprobs within 1e-4 (the prompt now comes from the prefix cache)
+    assert [(e.token, e.bytes, [a.token for a in e.top_logprobs]) for e in streamed] == [
+        (e.token, e.bytes, [a.token for a in e.top_logprobs]) for e in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content, strict=True)) < 1e-4
+    plain = client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_completions_logprobs_format(service, tokenizer, hf_model):
+    out = sdk(service).completions.create(model=MODEL, prompt=PROMPTS[0][1], max_tokens=8,
+                                          temperature=0, logprobs=3)
+    lp, text = out.choices[0].logprobs, out.choices[0].text
+    _, ids, _ = service.client.complete(text=PROMPTS[0][1], max_tokens=8, temperature=0,
+                                        timeout=300)
+    prompt = tokenizer.encode(PROMPTS[0][1])
+    ref = hf_log_softmax(hf_model, prompt + ids)[len(prompt) - 1:-1]
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids] and "".join(lp.tokens) == text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+    for i, t in enumerate(ids):
+        assert abs(lp.token_logprobs[i] - ref[i, t].item()) < 1e-4
+        top = ref[i].topk(3)
+        want = {tokenizer.decode([a]): b for a, b in zip(top.indices.tolist(),
+                                                          top.values.tolist(), strict=True)}
+        want.setdefault(lp.tokens[i], lp.token_logprobs[i])  # the sampled one is always there
+        assert lp.top_logprobs[i].keys() == want.keys()
+        assert max(abs(lp.top_logprobs[i][k] - v) for k, v in want.items()) < 1e-4
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_prompt_logprobs_as_vllm_returns_them(service, tokenizer, hf_model, endpoint):
+    client = sdk(service)
+    if endpoint == "chat":
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi there"}], max_tokens=2,
+            extra_body={"prompt_logprobs": 2})
+        got, prompt = out.model_extra["prompt_logprobs"], prompt_ids(tokenizer, "chat",
+                                                                     "Hi there")
+    else:
+        out = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                        max_tokens=2, extra_body={"prompt_logprobs": 2})
+        got, prompt = out.choices[0].model_extra["prompt_logprobs"], tokenizer.encode(
+            "The capital of France is")
+    ref = hf_log_softmax(hf_model, prompt)
+    assert len(got) == len(prompt) == out.usage.prompt_tokens and got[0] is None
+    for p in range(1, len(prompt)):
+        row, t = ref[p - 1], prompt[p]
+        top = row.topk(2)
+        want_ids = [t] + [a for a in top.indices.tolist() if a != t]
+        assert list(got[p]) == [str(a) for a in want_ids]  # the prompt token first
+        for a in want_ids:
+            entry = got[p][str(a)]
+            assert abs(entry["logprob"] - row[a].item()) < 1e-4
+            assert entry["rank"] == int((row >= row[a]).sum())
+            assert entry["decoded_token"] == tokenizer.decode([a])
