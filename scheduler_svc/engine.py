@@ -115,8 +115,10 @@ class Engine:
 
     # ----------------------------------------------------------------- requests
     def submit(self, external_id: str, prompt: list[int], params: GenerationParams,
-               priority: int = 0, timeout: float | None = None) -> RequestStream:
-        """Queue a request; `timeout` (seconds, the client's gRPC deadline) bounds its life."""
+               priority: int = 0, timeout: float | None = None,
+               new_prompt: bool = True) -> RequestStream:
+        """Queue a request; `timeout` (seconds, the client's gRPC deadline) bounds its life.
+        new_prompt=False: another completion of a prompt already counted (n > 1)."""
         assert self.scheduler is not None, "submit before the executor joined"
         if self.draining:
             raise EngineError("UNAVAILABLE", "server is draining")
@@ -133,7 +135,8 @@ class Engine:
         self.streams.add(stream)
         self._busy_since_trim = True
         self.scheduler.add(req)
-        self.metrics.prompt_tokens.inc(len(prompt))
+        if new_prompt:
+            self.metrics.prompt_tokens.inc(len(prompt))
         self._wake.set()
         return stream
 

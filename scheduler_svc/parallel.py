@@ -36,7 +36,10 @@ def submit_parallel(engine: Engine, external_id: str, prompt: list[int],
                     params: GenerationParams, priority: int = 0,
                     timeout: float | None = None) -> list[RequestStream]:
     """Queue params.n completions of one prompt; their streams share streams[0].queue. All or
-    none: if one is refused (queue full), those already queued are aborted."""
+    none: if one is refused (queue full), those already queued are aborted. The prompt counts
+    once, as OpenAI's usage counts it: in the prompt-token metric, and in the tenant's tokens
+    per minute (charged once by the servicer at admission, the n completions' tokens when
+    the call ends)."""
     streams: list[RequestStream] = []
     queue: asyncio.Queue = asyncio.Queue()
     try:
@@ -44,7 +47,7 @@ def submit_parallel(engine: Engine, external_id: str, prompt: list[int],
             p = params if i == 0 else dataclasses.replace(  # completion 0 scores the prompt
                 params, prompt_logprobs=None,
                 seed=None if params.seed is None else child_seed(params.seed, i))
-            stream = engine.submit(external_id, prompt, p, priority, timeout)
+            stream = engine.submit(external_id, prompt, p, priority, timeout, new_prompt=i == 0)
             # nothing has run yet (no await since submit): the stream can still be re-pointed
             stream.queue = queue
             stream.req.index = i

@@ -225,8 +225,10 @@ def test_a_client_that_drops_frees_the_blocks(service, stream):
 KEYS = """
 tenants:
   paying: {priority: [-2, 0], max_concurrent: 1}
+  metered: {tokens_per_minute: 60}
 keys:
   - {key: sk-paying, tenant: paying}
+  - {key: sk-metered, tenant: metered}
 """
 
 
@@ -471,3 +473,19 @@ def test_prompt_logprobs_as_vllm_returns_them(service, tokenizer, hf_model, endp
             assert abs(entry["logprob"] - row[a].item()) < 1e-4
             assert entry["rank"] == int((row >= row[a]).sum())
             assert entry["decoded_token"] == tokenizer.decode([a])
+
+
+def test_n_completions_charge_the_tenant_the_prompt_once(keyed):
+    """tokens_per_minute 60 (a token a second): a 10-token prompt with n = 3 and 4 tokens each
+    charges 10 + 12, leaving about 38, enough for a 30-token prompt; the prompt charged three
+    times (42 in all) would leave about 18 and the 30-token request would be refused."""
+    metered = sdk(keyed, "sk-metered")
+    before = keyed.metrics()["pagedserve_prompt_tokens_total"]
+    out = metered.completions.create(model=MODEL, prompt=list(range(100, 110)), n=3,
+                                     max_tokens=4, extra_body={"ignore_eos": True})
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (10, 12)
+    assert keyed.metrics()["pagedserve_prompt_tokens_total"] - before == 10
+    assert metered.completions.create(model=MODEL, prompt=list(range(200, 230)),
+                                      max_tokens=1).usage.prompt_tokens == 30
+    with pytest.raises(openai.RateLimitError):  # the bucket is spent now: it does meter
+        metered.completions.create(model=MODEL, prompt=list(range(300, 330)), max_tokens=1)
