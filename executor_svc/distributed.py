@@ -36,7 +36,9 @@ import torch.distributed as dist
 from pagedserve.executor.model import AttentionMetadata
 
 log = logging.getLogger("pagedserve.executor")
-FORWARD, GRAPH, SWAP, STOP = 1, 2, 3, 4
+# HIDDEN and LOGITS: a forward pass that keeps its hidden states, then logits of some of its
+# rows (prompt logprobs score rows in slices): lm_head's all-gather runs once per slice
+FORWARD, GRAPH, SWAP, STOP, HIDDEN, LOGITS = 1, 2, 3, 4, 5, 6
 # a collective that waits this long for a peer fails; a dead peer is noticed sooner (above)
 TIMEOUT = timedelta(minutes=10)
 
@@ -83,9 +85,9 @@ class Link:
             pipe.send_bytes(data)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> None:
+                logits_indices: torch.Tensor, kind: int = FORWARD) -> None:
         b, nb = meta.block_tables.shape
-        self.send(FORWARD, len(ids), b, nb, len(logits_indices), meta.max_query_len,
+        self.send(kind, len(ids), b, nb, len(logits_indices), meta.max_query_len,
                   meta.max_seq_len)
         dist.broadcast(torch.cat([ids, positions, meta.slot_mapping, meta.seq_lens.long(),
                                   meta.cu_seqlens_q.long(), logits_indices,
@@ -107,6 +109,15 @@ class LeaderModel:
     def __call__(self, ids, positions, kv_caches, meta, logits_indices) -> torch.Tensor:
         self.link.forward(ids, positions, meta, logits_indices)
         return self.model(ids, positions, kv_caches, meta, logits_indices)
+
+    def hidden(self, ids, positions, kv_caches, meta) -> torch.Tensor:
+        self.link.forward(ids, positions, meta, ids[:0], kind=HIDDEN)
+        return self.model.hidden(ids, positions, kv_caches, meta)
+
+    def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        self.link.send(LOGITS, len(rows))
+        dist.broadcast(rows.long().contiguous(), src=0)
+        return self.model.logits_of(hidden, rows)
 
 
 class LeaderSwap:
@@ -190,6 +201,7 @@ class Follower:
         self.worker, self.pipe = worker, pipe
         self.model, self.kv = worker.runner.model, worker.runner.kv_caches
         self.swap, self.device = worker.runner.swap, worker.device
+        self.hidden = torch.empty(0)  # the last HIDDEN pass's, for the LOGITS after it
 
     def run(self) -> None:
         while self.step():
@@ -201,8 +213,10 @@ class Follower:
         except EOFError:  # rank 0 is gone
             raise SystemExit(1) from None
         kind, rest = header[0], header[1:]
-        if kind == FORWARD:
-            self._forward(*rest)
+        if kind in (FORWARD, HIDDEN):
+            self._forward(kind, *rest)
+        elif kind == LOGITS:
+            self.model.logits_of(self.hidden, self._recv(rest[0]))
         elif kind == GRAPH:
             self._graph(*rest)
         elif kind == SWAP:
@@ -216,12 +230,16 @@ class Follower:
         dist.broadcast(t, src=0)
         return t
 
-    def _forward(self, t: int, b: int, nb: int, s: int, max_q: int, max_seq: int) -> None:
+    def _forward(self, kind: int, t: int, b: int, nb: int, s: int, max_q: int,
+                 max_seq: int) -> None:
         ids, pos, slots, lens, cu, rows, tables = self._recv(3 * t + 2 * b + 1 + s + b * nb).split(
             [t, t, t, b, b + 1, s, b * nb])
         meta = AttentionMetadata(slots, tables.view(b, nb).int(), lens.int(), cu.int(), max_q,
                                  max_seq)
-        self.model(ids, pos, self.kv, meta, rows)
+        if kind == HIDDEN:
+            self.hidden = self.model.hidden(ids, pos, self.kv, meta)
+        else:
+            self.model(ids, pos, self.kv, meta, rows)
 
     def _graph(self, bs: int, b: int, nb: int) -> None:
         g = self.worker.graphs

@@ -155,12 +155,27 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] rows whose next-token logits are needed
     ) -> torch.Tensor:  # [S, vocab] float32
+        return self.logits(self.hidden(input_ids, positions, kv_caches, meta)[logits_indices])
+
+    @torch.inference_mode()
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]: the final norm's output
         x = tp.embed(self.embed_tokens, input_ids, self.cfg)
         residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.cos_sin, kv, meta)
         x, _ = self.norm(x, residual)
-        return tp.logits(self.lm_head, x[logits_indices], self.cfg)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] fp32
+        return tp.logits(self.lm_head, hidden, self.cfg)
+
+    @torch.inference_mode()
+    def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """logits of hidden's rows (with tensor parallelism every rank calls this alike)."""
+        return self.logits(hidden[rows])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up projections. Quantized modules come

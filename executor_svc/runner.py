@@ -13,6 +13,7 @@ from pagedserve.executor.block_table import BlockTableArray
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM
 from pagedserve.executor.penalties import TokenCounts
+from pagedserve.executor.prompt_logprobs import PromptLogprobs, PromptRows, score
 from pagedserve.executor.sampler import (
     HostLogprobs,
     SampleOutput,
@@ -36,6 +37,8 @@ class Launched:
     graphed: bool
     sampled: SampleOutput | None = None  # the logprobs of the rows that asked
     logprobs: HostLogprobs | None = None  # set by finish()
+    prompt: PromptLogprobs | None = None  # prompt tokens scored this step, if any
+    prompt_read: tuple[list[int], list[float]] | None = None  # set by finish()
 
 
 @dataclass(slots=True)
@@ -47,6 +50,7 @@ class RequestState:
     sampling: SamplingSpec
     num_prompt: int = 0  # of token_ids, the prompt's (penalties and min_tokens count the rest)
     count_slot: int = -1  # its TokenCounts slot if it uses a penalty
+    prompt_logprobs: int = -1  # k alternatives per scored prompt token; -1: not asked
     # the launched step whose token is this request's last (pending) entry, and its row there
     pending: tuple[Launched, int] | None = None
 
@@ -80,9 +84,11 @@ class ModelRunner:
         self.counts = counts or TokenCounts(model.cfg.vocab_size, device)
         self.graphs: DecodeGraphs | None = None  # set by the worker after capture (CUDA)
         self.last_step_graphed = False  # whether the last step replayed a CUDA graph
+        self.scoring: set[int] = set()  # requests with prompt tokens still to score
 
     def reset(self) -> None:
         self.requests.clear()
+        self.scoring.clear()
         self.tables = BlockTableArray()
         self.counts.reset()
 
@@ -96,6 +102,8 @@ class ModelRunner:
         tokens = launched.tokens.tolist()
         if launched.sampled is not None:
             launched.logprobs = read_logprobs(launched.sampled)
+        if launched.prompt is not None:
+            launched.prompt_read = launched.prompt.read()
         for st, i, tok in zip(launched.states, launched.indices, tokens, strict=True):
             st.token_ids[i] = tok
             if st.pending is not None and st.pending[0] is launched:
@@ -118,6 +126,9 @@ class ModelRunner:
             st = RequestState(list(new.token_ids), self.tables.add(list(new.block_ids)),
                               new.num_computed_tokens, sampling_spec(new.sampling),
                               new.num_prompt_tokens or len(new.token_ids))
+            if new.sampling.HasField("prompt_logprobs"):
+                st.prompt_logprobs = new.sampling.prompt_logprobs
+                self.scoring.add(new.req_id)
             if st.sampling.penalized:
                 st.count_slot = self.counts.acquire()
                 arrivals.append((st.count_slot, st.token_ids, st.num_prompt))
@@ -191,9 +202,14 @@ class ModelRunner:
         graphs = self.graphs
         self.last_step_graphed = (graphs is not None and cu_q[-1] == b
                                   and graphs.fits(b, max_blocks))
+        scored = self._prompt_rows(batch, states, starts, ends, cu_q)
+        prompt = None
         if self.last_step_graphed:
             logits = graphs.run(np.asarray(input_ids, np.int64), positions, slots,
                                 table[rows, :max_blocks], ends, patch)
+            if scored is not None:  # one token a row: flat rows are batch rows
+                full = logits
+                prompt = score(scored, lambda idx: full[idx], dev)
             if not sample.all():  # a one-token prefill chunk shares the step: no logits wanted
                 logits = logits[torch.from_numpy(np.flatnonzero(sample)).to(dev)]
         else:
@@ -208,18 +224,23 @@ class ModelRunner:
             ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
             if patch is not None:
                 ids[patch[0]] = patch[1]
-            logits = self.model(
-                ids,
-                torch.from_numpy(positions).to(dev),
-                self.kv_caches, meta,
-                torch.from_numpy(cu_q[1:][sample] - 1).to(dev),
-            )
+            pos = torch.from_numpy(positions).to(dev)
+            last_rows = torch.from_numpy(cu_q[1:][sample] - 1).to(dev)
+            if scored is None:
+                logits = self.model(ids, pos, self.kv_caches, meta, last_rows)
+            else:
+                hidden = self.model.hidden(ids, pos, self.kv_caches, meta)
+                logits = self.model.logits_of(hidden, last_rows)
+                prompt = score(scored, lambda idx: self.model.logits_of(hidden, idx), dev)
         for st, n in zip(states, ns.tolist(), strict=True):
             st.num_computed += n
         samplers = [(rid, st) for (rid, _), st, s in zip(batch, states, sample.tolist(),
                                                         strict=True) if s]
         if not samplers:
-            return None
+            if prompt is None:
+                return None
+            return Launched([], [], [], torch.empty(0, dtype=torch.int64, device=dev),
+                            self.last_step_graphed, prompt=prompt)
         sampling = self._sampling_batch([st for _, st in samplers])
         if plan.bitmask_req_ids:
             self._add_bitmask(sampling, [rid for rid, _ in samplers], plan, logits.shape[-1])
@@ -227,14 +248,31 @@ class ModelRunner:
         launched = Launched([rid for rid, _ in samplers], [st for _, st in samplers],
                             [len(st.token_ids) for _, st in samplers], sampled.tokens,
                             self.last_step_graphed,
-                            sampled if sampled.logprobs is not None else None)
+                            sampled if sampled.logprobs is not None else None, prompt=prompt)
         for row, (_, st) in enumerate(samplers):
             st.token_ids.append(PENDING_TOKEN)
             st.pending = (launched, row)
         return launched
 
+    def _prompt_rows(self, batch: list[tuple[int, int]], states: list[RequestState],
+                     starts: np.ndarray, ends: np.ndarray, cu_q: np.ndarray
+                     ) -> PromptRows | None:
+        """The prompt tokens this step scores for the requests that asked, or None (at once,
+        without a look at each row, while no request still has prompt tokens to score)."""
+        if not self.scoring:
+            return None
+        rows = PromptRows()
+        for i, ((rid, _), st) in enumerate(zip(batch, states, strict=True)):
+            if rid in self.scoring:
+                rows.add(rid, st.token_ids, st.num_prompt, st.prompt_logprobs, int(starts[i]),
+                         int(ends[i]), int(cu_q[i]))
+                if ends[i] >= st.num_prompt - 1:
+                    self.scoring.discard(rid)
+        return rows if rows.req_ids else None
+
     def _forget(self, rid: int) -> None:
         """Drop a request's state, its block-table row and its token-count slot, if held."""
+        self.scoring.discard(rid)
         if (st := self.requests.pop(rid, None)) is not None:
             self.tables.remove(st.row)
             if st.count_slot >= 0:

@@ -122,6 +122,12 @@ class ExecutorServer:
             result.logprob_rows[:], result.sampled_logprobs[:] = lp.rows, lp.sampled
             result.num_top_logprobs[:], result.top_logprob_token_ids[:] = lp.num_top, lp.top_ids
             result.top_logprobs[:] = lp.top_logprobs
+        if launched.prompt is not None and launched.prompt_read is not None:
+            rows = launched.prompt.rows
+            result.prompt_logprob_req_ids[:], result.prompt_logprob_starts[:] = \
+                rows.req_ids, rows.starts
+            result.prompt_logprob_counts[:], result.prompt_logprob_ks[:] = rows.counts, rows.ks
+            result.prompt_logprob_ints[:], result.prompt_logprob_floats[:] = launched.prompt_read
         return result
 
     @staticmethod

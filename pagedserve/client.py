@@ -49,6 +49,7 @@ def build_request(
     choice: Sequence[str] | None = None,
     grammar: str | None = None,
     lark_grammar: str | None = None,
+    prompt_logprobs: int | None = None,
 ) -> api.GenerateRequest:
     req = api.GenerateRequest(request_id=request_id, priority=priority)
     if sum(x is not None for x in (text, chat, token_ids)) != 1:
@@ -65,7 +66,8 @@ def build_request(
                         ("presence_penalty", presence_penalty),
                         ("frequency_penalty", frequency_penalty),
                         ("repetition_penalty", repetition_penalty), ("min_p", min_p),
-                        ("logprobs", logprobs), ("n", n)):
+                        ("logprobs", logprobs), ("n", n),
+                        ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(s, name, value)
     s.stop.extend(stop)

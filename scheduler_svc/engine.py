@@ -25,7 +25,12 @@ from pagedserve.scheduler.detokenizer import decoder_of
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkDown
 from pagedserve.scheduler.grammar import Grammars
 from pagedserve.scheduler.metrics import Metrics
-from pagedserve.scheduler.outputs import Sampled, SchedulerOutput, logprobs_of
+from pagedserve.scheduler.outputs import (
+    Sampled,
+    SchedulerOutput,
+    logprobs_of,
+    prompt_logprobs_of,
+)
 from pagedserve.scheduler.request import Constraint, GenerationParams, Request
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedserve.scheduler.streams import EngineError, RequestStream
@@ -122,9 +127,10 @@ class Engine:
 
     def submit(self, external_id: str, prompt: list[int], params: GenerationParams,
                priority: int = 0, timeout: float | None = None,
-               grammar: Any = None) -> RequestStream:
+               grammar: Any = None, new_prompt: bool = True) -> RequestStream:
         """Queue a request; `timeout` (seconds, the client's gRPC deadline) bounds its life;
-        `grammar`: the compiled params.constraint (compile())."""
+        `grammar`: the compiled params.constraint (compile()). new_prompt=False: another
+        completion of a prompt already counted (n > 1)."""
         assert self.scheduler is not None, "submit before the executor joined"
         if self.draining:
             raise EngineError("UNAVAILABLE", "server is draining")
@@ -142,7 +148,8 @@ class Engine:
         self.streams.add(stream)
         self._busy_since_trim = True
         self.scheduler.add(req)
-        self.metrics.prompt_tokens.inc(len(prompt))
+        if new_prompt:
+            self.metrics.prompt_tokens.inc(len(prompt))
         self._wake.set()
         return stream
 
@@ -232,6 +239,10 @@ class Engine:
             self.telemetry.step(item, timing, 0)
             self._fail_step(step, "INTERNAL", f"executor step failed: {item.error}")
             return []
+        for rid, start, entries in (prompt_logprobs_of(item) if item.prompt_logprob_req_ids
+                                    else ()):
+            if (stream := self.streams.get(rid)) is not None:
+                stream.record_prompt_logprobs(start, entries)
         sampled = self.scheduler.update(list(item.req_ids), list(item.sampled_token_ids),
                                         logprobs_of(item) if item.logprob_rows else None)
         self.telemetry.step(item, timing, len(sampled))

@@ -264,7 +264,7 @@ def decode_executor_message(frames: list, capacity: pb.Capacity | None,
         if r.sampled_token_ids and (min(r.sampled_token_ids) < 0
                                     or (vocab and max(r.sampled_token_ids) >= vocab)):
             return None, "a result with a token outside the vocabulary"
-        if why := _bad_logprobs(r, vocab):
+        if why := _bad_logprobs(r, vocab) or _bad_prompt_logprobs(r, vocab):
             return None, why
     elif kind == "hello":
         cap = msg.hello.capacity
@@ -286,6 +286,8 @@ def wire_sampling(req: Request) -> pb.Sampling:
                     logprobs=p.logprobs is not None, top_logprobs=p.logprobs or 0)
     if p.logit_bias:
         s.logit_bias_ids[:], s.logit_bias_values[:] = zip(*p.logit_bias, strict=True)
+    if req.needs_prompt_logprobs:
+        s.prompt_logprobs = p.prompt_logprobs
     return s
 
 
@@ -329,4 +331,23 @@ def _bad_logprobs(r: pb.StepResult, vocab: int) -> str:
     ids = r.top_logprob_token_ids
     if ids and (min(ids) < 0 or (vocab and max(ids) >= vocab)):
         return "a result with a logprob token outside the vocabulary"
+    return ""
+
+
+def _bad_prompt_logprobs(r: pb.StepResult, vocab: int) -> str:
+    """Why a result's packed prompt logprobs do not fit together (see StepResult), or ""."""
+    n = len(r.prompt_logprob_req_ids)
+    if not n == len(r.prompt_logprob_starts) == len(r.prompt_logprob_counts) == \
+            len(r.prompt_logprob_ks):
+        return "a result whose prompt logprob requests do not pair up"
+    if n and (min(r.prompt_logprob_starts) < 1 or min(r.prompt_logprob_counts) < 1
+              or min(r.prompt_logprob_ks) < 0):
+        return "a result with prompt logprobs before the second token, or none"
+    total = sum(c * (1 + k) for c, k in zip(r.prompt_logprob_counts, r.prompt_logprob_ks,
+                                            strict=True))
+    if total != len(r.prompt_logprob_ints) or total != len(r.prompt_logprob_floats):
+        return "a result whose prompt logprobs do not add up"
+    ints = r.prompt_logprob_ints  # ranks (1..vocab) and token ids (0..vocab-1)
+    if ints and (min(ints) < 0 or (vocab and max(ints) > vocab)):
+        return "a result with a prompt logprob token outside the vocabulary"
     return ""

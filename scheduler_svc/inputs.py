@@ -166,6 +166,11 @@ def _extras(s: api.SamplingParams, max_tokens: int, limits: Limits) -> dict[str,
             raise InvalidRequest(f"sampling.logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got "
                                  f"{s.logprobs}")
         extras["logprobs"] = s.logprobs
+    if s.HasField("prompt_logprobs"):
+        if not 0 <= s.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"sampling.prompt_logprobs: must be in [0, "
+                                 f"{MAX_TOP_LOGPROBS}], got {s.prompt_logprobs}")
+        extras["prompt_logprobs"] = s.prompt_logprobs
     if s.HasField("n"):
         if not 1 <= s.n <= MAX_N:
             raise InvalidRequest(f"sampling.n: must be in [1, {MAX_N}], got {s.n}")

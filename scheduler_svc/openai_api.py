@@ -23,6 +23,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pagedserve.scheduler.inputs import InvalidRequest
+from pagedserve.scheduler.openai_logprobs import (
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
 from pagedserve.scheduler.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,6 +48,7 @@ class OpenAIApp:
     def __init__(self, servicer: GenerationServicer, model_name: str) -> None:
         self.gen, self.engine, self.model_name = servicer, servicer.engine, model_name
         self.created = int(time.time())
+        self.token_text = TokenText(servicer.inputs.tok)
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -95,7 +102,9 @@ class OpenAIApp:
         except EngineError as e:
             raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
         usage = req.stream_options is not None and req.stream_options.include_usage
-        shape = _Shape(rid, self.model_name, chat, usage)
+        shape = _Shape(rid, self.model_name, chat, usage, len(call.streams),
+                       self.token_text if call.stream.req.params.logprobs is not None else None,
+                       self.token_text)
         headers = {"x-request-id": rid}
         if not req.stream:
             return await _complete(request, call, shape, headers)
@@ -104,22 +113,27 @@ class OpenAIApp:
 
 
 class _Shape:
-    """The response objects of one request; a streamed chunk's JSON is built around its text
-    (json-encoding only that), since each token of every stream goes through here."""
+    """The response objects of one request (its n choices); a streamed chunk without logprobs
+    has its JSON built around its text (json-encoding only that), since each token of every
+    stream goes through here. logprobs: set when the request asked for them."""
 
-    def __init__(self, rid: str, model: str, chat: bool, include_usage: bool) -> None:
-        self.rid, self.model, self.chat = rid, model, chat
+    def __init__(self, rid: str, model: str, chat: bool, include_usage: bool, n: int,
+                 logprobs: TokenText | None, text: TokenText) -> None:
+        self.rid, self.model, self.chat, self.logprobs, self.text = rid, model, chat, \
+            logprobs, text
         self.created = int(time.time())
         self.kind = "chat.completion" if chat else "text_completion"
+        self.offsets = [0] * n  # completions' text_offset: characters each choice sent
         head = _DUMPS({"id": rid, "object": self.kind + (".chunk" if chat else ""),
                        "created": self.created, "model": model})[:-1]
-        self._head = (f'data: {head},"choices":[{{"index":0,' +
-                      ('"delta":{"content":' if chat else '"text":')).encode()
+        self._heads = [(f'data: {head},"choices":[{{"index":{i},' +
+                        ('"delta":{"content":' if chat else '"text":')).encode()
+                       for i in range(n)]
         self._tail = (("}" if chat else "") + ',"logprobs":null,"finish_reason":null}]' +
                       (',"usage":null' if include_usage else "") + "}\n\n").encode()
 
-    def delta(self, text: str) -> bytes:
-        return self._head + _DUMPS(text).encode() + self._tail
+    def delta(self, index: int, text: str) -> bytes:
+        return self._heads[index] + _DUMPS(text).encode() + self._tail
 
     def obj(self, choices: list[dict], streamed: bool, **fields: Any) -> dict:
         """A response object (a streamed chunk, or the whole answer) with more fields (usage)."""
@@ -127,21 +141,42 @@ class _Shape:
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, **fields}
 
-    def choice(self, text: str | None, finish: Chunk | None, final: bool) -> dict:
-        """A choice: the whole message (final) or a streamed delta with the finish reason."""
+    def choice(self, index: int, text: str | None, chunk: Chunk | None, finish: bool,
+               final: bool) -> dict:
+        """A choice: the whole message (final) or a streamed delta, with the logprobs of the
+        chunk's tokens and, if finish, its finish reason."""
         if self.chat:
             body = {"message": {"role": "assistant", "content": text}} if final else \
                 {"delta": {} if text is None else {"content": text}}
         else:
             body = {"text": text or ""}
-        return {"index": 0, **body, "logprobs": None,
-                "finish_reason": finish.finish_reason if finish else None,
-                "stop_reason": finish.stop_reason if finish else None}  # vLLM's: what matched
+        logprobs = None
+        if self.logprobs is not None and chunk is not None:
+            if self.chat:
+                logprobs = chat_logprobs(self.text, chunk.token_ids, chunk.logprobs)
+            else:
+                logprobs, self.offsets[index] = completion_logprobs(
+                    self.text, chunk.token_ids, chunk.logprobs, self.offsets[index])
+        end = chunk if finish else None
+        out = {"index": index, **body, "logprobs": logprobs,
+               "finish_reason": end.finish_reason if end else None,
+               "stop_reason": end.stop_reason if end else None}  # vLLM's: what matched
+        return out
+
+    def prompt_logprobs(self, call: Call, whole: Chunk) -> dict:
+        """vLLM's prompt_logprobs field, if the request asked."""
+        if whole.prompt_logprobs is None:
+            return {}
+        req = call.stream.req
+        return {"prompt_logprobs": prompt_logprobs(self.text, req.token_ids[:req.prompt_len],
+                                                   whole.prompt_logprobs)}
 
 
-def _usage(chunk: Chunk, call: Call) -> dict:
-    return {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.completion_tokens,
-            "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
+def _usage(call: Call, completion_tokens: int) -> dict:
+    """The prompt counted once, however many completions (as OpenAI does)."""
+    prompt = call.stream.req.prompt_len
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": call.stream.cached_tokens}}
 
 
@@ -153,19 +188,24 @@ async def _events(call: Call, shape: _Shape, include_usage: bool) -> AsyncIterat
     """The server-sent events of a streamed request; an error after the response began goes
     out as an event with OpenAI's error object (the SDK raises it), then [DONE]."""
     extra = {"usage": None} if include_usage else {}  # OpenAI's: null but in the last
+    completion_tokens = 0
     try:
-        if shape.chat:  # the first chunk carries the role, as OpenAI's do
-            first = shape.choice(None, None, False)
-            first["delta"] = {"role": "assistant", "content": ""}
-            yield _sse(shape.obj([first], True, **extra))
+        if shape.chat:  # each choice's first chunk carries the role, as OpenAI's do
+            for i in range(len(call.streams)):
+                first = shape.choice(i, None, None, False, False)
+                first["delta"] = {"role": "assistant", "content": ""}
+                yield _sse(shape.obj([first], True, **extra))
         async for chunk in call.chunks():
-            if not chunk.finish_reason:
-                yield shape.delta(chunk.text)
+            if not chunk.finish_reason and shape.logprobs is None:
+                yield shape.delta(chunk.index, chunk.text)
                 continue
-            yield _sse(shape.obj([shape.choice(chunk.text or None, chunk, False)], True,
+            finish = bool(chunk.finish_reason)
+            text = chunk.text or None if finish else chunk.text
+            yield _sse(shape.obj([shape.choice(chunk.index, text, chunk, finish, False)], True,
                                  **extra))
-            if include_usage:
-                yield _sse(shape.obj([], True, usage=_usage(chunk, call)))
+            completion_tokens += chunk.completion_tokens
+        if include_usage:  # after every choice finished
+            yield _sse(shape.obj([], True, usage=_usage(call, completion_tokens)))
     except EngineError as e:
         yield _sse(OpenAIError.from_grpc(e.code, str(e)).body())
     yield b"data: [DONE]\n\n"
@@ -175,11 +215,13 @@ async def _complete(request: Request, call: Call, shape: _Shape,
                     headers: dict[str, str]) -> Response:
     """A non-streamed request, ended early (its blocks freed) if the client goes away."""
 
-    async def collect() -> Chunk:
-        whole = Chunk("", [])
+    async def collect() -> list[Chunk]:
+        """Each completion's chunks as one, by index."""
+        wholes: dict[int, Chunk] = {}
         async for chunk in call.chunks():
-            whole = whole.then(chunk)
-        return whole
+            i = chunk.index
+            wholes[i] = wholes[i].then(chunk) if i in wholes else chunk
+        return [wholes[i] for i in sorted(wholes)]
 
     work = asyncio.ensure_future(collect())
     gone = asyncio.ensure_future(_disconnected(request))
@@ -188,11 +230,15 @@ async def _complete(request: Request, call: Call, shape: _Shape,
         if not work.done():
             return Response(status_code=499)  # nobody reads it; nginx's "client closed"
         try:
-            whole = work.result()
+            wholes = work.result()
         except EngineError as e:
             raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
-        body = shape.obj([shape.choice(whole.text, whole, True)], False,
-                         usage=_usage(whole, call))
+        choices = [shape.choice(w.index, w.text, w, True, True) for w in wholes]
+        prompt = shape.prompt_logprobs(call, wholes[0])
+        if not shape.chat:  # vLLM's places: on each completions choice, on the chat response
+            choices = [c | prompt for c in choices]
+        body = shape.obj(choices, False, usage=_usage(call, sum(
+            w.completion_tokens for w in wholes)), **({} if not shape.chat else prompt))
         return JSONResponse(body, headers=headers)
     finally:
         for task in (work, gone):

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.scheduler.inputs import MAX_TOP_LOGPROBS
 
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -88,8 +89,8 @@ class _Request(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     response_format: dict[str, Any] | None = None  # OpenAI's (chat), vLLM's for both
-    # not supported yet over HTTP (see unsupported()); the gRPC API has it
     n: int | None = 1
+    prompt_logprobs: int | None = None  # vLLM's; not with stream
 
 
 class CompletionRequest(_Request):
@@ -129,8 +130,7 @@ class ChatCompletionRequest(_Request):
 
 
 _UNSUPPORTED_DEFAULTS = {  # field -> its default (null is too); others refused until supported
-    "n": 1, "logprobs": False,
-    "top_logprobs": None, "best_of": 1, "suffix": None, "echo": False,
+    "best_of": 1, "suffix": None, "echo": False,
     "tools": None, "tool_choice": "none",
 }
 
@@ -205,6 +205,9 @@ def to_generate(req: _Request, request_id: str) -> api.GenerateRequest:
             setattr(s, name, getattr(req, name))
     if req.min_tokens is not None:
         s.min_tokens = req.min_tokens
+    if req.n is not None:
+        s.n = req.n  # checked by inputs.validate, as the gRPC API's
+    _logprobs(req, s)
     for token, bias in (req.logit_bias or {}).items():
         try:  # OpenAI's keys are token ids as strings
             s.logit_bias[int(token)] = bias
@@ -273,6 +276,29 @@ def _constrain(req: _Request, s: api.SamplingParams) -> None:
         setattr(s, field, value)
     else:
         raise OpenAIError(400, f"{param}: a string", param)
+
+
+def _logprobs(req: _Request, s: api.SamplingParams) -> None:
+    """Chat's logprobs + top_logprobs, or completions' logprobs: k alternatives per token,
+    0..MAX_TOP_LOGPROBS (the completions API's too: vLLM's bound, where OpenAI's is 5)."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise OpenAIError(400, "top_logprobs: only allowed with logprobs: true",
+                              "top_logprobs")
+        k, name = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
+    else:
+        k, name = req.logprobs, "logprobs"
+    for value, param in ((k, name), (req.prompt_logprobs, "prompt_logprobs")):
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise OpenAIError(400, f"{param}: must be in [0, {MAX_TOP_LOGPROBS}], got {value}",
+                              param)
+    if k is not None:
+        s.logprobs = k
+    if req.prompt_logprobs is not None:
+        if req.stream:  # vLLM's rule too: they would precede every token of every stream
+            raise OpenAIError(400, "prompt_logprobs: not supported with stream: true",
+                              "prompt_logprobs")
+        s.prompt_logprobs = req.prompt_logprobs
 
 
 def _max_tokens(req: _Request) -> int | None:

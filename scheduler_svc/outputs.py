@@ -52,6 +52,23 @@ class TokenLogprob:
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int = 0  # of a prompt token (1: the most likely); 0 for a sampled one
+
+
+def prompt_logprobs_of(result: pb.StepResult) -> list[tuple[int, int, list[TokenLogprob]]]:
+    """A result's prompt logprobs: (req_id, position of the first, one per scored token)."""
+    out, at = [], 0
+    ints, floats = result.prompt_logprob_ints, result.prompt_logprob_floats
+    for rid, start, count, k in zip(result.prompt_logprob_req_ids, result.prompt_logprob_starts,
+                                    result.prompt_logprob_counts, result.prompt_logprob_ks,
+                                    strict=True):
+        entries = []
+        for _ in range(count):
+            entries.append(TokenLogprob(floats[at], tuple(ints[at + 1:at + 1 + k]),
+                                        tuple(floats[at + 1:at + 1 + k]), ints[at]))
+            at += 1 + k
+        out.append((rid, start, entries))
+    return out
 
 
 def logprobs_of(result: pb.StepResult) -> dict[int, TokenLogprob]:

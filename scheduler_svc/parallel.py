@@ -37,14 +37,19 @@ def submit_parallel(engine: Engine, external_id: str, prompt: list[int],
                     timeout: float | None = None, grammar: Any = None) -> list[RequestStream]:
     """Queue params.n completions of one prompt; their streams share streams[0].queue. All or
     none: if one is refused (queue full), those already queued are aborted. grammar: the
-    compiled constraint, each completion matched against it on its own."""
+    compiled constraint, each completion matched against it on its own. The prompt counts
+    once, as OpenAI's usage counts it: in the prompt-token metric, and in the tenant's tokens
+    per minute (charged once by the servicer at admission, the n completions' tokens when
+    the call ends)."""
     streams: list[RequestStream] = []
     queue: asyncio.Queue = asyncio.Queue()
     try:
         for i in range(params.n):
-            p = params if i == 0 or params.seed is None else dataclasses.replace(
-                params, seed=child_seed(params.seed, i))
-            stream = engine.submit(external_id, prompt, p, priority, timeout, grammar)
+            p = params if i == 0 else dataclasses.replace(  # completion 0 scores the prompt
+                params, prompt_logprobs=None,
+                seed=None if params.seed is None else child_seed(params.seed, i))
+            stream = engine.submit(external_id, prompt, p, priority, timeout, grammar,
+                                   new_prompt=i == 0)
             # nothing has run yet (no await since submit): the stream can still be re-pointed
             stream.queue = queue
             stream.req.index = i

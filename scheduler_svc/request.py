@@ -55,6 +55,8 @@ class GenerationParams:
     logprobs: int | None = None
     n: int = 1  # completions of the prompt (each a Request; see scheduler_svc/parallel.py)
     constraint: Constraint | None = None  # structured output; None: free text
+    # None: no prompt logprobs; k (<= 20): each prompt token's logprob, rank and k alternatives
+    prompt_logprobs: int | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -85,6 +87,9 @@ class Request:
     first_sibling: Request | None = None
     # structured outputs: its xgrammar GrammarMatcher, advanced by every token received
     matcher: Any = None
+    # prompt tokens not scored yet (params.prompt_logprobs): while so, the request reads no
+    # prefix cache and the executor scores the positions it computes
+    needs_prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self.sort_key = (self.priority, self.arrival_seq)

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pagedserve.scheduler.block_manager import BlockManager, HostBlockPool
+from pagedserve.scheduler.block_manager import BlockManager, CachedPrefix, HostBlockPool
 from pagedserve.scheduler.outputs import (
     Sampled,
     ScheduledRequest,
@@ -234,7 +234,9 @@ class Scheduler:
 
     def _admit_fresh(self, out: SchedulerOutput, req: Request, budget: int) -> int | None:
         """Start (or restart) a request from its cached prefix; None if it does not fit."""
-        prefix = self.blocks.cached_prefix(req.token_ids)
+        # positions found in the cache would not be computed, so not scored (vLLM: the same)
+        prefix = CachedPrefix() if req.needs_prompt_logprobs else \
+            self.blocks.cached_prefix(req.token_ids)
         req.num_computed_tokens = prefix.num_tokens
         n = self._chunk(req, budget)
         new_blocks = self.blocks.allocate_slots(req.req_id, req.num_computed_tokens + n,

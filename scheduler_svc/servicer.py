@@ -136,7 +136,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         rid = call.stream.req.external_id
         try:
             async for chunk in call.chunks():
-                yield _response(rid, chunk)
+                yield _response(rid, chunk, call.stream.req.token_ids)
         finally:  # the client left or its deadline passed (gRPC cancels us), or the stream
             # ended: free the requests' blocks now
             call.close("deadline_exceeded" if past_deadline(context) else "abort")
@@ -186,12 +186,18 @@ async def _merged(queue: asyncio.Queue, n: int) -> AsyncIterator[Chunk]:
             n -= 1
 
 
-def _response(request_id: str, chunk: Chunk) -> api.GenerateResponse:
+def _response(request_id: str, chunk: Chunk, token_ids: list[int]) -> api.GenerateResponse:
+    """token_ids: the request's, its prompt first."""
     resp = api.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
                                 index=chunk.index)
     for tok, lp in zip(chunk.token_ids, chunk.logprobs, strict=False):
         resp.logprobs.add(token_id=tok, logprob=lp.logprob, top_token_ids=lp.top_ids,
                           top_logprobs=lp.top_logprobs)
+    if chunk.prompt_logprobs is not None:
+        for tok, lp in zip(token_ids, chunk.prompt_logprobs, strict=False):
+            if lp is not None:  # the first prompt token has none: not sent
+                resp.prompt_logprobs.add(token_id=tok, logprob=lp.logprob, rank=lp.rank,
+                                         top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
     if chunk.finish_reason:
         resp.finish_reason = _FINISH[chunk.finish_reason]
         if isinstance(chunk.stop_reason, str):

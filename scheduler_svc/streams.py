@@ -27,13 +27,17 @@ class Chunk:
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token, if asked for
     index: int = 0  # which of the request's n completions
+    # on a completion's first chunk, if asked: each prompt token's (None for the first)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def then(self, later: Chunk) -> Chunk:
         """This chunk followed by a later one of the same completion, as one (the later one's
         finish and usage win)."""
         return Chunk(self.text + later.text, self.token_ids + later.token_ids,
                      later.finish_reason, later.stop_reason, later.prompt_tokens,
-                     later.completion_tokens, self.logprobs + later.logprobs, self.index)
+                     later.completion_tokens, self.logprobs + later.logprobs, self.index,
+                     self.prompt_logprobs if self.prompt_logprobs is not None
+                     else later.prompt_logprobs)
 
 
 class EngineError(Exception):
@@ -62,6 +66,9 @@ class RequestStream:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     tenant: str = ""  # the API key's tenant ("" when the service runs without keys)
     held: Chunk | None = None  # tokens not yet queued (stream_interval)
+    # params.prompt_logprobs: by prompt position, filled as the executor scores them
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_missing: int = 0
 
     @classmethod
     def open(cls, req: Request, tokenizer: Any, decode: Callable,
@@ -72,7 +79,21 @@ class RequestStream:
         if timeout is not None:
             stream.deadline = stream.arrival + timeout
         stream.priority_class = priority_class(req.priority)
+        if req.params.prompt_logprobs is not None:
+            stream.prompt_logprobs = [None] * req.prompt_len
+            stream.prompt_logprobs_missing = req.prompt_len - 1
+            req.needs_prompt_logprobs = req.prompt_len > 1
         return stream
+
+    def record_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:
+        """Prompt tokens start.. scored by a step (again, after a preemption: same values)."""
+        if self.prompt_logprobs is None or start + len(entries) > self.req.prompt_len:
+            return
+        for i, e in enumerate(entries, start):
+            self.prompt_logprobs_missing -= self.prompt_logprobs[i] is None
+            self.prompt_logprobs[i] = e
+        if not self.prompt_logprobs_missing:
+            self.req.needs_prompt_logprobs = False
 
     def push(self, token: int, finish: str | None, stop_reason: int | str | None,
              interval: int, logprob: TokenLogprob | None = None) -> Chunk | None:
@@ -91,6 +112,8 @@ class RequestStream:
         if matched is not None:
             finish, stop_reason = "stop", matched
         chunk = Chunk(text, [token], index=self.req.index)
+        if self.num_tokens == 1:
+            chunk.prompt_logprobs = self.prompt_logprobs
         if logprob is not None:
             chunk.logprobs.append(logprob)
         if finish:

@@ -110,3 +110,11 @@ def queue_service(tmp_path_factory, model_dir):
     """One sequence at a time and one waiting request at most: queueing and priorities."""
     yield from _serving(tmp_path_factory, "queue", "--max-num-seqs", "1",
                         "--max-waiting-requests", "1")
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    """The served model in HF transformers, fp32 on the CPU: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()

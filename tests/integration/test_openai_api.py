@@ -15,7 +15,7 @@ import pytest
 
 from pagedserve.client import Client, build_request
 from pagedserve.protos.v1 import generate_pb2 as api
-from tests.integration.conftest import MAX_TOKENS, PROMPTS
+from tests.integration.conftest import MAX_TOKENS, PROMPTS, prompt_ids
 from tests.integration.service import Service, Stack
 
 MODEL = "default"
@@ -104,15 +104,23 @@ BAD = [  # (endpoint, kwargs, param)
     ("completions", dict(extra_body={"stop_token_ids": [10**6]}), "stop_token_ids"),
     ("completions", dict(prompt="x " * 20000), "prompt"),
     ("completions", dict(prompt=""), "prompt"),
-    ("completions", dict(n=3), "n"),
+    ("completions", dict(n=0), "n"),
+    ("completions", dict(n=17), "n"),
     ("completions", dict(presence_penalty=2.5), "presence_penalty"),
-    ("completions", dict(logprobs=2), "logprobs"),
+    ("completions", dict(logprobs=21), "logprobs"),
+    ("completions", dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
+    ("completions", dict(stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
+    ("completions", dict(best_of=2), "best_of"),
     ("completions", dict(echo=True), "echo"),
     ("completions", dict(extra_body={"max_tokenz": 3}), "max_tokenz"),
     ("chat", dict(max_completion_tokens=10**6), "max_completion_tokens"),
     ("chat", dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
     ("chat", dict(messages=[]), "messages"),
-    ("chat", dict(logprobs=True, top_logprobs=3), "logprobs"),
+    ("chat", dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("chat", dict(logprobs=True, top_logprobs=-1), "top_logprobs"),
+    ("chat", dict(top_logprobs=3), "top_logprobs"),
+    ("chat", dict(n=0), "n"),
+    ("chat", dict(extra_body={"prompt_logprobs": -1}), "prompt_logprobs"),
     ("chat", dict(frequency_penalty=-3.0), "frequency_penalty"),
     ("chat", dict(extra_body={"min_p": 1.5}), "min_p"),
     ("chat", dict(logit_bias={"42": 500}), "logit_bias"),
@@ -216,8 +224,10 @@ def test_a_client_that_drops_frees_the_blocks(service, stream):
 KEYS = """
 tenants:
   paying: {priority: [-2, 0], max_concurrent: 1}
+  metered: {tokens_per_minute: 60}
 keys:
   - {key: sk-paying, tenant: paying}
+  - {key: sk-metered, tenant: metered}
 """
 
 
@@ -304,3 +314,177 @@ def test_penalties_min_tokens_and_logit_bias_give_what_grpc_gives(service):
                                             temperature=0)
     assert out.choices[0].text == text != plain.choices[0].text
     assert out.usage.completion_tokens == len(ids) >= 12
+
+
+def choices_by_index(chunks):
+    """{index: (text, finish reasons)} of a streamed response's chunks."""
+    out: dict[int, tuple[str, list]] = {}
+    for c in chunks:
+        for ch in c.choices:
+            text, finishes = out.get(ch.index, ("", []))
+            delta = ch.delta.content if hasattr(ch, "delta") else ch.text
+            out[ch.index] = (text + (delta or ""), finishes + [ch.finish_reason])
+    return out
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_n_with_a_seed_gives_n_reproducible_choices_and_counts_the_prompt_once(service,
+                                                                              endpoint):
+    client = sdk(service)
+
+    def call(**kw):
+        if endpoint == "chat":
+            return client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Tell me about cats."}],
+                max_tokens=12, temperature=1.0, seed=1234, **kw)
+        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                          temperature=1.0, seed=1234, **kw)
+
+    def texts(out):
+        return [c.message.content if endpoint == "chat" else c.text for c in out.choices]
+
+    first, again, alone = call(n=3), call(n=3), call()
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts(first) == texts(again) and len(set(texts(first))) == 3
+    assert texts(first)[0] == texts(alone)[0]  # choice 0 samples with the seed itself
+    # the gRPC call with the same parameters: the same completions, each with its usage
+    source = dict(chat=[("user", "Tell me about cats.")]) if endpoint == "chat" else \
+        dict(text="Once upon a time")
+    grpc_texts, finals = {}, []
+    for r in service.client.generate(**source, n=3, max_tokens=12, temperature=1.0,
+                                     seed=1234, timeout=300):
+        grpc_texts[r.index] = grpc_texts.get(r.index, "") + r.text
+        if r.finish_reason:
+            finals.append(r)
+    assert texts(first) == [grpc_texts[i] for i in range(3)]
+    assert [c.finish_reason for c in first.choices] == [
+        {1: "stop", 2: "length"}[r.finish_reason] for r in sorted(finals, key=lambda r: r.index)]
+    assert first.usage.prompt_tokens == alone.usage.prompt_tokens == finals[0].usage.prompt_tokens
+    assert first.usage.completion_tokens == sum(r.usage.completion_tokens for r in finals)
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streamed_n_tells_choices_apart_and_each_ends_with_its_finish(service, endpoint):
+    client = sdk(service)
+    kw = dict(model=MODEL, max_tokens=10, temperature=1.0, seed=99, n=2)
+    if endpoint == "chat":
+        create = client.chat.completions.create
+        kw["messages"] = [{"role": "user", "content": "Name a colour."}]
+    else:
+        create, kw["prompt"] = client.completions.create, "My favourite colour is"
+    whole = create(**kw)
+    chunks = list(create(**kw, stream=True, stream_options={"include_usage": True}))
+    got = choices_by_index(chunks[:-1])
+    assert sorted(got) == [0, 1]
+    for c in whole.choices:
+        text, finishes = got[c.index]
+        assert text == (c.message.content if endpoint == "chat" else c.text)
+        assert finishes[-1] == c.finish_reason and not any(finishes[:-1])
+    last = chunks[-1]  # the prompt once, every choice's tokens (the cache is warmer now)
+    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens,
+                                   last.usage.total_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
+    assert all(len(c.choices) == 1 for c in chunks[:-1])  # one choice per chunk, as OpenAI
+
+
+def hf_log_softmax(model, ids):
+    """HF's fp32 log_softmax at every position of ids: [len(ids), V] (row p scores p + 1)."""
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_chat_logprobs_equal_hf_log_softmax_streamed_and_not(service, tokenizer, hf_model):
+    messages = [{"role": "user", "content": PROMPTS[4][1]}]
+    client = sdk(service)
+    kw = dict(model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True,
+              top_logprobs=5)
+    whole = client.chat.completions.create(**kw)
+    _, ids, _ = service.client.complete(chat=[("user", PROMPTS[4][1])], max_tokens=10,
+                                        temperature=0, timeout=300)
+    prompt = prompt_ids(tokenizer, "chat", PROMPTS[4][1])
+    ref = hf_log_softmax(hf_model, prompt + ids)[len(prompt) - 1:-1]
+    content = whole.choices[0].logprobs.content
+    assert [e.token for e in content] == [tokenizer.decode([t]) for t in ids]
+    for i, (e, t) in enumerate(zip(content, ids, strict=True)):
+        assert abs(e.logprob - ref[i, t].item()) < 1e-4
+        assert bytes(e.bytes) == tokenizer.decode([t]).encode()
+        top = ref[i].topk(5)
+        assert [a.token for a in e.top_logprobs] == [tokenizer.decode([a]) for a in
+                                                     top.indices.tolist()]
+        assert max(abs(a.logprob - b) for a, b in zip(e.top_logprobs, top.values.tolist(),
+                                                      strict=True)) < 1e-4
+    streamed = [e for c in client.chat.completions.create(**kw, stream=True) if c.choices
+                and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    # the same tokens; logprobs within 1e-4 (the prompt now comes from the prefix cache)
+    assert [(e.token, e.bytes, [a.token for a in e.top_logprobs]) for e in streamed] == [
+        (e.token, e.bytes, [a.token for a in e.top_logprobs]) for e in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content, strict=True)) < 1e-4
+    plain = client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_completions_logprobs_format(service, tokenizer, hf_model):
+    out = sdk(service).completions.create(model=MODEL, prompt=PROMPTS[0][1], max_tokens=8,
+                                          temperature=0, logprobs=3)
+    lp, text = out.choices[0].logprobs, out.choices[0].text
+    _, ids, _ = service.client.complete(text=PROMPTS[0][1], max_tokens=8, temperature=0,
+                                        timeout=300)
+    prompt = tokenizer.encode(PROMPTS[0][1])
+    ref = hf_log_softmax(hf_model, prompt + ids)[len(prompt) - 1:-1]
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids] and "".join(lp.tokens) == text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+    for i, t in enumerate(ids):
+        assert abs(lp.token_logprobs[i] - ref[i, t].item()) < 1e-4
+        top = ref[i].topk(3)
+        want = {tokenizer.decode([a]): b for a, b in zip(top.indices.tolist(),
+                                                          top.values.tolist(), strict=True)}
+        want.setdefault(lp.tokens[i], lp.token_logprobs[i])  # the sampled one is always there
+        assert lp.top_logprobs[i].keys() == want.keys()
+        assert max(abs(lp.top_logprobs[i][k] - v) for k, v in want.items()) < 1e-4
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_prompt_logprobs_as_vllm_returns_them(service, tokenizer, hf_model, endpoint):
+    client = sdk(service)
+    if endpoint == "chat":
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi there"}], max_tokens=2,
+            extra_body={"prompt_logprobs": 2})
+        got, prompt = out.model_extra["prompt_logprobs"], prompt_ids(tokenizer, "chat",
+                                                                     "Hi there")
+    else:
+        out = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                        max_tokens=2, extra_body={"prompt_logprobs": 2})
+        got, prompt = out.choices[0].model_extra["prompt_logprobs"], tokenizer.encode(
+            "The capital of France is")
+    ref = hf_log_softmax(hf_model, prompt)
+    assert len(got) == len(prompt) == out.usage.prompt_tokens and got[0] is None
+    for p in range(1, len(prompt)):
+        row, t = ref[p - 1], prompt[p]
+        top = row.topk(2)
+        want_ids = [t] + [a for a in top.indices.tolist() if a != t]
+        assert list(got[p]) == [str(a) for a in want_ids]  # the prompt token first
+        for a in want_ids:
+            entry = got[p][str(a)]
+            assert abs(entry["logprob"] - row[a].item()) < 1e-4
+            assert entry["rank"] == int((row >= row[a]).sum())
+            assert entry["decoded_token"] == tokenizer.decode([a])
+
+
+def test_n_completions_charge_the_tenant_the_prompt_once(keyed):
+    """tokens_per_minute 60 (a token a second): a 10-token prompt with n = 3 and 4 tokens each
+    charges 10 + 12, leaving about 38, enough for a 30-token prompt; the prompt charged three
+    times (42 in all) would leave about 18 and the 30-token request would be refused."""
+    metered = sdk(keyed, "sk-metered")
+    before = keyed.metrics()["pagedserve_prompt_tokens_total"]
+    out = metered.completions.create(model=MODEL, prompt=list(range(100, 110)), n=3,
+                                     max_tokens=4, extra_body={"ignore_eos": True})
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (10, 12)
+    assert keyed.metrics()["pagedserve_prompt_tokens_total"] - before == 10
+    assert metered.completions.create(model=MODEL, prompt=list(range(200, 230)),
+                                      max_tokens=1).usage.prompt_tokens == 30
+    with pytest.raises(openai.RateLimitError):  # the bucket is spent now: it does meter
+        metered.completions.create(model=MODEL, prompt=list(range(300, 330)), max_tokens=1)

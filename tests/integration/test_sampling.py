@@ -27,13 +27,6 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def eos_ids(service):
     return tuple(service.client.model_info().eos_token_ids)
 
@@ -226,3 +219,71 @@ def test_async_scheduling_gives_the_same_penalized_outputs_and_logprobs(async_se
                 for o in outs]
 
     assert flat(run(async_service)) == flat(run(service))
+
+
+def hf_prompt_logprobs(model, ids):
+    """log_softmax of HF's fp32 logits scoring prompt tokens 1..: [len(ids) - 1, V]."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def prompt_logprobs(svc, k, **kw):
+    """(entries of the one response that has them, responses that had them)."""
+    got = [list(r.prompt_logprobs) for r in svc.client.generate(
+        prompt_logprobs=k, max_tokens=2, temperature=0, timeout=300, **kw)]
+    return got[0], sum(1 for g in got if g)
+
+
+def assert_prompt_logprobs_equal_hf(entries, ids, ref, k):
+    assert [e.token_id for e in entries] == ids[1:]  # none for the first prompt token
+    for i, e in enumerate(entries):
+        want = ref[i, ids[i + 1]].item()
+        assert abs(e.logprob - want) < 1e-4
+        assert e.rank == int((ref[i] >= want).sum())  # vLLM's rank: 1 = most likely
+        top = ref[i].topk(k)
+        assert list(e.top_token_ids) == top.indices.tolist()
+        assert max((abs(a - b) for a, b in zip(e.top_logprobs, top.values.tolist(),
+                                               strict=True)), default=0) < 1e-4
+
+
+def test_prompt_logprobs_equal_hf_over_chunks_and_a_warm_prefix_cache(service, tokenizer,
+                                                                      hf_model):
+    """A prompt several prefill chunks long (the service's budget is 64 tokens), sent twice:
+    the second time its blocks are in the prefix cache, which a request asking for prompt
+    logprobs does not read (its usage shows none cached)."""
+    text = "Score every word of this. " + LONG_TEXT
+    ids = tokenizer.encode(text)
+    assert len(ids) > 64  # at least two chunks
+    ref = hf_prompt_logprobs(hf_model, ids)
+    for k in (5, 0):  # the second run: the cache is warm from the first
+        entries, responses_with = prompt_logprobs(service, k, text=text)
+        assert responses_with == 1  # sent once, on the first response
+        assert_prompt_logprobs_equal_hf(entries, ids, ref, k)
+    m = service.wait_idle()
+    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"]
+
+
+def test_prompt_logprobs_with_n_come_once_and_short_prompts(service, tokenizer, hf_model):
+    ids = tokenizer.encode("The capital of France is")
+    ref = hf_prompt_logprobs(hf_model, ids)
+    got = [r for r in service.client.generate(text="The capital of France is", n=3,
+                                              prompt_logprobs=2, max_tokens=3, timeout=300,
+                                              temperature=1.0, seed=7)]
+    with_them = [r for r in got if r.prompt_logprobs]
+    assert len(with_them) == 1 and with_them[0].index == 0
+    assert_prompt_logprobs_equal_hf(list(with_them[0].prompt_logprobs), ids, ref, 2)
+    one = [list(r.prompt_logprobs) for r in service.client.generate(
+        token_ids=[ids[0]], prompt_logprobs=3, max_tokens=2, temperature=0, ignore_eos=True,
+        timeout=300)]
+    assert one == [[], []]  # one prompt token: nothing to score
+
+
+@pytest.mark.parametrize("k", [-1, 21])
+def test_prompt_logprobs_out_of_range_are_invalid(service, k):
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as err:
+        list(service.client.generate(text="hi", prompt_logprobs=k, max_tokens=2, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == f"sampling.prompt_logprobs: must be in [0, 20], got {k}"

@@ -203,3 +203,37 @@ def test_a_result_whose_logprobs_do_not_fit_together_is_refused():
                                                            "add up")
     assert why(**{**good, "top_logprob_token_ids": [5, 100]}) == ("a result with a logprob token "
                                                                   "outside the vocabulary")
+
+
+def test_a_result_whose_prompt_logprobs_do_not_fit_together_is_refused():
+    from zmq import Frame
+
+    from pagedserve.scheduler.executor_link import decode_executor_message
+    from pagedserve.scheduler.outputs import TokenLogprob, prompt_logprobs_of
+
+    cap = pb.Capacity(vocab_size=100)
+
+    def result(**fields):
+        return pb.StepResult(step_id=1, **fields)
+
+    def why(**fields):
+        frame = Frame(pb.ExecutorMessage(result=result(**fields)).SerializeToString())
+        return decode_executor_message([frame], cap)[1]
+
+    # request 7: tokens 1 and 2 with 1 alternative each; request 9: token 5, none
+    good = dict(prompt_logprob_req_ids=[7, 9], prompt_logprob_starts=[1, 5],
+                prompt_logprob_counts=[2, 1], prompt_logprob_ks=[1, 0],
+                prompt_logprob_ints=[3, 40, 1, 41, 100], prompt_logprob_floats=[
+                    -2.0, -0.5, -0.25, -0.25, -9.0])
+    assert why(**good) == ""
+    assert prompt_logprobs_of(result(**good)) == [
+        (7, 1, [TokenLogprob(-2.0, (40,), (-0.5,), 3), TokenLogprob(-0.25, (41,), (-0.25,), 1)]),
+        (9, 5, [TokenLogprob(-9.0, (), (), 100)])]
+    assert why(**{**good, "prompt_logprob_ks": [1]}) == ("a result whose prompt logprob "
+                                                         "requests do not pair up")
+    assert why(**{**good, "prompt_logprob_starts": [0, 5]}).startswith(
+        "a result with prompt logprobs before the second token")
+    assert why(**{**good, "prompt_logprob_counts": [3, 1]}) == ("a result whose prompt "
+                                                                "logprobs do not add up")
+    assert why(**{**good, "prompt_logprob_ints": [3, 40, 1, 141, 100]}) == (
+        "a result with a prompt logprob token outside the vocabulary")
