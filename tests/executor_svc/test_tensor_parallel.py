@@ -21,6 +21,8 @@ from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
 BS = 4  # tokens per block
 GREEDY = pb.Sampling(temperature=0.0, top_p=1.0)
+# request 1 also scores its prompt (two chunks: the HIDDEN pass, then LOGITS per slice)
+SCORING = pb.Sampling(temperature=0.0, top_p=1.0, prompt_logprobs=3)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=255, max_position_embeddings=256)
 CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
@@ -51,6 +53,7 @@ class Plans:
         self.free = list(range(47, -1, -1))
         self.host_free = list(range(8))
         self.reqs: dict[int, dict] = {}
+        self.prompt_logprobs: list[tuple[list[int], list[float]]] = []
 
     def _blocks(self, r: dict, upto: int) -> list[int]:
         new = []
@@ -90,7 +93,8 @@ class Plans:
                                       blocks=list(shared), prompt=len(prompt), out=[], sched=n)
             self._blocks(r, r["computed"] + n)
             plan.new_requests.add(req_id=rid, token_ids=prompt, num_computed_tokens=r["computed"],
-                                  block_ids=r["blocks"], sampling=GREEDY)
+                                  block_ids=r["blocks"],
+                                  sampling=SCORING if rid == 1 else GREEDY)
             plan.new_num_scheduled_tokens.append(n)
         for rid, n in cached:
             r = self.reqs[rid]
@@ -103,12 +107,17 @@ class Plans:
             r["sched"] = n
         for r in self.reqs.values():
             r["computed"] += r.pop("sched", 0)
-        for rid, tok in zip(*self.runner.execute(plan), strict=True):
+        launched = self.runner.launch(plan)
+        if launched is None:
+            return
+        for rid, tok in zip(*self.runner.finish(launched), strict=True):
             self.reqs[rid]["tokens"].append(tok)
             self.reqs[rid]["out"].append(tok)
+        if launched.prompt_read is not None:
+            self.prompt_logprobs.append(launched.prompt_read)
 
 
-def script(runner) -> dict[int, list[int]]:
+def script(runner) -> tuple[dict[int, list[int]], list]:
     g = torch.Generator().manual_seed(3)
     p1, p2 = (torch.randint(0, 255, (n,), generator=g).tolist() for n in (13, 9))
     p3 = p1[:8] + torch.randint(0, 255, (6,), generator=g).tolist()  # shares 2 blocks of p1
@@ -122,10 +131,10 @@ def script(runner) -> dict[int, list[int]]:
     s.step(cached=[(1, 1), (3, 1)], swap_in=[2])
     for _ in range(6):
         s.step(cached=[(1, 1), (2, 1), (3, 1)])
-    return {rid: r["out"] for rid, r in s.reqs.items()}
+    return {rid: r["out"] for rid, r in s.reqs.items()}, s.prompt_logprobs
 
 
-def tensor_parallel_tokens(model_dir) -> dict[int, list[int]]:
+def tensor_parallel_tokens(model_dir) -> tuple[dict[int, list[int]], list]:
     args = executor_args(model_dir, 2)
     threads = torch.get_num_threads()
     group = Group(args, 2)
@@ -139,7 +148,7 @@ def tensor_parallel_tokens(model_dir) -> dict[int, list[int]]:
         torch.set_num_threads(threads)
 
 
-def single_rank_tokens(model_dir) -> dict[int, list[int]]:
+def single_rank_tokens(model_dir) -> tuple[dict[int, list[int]], list]:
     worker = Worker(executor_config(executor_args(model_dir, 1), 0, 1, "cpu"))
     worker.warm_up()
     return script(worker.runner)
@@ -159,16 +168,24 @@ def save_random(path, name: str) -> None:
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_two_ranks_give_the_tokens_of_one(tmp_path, name):
     save_random(tmp_path, name)
-    want = single_rank_tokens(tmp_path)
+    want, want_scores = single_rank_tokens(tmp_path)
     assert [len(v) for v in want.values()] == [14, 13, 8]
-    assert tensor_parallel_tokens(tmp_path) == want
+    got, scores = tensor_parallel_tokens(tmp_path)
+    assert got == want
+    # prompt tokens 1..12 of request 1, over its two chunks: ranks and alternatives' ids
+    # exact, logprobs within the all-reduce's reordering
+    assert [len(ints) for ints, _ in scores] == [len(ints) for ints, _ in want_scores] \
+        == [8 * 4, 4 * 4]
+    for (ints, floats), (want_ints, want_floats) in zip(scores, want_scores, strict=True):
+        assert ints == want_ints
+        assert floats == pytest.approx(want_floats, abs=1e-4)
 
 
 def test_awq_checkpoint_on_two_ranks(tmp_path):
     from tests.executor_svc.test_quant_formats import _quantized_tiny
 
     _, qdir = _quantized_tiny(tmp_path, "awq", 32)
-    assert tensor_parallel_tokens(qdir) == single_rank_tokens(qdir)
+    assert tensor_parallel_tokens(qdir)[0] == single_rank_tokens(qdir)[0]
 
 
 def test_shares_of_heads_and_refusals():
