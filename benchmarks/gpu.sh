@@ -14,6 +14,8 @@
 #   bigasync  big with --async-scheduling
 #   extras    W1 on 8B, throughput settings, plain / every request with a repetition penalty and
 #             top_logprobs=5 / extras / plain; then the sampler alone (sampler_extras.py)
+#   structured 64 concurrent JSON-schema requests on 8B against 64 unconstrained (TPOT), then
+#             the bitmask's host time per step at 256 running (benchmarks/structured.py)
 #   w1eager   W1 on 1B with --enforce-eager (compare with big: what CUDA graphs buy)
 #   w2        W2 on 1B and 8B, default step budget and streaming, no peer
 #   profile   torch profile of W1 on 8B (2 prefill steps, 4 graphed decodes): ops tables
@@ -48,7 +50,10 @@
 #     --abi cp312 --abi abi3 --abi none --platform manylinux2014_x86_64 --platform \
 #     manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
 #     pyzmq==27.3.0 protobuf==7.36.2 grpcio==1.85.3 grpcio-health-checking==1.85.1 \
-#     grpcio-reflection==1.85.1 gguf==0.19.0 prometheus-client==0.26.0
+#     grpcio-reflection==1.85.1 gguf==0.19.0 prometheus-client==0.26.0 starlette==1.10.0 \
+#     uvicorn==0.54.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
+#     typing-inspection==0.4.5 anyio==4.16.0 h11==0.16.0 click==8.5.1 idna==3.20 \
+#     sniffio==1.3.1 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 (add manylinux_2_27)
 #   rm -f .whl/pagedserve-*.whl && .venv/bin/python -m pip wheel --no-deps --no-build-isolation \
 #     -w .whl .   # from the tree measured, which PAGEDSERVE_COMMIT names: with edits in the
 #                   # working tree, run it in a `git archive HEAD` export instead of "."
@@ -167,6 +172,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       for x in "" --sampling-extras --sampling-extras ""; do fast W1 M8 $x; done
       python3 benchmarks/sampler_extras.py --batch 256 --vocab 128256 --context 640 2>&1 \
         | tee -a $B/sampler_extras.log ;;
+    structured) python3 -m benchmarks.structured "${M8[@]}" --concurrency 64 --wide 256 2>&1 \
+      | tee -a $B/structured.log | quiet 8 ;;
     w1eager) fast W1 M1 --server-flag=--enforce-eager ;;
     w2) for m in M1 M8; do tp W2 $m --hf none; done ;;
     profile) profile M8 8b ;;
