@@ -149,13 +149,15 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] rows whose next-token logits are needed
+        out: torch.Tensor | None = None,  # [S, vocab] float32 to write the logits into
     ) -> torch.Tensor:  # [S, vocab] float32
         x = self.embed_tokens(input_ids)
         residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.cos_sin, kv, meta)
         x, _ = self.norm(x, residual)
-        return self.lm_head(x[logits_indices]).float()
+        logits = self.lm_head(x[logits_indices])
+        return logits.float() if out is None else out.copy_(logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up projections. Quantized modules come
