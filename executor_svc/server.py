@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import signal
+import sys
 import time
 import traceback
 import uuid
@@ -22,8 +23,9 @@ from pagedserve.core.link_security import (
 from pagedserve.executor.jit_watch import JitWatch
 from pagedserve.executor.profiling import StepProfiler
 from pagedserve.executor.runner import Launched
-from pagedserve.executor.worker import ExecutorConfig, Worker
+from pagedserve.executor.worker import ExecutorConfig, MemoryBudgetError, Worker
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
+from pagedserve.supervise import EXIT_CONFIG, mark_ready
 
 log = logging.getLogger("pagedserve.executor")
 HELLO_INTERVAL_S = 1.0  # resend hello until welcomed, and as a heartbeat while idle
@@ -168,8 +170,13 @@ def run(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
     )
-    worker = Worker(cfg)
-    worker.warm_up()
+    try:
+        worker = Worker(cfg)
+        worker.warm_up()
+    except MemoryBudgetError as e:  # the same settings would fail the same way: no restart
+        print(f"pagedserve executor: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)
+    mark_ready()
     if worker.device.type == "cuda":
         JitWatch().install()
     profiler = (StepProfiler(args.torch_profile_dir, args.torch_profile_steps)

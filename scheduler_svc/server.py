@@ -35,6 +35,7 @@ from pagedserve.scheduler.servicer import GenerationServicer
 from pagedserve.scheduler.telemetry import Telemetry, request_log
 from pagedserve.scheduler.tenants import Tenants, TenantsError
 from pagedserve.scheduler.tls import CertificateFiles, TLSError
+from pagedserve.supervise import mark_ready
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -112,6 +113,7 @@ async def serve(args: argparse.Namespace) -> None:
     gc.freeze()
     await engine.start()
     await server.start()
+    mark_ready()
     if http is not None:
         http_task = loop.create_task(http.serve(sockets=[http.socket]), name="http")
         http_task.add_done_callback(_crash_on_error)
