@@ -32,6 +32,7 @@ VOCAB = 32
 def stub_executor(address: str, num_blocks: int, block_size: int, keys: str = "") -> None:
     import torch
 
+    from pagedserve.executor.penalties import TokenCounts
     from pagedserve.executor.runner import ModelRunner
     from pagedserve.executor.sampler import Sampler
     from pagedserve.executor.server import ExecutorServer
@@ -43,7 +44,8 @@ def stub_executor(address: str, num_blocks: int, block_size: int, keys: str = ""
 
     class StubWorker:
         runner = ModelRunner(StubModel(), [], block_size, torch.device("cpu"),
-                             Sampler(torch.device("cpu")))
+                             Sampler(torch.device("cpu")),
+                             counts=TokenCounts(VOCAB, torch.device("cpu")))
         capacity = pb.Capacity(num_kv_blocks=num_blocks, block_size=block_size,
                                max_model_len=4096, vocab_size=VOCAB, dtype="none",
                                device="cpu", attention_backend="stub")
