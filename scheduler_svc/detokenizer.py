@@ -47,8 +47,9 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
 
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
+    def push(self, *token_ids: int) -> str:
+        """The text the new tokens complete (one decode for any number of them)."""
+        self.ids.extend(token_ids)
         return self._delta(final=False)
 
     def flush(self) -> str:

@@ -62,6 +62,11 @@ class RequestStream:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
     tenant: str = ""  # the API key's tenant ("" when the service runs without keys)
     held: Chunk | None = None  # tokens not yet queued (stream_interval)
+    # held tokens of a request without stop strings, not decoded yet: nothing needs their
+    # text before their chunk goes out, and one decode of them all then costs what one token's
+    # does
+    unsent: list[int] = field(default_factory=list)
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @classmethod
     def open(cls, req: Request, tokenizer: Any, decode: Callable,
@@ -81,7 +86,17 @@ class RequestStream:
         tokens; a matched stop string ends the request here (finish_reason "stop"), but not
         before min_tokens output tokens (vLLM's rule: text before that is not searched)."""
         self.num_tokens += 1
-        delta = self.detok.push(token)
+        n = self.num_tokens
+        if not (finish or self.matcher.stops) and n > 1 and n % interval:
+            self.unsent.append(token)
+            if logprob is not None:
+                self.unsent_logprobs.append(logprob)
+            return None
+        tokens, logprobs = [token], [] if logprob is None else [logprob]
+        if self.unsent:
+            tokens, self.unsent = self.unsent + tokens, []
+            logprobs, self.unsent_logprobs = self.unsent_logprobs + logprobs, []
+        delta = self.detok.push(*tokens)
         if finish:
             delta += self.detok.flush()
         if self.num_tokens < self.req.params.min_tokens:
@@ -90,9 +105,7 @@ class RequestStream:
             text, matched = self.matcher.feed(delta, final=finish is not None)
         if matched is not None:
             finish, stop_reason = "stop", matched
-        chunk = Chunk(text, [token], index=self.req.index)
-        if logprob is not None:
-            chunk.logprobs.append(logprob)
+        chunk = Chunk(text, tokens, logprobs=logprobs, index=self.req.index)
         if finish:
             chunk.finish_reason, chunk.stop_reason = finish, stop_reason
             chunk.prompt_tokens, chunk.completion_tokens = self.req.prompt_len, self.num_tokens
