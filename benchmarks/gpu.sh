@@ -31,6 +31,15 @@
 #             alternated for AB_ROUNDS rounds (default 2); REPORT.md pairs them
 #   curve     the executor link's CURVE keys against none: W1 on 1B, throughput settings,
 #             plain/curve/curve/plain; records carry curve and ab (baseline: no keys)
+#   startmax  start-up at the largest step bounds (issue 19): the GPU test that builds the 1B and
+#             8B executors at 1,024 sequences and 32,768 batched tokens, checks the graphs'
+#             memory against the profile and runs the largest prefill and graphed decode steps,
+#             then a too-small --gpu-memory-utilization for the 8B (one-line refusal); ~4 min
+#   startmaxserve  `serve` itself at those bounds, 1B then 8B, 1,024 requests at once
+#             (32 -> 16 tokens): it must come up and answer all; ~5 min
+#   defaults  W1 and W2 on 8B and 1B with the default flags (step bounds by device: 1,024 and
+#             8,192 on the H200; async scheduling on; stream interval 1), no peer; ~8 min
+#   defaultsw3  W3 at rate=inf, 1,000 requests, 8B, default flags; ~4 min
 # Records go to $B/records (PAGEDSERVE_RESULTS), logs, profiles and dumps to $B; all of it comes
 # back as $OUT/bundle.tgz (the device returns at most 8 files). Back here:
 #   tar xzf bundle.tgz -C /tmp/b && .venv/bin/python -m benchmarks.common add /tmp/b/records/*
@@ -59,6 +68,7 @@ M1=(--model benchmarks/models/llama3.2-1b --load-format random "${TOK[@]}")
 M8=(--model benchmarks/models/llama3.1-8b --load-format random "${TOK[@]}")
 M135=(--model benchmarks/models/smollm2-135m --load-format random)
 FAST=(--hf none --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8)
+DEFAULTS=(--hf none --max-num-seqs 0 --max-num-batched-tokens 0)  # 0: serve's own (by device)
 start=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
 save() { tar czf "$OUT/bundle.tgz" -C $B .; }
@@ -185,6 +195,16 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         ${QUANT_BENCH:-} 2>&1 | tee $B/bench_w4a16.log | grep -v " done$" | tail -30 ;;
     ab) ab ;;
     curve) curve ;;
+    startmax)
+      python3 -m pytest -q -rs tests/executor_svc/test_start_memory_gpu.py 2>&1 \
+        | tee $B/pytest_startmax.log | tail -8 ;;
+    startmaxserve) for m in M1 M8; do
+      tp "" $m --hf none --requests 1024 --prompt 32 --output 16 --max-num-seqs 1024 \
+        --max-num-batched-tokens 32768; done ;;
+    defaults) for m in M8 M1; do for w in W1 W2; do tp $w $m "${DEFAULTS[@]}"; done; done ;;
+    defaultsw3)
+      python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 1000 --rate inf \
+        --dump "$B/dumps/w3_defaults_8b_$(date +%H%M)" 2>&1 | tee -a $B/serve.log | quiet 8 ;;
     *) echo "unknown part $part" ;;
   esac
   save
