@@ -112,7 +112,7 @@ class Worker:
                  f" ({quant.method} 4-bit, group {quant.group_size})" if quant else "")
         self.block_size = cfg.block_size
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
-        self._graph_estimate = 0  # what the memory profile set aside for the decode graphs
+        self._graph_estimate = 0  # what the memory profile set aside for the graphs (0: none)
         self.sampler = Sampler(self.device)
         self.counts = TokenCounts(self.model_cfg.vocab_size, self.device)
         self.num_blocks = self._num_blocks(cfg, model, max_len)
@@ -149,7 +149,6 @@ class Worker:
         if on_cuda and backend == "triton" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(model, kv, cfg.max_num_seqs, self.max_model_len,
                                        cfg.block_size, self.device)
-        self.step_bounds = (cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.capacity = pb.Capacity(
             num_kv_blocks=self.num_blocks, block_size=cfg.block_size,
             max_model_len=self.max_model_len, vocab_size=self.model_cfg.vocab_size,
@@ -194,7 +193,7 @@ class Worker:
                         f"sequences ran out of GPU memory ({str(e).splitlines()[0]}); lower "
                         f"--max-num-seqs or --gpu-memory-utilization, or pass "
                         f"--enforce-eager") from e
-            if self.graphs.capture_bytes > self._graph_estimate + MARGIN:
+            if 0 < self._graph_estimate < self.graphs.capture_bytes - MARGIN:
                 log.warning("the decode graphs took %.2f GiB, more than the memory profile's "
                             "%.2f GiB and its margin", self.graphs.capture_bytes / GiB,
                             self._graph_estimate / GiB)
