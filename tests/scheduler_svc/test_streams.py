@@ -52,3 +52,38 @@ def test_a_request_with_stop_strings_is_still_matched_token_by_token(tokenizer):
     assert "".join(c.text for c in chunks) == "The capital of France is "
     assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason == "Paris"
     assert len(calls) == 2 * sum(len(c.token_ids) for c in chunks)  # each token decoded
+
+
+class NoScan(dict):
+    def values(self):
+        raise AssertionError("expire() scanned every open stream")
+
+
+def test_deadlines_expire_soonest_first_without_scanning_the_open_streams(tokenizer):
+    import asyncio
+
+    from pagedserve.scheduler.delivery import StreamTable
+    from pagedserve.scheduler.metrics import Metrics
+    from pagedserve.scheduler.streams import EngineError
+    from pagedserve.scheduler.telemetry import Telemetry
+
+    async def main():
+        finished = []
+        table = StreamTable(Telemetry(Metrics(), tokenizer), finished.append)
+        table._open = NoScan()
+        streams = {}
+        for rid, timeout in [(1, None), (2, -1.0), (3, 3600.0), (4, -2.0), (5, -0.5)]:
+            req = Request(rid, f"r{rid}", 3, [1, 2, 3], GenerationParams(max_tokens=4))
+            streams[rid] = RequestStream.open(req, tokenizer, decoder_of(tokenizer), timeout)
+            table.add(streams[rid])
+        table.leave(streams[5], "cancelled")  # ended before its deadline came
+        table.expire()
+        assert finished == [5, 4, 2]  # the cancelled one, then the expired, soonest first
+        for rid in (2, 4):
+            err = streams[rid].queue.get_nowait()
+            assert isinstance(err, EngineError) and err.code == "DEADLINE_EXCEEDED"
+        assert streams[1].queue.empty() and streams[3].queue.empty() and len(table) == 2
+        table.expire()  # nothing more is due
+        assert finished == [5, 4, 2]
+
+    asyncio.run(main())
