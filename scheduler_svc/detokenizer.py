@@ -47,8 +47,12 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
 
-    def push(self, *token_ids: int) -> str:
-        """The text the new tokens complete (one decode for any number of them)."""
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        return self._delta(final=False)
+
+    def push_many(self, token_ids: list[int]) -> str:
+        """The text several new tokens complete, for the cost of one."""
         self.ids.extend(token_ids)
         return self._delta(final=False)
 

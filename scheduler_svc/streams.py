@@ -85,18 +85,23 @@ class RequestStream:
         None while it is held back. The first token goes out at once, then every `interval`
         tokens; a matched stop string ends the request here (finish_reason "stop"), but not
         before min_tokens output tokens (vLLM's rule: text before that is not searched)."""
-        self.num_tokens += 1
-        n = self.num_tokens
-        if not (finish or self.matcher.stops) and n > 1 and n % interval:
+        n = self.num_tokens = self.num_tokens + 1
+        if n % interval and n > 1 and not (finish or self.matcher.stops):
             self.unsent.append(token)
             if logprob is not None:
                 self.unsent_logprobs.append(logprob)
             return None
-        tokens, logprobs = [token], [] if logprob is None else [logprob]
         if self.unsent:
-            tokens, self.unsent = self.unsent + tokens, []
-            logprobs, self.unsent_logprobs = self.unsent_logprobs + logprobs, []
-        delta = self.detok.push(*tokens)
+            tokens, self.unsent = self.unsent + [token], []
+            delta = self.detok.push_many(tokens)
+        else:
+            tokens = [token]
+            delta = self.detok.push(token)
+        logprobs: list[TokenLogprob] = []
+        if self.unsent_logprobs:
+            logprobs, self.unsent_logprobs = self.unsent_logprobs, []
+        if logprob is not None:
+            logprobs.append(logprob)
         if finish:
             delta += self.detok.flush()
         if self.num_tokens < self.req.params.min_tokens:
