@@ -70,10 +70,15 @@ class Supervised:
             self._reader.start()
 
     def _pass_on(self, pipe) -> None:
+        """Until the child closes its stderr: it would block on a full pipe left unread."""
         for line in pipe:
-            sys.stderr.buffer.write(line)
-            sys.stderr.flush()
-            if text := line.decode(errors="replace").strip():
+            text = line.decode(errors="replace")
+            try:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+            except (OSError, ValueError):  # our stderr is gone; keep draining the child's
+                pass
+            if text := text.strip():
                 self.last_line = text
 
     def started(self) -> bool:
