@@ -39,6 +39,15 @@
 #             8B decode TPOT at 1 running request, TP=1 then TP=2; the Llama-3.1-70B config
 #             (benchmarks/models/llama3.1-70b, random bf16) at TP=2, W1 and W2; then a torch
 #             profile of 8B W1 at TP=2 (the all-reduce's share of a decode step: nccl rows)
+#   startmax  start-up at the largest step bounds (issue 19): the GPU test that builds the 1B and
+#             8B executors at 1,024 sequences and 32,768 batched tokens, checks the graphs'
+#             memory against the profile and runs the largest prefill and graphed decode steps,
+#             then a too-small --gpu-memory-utilization for the 8B (one-line refusal); ~4 min
+#   startmaxserve  `serve` itself at those bounds, 1B then 8B, 1,024 requests at once
+#             (32 -> 16 tokens): it must come up and answer all; ~5 min
+#   defaults  W1 and W2 on 8B and 1B with the default flags (step bounds by device: 1,024 and
+#             8,192 on the H200; async scheduling on; stream interval 1), no peer; ~8 min
+#   defaultsw3  W3 at rate=inf, 1,000 requests, 8B, default flags; ~4 min
 # Records go to $B/records (PAGEDSERVE_RESULTS), logs, profiles and dumps to $B; all of it comes
 # back as $OUT/bundle.tgz (the device returns at most 8 files). Back here:
 #   tar xzf bundle.tgz -C /tmp/b && .venv/bin/python -m benchmarks.common add /tmp/b/records/*
@@ -72,6 +81,7 @@ M135=(--model benchmarks/models/smollm2-135m --load-format random)
 M70=(--model benchmarks/models/llama3.1-70b --load-format random "${TOK[@]}")
 TP2=(--server-flag=--tensor-parallel-size --server-flag=2)
 FAST=(--hf none --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8)
+DEFAULTS=(--hf none --max-num-seqs 0 --max-num-batched-tokens 0)  # 0: serve's own (by device)
 start=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
 save() { tar czf "$OUT/bundle.tgz" -C $B .; }
@@ -217,6 +227,16 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         --server-flag=--torch-profile-steps --server-flag=5:2,80:4
       mkdir -p $B/profile_tp && cp /tmp/profile_tp/ops_* $B/profile_tp/ 2>/dev/null
       grep -iE "nccl|all_reduce|allreduce|all_gather" /tmp/profile_tp/ops_*_80.txt | head -8 ;;
+    startmax)
+      python3 -m pytest -q -rs tests/executor_svc/test_start_memory_gpu.py 2>&1 \
+        | tee $B/pytest_startmax.log | tail -8 ;;
+    startmaxserve) for m in M1 M8; do
+      tp "" $m --hf none --requests 1024 --prompt 32 --output 16 --max-num-seqs 1024 \
+        --max-num-batched-tokens 32768; done ;;
+    defaults) for m in M8 M1; do for w in W1 W2; do tp $w $m "${DEFAULTS[@]}"; done; done ;;
+    defaultsw3)
+      python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 1000 --rate inf \
+        --dump "$B/dumps/w3_defaults_8b_$(date +%H%M)" 2>&1 | tee -a $B/serve.log | quiet 8 ;;
     *) echo "unknown part $part" ;;
   esac
   save

@@ -7,7 +7,7 @@ encoding, and `round trip` is send -> result (ZeroMQ both ways, executor decode,
 preparation, sampling, encode): the time a GPU step would have to hide.
 
     python -m benchmarks.step_overhead --running 16 64 256 [--tokenizer DIR] [--async-scheduling]
-        [--curve]
+        [--curve] [--stream-interval N]
 
 --curve runs the link with CURVE keys (made in a temporary directory): its cost per step.
 
@@ -32,6 +32,7 @@ VOCAB = 32
 def stub_executor(address: str, num_blocks: int, block_size: int, keys: str = "") -> None:
     import torch
 
+    from pagedserve.executor.penalties import TokenCounts
     from pagedserve.executor.runner import ModelRunner
     from pagedserve.executor.sampler import Sampler
     from pagedserve.executor.server import ExecutorServer
@@ -43,7 +44,8 @@ def stub_executor(address: str, num_blocks: int, block_size: int, keys: str = ""
 
     class StubWorker:
         runner = ModelRunner(StubModel(), [], block_size, torch.device("cpu"),
-                             Sampler(torch.device("cpu")))
+                             Sampler(torch.device("cpu")),
+                             counts=TokenCounts(VOCAB, torch.device("cpu")))
         capacity = pb.Capacity(num_kv_blocks=num_blocks, block_size=block_size,
                                max_model_len=4096, vocab_size=VOCAB, dtype="none",
                                device="cpu", attention_backend="stub")
@@ -61,7 +63,7 @@ def stub_executor(address: str, num_blocks: int, block_size: int, keys: str = ""
 
 
 async def measure(running: int, steps: int, address: str, tokenizer: str | None = None,
-                  async_scheduling: bool = False, keys: str = "") -> dict:
+                  async_scheduling: bool = False, keys: str = "", stream_interval: int = 1) -> dict:
     """keys: a directory with scheduler and executor key pairs (CURVE on the link)."""
     from pagedserve.scheduler.engine import Engine
     from pagedserve.scheduler.executor_link import ExecutorLink, LinkConfig
@@ -81,7 +83,7 @@ async def measure(running: int, steps: int, address: str, tokenizer: str | None 
                     ExecutorLink(address, LinkConfig(
                         key_file=f"{keys}/scheduler.key_secret" if keys else "",
                         allowed_keys_dir=keys)), tok, eos_token_ids=[],
-                    async_scheduling=async_scheduling)
+                    async_scheduling=async_scheduling, stream_interval=stream_interval)
     await engine.start()
     proc = mp.get_context("spawn").Process(target=stub_executor, args=(address, 65536, 16, keys),
                                            daemon=True)
@@ -108,7 +110,8 @@ async def measure(running: int, steps: int, address: str, tokenizer: str | None 
             # the whole loop with a model that takes no time: the host's ceiling on steps/s
             "step_period_us": wall * 1e6 / len(timings),
             "tokenizer": "null" if tokenizer is None else tokenizer,
-            "async_scheduling": async_scheduling, "curve": bool(keys)}
+            "async_scheduling": async_scheduling, "curve": bool(keys),
+            "stream_interval": stream_interval}
 
 
 def main() -> None:
@@ -120,6 +123,8 @@ def main() -> None:
                    help="detokenize with this tokenizer (a model directory); default: none")
     p.add_argument("--async-scheduling", action="store_true")
     p.add_argument("--curve", action="store_true", help="CURVE keys on the executor link")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per streamed message after the first (the throughput runs use 8)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as keys:
         if args.curve:
@@ -128,7 +133,8 @@ def main() -> None:
             create_keypair(keys, "scheduler")
             create_keypair(keys, "executor")
         records = [asyncio.run(measure(n, args.steps, args.address, args.tokenizer,
-                                       args.async_scheduling, keys if args.curve else ""))
+                                       args.async_scheduling, keys if args.curve else "",
+                                       args.stream_interval))
                    for n in args.running]
     print(f"{'running':>8} {'plan p50 us':>12} {'round trip p50 us':>18} {'executor p50 us':>16} "
           f"{'step period us':>15}")

@@ -55,6 +55,11 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=i32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=i32, device=device)
         self.logits_indices = torch.arange(n, dtype=i64, device=device)
+        # every graph writes its logits here: an output allocated inside a capture lives in the
+        # shared pool for good, so one per size would keep sum(sizes) x vocab floats (34 GB at
+        # 1024 sequences and a 128k vocabulary: the executor ran out of memory at start)
+        self.logits = torch.empty((n, model.cfg.vocab_size), dtype=torch.float32,
+                                  device=device)
         # pinned staging rows (ids, positions, slots, seq lens), two sets used in turn: with
         # async scheduling step N+1 is staged before step N's tokens are read, so N's copy may
         # not have run yet; N-1's has (its tokens were read before N+1 is launched)
@@ -62,11 +67,11 @@ class DecodeGraphs:
         self._turn = 0
         self._stage_dev = torch.zeros((4, n), dtype=i64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
         # tensor parallelism: rank 0 hands the staged inputs (padded batch, batch, table width)
         # to the other ranks, which replay their own graphs (executor_svc/distributed.py); the
         # graphs hold the NCCL all-reduces and all-gather, captured on every rank in one order
         self.before_replay: Callable[[int, int, int], None] | None = None
+        self.capture_bytes = 0  # device memory the capture took (pool and graphs)
 
     def _args(self, bs: int):
         meta = AttentionMetadata(
@@ -74,7 +79,7 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
             max_query_len=1, max_seq_len=self.max_model_len)
         return (self.input_ids[:bs], self.positions[:bs], self.kv_caches, meta,
-                self.logits_indices[:bs])
+                self.logits_indices[:bs], self.logits[:bs])
 
     def capture(self) -> None:
         """Capture every size, largest first so the smaller graphs reuse its memory pool."""
@@ -90,12 +95,13 @@ class DecodeGraphs:
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[bs] = self.model(*args)
+                    self.model(*args)
                 pool = graph.pool()
                 self.graphs[bs] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         used = before - torch.cuda.mem_get_info(self.device)[0]
+        self.capture_bytes = used
         log.info("captured %d CUDA graphs (decode batch %d..%d) in %.1f s, %.0f MiB",
                  len(self.sizes), self.sizes[0], self.max_batch, time.perf_counter() - start,
                  used / (1 << 20))
@@ -128,4 +134,4 @@ class DecodeGraphs:
         if self.before_replay is not None:
             self.before_replay(bs, b, nb)
         self.graphs[bs].replay()
-        return self.outputs[bs][:b]
+        return self.logits[:b]

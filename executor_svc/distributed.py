@@ -67,11 +67,6 @@ def init_group(rank: int, size: int, port: int, device: torch.device) -> None:
                                 world_size=size, timeout=TIMEOUT)
 
 
-def min_over_ranks(n: int, device: torch.device) -> int:
-    t = torch.tensor([n], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
 
 class Link:
     """Rank 0's side: headers down the followers' pipes, input tensors by broadcast."""
@@ -274,8 +269,7 @@ def _follower_main(args: argparse.Namespace, rank: int, size: int, port: int, pi
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops the group
     logging.basicConfig(level=level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
-    from pagedserve.executor.server import executor_config
-    from pagedserve.executor.worker import Worker
+    from pagedserve.executor.worker import Worker, executor_config
 
     device = device_of(rank, size, args.device)
     init_group(rank, size, port, device)

@@ -154,8 +154,10 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] rows whose next-token logits are needed
+        out: torch.Tensor | None = None,  # [S, vocab] float32 to write the logits into
     ) -> torch.Tensor:  # [S, vocab] float32
-        return self.logits(self.hidden(input_ids, positions, kv_caches, meta)[logits_indices])
+        logits = self.logits(self.hidden(input_ids, positions, kv_caches, meta)[logits_indices])
+        return logits if out is None else out.copy_(logits)
 
     @torch.inference_mode()
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import signal
+import sys
 import time
 import traceback
 import uuid
@@ -19,10 +20,11 @@ from pagedserve.core.link_security import (
     load_keypair,
     load_public_key,
 )
+from pagedserve.core.readiness import EXIT_CONFIG, mark_ready
 from pagedserve.executor.jit_watch import JitWatch
 from pagedserve.executor.profiling import StepProfiler
 from pagedserve.executor.runner import Launched
-from pagedserve.executor.worker import ExecutorConfig, Worker
+from pagedserve.executor.worker import MemoryBudgetError, Worker, executor_config
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
 log = logging.getLogger("pagedserve.executor")
@@ -173,11 +175,16 @@ def run(args: argparse.Namespace) -> None:
             group = Group(args, args.tensor_parallel_size)
         except ValueError as e:
             raise SystemExit(f"pagedserve executor: {e}") from None
-    worker = Worker(executor_config(args, 0, args.tensor_parallel_size,
-                                    str(group.device) if group else args.device))
-    if group is not None:
-        group.lead(worker)
-    worker.warm_up()
+    try:
+        worker = Worker(executor_config(args, 0, args.tensor_parallel_size,
+                                        str(group.device) if group else args.device))
+        if group is not None:
+            group.lead(worker)
+        worker.warm_up()
+    except MemoryBudgetError as e:  # the same settings would fail the same way: no restart
+        print(f"pagedserve executor: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)
+    mark_ready()
     if worker.device.type == "cuda":
         JitWatch().install()
     profiler = (StepProfiler(args.torch_profile_dir, args.torch_profile_steps)
@@ -195,17 +202,3 @@ def run(args: argparse.Namespace) -> None:
         group.stop()
 
 
-def executor_config(args: argparse.Namespace, rank: int, size: int, device: str) -> ExecutorConfig:
-    """The worker's config from the executor's flags (rank 0's and every follower's)."""
-    from pagedserve.core.models import resolve_model
-
-    return ExecutorConfig(
-        model=str(resolve_model(args.model)), load_format=args.load_format, device=device,
-        dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
-        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)), num_kv_blocks=args.num_kv_blocks,
-        swap_space_bytes=int(args.swap_space_gib * (1 << 30)),
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        attention_backend=args.attention_backend, quantization=args.quantization,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        enforce_eager=args.enforce_eager, tensor_parallel_size=size, tensor_parallel_rank=rank,
-    )

@@ -120,3 +120,9 @@ def check_quant(cfg: ModelConfig, quant: QuantConfig | None) -> None:
                 f"{quant.method} group size {quant.group_size}: rank {cfg.tp_rank} of "
                 f"{cfg.tp_size} would hold input channels {start}..{start + size} of {proj}, "
                 f"not whole groups; use another --tensor-parallel-size")
+
+def min_over_ranks(n: int, device: torch.device) -> int:
+    """The smallest of every rank's n (e.g. KV blocks: the cache size all ranks can hold)."""
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

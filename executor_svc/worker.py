@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
+from pagedserve.core.config import step_bounds
 from pagedserve.core.progress import phase
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.cuda_graphs import DecodeGraphs
@@ -45,13 +47,32 @@ class ExecutorConfig:
     num_kv_blocks: int = 0  # exact block count; overrides both budgets when > 0
     swap_space_bytes: int = 4 * GiB  # host memory for swapped-out KV blocks
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the card this process may use
-    max_num_batched_tokens: int = 2048  # CUDA: the largest step, profiled at start
-    max_num_seqs: int = 128  # CUDA: most sequences in a step; decode graphs up to this batch
+    max_num_batched_tokens: int = 2048  # the largest step, profiled at start (0: by device)
+    max_num_seqs: int = 128  # most sequences in a step; decode graphs up to it (0: by device)
     enforce_eager: bool = False  # CUDA: no graphs, every step launches its kernels eagerly
     attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
     quantization: str = "auto"  # "auto" (config.json's quantization_config), "none", "awq", "gptq"
     tensor_parallel_size: int = 1  # ranks of the group (executor_svc/distributed.py)
     tensor_parallel_rank: int = 0  # this process's rank: its share of the model and KV cache
+
+
+class MemoryBudgetError(RuntimeError):
+    """The settings cannot fit on the device: the message names the flag to change. Starting
+    again with the same settings fails the same way, so the executor exits without a restart
+    (pagedserve.supervise.EXIT_CONFIG)."""
+
+
+def resolve_step_bounds(cfg: ExecutorConfig, device: torch.device) -> ExecutorConfig:
+    """cfg with a 0 step bound replaced by the device's default (core.config.step_bounds)."""
+    if cfg.max_num_seqs > 0 and cfg.max_num_batched_tokens > 0:
+        return cfg
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        seqs, tokens = step_bounds("cuda", props.total_memory, props.name)
+    else:
+        seqs, tokens = step_bounds(device.type)
+    return replace(cfg, max_num_seqs=cfg.max_num_seqs or seqs,
+                   max_num_batched_tokens=cfg.max_num_batched_tokens or tokens)
 
 
 def load_ops(backend: str) -> SimpleNamespace:
@@ -67,6 +88,9 @@ class Worker:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         on_cuda = self.device.type == "cuda"
+        cfg = resolve_step_bounds(cfg, self.device)
+        log.info("step bounds: %d sequences, %d tokens", cfg.max_num_seqs,
+                 cfg.max_num_batched_tokens)
         dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
         if dtype_name not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or auto, got {cfg.dtype!r}")
@@ -92,16 +116,19 @@ class Worker:
                  f" ({quant.method} 4-bit, group {quant.group_size})" if quant else "")
         self.block_size = cfg.block_size
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
+        self._graph_estimate = 0  # what the memory profile set aside for the graphs (0: none)
         self.sampler = Sampler(self.device)
         self.counts = TokenCounts(self.model_cfg.vocab_size, self.device)
         self.num_blocks = self._num_blocks(cfg, model, max_len)
         if cfg.tensor_parallel_size > 1:  # every rank holds its heads of every block
-            from pagedserve.executor.distributed import min_over_ranks
+            from pagedserve.executor.tp_layers import min_over_ranks
 
             self.num_blocks = min_over_ranks(self.num_blocks, self.device)
         if self.num_blocks < 1:
-            raise RuntimeError("no memory left for the KV cache: lower the model size or raise "
-                               "the memory budget")
+            per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.dtype.itemsize)
+            raise MemoryBudgetError(
+                f"--kv-cache-gib {cfg.kv_cache_bytes / GiB:.3g} holds no KV block of "
+                f"{per_block} bytes; raise --kv-cache-gib")
         capacity_tokens = self.num_blocks * cfg.block_size
         if cfg.max_model_len > capacity_tokens:
             raise RuntimeError(
@@ -130,14 +157,14 @@ class Worker:
         if on_cuda and backend == "triton" and not cfg.enforce_eager:
             self.graphs = DecodeGraphs(model, kv, cfg.max_num_seqs, self.max_model_len,
                                        cfg.block_size, self.device)
-        profiled = on_cuda and cfg.num_kv_blocks <= 0
         self.capacity = pb.Capacity(
             num_kv_blocks=self.num_blocks, block_size=cfg.block_size,
             max_model_len=self.max_model_len, vocab_size=self.model_cfg.vocab_size,
             dtype=dtype_name, device=str(self.device), attention_backend=backend,
             num_swap_blocks=self.swap.num_blocks,
-            max_num_batched_tokens=cfg.max_num_batched_tokens if profiled else 0,
-            max_num_seqs=cfg.max_num_seqs if profiled else 0,
+            # the bounds its memory profile and graphs cover (CPU: 0, unbounded)
+            max_num_batched_tokens=cfg.max_num_batched_tokens if on_cuda else 0,
+            max_num_seqs=cfg.max_num_seqs if on_cuda else 0,
             weight_bytes=self.weight_bytes,
         )
         self._memory_at, self._memory = 0.0, (0, 0)
@@ -166,7 +193,18 @@ class Worker:
                 self.runner.reset()  # the slots hold garbage now; nothing reads them unwritten
         if self.graphs is not None:
             with phase(f"capturing CUDA graphs of decode batches up to {self.graphs.max_batch}"):
-                self.graphs.capture()
+                try:
+                    self.graphs.capture()
+                except torch.OutOfMemoryError as e:  # the profile's estimate fell short
+                    raise MemoryBudgetError(
+                        f"capturing the decode CUDA graphs of up to {self.graphs.max_batch} "
+                        f"sequences ran out of GPU memory ({str(e).splitlines()[0]}); lower "
+                        f"--max-num-seqs or --gpu-memory-utilization, or pass "
+                        f"--enforce-eager") from e
+            if 0 < self._graph_estimate < self.graphs.capture_bytes - MARGIN:
+                log.warning("the decode graphs took %.2f GiB, more than the memory profile's "
+                            "%.2f GiB and its margin", self.graphs.capture_bytes / GiB,
+                            self._graph_estimate / GiB)
             self.runner.graphs = self.graphs
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -187,9 +225,16 @@ class Worker:
         if self.device.type != "cuda":
             return cfg.kv_cache_bytes // per_block
         with phase(f"profiling memory of a {cfg.max_num_batched_tokens}-token step"):
-            peak = self._profile(model, cfg, max_len, prefill=True)
-            graph_peak = 0 if cfg.enforce_eager else self._profile(model, cfg, max_len,
-                                                                     prefill=False)
+            try:
+                peak = self._profile(model, cfg, max_len, prefill=True)
+                graph_peak = 0 if cfg.enforce_eager else self._profile(model, cfg, max_len,
+                                                                         prefill=False)
+            except torch.OutOfMemoryError as e:  # the card cannot run the largest step at all
+                raise MemoryBudgetError(
+                    f"--max-num-seqs {cfg.max_num_seqs} and --max-num-batched-tokens "
+                    f"{cfg.max_num_batched_tokens}: the largest step does not fit on the card "
+                    f"beside the weights ({str(e).splitlines()[0]}); lower them") from e
+        self._graph_estimate = graph_peak
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free  # CUDA context, weights, anything else on the card
@@ -199,13 +244,11 @@ class Worker:
                  "%.2f x %.0f GiB left for the KV cache", used / GiB, peak / GiB,
                  cfg.max_num_batched_tokens, graph_peak / GiB, MARGIN / GiB,
                  max(0, budget) / GiB, cfg.gpu_memory_utilization, total / GiB)
-        if budget < per_block:
-            raise RuntimeError(
-                f"no GPU memory left for the KV cache: {used / GiB:.2f} GiB in use after "
-                f"loading, a step of {cfg.max_num_batched_tokens} tokens peaks at "
-                f"{peak / GiB:.2f} GiB, and gpu_memory_utilization {cfg.gpu_memory_utilization} "
-                f"allows {total * cfg.gpu_memory_utilization / GiB:.2f} GiB; raise it or lower "
-                f"--max-num-batched-tokens")
+        # at least one step's worth of KV: less could not run the step the bounds allow
+        least = -(-min(cfg.max_num_batched_tokens, max_len) // cfg.block_size)
+        if budget < least * per_block:
+            raise MemoryBudgetError(budget_message(
+                cfg, used, peak, graph_peak, total, least * per_block, max(0, budget)))
         return budget // per_block
 
     @torch.inference_mode()
@@ -260,6 +303,20 @@ class Worker:
         del logits, kv, meta
         return peak
 
+def budget_message(cfg: ExecutorConfig, used: int, peak: int, graph_peak: int, total: int,
+                   least_kv: int, left: int) -> str:
+    """One line: what the step bounds cost, what is left, and what to lower."""
+    need = peak + graph_peak + MARGIN
+    return (f"--max-num-seqs {cfg.max_num_seqs} and --max-num-batched-tokens "
+            f"{cfg.max_num_batched_tokens} need {need / GiB:.2f} GiB (largest step "
+            f"{peak / GiB:.2f}, decode graphs {graph_peak / GiB:.2f}, margin "
+            f"{MARGIN / GiB:.2f}) beside {used / GiB:.2f} GiB of weights and context, leaving "
+            f"{left / GiB:.2f} GiB of --gpu-memory-utilization {cfg.gpu_memory_utilization:g} "
+            f"x {total / GiB:.1f} GiB for the KV cache, which needs at least "
+            f"{least_kv / GiB:.2f} GiB; lower --max-num-seqs or --max-num-batched-tokens, or "
+            f"raise --gpu-memory-utilization")
+
+
 def _memory_of(device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -271,3 +328,19 @@ def _memory_of(device: torch.device) -> tuple[int, int]:
         return rss_pages * page, os.sysconf("SC_PHYS_PAGES") * page
     except (OSError, ValueError):
         return 0, 0
+
+
+def executor_config(args: argparse.Namespace, rank: int, size: int, device: str) -> ExecutorConfig:
+    """The worker's config from the executor's flags (rank 0's and every follower's)."""
+    from pagedserve.core.models import resolve_model
+
+    return ExecutorConfig(
+        model=str(resolve_model(args.model)), load_format=args.load_format, device=device,
+        dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
+        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)), num_kv_blocks=args.num_kv_blocks,
+        swap_space_bytes=int(args.swap_space_gib * (1 << 30)),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        attention_backend=args.attention_backend, quantization=args.quantization,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager, tensor_parallel_size=size, tensor_parallel_rank=rank,
+    )

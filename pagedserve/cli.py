@@ -9,13 +9,17 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from pagedserve.core import config
 from pagedserve.core.models import ModelNotFoundError, resolve_model
+from pagedserve.core.readiness import READY_ENV
 from pagedserve.supervise import Supervised
 
 log = logging.getLogger("pagedserve")
@@ -201,9 +205,14 @@ def _serve(args: argparse.Namespace) -> int:
     # needs (a decode step takes several times longer); let them sleep instead.
     exec_env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
     # Own process groups: a terminal's Ctrl-C reaches serve alone, which stops them in order.
-    sched = Supervised("scheduler", lambda: subprocess.Popen(sched_cmd, process_group=0))
-    execu = Supervised("executor", lambda: subprocess.Popen(exec_cmd, env=exec_env,
-                                                            process_group=0))
+    # stderr through serve, which keeps each child's last line (the error it died of).
+    ready = Path(tempfile.mkdtemp(prefix="pagedserve-serve-"))
+    sched = Supervised("scheduler", lambda: subprocess.Popen(
+        sched_cmd, env={**os.environ, READY_ENV: str(ready / "scheduler")},
+        stderr=subprocess.PIPE, process_group=0), ready_file=ready / "scheduler")
+    execu = Supervised("executor", lambda: subprocess.Popen(
+        exec_cmd, env={**exec_env, READY_ENV: str(ready / "executor")},
+        stderr=subprocess.PIPE, process_group=0), ready_file=ready / "executor")
     code = 0
     while not stopping:
         time.sleep(0.2)
@@ -211,6 +220,7 @@ def _serve(args: argparse.Namespace) -> int:
             code = 1
             break
     codes = [_terminate(sched.proc, args.drain_timeout_s + 15), _terminate(execu.proc, 15)]
+    shutil.rmtree(ready, ignore_errors=True)
     log.info("scheduler exited with %s, executor with %s", *codes)
     return code or (0 if codes == [0, 0] else 1)
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
+
+from pagedserve.core.readiness import EXIT_CONFIG
 
 log = logging.getLogger("pagedserve")
 
@@ -35,28 +40,72 @@ class RestartWindow:
 
 
 class Supervised:
-    """One child process of serve, restarted within its RestartWindow."""
+    """One child process of serve, restarted within its RestartWindow, except when a restart
+    cannot help: the child exits with EXIT_CONFIG (its settings cannot work), or it fails
+    during start-up twice the same way (exit code and last line of stderr)."""
 
     def __init__(self, name: str, start: Callable[[], subprocess.Popen],
-                 window: RestartWindow | None = None, startup_s: float = 30.0) -> None:
+                 window: RestartWindow | None = None, startup_s: float = 30.0,
+                 ready_file: Path | None = None) -> None:
+        """start: makes the child; with stderr=PIPE its lines are passed on to ours and the
+        last one is kept. ready_file: the child's READY_ENV file; without one, a child is
+        started once it has lived startup_s."""
         self.name, self._start, self.window = name, start, window or RestartWindow()
-        self.startup_s = startup_s  # an exit sooner than this after a start is a failed start
-        self.proc = start()
+        self.startup_s = startup_s
+        self.ready_file = ready_file
+        self._failed_start: tuple[int, str] | None = None  # the last one, if the latest exit
+        self._launch()
+
+    def _launch(self) -> None:
+        if self.ready_file is not None:
+            self.ready_file.unlink(missing_ok=True)
+        self.last_line = ""
+        self.proc = self._start()
         self.started_at = time.monotonic()
-        self._failed_starts: list[int] = []  # exit codes of consecutive failed starts
+        self._reader: threading.Thread | None = None
+        if self.proc.stderr is not None:
+            self._reader = threading.Thread(target=self._pass_on, args=(self.proc.stderr,),
+                                            name=f"{self.name}-stderr", daemon=True)
+            self._reader.start()
+
+    def _pass_on(self, pipe) -> None:
+        """Until the child closes its stderr: it would block on a full pipe left unread."""
+        for line in pipe:
+            text = line.decode(errors="replace")
+            try:
+                sys.stderr.write(text)
+                sys.stderr.flush()
+            except (OSError, ValueError):  # our stderr is gone; keep draining the child's
+                pass
+            if text := text.strip():
+                self.last_line = text
+
+    def started(self) -> bool:
+        """Whether the child got through its start-up (model loaded, port bound)."""
+        if self.ready_file is not None:
+            return self.ready_file.exists()
+        return time.monotonic() - self.started_at >= self.startup_s
 
     def check(self) -> bool:
-        """Restart the process if it exited; False when the window's restarts are spent."""
+        """Restart the process if it exited; False when it should not be restarted."""
         code = self.proc.poll()
         if code is None:
             return True
-        if time.monotonic() - self.started_at < self.startup_s:
-            self._failed_starts.append(code)
-            if self._failed_starts[-2:] == [code, code] and len(self._failed_starts) == 2:
-                log.error("%s exits during start-up each time (code %s): see its log above; "
-                          "restarting within the window, then giving up", self.name, code)
+        if self._reader is not None:
+            self._reader.join(timeout=2.0)  # the lines written before it exited
+        last = self.last_line
+        if code == EXIT_CONFIG:
+            log.error("%s cannot run with these settings; not restarting it: %s", self.name,
+                      last or f"exit code {code}")
+            return False
+        if self.started():
+            self._failed_start = None
+        elif self._failed_start == (code, last):
+            log.error("%s failed twice the same way during start-up (exit code %s); not "
+                      "restarting it: %s", self.name, code, last or "(no output)")
+            return False
         else:
-            self._failed_starts.clear()
+            self._failed_start = (code, last)
         delay = self.window.next_delay()
         if delay is None:
             log.error("%s exited with %s, %d times within %g s; giving up", self.name, code,
@@ -64,6 +113,7 @@ class Supervised:
             return False
         log.warning("%s exited with %s; restarting in %.1f s", self.name, code, delay)
         time.sleep(delay)
-        self.proc = self._start()
-        self.started_at = time.monotonic()
+        self._launch()
         return True
+
+

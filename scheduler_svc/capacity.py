@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+from pagedserve.core.config import CPU_STEP_BOUNDS
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from pagedserve.scheduler.block_manager import BlockManager, HostBlockPool
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -30,10 +31,15 @@ def adopt(scheduler: Scheduler | None, cfg: SchedulerConfig, cap: pb.Capacity,
 
 def fit_step_bounds(cfg: SchedulerConfig, cap: pb.Capacity) -> SchedulerConfig:
     """cfg with its step bounds lowered to what the executor's memory profile covered (a
-    larger step could run it out of memory); 0 in cap means unbounded (CPU)."""
-    for name in ("max_num_batched_tokens", "max_num_seqs"):
+    larger step could run it out of memory); 0 in cap means unbounded (CPU). A bound of 0 in
+    cfg (the flags' default) takes the executor's, chosen for its device, or on the CPU
+    core.config.CPU_STEP_BOUNDS."""
+    for name, cpu in zip(("max_num_seqs", "max_num_batched_tokens"), CPU_STEP_BOUNDS,
+                         strict=True):
         limit, ours = getattr(cap, name), getattr(cfg, name)
-        if 0 < limit < ours:
+        if ours == 0:
+            cfg = replace(cfg, **{name: limit or cpu})
+        elif 0 < limit < ours:
             log.warning("%s %d is more than the executor profiled its memory for; using %d",
                         name, ours, limit)
             cfg = replace(cfg, **{name: limit})

@@ -3,6 +3,7 @@ and the one way a request leaves (finished, aborted, failed or expired)."""
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -20,6 +21,9 @@ class StreamTable:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.telemetry, self.finish, self.stream_interval = telemetry, finish, stream_interval
         self._open: dict[int, RequestStream] = {}
+        # (deadline, req_id) of the streams that have one, soonest first: the step loop checks
+        # deadlines every iteration, and a scan of every open stream grew with the running
+        self._deadlines: list[tuple[float, int]] = []
 
     def __len__(self) -> int:
         return len(self._open)
@@ -29,6 +33,8 @@ class StreamTable:
 
     def add(self, stream: RequestStream) -> None:
         self._open[stream.req.req_id] = stream
+        if stream.deadline != float("inf"):
+            heapq.heappush(self._deadlines, (stream.deadline, stream.req.req_id))
 
     def get(self, req_id: int) -> RequestStream | None:
         return self._open.get(req_id)
@@ -59,9 +65,10 @@ class StreamTable:
                 stream.queue.put_nowait(EngineError(code, message))
 
     def expire(self) -> None:
-        now = time.monotonic()
-        self.fail([s for s in self._open.values() if s.deadline < now], "DEADLINE_EXCEEDED",
-                  "the request's deadline passed")
+        now, due = time.monotonic(), []
+        while self._deadlines and self._deadlines[0][0] < now:
+            due.append(self._open.get(heapq.heappop(self._deadlines)[1]))  # None: it ended
+        self.fail(due, "DEADLINE_EXCEEDED", "the request's deadline passed")
 
     def leave(self, stream: RequestStream, reason: str, now: float | None = None) -> None:
         """The one way a request leaves: logged, and out of the scheduler unless the scheduler

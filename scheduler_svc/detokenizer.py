@@ -51,6 +51,11 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         return self._delta(final=False)
 
+    def push_many(self, token_ids: list[int]) -> str:
+        """The text several new tokens complete, for the cost of one."""
+        self.ids.extend(token_ids)
+        return self._delta(final=False)
+
     def flush(self) -> str:
         """Whatever is still held (an incomplete character at the very end becomes U+FFFD)."""
         return self._delta(final=True)

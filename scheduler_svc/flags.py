@@ -58,7 +58,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per streamed message after the first (1: every token at once; "
                         "larger: fewer gRPC messages, less host work per token, for "
                         "throughput-bound batch clients)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="plan and send step N+1 before step N's result arrives (hides the "
                         "scheduler's time per step; a request that stops costs one more token "
                         "of compute)")

@@ -268,8 +268,10 @@ class Scheduler:
         whether it did (dry_run: whether it would, preempting nothing)."""
         if not self.waiting:
             return False
-        did = False
         head = self.waiting.head
+        if not self.running or self.running[-1].priority <= head.effective_priority:
+            return False  # no running request is less important (the common case): O(1)
+        did = False
         first_chunk = min(head.num_tokens, self.cfg.max_num_batched_tokens,
                           self.cfg.long_prefill_token_threshold or head.num_tokens)
         need = self.blocks.blocks_to_admit(first_chunk)

@@ -18,6 +18,7 @@ from pagedserve.core.link_security import (
     load_keypair,
 )
 from pagedserve.core.models import read_generation_eos, resolve_model
+from pagedserve.core.readiness import mark_ready
 from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
 from pagedserve.protos.v1 import generate_pb2_grpc
 from pagedserve.scheduler import reflection
@@ -112,6 +113,7 @@ async def serve(args: argparse.Namespace) -> None:
     gc.freeze()
     await engine.start()
     await server.start()
+    mark_ready()
     if http is not None:
         http_task = loop.create_task(http.serve(sockets=[http.socket]), name="http")
         http_task.add_done_callback(_crash_on_error)

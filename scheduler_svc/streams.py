@@ -69,6 +69,11 @@ class RequestStream:
     # params.prompt_logprobs: by prompt position, filled as the executor scores them
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_missing: int = 0
+    # held tokens of a request without stop strings, not decoded yet: nothing needs their
+    # text before their chunk goes out, and one decode of them all then costs what one token's
+    # does
+    unsent: list[int] = field(default_factory=list)
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @classmethod
     def open(cls, req: Request, tokenizer: Any, decode: Callable,
@@ -101,8 +106,23 @@ class RequestStream:
         None while it is held back. The first token goes out at once, then every `interval`
         tokens; a matched stop string ends the request here (finish_reason "stop"), but not
         before min_tokens output tokens (vLLM's rule: text before that is not searched)."""
-        self.num_tokens += 1
-        delta = self.detok.push(token)
+        n = self.num_tokens = self.num_tokens + 1
+        if n % interval and n > 1 and not (finish or self.matcher.stops):
+            self.unsent.append(token)
+            if logprob is not None:
+                self.unsent_logprobs.append(logprob)
+            return None
+        if self.unsent:
+            tokens, self.unsent = self.unsent + [token], []
+            delta = self.detok.push_many(tokens)
+        else:
+            tokens = [token]
+            delta = self.detok.push(token)
+        logprobs: list[TokenLogprob] = []
+        if self.unsent_logprobs:
+            logprobs, self.unsent_logprobs = self.unsent_logprobs, []
+        if logprob is not None:
+            logprobs.append(logprob)
         if finish:
             delta += self.detok.flush()
         if self.num_tokens < self.req.params.min_tokens:
@@ -111,11 +131,9 @@ class RequestStream:
             text, matched = self.matcher.feed(delta, final=finish is not None)
         if matched is not None:
             finish, stop_reason = "stop", matched
-        chunk = Chunk(text, [token], index=self.req.index)
+        chunk = Chunk(text, tokens, logprobs=logprobs, index=self.req.index)
         if self.num_tokens == 1:
             chunk.prompt_logprobs = self.prompt_logprobs
-        if logprob is not None:
-            chunk.logprobs.append(logprob)
         if finish:
             chunk.finish_reason, chunk.stop_reason = finish, stop_reason
             chunk.prompt_tokens, chunk.completion_tokens = self.req.prompt_len, self.num_tokens

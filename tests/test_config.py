@@ -20,7 +20,7 @@ def parse(argv: list[str], file_values: dict | None = None, env: dict | None = N
 
 @pytest.mark.parametrize("command", ["serve", "scheduler"])
 def test_precedence_flag_over_env_over_file_over_default(command):
-    assert parse([command]).max_num_seqs == 128
+    assert parse([command]).max_num_seqs == 0  # 0: by device (test_step_defaults.py)
     assert parse([command], {"max_num_seqs": 64}).max_num_seqs == 64
     env = {"PAGEDSERVE_MAX_NUM_SEQS": "32"}
     assert parse([command], {"max_num_seqs": 64}, env).max_num_seqs == 32

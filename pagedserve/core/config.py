@@ -107,12 +107,32 @@ def _convert(action: argparse.Action, raw: Any, where: str) -> Any:
     return value
 
 
+GiB = 1 << 30
+CPU_STEP_BOUNDS = (128, 2048)  # (max_num_seqs, max_num_batched_tokens): a CPU step is slow
+
+
+def step_bounds(device_type: str, total_memory: int = 0, device_name: str = "") -> tuple[int, int]:
+    """Default (max_num_seqs, max_num_batched_tokens) for a device, vLLM's rule for its API
+    server (EngineArgs.get_batch_defaults): cards of at least 70 GiB other than the A100
+    (H100, H200, MI300X) 1024 and 8192; other cards 256 and 2048 (a larger token budget made
+    the A100 slower in vLLM's measurements, vLLM PR #17885). The CPU keeps small steps."""
+    if device_type != "cuda":
+        return CPU_STEP_BOUNDS
+    if total_memory >= 70 * GiB and "a100" not in device_name.lower():
+        return 1024, 8192
+    return 256, 2048
+
+
 def add_step_args(p: argparse.ArgumentParser) -> None:
     """Step bounds, shared by both processes: the scheduler plans steps within them, the
-    executor profiles its memory and captures its decode CUDA graphs for them."""
-    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one step (prefill chunks + decodes)")
+    executor profiles its memory and captures its decode CUDA graphs for them. 0 (the
+    default): the executor's device decides (step_bounds) and the scheduler takes its values."""
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="most requests in one step (0: by device: 1024 on CUDA cards of >= 70 "
+                        "GiB but the A100, 256 on other cards, 128 on the CPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="token budget of one step, prefill chunks + decodes (0: by device: "
+                        "8192 on CUDA cards of >= 70 GiB but the A100, 2048 otherwise)")
 
 
 def add_insecure_link_arg(p: argparse.ArgumentParser) -> None:

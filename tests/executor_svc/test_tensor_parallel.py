@@ -15,8 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pagedserve.executor import flags
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.distributed import Group
-from pagedserve.executor.server import executor_config
-from pagedserve.executor.worker import Worker
+from pagedserve.executor.worker import Worker, executor_config
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
 BS = 4  # tokens per block

@@ -78,16 +78,18 @@ def interval_service(tmp_path_factory, model_dir):
 
 
 @pytest.fixture(scope="session")
-def async_service(tmp_path_factory, model_dir):
-    """The main service's flags with --async-scheduling."""
-    yield from _serving(tmp_path_factory, "async", "--async-scheduling",
+def sync_service(tmp_path_factory, model_dir):
+    """The main service's flags without async scheduling (on by default): one step in
+    flight."""
+    yield from _serving(tmp_path_factory, "sync", "--no-async-scheduling",
                         "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "16")
 
 
 @pytest.fixture(scope="session")
-def async_tight_service(tmp_path_factory, model_dir):
-    """--async-scheduling with the tight KV pool: preemptions happen between in-flight steps."""
-    yield from _serving(tmp_path_factory, "async_tight", "--async-scheduling", *TIGHT,
+def sync_tight_service(tmp_path_factory, model_dir):
+    """The tight KV pool without async scheduling (tight_service has it: preemptions happen
+    between in-flight steps there)."""
+    yield from _serving(tmp_path_factory, "sync_tight", "--no-async-scheduling", *TIGHT,
                         "--preemption-mode", "recompute")
 
 

@@ -218,3 +218,40 @@ def test_an_executor_paused_past_the_step_timeout_is_dropped_then_rejoins(
         ids.extend(chunk.token_ids)
     assert ids == hf_greedy[4]
     assert s.executor.poll() is None  # the same process, adopted again
+
+
+def _serve_until_it_stops(tmp_path, *flags: str, timeout: float = 120.0) -> tuple[int, str]:
+    from tests.integration.service import Service
+
+    svc = Service(tmp_path / "serve.log", *flags)
+    try:
+        code = svc.proc.wait(timeout=timeout)
+    finally:
+        svc.stop()
+    return code, svc.log_path.read_text()
+
+
+def test_serve_stops_at_once_when_the_kv_cache_cannot_fit(tmp_path, model_dir):
+    """The executor's memory check fails for real (no KV block fits in the budget): one line
+    that names the flag, exit code 78, and serve gives up without a restart."""
+    start = time.monotonic()
+    code, log = _serve_until_it_stops(tmp_path, "--kv-cache-gib", "0.0005")
+    assert code == 1
+    line = ("pagedserve executor: --kv-cache-gib 0.0005 holds no KV block of 737280 bytes; "
+            "raise --kv-cache-gib")
+    assert line in log.splitlines()
+    assert f"executor cannot run with these settings; not restarting it: {line}" in log
+    assert "restarting in" not in log and "Traceback" not in log
+    assert time.monotonic() - start < 60
+
+
+def test_serve_gives_up_on_an_executor_that_fails_twice_the_same_way_at_start(tmp_path,
+                                                                             model_dir):
+    code, log = _serve_until_it_stops(tmp_path, "--dtype", "float64")
+    assert code == 1
+    error = "ValueError: dtype must be one of ['bfloat16', 'float16', 'float32'] or auto, got " \
+            "'float64'"
+    assert log.count(error) == 3  # each start's traceback, then the supervisor's line
+    assert log.count("executor exited with 1; restarting in") == 1
+    assert ("executor failed twice the same way during start-up (exit code 1); not restarting "
+            f"it: {error}") in log

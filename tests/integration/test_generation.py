@@ -135,22 +135,22 @@ def test_prefix_cache_hits_keep_outputs_identical(service, hf_greedy, tokenizer)
         len(prompt_ids(tokenizer, *p)) for p in PROMPTS)
 
 
-def test_async_scheduling_matches_hf(async_service, hf_greedy, tokenizer):
-    check_against_hf(run_all(async_service, concurrently=False), hf_greedy, tokenizer)
-    check_against_hf(run_all(async_service, concurrently=True), hf_greedy, tokenizer)
+def test_sync_scheduling_matches_hf(sync_service, hf_greedy, tokenizer):
+    check_against_hf(run_all(sync_service, concurrently=False), hf_greedy, tokenizer)
+    check_against_hf(run_all(sync_service, concurrently=True), hf_greedy, tokenizer)
     # a stop string ends the stream where it matches, max_tokens exactly
-    text, _, last = async_service.client.complete(chat=[("user", PROMPTS[4][1])], temperature=0,
-                                                  max_tokens=MAX_TOKENS, stop=["Paris"])
+    text, _, last = sync_service.client.complete(chat=[("user", PROMPTS[4][1])], temperature=0,
+                                                 max_tokens=MAX_TOKENS, stop=["Paris"])
     ref_text = tokenizer.decode(hf_greedy[4], skip_special_tokens=True)
     assert text == ref_text[: ref_text.index("Paris")] and stop_reason(last) == "Paris"
-    _, ids, last = async_service.client.complete(chat=[("user", PROMPTS[4][1])], temperature=0,
-                                                 max_tokens=30, ignore_eos=True)
+    _, ids, last = sync_service.client.complete(chat=[("user", PROMPTS[4][1])], temperature=0,
+                                                max_tokens=30, ignore_eos=True)
     assert len(ids) == 30 and last.usage.completion_tokens == 30
-    m = async_service.wait_idle()
+    m = sync_service.wait_idle()
     assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"]
 
 
-def test_async_scheduling_under_preemption_matches_hf(async_tight_service, hf_greedy,
-                                                      tokenizer):
-    m = run_until_preempted(async_tight_service, "recompute", hf_greedy, tokenizer)
+def test_sync_scheduling_under_preemption_matches_hf(sync_tight_service, hf_greedy,
+                                                     tokenizer):
+    m = run_until_preempted(sync_tight_service, "recompute", hf_greedy, tokenizer)
     assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"]

@@ -202,9 +202,9 @@ def test_cancelling_n_completions_midway_frees_every_block(service):
     assert m["pagedserve_num_requests_running"] == 0
 
 
-def test_async_scheduling_gives_the_same_penalized_outputs_and_logprobs(async_service, service):
-    """With --async-scheduling the executor samples step N+1 before N's tokens reach the
-    scheduler: the counts it keeps must still include N's token."""
+def test_async_scheduling_gives_the_same_penalized_outputs_and_logprobs(sync_service, service):
+    """With async scheduling (the default) the executor samples step N+1 before N's tokens
+    reach the scheduler: the counts it keeps must still include N's token."""
     kw = {"repetition_penalty": 1.3, "frequency_penalty": 0.7, "min_tokens": 10, "logprobs": 2}
 
     def run(svc):
@@ -218,7 +218,7 @@ def test_async_scheduling_gives_the_same_penalized_outputs_and_logprobs(async_se
         return [([t for ids, _ in o for t in ids], [e for _, lps in o for e in lps])
                 for o in outs]
 
-    assert flat(run(async_service)) == flat(run(service))
+    assert flat(run(sync_service)) == flat(run(service))
 
 
 def hf_prompt_logprobs(model, ids):

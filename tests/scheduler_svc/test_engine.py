@@ -188,3 +188,12 @@ def test_step_bounds_are_lowered_to_what_the_executor_profiled(limit, seqs, want
     cfg = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192)
     got = fit_step_bounds(cfg, pb.Capacity(max_num_batched_tokens=limit, max_num_seqs=seqs))
     assert (got.max_num_batched_tokens, got.max_num_seqs) == want  # 0: not profiled (CPU)
+
+
+@pytest.mark.parametrize("limit,seqs,want", [(8192, 1024, (8192, 1024)), (2048, 256, (2048, 256)),
+                                             (0, 0, (2048, 128))])
+def test_step_bounds_left_to_the_device_take_the_executors(limit, seqs, want):
+    """The flags' default 0: the executor's bounds for its card, or the CPU's on a CPU."""
+    cfg = SchedulerConfig(max_num_seqs=0, max_num_batched_tokens=0)
+    got = fit_step_bounds(cfg, pb.Capacity(max_num_batched_tokens=limit, max_num_seqs=seqs))
+    assert (got.max_num_batched_tokens, got.max_num_seqs) == want

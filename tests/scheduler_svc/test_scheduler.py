@@ -207,6 +207,22 @@ def test_equal_priority_never_preempts_for_the_queue():
     assert out.preempted_req_ids == [] and [r.req_id for r in s.waiting] == [2]
 
 
+def test_a_queue_of_equal_priority_costs_no_work_per_running_request(monkeypatch):
+    """Full sequence slots and a waiting request of the same priority: nothing can be
+    preempted for it, so planning does not estimate every running request's growth (it did,
+    every step: O(running) host work while a queue waits)."""
+    s = make(max_seqs=8, budget=64, num_blocks=64)
+    for i in range(1, 9):
+        s.add(req(i, 4))
+    run_steps(s, 2)
+    s.add(req(9, 4))
+    grown = []
+    real = s.blocks.blocks_to_grow
+    monkeypatch.setattr(s.blocks, "blocks_to_grow", lambda *a: grown.append(a) or real(*a))
+    out = s.schedule()
+    assert len(out.cached) == 8 and out.preempted_req_ids == [] and grown == []
+
+
 def test_aging_lets_low_priority_overtake():
     cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, priority_aging_steps=2,
                           enable_prefix_caching=False)
