@@ -1,5 +1,5 @@
 """The OpenAI API's request bodies, their translation into the gRPC API's GenerateRequest (so
-that both APIs share one validation, inputs.validate), and OpenAI's error object.
+that both APIs share one validation, inputs.validate); OpenAIError lives in openai_errors.
 
 Fields OpenAI (or vLLM) defines that the engine cannot honour yet are accepted in the models and
 refused by `unsupported()` when a request sets them to anything but their default.
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.scheduler.inputs import MAX_TOP_LOGPROBS
+from pagedserve.scheduler.openai_errors import OpenAIError
 from pagedserve.scheduler.openai_tools import (
     ToolCallIn,
     ToolDef,
@@ -26,39 +27,6 @@ from pagedserve.scheduler.openai_tools import (
 
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
-STATUS = {  # an EngineError's gRPC code -> (HTTP status, OpenAI error type)
-    "INVALID_ARGUMENT": (400, "invalid_request_error"),
-    "UNAUTHENTICATED": (401, "authentication_error"),
-    "PERMISSION_DENIED": (403, "permission_error"),
-    "NOT_FOUND": (404, "invalid_request_error"),
-    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
-    "DEADLINE_EXCEEDED": (504, "timeout_error"),
-    "UNAVAILABLE": (503, "service_unavailable_error"),
-    "INTERNAL": (500, "server_error"),
-}
-
-
-class OpenAIError(Exception):
-    """An error the client gets as {"error": {message, type, param, code}} with `status`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after_s = retry_after_s
-
-    @classmethod
-    def from_grpc(cls, code: str, message: str, retry_after_s: float | None = None
-                  ) -> OpenAIError:
-        status, _ = STATUS.get(code, (500, "server_error"))
-        return cls(status, message, code=code.lower(), retry_after_s=retry_after_s)
-
-    def body(self) -> dict[str, Any]:
-        kind = next((t for s, t in STATUS.values() if s == self.status), "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param,
-                          "code": self.code}}
-
-
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False

@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.scheduler.openai_errors import OpenAIError
 from pagedserve.scheduler.tools import CALL_CLOSE, CALL_OPEN, NO_PARAMETERS
 
 
@@ -65,9 +66,7 @@ class ToolMode:
         return self.kind != "auto"
 
 
-def _error(message: str, param: str) -> Exception:
-    from pagedserve.scheduler.openai_protocol import OpenAIError
-
+def _error(message: str, param: str) -> OpenAIError:
     return OpenAIError(400, f"{param}: {message}", param)
 
 
