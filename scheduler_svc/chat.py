@@ -5,8 +5,11 @@ a special token (`<|im_start|>system`) stays text instead of becoming that token
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
+
+from pagedserve.scheduler.tools import calls_text, fallback_system
 
 STANDARD_ROLES = ("system", "user", "assistant", "tool")
 # a role the template names, e.g. message['role'] == 'system' or message.role == "ipython"
@@ -25,34 +28,67 @@ class ChatRenderer:
         if isinstance(template, dict):  # named templates
             template = " ".join(template.values())
         self.roles = frozenset(STANDARD_ROLES) | set(_TEMPLATE_ROLE.findall(template))
+        # templates that render tools / past calls themselves (Qwen's, Llama 3.1's, Hermes')
+        self.takes_tools = re.search(r"\btools\b", template) is not None
+        self.takes_calls = re.search(r"\btool_calls\b", template) is not None
         self.special = sorted((t.content for t in tokenizer.added_tokens_decoder.values()
                                if t.special), key=len, reverse=True)
 
-    def encode(self, messages: list[tuple[str, str]]) -> list[int]:
+    def encode(self, messages: list[dict[str, Any]],
+               tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """messages: {"role", "content"} and, from tools.py, "tool_calls" / "tool_call_id"."""
         if not messages:
             raise ChatError("chat.messages: at least one message is required")
-        for i, (role, _) in enumerate(messages):
-            if role not in self.roles:
-                raise ChatError(f"chat.messages[{i}].role: {role!r} is not a role of this "
+        for i, m in enumerate(messages):
+            if m["role"] not in self.roles:
+                raise ChatError(f"chat.messages[{i}].role: {m['role']!r} is not a role of this "
                                 f"model's chat template ({', '.join(sorted(self.roles))})")
-        if any(s in content for _, content in messages for s in self.special):
-            return self._encode_as_text(messages)
-        ids = self._render(messages, tokenize=True)
+        messages, tools = self._with_tools(messages, tools)
+        if any(s in m["content"] for m in messages for s in self.special):
+            return self._encode_as_text(messages, tools)
+        ids = self._render(messages, tools, tokenize=True)
         return list(ids if isinstance(ids, list) else ids["input_ids"])
 
-    def _render(self, messages: list[tuple[str, str]], tokenize: bool) -> Any:
-        msgs = [{"role": r, "content": c} for r, c in messages]
+    def _with_tools(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """Tools and calls where the template takes them, else as text (tools.py's fallback);
+        JSON the template renders itself cannot go through _encode_as_text's slots, so a
+        special token spelt there is refused."""
+        out = []
+        for m in messages:
+            calls = m.get("tool_calls")
+            if calls and not self.takes_calls:
+                text = calls_text(calls)
+                m = {**m, "content": f"{m['content']}\n{text}" if m["content"] else text}
+                del m["tool_calls"]
+            out.append(m)
+        if tools and not self.takes_tools:
+            block = fallback_system(tools)
+            if out[0]["role"] == "system":
+                out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
+            else:
+                out.insert(0, {"role": "system", "content": block})
+            tools = None
+        native = json.dumps([tools or [], [m.get("tool_calls") for m in out]],
+                            ensure_ascii=False)
+        if any(s in native for s in self.special):
+            raise ChatError("chat.tools: a tool or a tool call spells a special token")
+        return out, tools or None
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                tokenize: bool) -> Any:
         try:
-            return self.tok.apply_chat_template(msgs, add_generation_prompt=True,
-                                                tokenize=tokenize)
+            return self.tok.apply_chat_template(messages, tools=tools,
+                                                add_generation_prompt=True, tokenize=tokenize)
         except Exception as e:  # template errors (bad order, ...) are the client's
             raise ChatError(f"chat.messages: the chat template rejected them: {e}") from e
 
-    def _encode_as_text(self, messages: list[tuple[str, str]]) -> list[int]:
+    def _encode_as_text(self, messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None) -> list[int]:
         """The template's own text tokenized as usual, each message's content with special
         tokens split into plain text (what HF tokenizers do for untrusted text)."""
-        slots = [(r, _SLOT.format(i)) for i, (r, _) in enumerate(messages)]
-        rendered = self._render(slots, tokenize=False)
+        slots = [{**m, "content": _SLOT.format(i)} for i, m in enumerate(messages)]
+        rendered = self._render(slots, tools, tokenize=False)
         parts = re.split("(\ue000\\d+\ue001)", rendered)
         ids: list[int] = []
         seen = []
@@ -63,7 +99,7 @@ class ChatRenderer:
                 continue
             i = int(m.group(1))
             seen.append(i)
-            ids += self.tok(messages[i][1], add_special_tokens=False,
+            ids += self.tok(messages[i]["content"], add_special_tokens=False,
                             split_special_tokens=True)["input_ids"]
         if sorted(seen) != list(range(len(messages))):
             raise ChatError("chat.messages: a message spells a special token, and this model's "

@@ -14,6 +14,7 @@ from typing import Any
 from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.scheduler.chat import ChatError, ChatRenderer
 from pagedserve.scheduler.request import Constraint, GenerationParams
+from pagedserve.scheduler.tools import ToolError, call_dicts, tool_dicts
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
@@ -53,8 +54,18 @@ class InputProcessor:
 
     def encode_chat(self, chat: api.ChatMessages) -> list[int]:
         try:
-            return self.chat.encode([(m.role, m.content) for m in chat.messages])
-        except ChatError as e:
+            tools = tool_dicts(list(chat.tools))
+            messages = []
+            for i, m in enumerate(chat.messages):
+                msg: dict[str, Any] = {"role": m.role, "content": m.content}
+                if m.tool_calls:
+                    msg["tool_calls"] = call_dicts(list(m.tool_calls),
+                                                   f"chat.messages[{i}].tool_calls")
+                if m.tool_call_id:
+                    msg["tool_call_id"] = m.tool_call_id
+                messages.append(msg)
+            return self.chat.encode(messages, tools)
+        except (ChatError, ToolError) as e:
             raise InvalidRequest(str(e)) from e
 
     def check_size(self, req: api.GenerateRequest | api.TokenizeRequest,
@@ -63,7 +74,7 @@ class InputProcessor:
         kind = req.WhichOneof("input")  # token ids need no work: validate() bounds them
         if kind not in ("text", "chat"):
             return
-        texts = [req.text] if kind == "text" else [m.role + m.content for m in req.chat.messages]
+        texts = [req.text] if kind == "text" else _chat_texts(req.chat)
         n, most = sum(len(t.encode()) for t in texts), self.byte_limit(max_model_len)
         if n > most:
             raise InvalidRequest(f"{kind}: {n} bytes, more than the {most} a prompt may have")
@@ -81,6 +92,13 @@ class InputProcessor:
         if not ids:
             raise InvalidRequest(f"{kind}: the prompt is empty")
         return ids
+
+
+def _chat_texts(chat: api.ChatMessages) -> list[str]:
+    """What rendering a chat tokenizes, roughly: its messages, calls and tools."""
+    out = [m.role + m.content + m.tool_call_id for m in chat.messages]
+    out += [c.name + c.arguments for m in chat.messages for c in m.tool_calls]
+    return out + [t.name + t.description + t.parameters for t in chat.tools]
 
 
 def validate(req: api.GenerateRequest, prompt: list[int], limits: Limits) -> GenerationParams:

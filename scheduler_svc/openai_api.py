@@ -37,6 +37,7 @@ from pagedserve.scheduler.openai_protocol import (
     parse,
     to_generate,
 )
+from pagedserve.scheduler.openai_tools import CallStream, ToolMode, read_calls, tool_mode
 from pagedserve.scheduler.servicer import Call, GenerationServicer
 from pagedserve.scheduler.streams import Chunk, EngineError
 
@@ -95,8 +96,9 @@ class OpenAIApp:
         chat = model is ChatCompletionRequest
         rid = request.headers.get("x-request-id") or \
             f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        tools = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
         try:
-            call = await self.gen.start(to_generate(req, rid), tenant, _timeout(request))
+            call = await self.gen.start(to_generate(req, rid, tools), tenant, _timeout(request))
         except InvalidRequest as e:
             raise invalid(str(e), req) from None
         except EngineError as e:
@@ -104,7 +106,7 @@ class OpenAIApp:
         usage = req.stream_options is not None and req.stream_options.include_usage
         shape = _Shape(rid, self.model_name, chat, usage, len(call.streams),
                        self.token_text if call.stream.req.params.logprobs is not None else None,
-                       self.token_text)
+                       self.token_text, tools)
         headers = {"x-request-id": rid}
         if not req.stream:
             return await _complete(request, call, shape, headers)
@@ -118,9 +120,11 @@ class _Shape:
     stream goes through here. logprobs: set when the request asked for them."""
 
     def __init__(self, rid: str, model: str, chat: bool, include_usage: bool, n: int,
-                 logprobs: TokenText | None, text: TokenText) -> None:
+                 logprobs: TokenText | None, text: TokenText, tools: ToolMode | None) -> None:
         self.rid, self.model, self.chat, self.logprobs, self.text = rid, model, chat, \
             logprobs, text
+        self.tools = tools  # calls are read out of each choice's text
+        self.calls = [CallStream(tools) for _ in range(n)] if tools is not None else []
         self.created = int(time.time())
         self.kind = "chat.completion" if chat else "text_completion"
         self.offsets = [0] * n  # completions' text_offset: characters each choice sent
@@ -144,10 +148,23 @@ class _Shape:
     def choice(self, index: int, text: str | None, chunk: Chunk | None, finish: bool,
                final: bool) -> dict:
         """A choice: the whole message (final) or a streamed delta, with the logprobs of the
-        chunk's tokens and, if finish, its finish reason."""
+        chunk's tokens and, if finish, its finish reason (and the calls read from the text)."""
+        reason = chunk.finish_reason if finish and chunk is not None else None
+        calls = None
+        if self.tools is not None and final:
+            text, calls, reason = read_calls(self.tools, text or "", reason or "")
+        elif self.tools is not None:
+            text = self.calls[index].feed(text or "") or None
+            if finish:
+                rest, calls, reason = self.calls[index].finish(reason or "")
+                text = (text or "") + rest or None
         if self.chat:
             body = {"message": {"role": "assistant", "content": text}} if final else \
                 {"delta": {} if text is None else {"content": text}}
+            if calls is not None:
+                key = "message" if final else "delta"
+                body[key]["tool_calls"] = calls if final else \
+                    [{"index": i, **c} for i, c in enumerate(calls)]
         else:
             body = {"text": text or ""}
         logprobs = None
@@ -158,8 +175,7 @@ class _Shape:
                 logprobs, self.offsets[index] = completion_logprobs(
                     self.text, chunk.token_ids, chunk.logprobs, self.offsets[index])
         end = chunk if finish else None
-        out = {"index": index, **body, "logprobs": logprobs,
-               "finish_reason": end.finish_reason if end else None,
+        out = {"index": index, **body, "logprobs": logprobs, "finish_reason": reason,
                "stop_reason": end.stop_reason if end else None}  # vLLM's: what matched
         return out
 
@@ -196,14 +212,15 @@ async def _events(call: Call, shape: _Shape, include_usage: bool) -> AsyncIterat
                 first["delta"] = {"role": "assistant", "content": ""}
                 yield _sse(shape.obj([first], True, **extra))
         async for chunk in call.chunks():
-            if not chunk.finish_reason and shape.logprobs is None:
+            if not chunk.finish_reason and shape.logprobs is None and shape.tools is None:
                 yield shape.delta(chunk.index, chunk.text)
                 continue
             finish = bool(chunk.finish_reason)
             text = chunk.text or None if finish else chunk.text
-            yield _sse(shape.obj([shape.choice(chunk.index, text, chunk, finish, False)], True,
-                                 **extra))
+            choice = shape.choice(chunk.index, text, chunk, finish, False)
             completion_tokens += chunk.completion_tokens
+            if finish or choice["delta"] or choice["logprobs"]:  # (a call's text is held)
+                yield _sse(shape.obj([choice], True, **extra))
         if include_usage:  # after every choice finished
             yield _sse(shape.obj([], True, usage=_usage(call, completion_tokens)))
     except EngineError as e:

@@ -1,5 +1,5 @@
 """The OpenAI API's request bodies, their translation into the gRPC API's GenerateRequest (so
-that both APIs share one validation, inputs.validate), and OpenAI's error object.
+that both APIs share one validation, inputs.validate); OpenAIError lives in openai_errors.
 
 Fields OpenAI (or vLLM) defines that the engine cannot honour yet are accepted in the models and
 refused by `unsupported()` when a request sets them to anything but their default.
@@ -15,42 +15,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.scheduler.inputs import MAX_TOP_LOGPROBS
+from pagedserve.scheduler.openai_errors import OpenAIError
+from pagedserve.scheduler.openai_tools import (
+    ToolCallIn,
+    ToolDef,
+    ToolMode,
+    forced_schema,
+    message_calls,
+    offer,
+)
 
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 Count = Annotated[int, Field(ge=0, le=2**31 - 1)]
-STATUS = {  # an EngineError's gRPC code -> (HTTP status, OpenAI error type)
-    "INVALID_ARGUMENT": (400, "invalid_request_error"),
-    "UNAUTHENTICATED": (401, "authentication_error"),
-    "PERMISSION_DENIED": (403, "permission_error"),
-    "NOT_FOUND": (404, "invalid_request_error"),
-    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
-    "DEADLINE_EXCEEDED": (504, "timeout_error"),
-    "UNAVAILABLE": (503, "service_unavailable_error"),
-    "INTERNAL": (500, "server_error"),
-}
-
-
-class OpenAIError(Exception):
-    """An error the client gets as {"error": {message, type, param, code}} with `status`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after_s = retry_after_s
-
-    @classmethod
-    def from_grpc(cls, code: str, message: str, retry_after_s: float | None = None
-                  ) -> OpenAIError:
-        status, _ = STATUS.get(code, (500, "server_error"))
-        return cls(status, message, code=code.lower(), retry_after_s=retry_after_s)
-
-    def body(self) -> dict[str, Any]:
-        kind = next((t for s, t in STATUS.values() if s == self.status), "server_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param,
-                          "code": self.code}}
-
-
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -111,6 +87,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's result answers this call
 
 
 class ChatCompletionRequest(_Request):
@@ -119,19 +97,17 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    # accepted, with no effect on a server that has no tools, storage or tiers
-    parallel_tool_calls: bool | None = None
+    tools: list[ToolDef] | None = None  # openai_tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: one call at most
+    # accepted, with no effect on a server that has no storage or tiers
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    # not supported (see unsupported())
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
 
 
 _UNSUPPORTED_DEFAULTS = {  # field -> its default (null is too); others refused until supported
     "best_of": 1, "suffix": None, "echo": False,
-    "tools": None, "tool_choice": "none",
 }
 
 
@@ -169,15 +145,17 @@ def _param(loc: tuple) -> str | None:
     return out or None
 
 
-def to_generate(req: _Request, request_id: str) -> api.GenerateRequest:
+def to_generate(req: _Request, request_id: str, tools: ToolMode | None = None
+                ) -> api.GenerateRequest:
     """The one translation from an OpenAI request to the engine's parameters (as the gRPC API's
-    GenerateRequest, validated by inputs.validate like any gRPC request)."""
+    GenerateRequest, validated by inputs.validate like any gRPC request). tools: the chat
+    request's tool_mode()."""
     name = unsupported(req)
     if name is not None:
         raise OpenAIError(400, f"{name}: not supported yet", name, "unsupported_parameter")
     out = api.GenerateRequest(request_id=request_id, priority=req.priority)
     if isinstance(req, ChatCompletionRequest):
-        _chat_input(req, out)
+        _chat_input(req, out, tools)
     else:
         _completion_input(req, out)
     s = out.sampling
@@ -214,7 +192,7 @@ def to_generate(req: _Request, request_id: str) -> api.GenerateRequest:
         except (ValueError, OverflowError):
             raise OpenAIError(400, f"logit_bias: key {token!r} is not a token id",
                               "logit_bias") from None
-    _constrain(req, s)
+    _constrain(req, s, tools)
     return out
 
 
@@ -230,6 +208,9 @@ _CONSTRAINTS = (
 
 def constraint_param(req: _Request) -> str | None:
     """The parameter that set the request's constraint (for errors about it)."""
+    if isinstance(req, ChatCompletionRequest) and req.tools and (
+            req.tool_choice == "required" or isinstance(req.tool_choice, dict)):
+        return "tools"
     rf = req.response_format
     if rf is not None and rf.get("type") in ("json_object", "json_schema"):
         return "response_format"
@@ -241,10 +222,14 @@ def _value(req: _Request, param: str, key: str | None) -> Any:
     return value if key is None or value is None else value.get(key)
 
 
-def _constrain(req: _Request, s: api.SamplingParams) -> None:
-    """response_format, structured_outputs or guided_*: SamplingParams' constraint."""
+def _constrain(req: _Request, s: api.SamplingParams, tools: ToolMode | None) -> None:
+    """response_format, structured_outputs, guided_* or a forced tool call: SamplingParams'
+    constraint."""
     found = [(p, key, field, v) for p, key, field in _CONSTRAINTS
              if (v := _value(req, p, key)) not in (None, False)]
+    if tools is not None and tools.constrained:
+        assert isinstance(req, ChatCompletionRequest) and req.tools
+        found.insert(0, ("tool_choice", None, "json_schema", forced_schema(req.tools, tools)))
     rf = req.response_format
     kind = None if rf is None else rf.get("type")
     if kind == "json_object":
@@ -331,8 +316,11 @@ def _completion_input(req: CompletionRequest, out: api.GenerateRequest) -> None:
             out.token_ids.SetInParent()
 
 
-def _chat_input(req: ChatCompletionRequest, out: api.GenerateRequest) -> None:
+def _chat_input(req: ChatCompletionRequest, out: api.GenerateRequest,
+                tools: ToolMode | None) -> None:
     out.chat.SetInParent()
+    if tools is not None and req.tools:
+        offer(req.tools, out.chat)
     for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
@@ -341,7 +329,9 @@ def _chat_input(req: ChatCompletionRequest, out: api.GenerateRequest) -> None:
                                   f"messages[{i}].content")
             content = "".join(p.text for p in content)
         role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for it
-        out.chat.messages.append(api.ChatMessage(role=role, content=content or ""))
+        msg = api.ChatMessage(role=role, content=content or "", tool_call_id=m.tool_call_id or "")
+        msg.tool_calls.extend(message_calls(m.tool_calls or [], i))
+        out.chat.messages.append(msg)
 
 
 # inputs.validate names the GenerateRequest field (sampling.top_p: ...); the client knows the
@@ -353,8 +343,17 @@ _FIELD = re.compile(r"^(sampling\.(\w+)|chat\.messages(\[\d+\]\.\w+)?|text|token
 _CONSTRAINT_FIELDS = {"json_object", "json_schema", "regex", "choice", "grammar", "lark_grammar"}
 
 
+# tools.py's fields -> OpenAI's parameters
+_TOOL_FIELD = re.compile(r"^chat\.(tools\[\d+\]\.|messages\[\d+\]\.tool_calls\[\d+\]\.)"
+                         r"(name|parameters|arguments)(?=:)|^chat\.tools(?=:)")
+
+
 def invalid(message: str, req: _Request) -> OpenAIError:
     """An inputs.InvalidRequest, renamed for the OpenAI API."""
+    t = _TOOL_FIELD.match(message)
+    if t is not None:
+        param = "tools" if t.group(1) is None else f"{t.group(1)}function.{t.group(2)}"
+        return OpenAIError(400, param + message[t.end():], param)
     m = _FIELD.match(message)
     if m is None:
         return OpenAIError(400, message)

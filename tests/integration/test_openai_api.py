@@ -125,7 +125,7 @@ BAD = [  # (endpoint, kwargs, param)
     ("chat", dict(extra_body={"min_p": 1.5}), "min_p"),
     ("chat", dict(logit_bias={"42": 500}), "logit_bias"),
     ("chat", dict(logit_bias={"forty": 5}), "logit_bias"),
-    ("chat", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    ("chat", dict(tool_choice="required"), "tool_choice"),
     ("chat", dict(stream_options={"include_usage": True}), "stream_options"),
 ]
 
