@@ -46,7 +46,10 @@ class TokenCounts:
     def reset(self) -> None:
         self._free = list(range(self.capacity - 1, -1, -1))
 
+    @torch.inference_mode(False)
     def _grow(self, capacity: int) -> None:
+        # normal tensors even when grown inside inference mode (the GPU memory profile's):
+        # record() and load() update them in place outside it, which an inference tensor refuses
         old = self.capacity
         out = torch.zeros(capacity, self.vocab_size, dtype=torch.int32, device=self.device)
         prompt = torch.zeros(capacity, self.vocab_size, dtype=torch.bool, device=self.device)
