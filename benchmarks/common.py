@@ -34,6 +34,13 @@ _PER_RUN = re.compile(r"(?P<family>.+?)_(?P<date>\d{4}-\d{2}-\d{2})(?:T(?P<time>
                       r"(?:_.*)?$")
 
 
+def model_flags(model: str, load_format: str, tokenizer: str = "") -> list[str]:
+    """`pagedserve serve`'s flags for the model a benchmark serves (tokenizer: a directory, for
+    config-only models with random weights)."""
+    return ["--model", model, "--load-format", load_format,
+            *(["--tokenizer", tokenizer] if tokenizer else [])]
+
+
 def results_dir() -> Path:
     return Path(os.environ.get("PAGEDSERVE_RESULTS") or RESULTS)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from benchmarks.common import write_records
+from benchmarks.common import model_flags, write_records
 from pagedserve.client import build_request
 from pagedserve.protos.v1 import generate_pb2_grpc
 
@@ -170,9 +170,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed + 7)
     prefix = rng.integers(100, vocab, args.shared_prefix).tolist()
     shapes = sharegpt_like(args.num_requests, args.seed, args.shared_prefix)
-    flags = ["--model", args.model, "--load-format", args.load_format, *args.server_flag]
-    if args.tokenizer:
-        flags += ["--tokenizer", args.tokenizer]
+    flags = [*model_flags(args.model, args.load_format, args.tokenizer), *args.server_flag]
     svc = Service(Path(tempfile.mkdtemp()) / "serve.log", *flags)
     records = []
     try:

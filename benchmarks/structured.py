@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import write_records
+from benchmarks.common import model_flags, write_records
 
 SCHEMA = {  # long enough that random tokens fill most of max_tokens before it closes
     "type": "object",
@@ -90,10 +90,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--server-flag", action="append", default=[])
     args = p.parse_args()
-    flags = ["--model", args.model, "--load-format", args.load_format,
+    flags = [*model_flags(args.model, args.load_format, args.tokenizer),
              "--max-num-seqs", str(max(args.concurrency, args.wide)), *args.server_flag]
-    if args.tokenizer:
-        flags += ["--tokenizer", args.tokenizer]
     svc = Service(Path(tempfile.mkdtemp()) / "serve.log", *flags)
     records = []
     try:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import write_records
+from benchmarks.common import model_flags, write_records
 
 PROMPT_VOCAB = 32000  # prompt ids below every tokenizer's size here (random ids either way)
 
@@ -273,11 +273,9 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_pretrained(model_dir)
     prompts, outputs = workload(args.workload, args.requests, args.prompt, args.output)
-    flags = ["--model", args.model, "--load-format", args.load_format,
+    flags = [*model_flags(args.model, args.load_format, args.tokenizer),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--max-num-seqs", str(args.max_num_seqs), *args.server_flag]
-    if args.tokenizer:
-        flags += ["--tokenizer", args.tokenizer]
     extras = EXTRAS if args.sampling_extras else None
     ours = run_pagedserve(prompts, outputs, flags, extras)
     name = args.workload or f"{len(prompts)}x{args.prompt}->{args.output}"
