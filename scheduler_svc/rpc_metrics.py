@@ -45,7 +45,10 @@ def _counted(fn: Callable, count: Callable[[str], None]) -> Callable:
                 async for item in fn(request, context):
                     yield item
                 code = _code(context, "OK")
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):
+                # grpc cancels the task serving the call; when that task is awaiting the write
+                # rather than the generator, the generator only learns at its finalizer
+                # (GeneratorExit at the yield), which is the same cancellation
                 code = _cancelled(context)
                 raise
             except BaseException:
