@@ -47,6 +47,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         n = self.max_batch
+        before = torch.cuda.mem_get_info(device)[0]
         i64, i32 = torch.int64, torch.int32
         self.input_ids = torch.zeros(n, dtype=i64, device=device)
         self.positions = torch.zeros(n, dtype=i64, device=device)
@@ -60,6 +61,7 @@ class DecodeGraphs:
         # 1024 sequences and a 128k vocabulary: the executor ran out of memory at start)
         self.logits = torch.empty((n, model.cfg.vocab_size), dtype=torch.float32,
                                   device=device)
+        # (the memory profile sets these aside too: static_bytes)
         # pinned staging rows (ids, positions, slots, seq lens), two sets used in turn: with
         # async scheduling step N+1 is staged before step N's tokens are read, so N's copy may
         # not have run yet; N-1's has (its tokens were read before N+1 is launched)
@@ -71,7 +73,16 @@ class DecodeGraphs:
         # to the other ranks, which replay their own graphs (executor_svc/distributed.py); the
         # graphs hold the NCCL all-reduces and all-gather, captured on every rank in one order
         self.before_replay: Callable[[int, int, int], None] | None = None
-        self.capture_bytes = 0  # device memory the capture took (pool and graphs)
+        # device memory the graphs hold: these buffers, then the capture's pool and graphs
+        self.capture_bytes = before - torch.cuda.mem_get_info(device)[0]
+
+    @staticmethod
+    def static_bytes(max_batch: int, max_model_len: int, block_size: int, vocab_size: int) -> int:
+        """Bytes of the buffers the constructor allocates for graphs of up to max_batch rows."""
+        n = capture_sizes(max_batch)[-1]
+        # per row: float32 logits, an int32 block-table row, four int64 inputs, two int32,
+        # and the four int64 staging columns
+        return n * (vocab_size * 4 + -(-max_model_len // block_size) * 4 + 4 * 8 + 2 * 4 + 4 * 8)
 
     def _args(self, bs: int):
         meta = AttentionMetadata(
@@ -100,8 +111,11 @@ class DecodeGraphs:
                 self.graphs[bs] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
+        # the eager warm-up runs above left free segments in the ordinary pool, which neither
+        # the graphs nor the profile's estimate hold: give them back before measuring
+        torch.cuda.empty_cache()
         used = before - torch.cuda.mem_get_info(self.device)[0]
-        self.capture_bytes = used
+        self.capture_bytes += used
         log.info("captured %d CUDA graphs (decode batch %d..%d) in %.1f s, %.0f MiB",
                  len(self.sizes), self.sizes[0], self.max_batch, time.perf_counter() - start,
                  used / (1 << 20))

@@ -227,8 +227,9 @@ class Worker:
         with phase(f"profiling memory of a {cfg.max_num_batched_tokens}-token step"):
             try:
                 peak = self._profile(model, cfg, max_len, prefill=True)
-                graph_peak = 0 if cfg.enforce_eager else self._profile(model, cfg, max_len,
-                                                                         prefill=False)
+                graph_peak = 0 if cfg.enforce_eager else self._profile(
+                    model, cfg, max_len, prefill=False) + DecodeGraphs.static_bytes(
+                    cfg.max_num_seqs, max_len, cfg.block_size, self.model_cfg.vocab_size)
             except torch.OutOfMemoryError as e:  # the card cannot run the largest step at all
                 raise MemoryBudgetError(
                     f"--max-num-seqs {cfg.max_num_seqs} and --max-num-batched-tokens "
@@ -282,7 +283,7 @@ class Worker:
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_reserved(dev)
+        base, allocated = torch.cuda.memory_reserved(dev), torch.cuda.memory_allocated(dev)
         logits = model(torch.zeros(tokens, dtype=torch.int64, device=dev),
                        torch.from_numpy(positions).to(dev), kv, meta,
                        torch.from_numpy(cu_q[1:] - 1).to(dev))
@@ -298,8 +299,11 @@ class Worker:
                                                       count_slots=slots, counts=self.counts))
             self.counts.reset()
         torch.cuda.synchronize(dev)
-        # reserved, not allocated: the caching allocator's segments and rounding count too
-        peak = torch.cuda.max_memory_reserved(dev) - base
+        if prefill:  # reserved, not allocated: the allocator's segments and rounding count too
+            peak = torch.cuda.max_memory_reserved(dev) - base
+        else:  # allocated: a graph's private pool cannot reuse the free space that segments
+            # kept by the prefill profile hold (reserved then grew by nothing)
+            peak = torch.cuda.max_memory_allocated(dev) - allocated
         del logits, kv, meta
         return peak
 

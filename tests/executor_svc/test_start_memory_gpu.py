@@ -58,16 +58,21 @@ def test_the_largest_step_bounds_start_and_run_within_the_budget(model, clean_ca
     worker = Worker(ExecutorConfig(model=str(MODELS / model), load_format="random",
                                    device="cuda", max_num_seqs=SEQS, max_num_batched_tokens=TOKENS,
                                    gpu_memory_utilization=util))
-    worker.warm_up()
-    assert sorted(worker.graphs.graphs)[-1] == SEQS
-    assert worker.graphs.capture_bytes <= worker._graph_estimate + MARGIN
-    cap = worker.capacity
-    assert (cap.max_num_seqs, cap.max_num_batched_tokens) == (SEQS, TOKENS)
-    largest_steps(worker)
-    torch.cuda.synchronize()
-    used = total - torch.cuda.mem_get_info()[0]
-    assert used <= util * total + MARGIN, f"{used / GiB:.2f} GiB used, {util:.3f} allowed"
-    del worker
+    try:
+        worker.warm_up()
+        assert sorted(worker.graphs.graphs)[-1] == SEQS
+        assert worker.graphs.capture_bytes <= worker._graph_estimate + MARGIN, (
+            f"graphs took {worker.graphs.capture_bytes / GiB:.2f} GiB, the profile set aside "
+            f"{worker._graph_estimate / GiB:.2f}")
+        cap = worker.capacity
+        assert (cap.max_num_seqs, cap.max_num_batched_tokens) == (SEQS, TOKENS)
+        largest_steps(worker)
+        torch.cuda.synchronize()
+        used = total - torch.cuda.mem_get_info()[0]
+        assert used <= util * total + MARGIN, f"{used / GiB:.2f} GiB used, {util:.3f} allowed"
+    finally:  # a failed assertion's traceback would keep this worker's memory from the next
+        worker.graphs = worker.runner = worker.swap = None
+        del worker
 
 
 @cuda
