@@ -14,8 +14,10 @@ tensor with `shard` before the fused parts are placed. 4-bit weights arrive in t
 layout ([K/8, N] qweight, [K/G, N] scales and zeros, executor_svc/quantization): column layers
 slice N, row layers slice K in whole groups. FP8 weights ([N, K] e4m3) slice as float ones; their
 per-channel weight_scale [N] follows N (column) or is whole on every rank (row), as a static
-input_scale always is. The collectives use torch.distributed's default
-group, which is the executor's ranks and nothing else (executor_svc/distributed.py).
+input_scale always is. Dynamic activation scales of a row-parallel layer are each rank's own
+(per token over its slice of the input): finer than one over the whole row, and no collective.
+The collectives use torch.distributed's default group, which is the executor's ranks and
+nothing else (executor_svc/distributed.py).
 """
 
 from __future__ import annotations
