@@ -84,5 +84,5 @@ def _cast(model: torch.nn.Module, dtype: torch.dtype) -> None:
     for m in model.modules():
         fixed = getattr(m, "fixed_dtypes", ())
         for name, p in m.named_parameters(recurse=False):
-            if name not in fixed:
+            if name not in fixed and p.is_floating_point():
                 p.data = p.data.to(dtype)
