@@ -89,10 +89,10 @@ def ct_config(channel: bool, static: bool) -> dict:
                                                       else "tensor"}}}}
 
 
-def hf_fp8_logits(hf, static_scales=None) -> torch.Tensor:
-    """HF running the FP8 math: per-channel quantized weights (dequantized), each decoder
+def fp8_math_hooks(hf, static_scales=None) -> list:
+    """Make HF run the FP8 math: per-channel quantized weights (dequantized), each decoder
     linear's input quantized per token (or with the largest static scale of its input's
-    readers, q/k/v and gate/up sharing one)."""
+    readers, q/k/v and gate/up sharing one). Returns the hooks."""
     hooks = []
     with torch.no_grad():
         for name, mod in linears(hf).items():
@@ -111,6 +111,12 @@ def hf_fp8_logits(hf, static_scales=None) -> torch.Tensor:
                 return ((xq.float() * sa).reshape(x.shape),)
 
             hooks.append(mod.register_forward_pre_hook(hook))
+    return hooks
+
+
+def hf_fp8_logits(hf, static_scales=None) -> torch.Tensor:
+    hooks = fp8_math_hooks(hf, static_scales)
+    with torch.no_grad():
         logits = hf(torch.tensor([SEQ])).logits[0, -1]
     for h in hooks:
         h.remove()
