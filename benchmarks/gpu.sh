@@ -30,6 +30,10 @@
 #   overload  135M at 46 req/s (sustainable) then 70 (1.5x), 10 % high priority, queue of 64
 #   quant     W4A16 GPU tests (QUANT_K: a -k selection) and GEMM bench (QUANT_BENCH: its flags,
 #             e.g. "--gluon --rows 32 64"; QUANT_S: time limit): us and speedup vs bf16
+#   fp8gemm   FP8 kernel tests, then the FP8 GEMM bench (FP8_BENCH: its flags, e.g. "--rows 256";
+#             FP8_S: time limit): per-token quantization + row-wise _scaled_mm vs bf16 at 8B shapes
+#   fp8serve  W1 and W2 on 8B, throughput settings: bf16, then --quantization fp8 (random
+#             weights quantized per channel), in one run
 #   ab        before/after: W1 on 8B and 1B, throughput settings, an older tree (BASELINE=<dir>,
 #             its own harness, commit from BASELINE_COMMIT or <dir>/.commit) and this one
 #             alternated for AB_ROUNDS rounds (default 2); REPORT.md pairs them
@@ -212,6 +216,13 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       # shellcheck disable=SC2086  # QUANT_BENCH is a list of flags
       timeout "${QUANT_S:-420}" python3 benchmarks/quant/bench_w4a16.py --out $B/records \
         ${QUANT_BENCH:-} 2>&1 | tee $B/bench_w4a16.log | grep -v " done$" | tail -30 ;;
+    fp8gemm)
+      python3 -m pytest -q -rs tests/kernels/test_fp8.py 2>&1 | tee $B/pytest_fp8.log | tail -4
+      # shellcheck disable=SC2086  # FP8_BENCH is a list of flags
+      timeout "${FP8_S:-420}" python3 benchmarks/quant/bench_fp8.py --out $B/records \
+        ${FP8_BENCH:-} 2>&1 | tee $B/bench_fp8.log | tail -40 ;;
+    fp8serve) for w in W1 W2; do fast $w M8; fast $w M8 --server-flag=--quantization \
+      --server-flag=fp8; done ;;
     ab) ab ;;
     curve) curve ;;
     tp)

@@ -40,8 +40,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="random: random weights for the model's config (benchmarks)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="auto: triton on CUDA, torch on CPU")
-    p.add_argument("--quantization", choices=["auto", "none", "awq", "gptq"], default="auto",
-                   help="4-bit weights; auto: from config.json's quantization_config")
+    p.add_argument("--quantization", choices=["auto", "none", "awq", "gptq", "fp8"],
+                   default="auto",
+                   help="awq, gptq: 4-bit weights; fp8: FP8 weights and activations (a float "
+                        "checkpoint is quantized at load); auto: from config.json's "
+                        "quantization_config")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many GPUs of this host (cpu: processes, "
                         "gloo); the executor starts one process per extra rank")

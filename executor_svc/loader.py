@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.model import LlamaForCausalLM, Ops, rope_cos_sin_cache
-from pagedserve.executor.quantization import QuantConfig, convert_checkpoint
+from pagedserve.executor.quantization import Fp8Linear, QuantConfig, convert_checkpoint
 
 RANDOM_SCALE = 0.02 / 4.6  # random 4-bit weights spread like the N(0, 0.02) float ones
 
@@ -36,18 +36,26 @@ def build_model(
     quant: QuantConfig | None = None,
 ) -> LlamaForCausalLM:
     """Load from `weights_dir`, or random N(0, 0.02) weights when it is None (benchmarks).
-    With `quant`, decoder linears are 4-bit (executor_svc/quantization); random 4-bit weights
-    are uniform nibbles around zero point 8 with scales that give them about the same spread."""
+    With `quant`, decoder linears are 4-bit or FP8 (executor_svc/quantization); random 4-bit
+    weights are uniform nibbles around zero point 8 with scales that give them about the same
+    spread, random FP8 ones N(0, 0.02) quantized per channel."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, ops, max_pos, quant)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to_empty(device=device)
+    _cast(model, dtype)
     model.cos_sin = rope_cos_sin_cache(cfg, max_pos, device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if weights_dir is None:
         # drawn on the model's device: an 8B model's 8e9 draws take minutes on a CPU
         gen = torch.Generator(device=device).manual_seed(seed)
+        fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+        for m in fp8:
+            m.fill_random(gen)
+        done = {id(p) for m in fp8 for p in m.parameters()}
         for name, p in model.named_parameters():
+            if id(p) in done:
+                continue
             if "norm" in name:
                 p.data.fill_(1.0)
             elif name.endswith(".qweight"):  # 8 uniform nibbles per word
@@ -64,4 +72,17 @@ def build_model(
         model.load_weights(convert_checkpoint(iter_safetensors(weights_dir), quant))
     else:
         model.load_weights(iter_safetensors(weights_dir))
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.finish_loading()
     return model.eval()
+
+
+def _cast(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """model.to(dtype), except the parameters a module keeps in their own dtype (FP8 codes and
+    their float32 scales: Module.to would cast float8 too)."""
+    for m in model.modules():
+        fixed = getattr(m, "fixed_dtypes", ())
+        for name, p in m.named_parameters(recurse=False):
+            if name not in fixed and p.is_floating_point():
+                p.data = p.data.to(dtype)

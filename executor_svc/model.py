@@ -15,16 +15,19 @@ from torch import nn
 
 from pagedserve.executor import tp_layers as tp
 from pagedserve.executor.config import ModelConfig
-from pagedserve.executor.quantization import QuantConfig, QuantizationError, W4Linear
+from pagedserve.executor.quantization import Fp8Linear, QuantConfig, QuantizationError, W4Linear
 
 Ops = Any  # the namespace kernels.get_ops() returns
 _PACKED_ALONG_N = (".qweight", ".scales", ".zeros")  # fused parts concatenate along dim 1
+_FP8_SCALES = (".weight_scale", ".input_scale")  # one per output row (quantization/fp8.py)
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, quant: QuantConfig | None,
                 ops: Ops) -> nn.Module:
     if quant is None:
         return nn.Linear(in_features, out_features, bias=bias)
+    if quant.method == "fp8":
+        return Fp8Linear(in_features, out_features, bias, quant, ops)
     return W4Linear(in_features, out_features, bias, quant, ops)
 
 
@@ -219,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
                                             f"the fused {target.rpartition('.')[0]}")
             elif rows is not None:
                 dst = dst.narrow(1 if target.endswith(_PACKED_ALONG_N) else 0, *rows)
+            if target.endswith(_FP8_SCALES) and tensor.numel() == 1:
+                tensor = tensor.expand(dst.shape)  # per tensor: the same scale on every row
             if dst.shape != tensor.shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
             dst.copy_(tensor)

@@ -12,8 +12,12 @@
 A rank's ModelConfig (ModelConfig.for_rank) counts its own heads; the loader slices each HF
 tensor with `shard` before the fused parts are placed. 4-bit weights arrive in the kernels'
 layout ([K/8, N] qweight, [K/G, N] scales and zeros, executor_svc/quantization): column layers
-slice N, row layers slice K in whole groups. The collectives use torch.distributed's default
-group, which is the executor's ranks and nothing else (executor_svc/distributed.py).
+slice N, row layers slice K in whole groups. FP8 weights ([N, K] e4m3) slice as float ones; their
+per-channel weight_scale [N] follows N (column) or is whole on every rank (row), as a static
+input_scale always is. Dynamic activation scales of a row-parallel layer are each rank's own
+(per token over its slice of the input): finer than one over the whole row, and no collective.
+The collectives use torch.distributed's default group, which is the executor's ranks and
+nothing else (executor_svc/distributed.py).
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ def shard(name: str, tensor: torch.Tensor, cfg: ModelConfig,
         return tensor[start:start + per]  # the last rank's may be short: padded by the loader
     if proj not in _COLUMN and proj not in _ROW:
         return tensor  # norms: every rank holds them whole
+    if kind in ("weight_scale", "input_scale") and (proj in _ROW or tensor.numel() == 1):
+        return tensor  # per tensor, or a row-parallel layer's output channels: all ranks'
     start, size = _range(proj, cfg)
     if proj in _COLUMN:  # output rows: dim 0 of a float weight or bias, dim 1 of 4-bit parts
         if kind == "perm":
@@ -107,8 +113,8 @@ def _range(proj: str, cfg: ModelConfig) -> tuple[int, int]:
 
 def check_quant(cfg: ModelConfig, quant: QuantConfig | None) -> None:
     """Refuse a 4-bit checkpoint whose row-parallel layers cannot be cut in whole groups."""
-    if cfg.tp_size == 1 or quant is None:
-        return
+    if cfg.tp_size == 1 or quant is None or quant.method == "fp8":
+        return  # FP8 scales are per output channel: any split of the input is whole
     if quant.act_order:
         raise QuantizationError("GPTQ act-order (desc_act) checkpoints cannot be served with "
                                 "--tensor-parallel-size > 1: their groups span the input "

@@ -51,7 +51,7 @@ class ExecutorConfig:
     max_num_seqs: int = 128  # most sequences in a step; decode graphs up to it (0: by device)
     enforce_eager: bool = False  # CUDA: no graphs, every step launches its kernels eagerly
     attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
-    quantization: str = "auto"  # "auto" (config.json's quantization_config), "none", "awq", "gptq"
+    quantization: str = "auto"  # "auto" (config.json's), "none", "awq", "gptq", "fp8"
     tensor_parallel_size: int = 1  # ranks of the group (executor_svc/distributed.py)
     tensor_parallel_rank: int = 0  # this process's rank: its share of the model and KV cache
 
@@ -113,7 +113,7 @@ class Worker:
                                 max_len, weights, quant=quant)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         log.info("model weights: %.2f GiB on %s%s", self.weight_bytes / GiB, self.device,
-                 f" ({quant.method} 4-bit, group {quant.group_size})" if quant else "")
+                 f" ({quant.describe()})" if quant else "")
         self.block_size = cfg.block_size
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self._graph_estimate = 0  # what the memory profile set aside for the graphs (0: none)

@@ -3,7 +3,7 @@
 ``get_ops("torch" | "triton")`` returns a namespace with write_kv_cache, paged_attention,
 rms_norm, rotary_embedding, silu_and_mul and w4a16_gemm (4-bit weights; its torch version lives
 in w4a16_reference). Submodules import lazily, so importing the package costs nothing until
-an op is asked for.
+an op is asked for. fp8_gemm (FP8 weights and activations) has its torch version in fp8_reference.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ _OP_MODULES = {
     "rotary_embedding": "fused",
     "silu_and_mul": "fused",
     "w4a16_gemm": "w4a16",
+    "fp8_gemm": "fp8",
 }
-_TORCH_MODULES = {"w4a16_gemm": "w4a16_reference"}  # default: reference
+_TORCH_MODULES = {"w4a16_gemm": "w4a16_reference",  # default: reference
+                  "fp8_gemm": "fp8_reference"}
 
 
 def get_ops(backend: str) -> SimpleNamespace:

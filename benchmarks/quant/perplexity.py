@@ -1,6 +1,8 @@
 """Perplexity of the default model on data/perplexity.txt: float vs RTN vs AWQ vs GPTQ (g128),
-each checkpoint made by `pagedserve quantize` and run through the executor's own model (torch
-ops, fp32, CPU), in non-overlapping windows. Records: kind=perplexity, method, ppl.
+each checkpoint made by `pagedserve quantize`, and FP8 weights (`--quantization fp8`: e4m3,
+per-channel weight scales, per-token activation scales, quantized at load), run through the
+executor's own model (torch ops, fp32, CPU; FP8 as its exact emulation), in non-overlapping
+windows. Records: kind=perplexity, method, ppl.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/quant/perplexity.py [--group-size 128]
 """
@@ -45,9 +47,9 @@ def window_nll(model, cfg, ids: list[int]) -> float:
     return torch.nn.functional.cross_entropy(logits, t[1:], reduction="sum").item()
 
 
-def perplexity(model_dir: Path, ids: list[int], window: int) -> float:
+def perplexity(model_dir: Path, ids: list[int], window: int, requested: str = "auto") -> float:
     cfg = ModelConfig.from_pretrained(model_dir)
-    quant = resolve_quantization(model_dir)
+    quant = resolve_quantization(model_dir, requested)
     model = build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), window,
                         model_dir, quant=quant)
     nll, count = 0.0, 0
@@ -65,7 +67,7 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--methods", default="fp,rtn,awq,gptq")
+    ap.add_argument("--methods", default="fp,fp8,rtn,awq,gptq")
     ap.add_argument("--text", type=Path, default=DATA / "perplexity.txt")
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -76,12 +78,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods.split(","):
             start = time.perf_counter()
-            path = src if method == "fp" else quantize(str(src), Path(tmp) / method, method,
-                                                       args.group_size)
+            at_load = method in ("fp", "fp8")
+            path = src if at_load else quantize(str(src), Path(tmp) / method, method,
+                                                args.group_size)
             quantize_s = time.perf_counter() - start
-            ppl = perplexity(path, ids, args.window)
+            ppl = perplexity(path, ids, args.window, "fp8" if method == "fp8" else "auto")
             records.append({"kind": "perplexity", "method": method, "ppl": ppl,
-                            "group_size": None if method == "fp" else args.group_size,
+                            "group_size": None if at_load else args.group_size,
                             "model": "smollm2-135m-instruct" if args.model == "default"
                             else args.model, "tokens": len(ids), "window": args.window,
                             "text": str(args.text.name), "quantize_s": round(quantize_s, 1)})

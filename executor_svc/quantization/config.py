@@ -1,5 +1,6 @@
-"""Which 4-bit format a checkpoint is in, from config.json's `quantization_config` (as AutoAWQ,
-AutoGPTQ and transformers write it), and whether it can be served: refused at start, with why."""
+"""Which quantized format a checkpoint is in, from config.json's `quantization_config` (as
+AutoAWQ, AutoGPTQ, transformers and llm-compressor write it), and whether it can be served:
+refused at start, with why. FP8's own fields are parsed in executor_svc/quantization/fp8."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-METHODS = ("auto", "none", "awq", "gptq")
+METHODS = ("auto", "none", "awq", "gptq", "fp8")
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -18,11 +19,20 @@ class QuantizationError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class QuantConfig:
-    method: str  # "awq" or "gptq"
-    group_size: int
+    method: str  # "awq", "gptq" or "fp8"
+    group_size: int  # 0 for fp8 (per-channel scales)
     act_order: bool = False  # GPTQ desc_act: input channels permuted by g_idx
     sym: bool = False  # informational: symmetric checkpoints store zero 8 like any other
     zero_offset: int = 0  # added to stored zeros: 1 for GPTQ's v1 format (stores zero - 1)
+    fp8_serialized: bool = False  # fp8: the checkpoint holds e4m3 weights (else quantize at load)
+    static_activations: bool = False  # fp8: the checkpoint's input_scale, not per-token scales
+
+    def describe(self) -> str:
+        if self.method != "fp8":
+            return f"{self.method} 4-bit, group {self.group_size}"
+        source = "checkpoint" if self.fp8_serialized else "quantized at load"
+        acts = "static" if self.static_activations else "per-token"
+        return f"fp8 e4m3 ({source}), {acts} activation scales"
 
 
 def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
@@ -42,13 +52,15 @@ def resolve_quantization(model_dir: str | Path, requested: str = "auto",
         raise QuantizationError(f"quantization must be one of {', '.join(METHODS)}, "
                                 f"got {requested!r}")
     qc = read_quantization_config(model_dir)
-    found = str(qc.get("quant_method", "")).lower() if qc else None
+    found = _method_of(qc)
     if requested == "none":
         if found:
             raise QuantizationError(f"{model_dir} is a {found} checkpoint; serve it with "
                                     f"--quantization {found} or auto")
         return None
     if qc is None:
+        if requested == "fp8":  # quantized at load (or random FP8 weights)
+            return QuantConfig("fp8", 0)
         if random and requested in ("awq", "gptq"):
             return QuantConfig(requested, RANDOM_GROUP_SIZE)
         if requested == "auto":
@@ -58,9 +70,26 @@ def resolve_quantization(model_dir: str | Path, requested: str = "auto",
     if requested != "auto" and requested != found:
         raise QuantizationError(f"--quantization {requested}, but the checkpoint's "
                                 f"quantization_config says {found!r}")
+    if found == "fp8":
+        from pagedserve.executor.quantization.fp8 import parse_compressed_tensors, parse_fp8
+
+        method = str(qc.get("quant_method")).lower()
+        return parse_fp8(qc) if method == "fp8" else parse_compressed_tensors(qc)
     if found not in ("awq", "gptq"):
-        raise QuantizationError(f"quant_method {found!r} is not supported (awq, gptq)")
+        raise QuantizationError(f"quant_method {found!r} is not supported (awq, gptq, fp8, "
+                                "compressed-tensors float8)")
     return _parse(found, qc)
+
+
+def _method_of(qc: dict[str, Any] | None) -> str | None:
+    """The --quantization value that serves `qc`: compressed-tensors float8 is fp8."""
+    if not qc:
+        return None
+    found = str(qc.get("quant_method", "")).lower()
+    if found == "compressed-tensors" and qc.get("format") in ("float-quantized",
+                                                              "naive-quantized"):
+        return "fp8"
+    return found
 
 
 def _parse(method: str, qc: dict[str, Any]) -> QuantConfig:

@@ -10,6 +10,7 @@ from torch import nn
 
 from pagedserve.executor.quantization.config import QuantConfig, QuantizationError
 from pagedserve.executor.quantization.formats import from_awq, from_gptq
+from pagedserve.executor.quantization.fp8 import convert_fp8
 
 _PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales")}
 
@@ -45,7 +46,11 @@ def convert_checkpoint(
     weights: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF AWQ/GPTQ tensors -> `<module>.qweight/.scales/.zeros[/.perm]` in the kernels' layout;
-    other tensors pass through. A module's parts may arrive in any order (and any file)."""
+    other tensors pass through. A module's parts may arrive in any order (and any file).
+    FP8: quantization.fp8.convert_fp8."""
+    if quant.method == "fp8":
+        yield from convert_fp8(weights, quant)
+        return
     needed = _PARTS[quant.method] + (("g_idx",) if quant.method == "gptq" else ())
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:

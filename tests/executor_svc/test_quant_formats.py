@@ -138,7 +138,7 @@ def _write_config(tmp_path, qc):
      "zero_point"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "awq", "says 'gptq'"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "none", "--quantization gptq"),
-    ({"quant_method": "fp8"}, "auto", "not supported"),
+    ({"quant_method": "bitsandbytes"}, "auto", "not supported"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128,
       "modules_to_not_convert": ["mlp.down_proj"]}, "auto", "modules_to_not_convert"),
 ])

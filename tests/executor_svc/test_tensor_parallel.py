@@ -34,13 +34,13 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
 }
 
 
-def executor_args(model_dir, tp: int) -> argparse.Namespace:
+def executor_args(model_dir, tp: int, *extra: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model")
     flags.add_args(p)
     return p.parse_args(["--model", str(model_dir), "--device", "cpu", "--block-size", str(BS),
                          "--num-kv-blocks", "48", "--swap-space-gib", "0.001",
-                         "--tensor-parallel-size", str(tp)])
+                         "--tensor-parallel-size", str(tp), *extra])
 
 
 class Plans:
@@ -133,8 +133,8 @@ def script(runner) -> tuple[dict[int, list[int]], list]:
     return {rid: r["out"] for rid, r in s.reqs.items()}, s.prompt_logprobs
 
 
-def tensor_parallel_tokens(model_dir) -> tuple[dict[int, list[int]], list]:
-    args = executor_args(model_dir, 2)
+def tensor_parallel_tokens(model_dir, *extra: str) -> tuple[dict[int, list[int]], list]:
+    args = executor_args(model_dir, 2, *extra)
     threads = torch.get_num_threads()
     group = Group(args, 2)
     try:
@@ -147,8 +147,8 @@ def tensor_parallel_tokens(model_dir) -> tuple[dict[int, list[int]], list]:
         torch.set_num_threads(threads)
 
 
-def single_rank_tokens(model_dir) -> tuple[dict[int, list[int]], list]:
-    worker = Worker(executor_config(executor_args(model_dir, 1), 0, 1, "cpu"))
+def single_rank_tokens(model_dir, *extra: str) -> tuple[dict[int, list[int]], list]:
+    worker = Worker(executor_config(executor_args(model_dir, 1, *extra), 0, 1, "cpu"))
     worker.warm_up()
     return script(worker.runner)
 
@@ -185,6 +185,40 @@ def test_awq_checkpoint_on_two_ranks(tmp_path):
 
     _, qdir = _quantized_tiny(tmp_path, "awq", 32)
     assert tensor_parallel_tokens(qdir)[0] == single_rank_tokens(qdir)[0]
+
+
+def split_input_fp8(self, x):
+    """A row-parallel FP8 layer as two ranks compute it: each quantizes its half of the input
+    per token (its own scales: finer than one scale over the whole row, and no collective), and
+    the halves' products are summed (the all-reduce)."""
+    if self.weight.shape[0] != TINY["hidden_size"]:  # not o_proj or down_proj
+        return self.ops.fp8_gemm(x, self.weight, self.weight_scale, self.input_scale, self.bias)
+    h = x.shape[1] // 2
+    return sum(self.ops.fp8_gemm(x[:, i * h:(i + 1) * h], self.weight[:, i * h:(i + 1) * h],
+                                 self.weight_scale) for i in (0, 1))
+
+
+def test_fp8_quantized_at_load_on_two_ranks(tmp_path, monkeypatch):
+    from pagedserve.executor.quantization import Fp8Linear
+
+    save_random(tmp_path, "qwen2-bias")  # column layers with biases
+    plain = single_rank_tokens(tmp_path, "--quantization", "fp8")[0]
+    with monkeypatch.context() as m:
+        m.setattr(Fp8Linear, "forward", split_input_fp8)
+        want = single_rank_tokens(tmp_path, "--quantization", "fp8")[0]
+    assert want != single_rank_tokens(tmp_path)[0]  # FP8 changed the model's choices
+    assert want != plain  # the per-half activation scales changed some
+    assert tensor_parallel_tokens(tmp_path, "--quantization", "fp8")[0] == want
+
+
+def test_fp8_checkpoint_with_static_scales_on_two_ranks(tmp_path):
+    from tests.executor_svc.test_quant_fp8 import float_model, linears, write_fp8
+
+    hf = float_model(tmp_path)
+    scales = {n: 0.01 + 0.001 * i for i, n in enumerate(linears(hf))}
+    write_fp8(hf, tmp_path, {"quant_method": "fp8", "activation_scheme": "static"},
+              per_tensor=True, input_scales=scales)
+    assert tensor_parallel_tokens(tmp_path)[0] == single_rank_tokens(tmp_path)[0]
 
 
 def test_shares_of_heads_and_refusals():

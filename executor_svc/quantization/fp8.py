@@ -1,0 +1,185 @@
+"""FP8 (e4m3) weights: what config.json says, the checkpoint tensors into the layer's, the layer.
+
+Two sources, one layer (Fp8Linear: codes [N, K] e4m3 and a float32 scale per output channel):
+
+    --quantization fp8 of a float checkpoint   each decoder linear's weight is quantized at
+                                               load, per output channel (scale = amax / 448);
+                                               activations per token at run time
+    quant_method: fp8 (vLLM, AutoFP8)          weight e4m3 [N, K]; weight_scale per tensor ([]
+                                               or [1]) or per channel ([N] or [N, 1]);
+                                               activation_scheme static adds input_scale [1]
+    quant_method: compressed-tensors           the same tensors, described by config_groups:
+      (format float-quantized/naive-quantized) weights num_bits 8, type float, strategy
+                                               tensor|channel; input_activations dynamic
+                                               (served per token) or static tensor
+
+A per-tensor weight scale is copied to every output channel of its part, which is exactly its
+math, so fused qkv/gate_up parts with different scales need no requantization. A static
+input_scale is kept per output channel in the same way while loading; after loading the layer
+takes the largest over its fused parts (they read one activation: vLLM does the same).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.executor.quantization.config import QuantConfig, QuantizationError
+from pagedserve.kernels.fp8_reference import FP8, quantize_weight
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_IGNORABLE = ("lm_head",)  # stays float here anyway
+
+
+def parse_fp8(qc: dict[str, Any]) -> QuantConfig:
+    """config.json's quantization_config with quant_method fp8."""
+    if qc.get("weight_block_size"):
+        raise QuantizationError(f"fp8: block-wise weight scales (weight_block_size "
+                                f"{qc['weight_block_size']}) are not supported (per tensor or "
+                                "per channel)")
+    fmt = str(qc.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise QuantizationError(f"fp8: fmt {fmt!r} is not supported (e4m3)")
+    scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+    if scheme not in ("dynamic", "static"):
+        raise QuantizationError(f"fp8: activation_scheme {scheme!r} is not supported "
+                                "(dynamic, static)")
+    _check_ignored("fp8", qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
+    return QuantConfig("fp8", 0, fp8_serialized=True, static_activations=scheme == "static")
+
+
+def parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
+    """compressed-tensors' float8 W8A8 (llm-compressor's FP8 and FP8_DYNAMIC schemes)."""
+    fmt = qc.get("format")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise QuantizationError(f"compressed-tensors: format {fmt!r} is not supported "
+                                "(float-quantized or naive-quantized float8)")
+    groups = list((qc.get("config_groups") or {}).values())
+    if not groups:
+        raise QuantizationError("compressed-tensors: config_groups is empty")
+    statics = {_ct_group(g) for g in groups}
+    if len(statics) > 1:
+        raise QuantizationError("compressed-tensors: config_groups mix static and dynamic "
+                                "activations")
+    _check_ignored("compressed-tensors", qc.get("ignore") or [])
+    return QuantConfig("fp8", 0, fp8_serialized=True, static_activations=statics.pop())
+
+
+def _ct_group(g: dict[str, Any]) -> bool:
+    """One config group -> whether its activations are static; refuses what is not FP8 W8A8."""
+    w, a = g.get("weights") or {}, g.get("input_activations")
+    if (w.get("type"), w.get("num_bits")) != ("float", 8):
+        raise QuantizationError(f"compressed-tensors: weights type {w.get('type')!r} "
+                                f"num_bits {w.get('num_bits')} are not supported (float, 8)")
+    if w.get("strategy") not in ("tensor", "channel"):
+        raise QuantizationError(f"compressed-tensors: weight strategy {w.get('strategy')!r} "
+                                "is not supported (tensor, channel)")
+    if w.get("symmetric") is False:
+        raise QuantizationError("compressed-tensors: asymmetric float8 weights are not "
+                                "supported")
+    if not a:
+        raise QuantizationError("compressed-tensors: weight-only float8 (no "
+                                "input_activations) is not supported; W8A8 is")
+    if (a.get("type"), a.get("num_bits")) != ("float", 8):
+        raise QuantizationError(f"compressed-tensors: input_activations type {a.get('type')!r} "
+                                f"num_bits {a.get('num_bits')} are not supported (float, 8)")
+    if a.get("dynamic"):  # token or tensor: both served per token, the finer of the two
+        return False
+    if a.get("strategy") != "tensor":
+        raise QuantizationError(f"compressed-tensors: static input_activations strategy "
+                                f"{a.get('strategy')!r} is not supported (tensor)")
+    return True
+
+
+def _check_ignored(method: str, ignored: list[str]) -> None:
+    kept = [m for m in ignored if not m.endswith(_IGNORABLE)]
+    if kept:
+        raise QuantizationError(f"{method}: float layers {kept[:4]} among the quantized ones "
+                                "are not supported (every decoder linear must be FP8)")
+
+
+def convert_fp8(weights: Iterable[tuple[str, torch.Tensor]],
+                quant: QuantConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors -> the decoder linears' `weight` (e4m3), `weight_scale` and `input_scale`
+    (float32, flat); other tensors pass through."""
+    seen: dict[str, set[str]] = {}
+    for name, tensor in weights:
+        module, _, part = name.rpartition(".")
+        if module.rpartition(".")[2] not in LINEARS:
+            yield name, tensor
+            continue
+        if part == "weight_scale_inv":
+            raise QuantizationError(f"{name}: block-wise FP8 scales are not supported")
+        if part == "input_scale" and not quant.static_activations:
+            continue  # dynamic checkpoints may carry calibration scales: unused
+        if part in ("weight_scale", "input_scale"):
+            seen.setdefault(module, set()).add(part)
+            yield name, _flat_scale(name, tensor)
+        elif part == "weight" and not quant.fp8_serialized:
+            codes, scale = quantize_weight(tensor)
+            yield name, codes
+            yield f"{module}.weight_scale", scale
+        elif part == "weight":
+            if tensor.dtype != FP8:
+                raise QuantizationError(f"{name} is {tensor.dtype}; an FP8 checkpoint's "
+                                        "linear weights must be float8_e4m3fn")
+            seen.setdefault(module, set()).add(part)
+            yield name, tensor
+        else:
+            yield name, tensor
+    needed = {"weight", "weight_scale"} | ({"input_scale"} if quant.static_activations else set())
+    for module, parts in seen.items():
+        if parts != needed:
+            raise QuantizationError(f"{module}: checkpoint lacks "
+                                    f"{', '.join(sorted(needed - parts))}")
+
+
+def _flat_scale(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.dim() > 2 or (t.dim() == 2 and t.shape[1] != 1):
+        raise QuantizationError(f"{name}: scale of shape {tuple(t.shape)}; expected one per "
+                                "tensor or one per output channel")
+    return t.float().reshape(-1)
+
+
+class Fp8Linear(nn.Module):
+    """y = (q(x) @ W^T) * scale_x * scale_w + b with e4m3 W (kernels/fp8.py). Fused layers
+    (qkv, gate_up) concatenate their parts' rows and scales."""
+
+    fixed_dtypes = ("weight", "weight_scale", "input_scale")  # the loader casts only bias
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant: QuantConfig,
+                 ops: Any) -> None:
+        super().__init__()
+
+        def frozen(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.weight = frozen(out_features, in_features, dtype=FP8)
+        self.weight_scale = frozen(out_features, dtype=torch.float32)
+        # [N] while loading (each part's scale on its rows), [1] after finish_loading
+        self.input_scale = frozen(out_features, dtype=torch.float32) \
+            if quant.static_activations else None
+        self.bias = frozen(out_features) if bias else None
+        self.ops = ops
+
+    def finish_loading(self) -> None:
+        if self.input_scale is not None:
+            self.input_scale = nn.Parameter(self.input_scale.amax().reshape(1),
+                                            requires_grad=False)
+
+    def fill_random(self, gen: torch.Generator) -> None:
+        """N(0, 0.02) float weights quantized as at load (benchmarks' random weights)."""
+        w = torch.empty(self.weight.shape, dtype=torch.bfloat16, device=self.weight.device)
+        codes, scale = quantize_weight(w.normal_(0.0, 0.02, generator=gen))
+        self.weight.data.copy_(codes)
+        self.weight_scale.data.copy_(scale)
+        if self.input_scale is not None:
+            self.input_scale.data.fill_(0.02)
+        if self.bias is not None:
+            self.bias.data.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.fp8_gemm(x, self.weight, self.weight_scale, self.input_scale, self.bias)
