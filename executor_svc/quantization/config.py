@@ -71,8 +71,6 @@ def resolve_quantization(model_dir: str | Path, requested: str = "auto",
         raise QuantizationError(f"--quantization {requested}, but the checkpoint's "
                                 f"quantization_config says {found!r}")
     if found == "fp8":
-        from pagedserve.executor.quantization.fp8 import parse_compressed_tensors, parse_fp8
-
         method = str(qc.get("quant_method")).lower()
         return parse_fp8(qc) if method == "fp8" else parse_compressed_tensors(qc)
     if found not in ("awq", "gptq"):
@@ -117,3 +115,74 @@ def _parse(method: str, qc: dict[str, Any]) -> QuantConfig:
                                 "(gptq, gptq_v2)")
     return QuantConfig("gptq", group, act_order=bool(qc.get("desc_act", False)),
                        sym=bool(qc.get("sym", True)), zero_offset=1 if fmt == "gptq" else 0)
+
+
+# ---------------------------------------------------------------- FP8 (W8A8 e4m3)
+_IGNORABLE = ("lm_head",)  # stays float here anyway
+
+
+def parse_fp8(qc: dict[str, Any]) -> QuantConfig:
+    """config.json's quantization_config with quant_method fp8."""
+    if qc.get("weight_block_size"):
+        raise QuantizationError(f"fp8: block-wise weight scales (weight_block_size "
+                                f"{qc['weight_block_size']}) are not supported (per tensor or "
+                                "per channel)")
+    fmt = str(qc.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise QuantizationError(f"fp8: fmt {fmt!r} is not supported (e4m3)")
+    scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+    if scheme not in ("dynamic", "static"):
+        raise QuantizationError(f"fp8: activation_scheme {scheme!r} is not supported "
+                                "(dynamic, static)")
+    _check_ignored("fp8", qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [])
+    return QuantConfig("fp8", 0, fp8_serialized=True, static_activations=scheme == "static")
+
+
+def parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
+    """compressed-tensors' float8 W8A8 (llm-compressor's FP8 and FP8_DYNAMIC schemes)."""
+    fmt = qc.get("format")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise QuantizationError(f"compressed-tensors: format {fmt!r} is not supported "
+                                "(float-quantized or naive-quantized float8)")
+    groups = list((qc.get("config_groups") or {}).values())
+    if not groups:
+        raise QuantizationError("compressed-tensors: config_groups is empty")
+    statics = {_ct_group(g) for g in groups}
+    if len(statics) > 1:
+        raise QuantizationError("compressed-tensors: config_groups mix static and dynamic "
+                                "activations")
+    _check_ignored("compressed-tensors", qc.get("ignore") or [])
+    return QuantConfig("fp8", 0, fp8_serialized=True, static_activations=statics.pop())
+
+
+def _ct_group(g: dict[str, Any]) -> bool:
+    """One config group -> whether its activations are static; refuses what is not FP8 W8A8."""
+    w, a = g.get("weights") or {}, g.get("input_activations")
+    if (w.get("type"), w.get("num_bits")) != ("float", 8):
+        raise QuantizationError(f"compressed-tensors: weights type {w.get('type')!r} "
+                                f"num_bits {w.get('num_bits')} are not supported (float, 8)")
+    if w.get("strategy") not in ("tensor", "channel"):
+        raise QuantizationError(f"compressed-tensors: weight strategy {w.get('strategy')!r} "
+                                "is not supported (tensor, channel)")
+    if w.get("symmetric") is False:
+        raise QuantizationError("compressed-tensors: asymmetric float8 weights are not "
+                                "supported")
+    if not a:
+        raise QuantizationError("compressed-tensors: weight-only float8 (no "
+                                "input_activations) is not supported; W8A8 is")
+    if (a.get("type"), a.get("num_bits")) != ("float", 8):
+        raise QuantizationError(f"compressed-tensors: input_activations type {a.get('type')!r} "
+                                f"num_bits {a.get('num_bits')} are not supported (float, 8)")
+    if a.get("dynamic"):  # token or tensor: both served per token, the finer of the two
+        return False
+    if a.get("strategy") != "tensor":
+        raise QuantizationError(f"compressed-tensors: static input_activations strategy "
+                                f"{a.get('strategy')!r} is not supported (tensor)")
+    return True
+
+
+def _check_ignored(method: str, ignored: list[str]) -> None:
+    kept = [m for m in ignored if not m.endswith(_IGNORABLE)]
+    if kept:
+        raise QuantizationError(f"{method}: float layers {kept[:4]} among the quantized ones "
+                                "are not supported (every decoder linear must be FP8)")

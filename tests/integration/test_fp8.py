@@ -1,6 +1,12 @@
 """`--quantization fp8` on the default model, served end to end through gRPC: greedy tokens
-equal HF transformers running the same FP8 math (per-channel e4m3 weights dequantized, every
-decoder linear's input quantized per token by a forward pre-hook; fp32, CPU)."""
+agree with HF transformers running the same FP8 math (per-channel e4m3 weights dequantized, every
+decoder linear's input quantized per token by a forward pre-hook; fp32, CPU).
+
+Agree, not equal: batching and chunked prefill change the fp32 accumulation order in the last
+bits, and an activation on a rounding boundary then lands on the neighbouring e4m3 code (6 %
+apart), so at a near tie the greedy choice may differ. Each served token is checked against the
+reference's logits with the served prefix fed in (teacher forcing): it is the argmax, or within
+TIE of it."""
 
 from __future__ import annotations
 
@@ -15,27 +21,29 @@ from tests.integration.service import Service
 
 MAX_TOKENS = 16
 CASES = [PROMPTS[i] for i in (0, 4)]
+TIE = 0.05  # logits; a wrong token (a shifted position, another request's row) is whole units off
 
 
 @pytest.fixture(scope="module")
-def reference_greedy(model_dir, tokenizer):
+def reference(model_dir):
     from transformers import AutoModelForCausalLM
 
     from tests.executor_svc.test_quant_fp8 import fp8_math_hooks
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     fp8_math_hooks(model)
-    outs = []
-    for kind, content in CASES:
-        ids = prompt_ids(tokenizer, kind, content)
-        with torch.no_grad():
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS,
-                                 do_sample=False, pad_token_id=2)
-        outs.append(gen[0, len(ids):].tolist())
-    return outs
+    return model
 
 
-def test_fp8_service_answers_like_the_fp8_math(tmp_path, reference_greedy):
+def gaps(model, prompt: list[int], served: list[int]) -> list[float]:
+    """For each served token (the end token too, when it stopped): the reference's best logit
+    minus the served token's logit."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + served])).logits[0, len(prompt) - 1:-1]
+    return [float(row.max() - row[t]) for row, t in zip(logits, served, strict=True)]
+
+
+def test_fp8_service_answers_like_the_fp8_math(tmp_path, reference, tokenizer):
     svc = Service(tmp_path / "serve.log", "--quantization", "fp8",
                   "--max-num-batched-tokens", "64")
     try:
@@ -45,7 +53,13 @@ def test_fp8_service_answers_like_the_fp8_math(tmp_path, reference_greedy):
                 **request_kwargs(*p), max_tokens=MAX_TOKENS, temperature=0, timeout=300), CASES))
     finally:
         assert svc.stop() == 0
-    assert [ids for _, ids, _ in got] == reference_greedy
+    for (kind, content), (_, ids, last) in zip(CASES, got, strict=True):
+        if last.finish_reason == api.FINISH_REASON_STOP:
+            assert ids[-1] == reference.generation_config.eos_token_id
+        else:
+            assert len(ids) == MAX_TOKENS
+        g = gaps(reference, prompt_ids(tokenizer, kind, content), ids)
+        assert max(g) <= TIE, list(zip(g, ids, strict=True))
     assert "Paris" in got[0][0]
     assert all(last.finish_reason in (api.FINISH_REASON_LENGTH, api.FINISH_REASON_STOP)
                for _, _, last in got)
