@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -39,6 +40,9 @@ class Launched:
     logprobs: HostLogprobs | None = None  # set by finish()
     prompt: PromptLogprobs | None = None  # prompt tokens scored this step, if any
     prompt_read: tuple[list[int], list[float]] | None = None  # set by finish()
+    # CUDA: tokens copied to pinned host memory behind the sampling, and the event after it
+    host_tokens: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
 
 
 @dataclass(slots=True)
@@ -92,14 +96,19 @@ class ModelRunner:
         self.tables = BlockTableArray()
         self.counts.reset()
 
-    def execute(self, plan: pb.StepPlan) -> tuple[list[int], list[int]]:
+    def execute(self, plan: pb.StepPlan, bitmask: pb.StepBitmask | None = None
+                ) -> tuple[list[int], list[int]]:
         """Run one step; return (req_ids, sampled token ids) of requests that sampled."""
-        launched = self.launch(plan)
+        launched = self.launch(plan, lambda: bitmask)
         return self.finish(launched) if launched is not None else ([], [])
 
     def finish(self, launched: Launched) -> tuple[list[int], list[int]]:
         """Wait for a launched step's tokens and put them in place of its pending entries."""
-        tokens = launched.tokens.tolist()
+        if launched.ready is not None:  # waits for this step's sampling, not what follows it
+            launched.ready.synchronize()
+            tokens = launched.host_tokens.tolist()
+        else:
+            tokens = launched.tokens.tolist()
         if launched.sampled is not None:
             launched.logprobs = read_logprobs(launched.sampled)
         if launched.prompt is not None:
@@ -110,10 +119,14 @@ class ModelRunner:
                 st.pending = None  # else a later launch's token is the pending one now
         return launched.req_ids, tokens
 
-    def launch(self, plan: pb.StepPlan) -> Launched | None:
+    def launch(self, plan: pb.StepPlan,
+               await_bitmask: Callable[[], pb.StepBitmask | None] = lambda: None,
+               ) -> Launched | None:
         """Apply a plan and queue its forward pass and sampling on the device; None if nothing
         samples. A decode row whose input is the token of a step launched but not finished
-        reads it on the device, so step N+1 can be launched before N's tokens are read."""
+        reads it on the device, so step N+1 can be launched before N's tokens are read.
+        With plan.bitmask_follows, await_bitmask() gives the step's StepBitmask; it is called
+        once the forward pass is queued, before sampling."""
         for rid in (*plan.finished_req_ids, *plan.preempted_req_ids):
             self._forget(rid)
         if plan.swap_out_src or plan.swap_in_src:
@@ -152,9 +165,10 @@ class ModelRunner:
             batch.append((rid, n))
         if not batch:
             return None
-        return self._run(batch, plan)
+        return self._run(batch, plan, await_bitmask)
 
-    def _run(self, batch: list[tuple[int, int]], plan: pb.StepPlan) -> Launched | None:
+    def _run(self, batch: list[tuple[int, int]], plan: pb.StepPlan,
+             await_bitmask: Callable[[], pb.StepBitmask | None]) -> Launched | None:
         bs, dev = self.block_size, self.device
         states = [self.requests[rid] for rid, _ in batch]
         b = len(batch)
@@ -242,13 +256,22 @@ class ModelRunner:
             return Launched([], [], [], torch.empty(0, dtype=torch.int64, device=dev),
                             self.last_step_graphed, prompt=prompt)
         sampling = self._sampling_batch([st for _, st in samplers])
-        if plan.bitmask_req_ids:
-            self._add_bitmask(sampling, [rid for rid, _ in samplers], plan, logits.shape[-1])
+        if plan.bitmask_follows:
+            bitmask = await_bitmask()
+            if bitmask is None:
+                raise ValueError(f"step {plan.step_id}: its token bitmask did not come")
+            self._add_bitmask(sampling, [rid for rid, _ in samplers], bitmask, logits.shape[-1])
         sampled = self.sampler.sample(logits, sampling)
         launched = Launched([rid for rid, _ in samplers], [st for _, st in samplers],
                             [len(st.token_ids) for _, st in samplers], sampled.tokens,
                             self.last_step_graphed,
                             sampled if sampled.logprobs is not None else None, prompt=prompt)
+        if sampled.tokens.is_cuda:  # finish() reads them without waiting for later launches
+            launched.host_tokens = torch.empty(sampled.tokens.shape, dtype=torch.int64,
+                                               pin_memory=True)
+            launched.host_tokens.copy_(sampled.tokens, non_blocking=True)
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
         for row, (_, st) in enumerate(samplers):
             st.token_ids.append(PENDING_TOKEN)
             st.pending = (launched, row)
@@ -278,20 +301,22 @@ class ModelRunner:
             if st.count_slot >= 0:
                 self.counts.release(st.count_slot)
 
-    def _add_bitmask(self, sampling: SamplingBatch, req_ids: list[int], plan: pb.StepPlan,
+    def _add_bitmask(self, sampling: SamplingBatch, req_ids: list[int], bitmask: pb.StepBitmask,
                      vocab: int) -> None:
-        """The plan's token bitmask rows, on the device in sampling-row order."""
-        words, ids = (vocab + 31) // 32, list(plan.bitmask_req_ids)
-        if len(plan.token_bitmask) != 4 * words * len(ids):
-            raise ValueError(f"token_bitmask: {len(plan.token_bitmask)} bytes for {len(ids)} "
+        """The step's token bitmask rows, on the device in sampling-row order."""
+        words, ids = (vocab + 31) // 32, list(bitmask.req_ids)
+        if len(bitmask.token_bitmask) != 4 * words * len(ids):
+            raise ValueError(f"token_bitmask: {len(bitmask.token_bitmask)} bytes for {len(ids)} "
                              f"rows of {words} words")
+        if not ids:  # every constrained request ended meanwhile
+            return
         row_of = {rid: row for row, rid in enumerate(req_ids)}
         rows = [row_of.get(rid, -1) for rid in ids]
         if min(rows) < 0 or len(set(ids)) != len(ids):
             raise ValueError("bitmask_req_ids: a request that does not sample in this step, or "
                              "twice")
         order = sorted(range(len(ids)), key=rows.__getitem__)  # ascending sampling rows
-        host = torch.frombuffer(bytearray(plan.token_bitmask), dtype=torch.int32)
+        host = torch.frombuffer(bytearray(bitmask.token_bitmask), dtype=torch.int32)
         mask = host.view(len(ids), words)[order]
         sampling.bitmask = mask.to(self.device, non_blocking=False)
         sampling.bitmask_rows = [rows[i] for i in order]

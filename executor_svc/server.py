@@ -48,63 +48,107 @@ class ExecutorServer:
         self.sock.connect(scheduler_address)
         self.stopping = False
         self._refused = False  # told once in the log
+        self._launched: tuple[int, Launched, float] | None = None
+        self._held: bytes | None = None  # a message received while awaiting a bitmask
 
     def _hello(self) -> None:
         hello = pb.Hello(capacity=self.worker.capacity, executor_id=self.executor_id)
         self.sock.send(pb.ExecutorMessage(hello=hello).SerializeToString())
 
     def serve_forever(self) -> None:
-        # A launched step whose tokens are not read yet: its result goes out once the next plan
-        # (if one is already waiting: async scheduling) has been launched behind it, so the
-        # device never waits for this process to build the next step's inputs.
-        launched: tuple[int, Launched, float] | None = None
+        # A launched step whose tokens are not read yet (self._launched): its result goes out
+        # once the next plan (if one is already waiting: async scheduling) has been launched
+        # behind it, so the device never waits for this process to build the next step's
+        # inputs; or, when that plan waits for its token bitmasks, before the wait (the
+        # scheduler needs that result to fill them).
         self._hello()
         while not self.stopping:
-            if not self.sock.poll(0 if launched else int(HELLO_INTERVAL_S * 1000)):
-                if launched is not None:
-                    self._send(self._finish(*launched))
-                    launched = None
+            if self._held is None and not self.sock.poll(
+                    0 if self._launched else int(HELLO_INTERVAL_S * 1000)):
+                if self._launched is not None:
+                    self._send_launched()
                 else:
                     self._hello()
                 continue
-            with self._phase("recv"):
-                data = self.sock.recv()
-            try:
-                msg = pb.SchedulerMessage.FromString(data)
-            except Exception as e:  # the scheduler's socket is the only peer; never crash on it
-                log.warning("dropped a malformed frame from the scheduler: %s", e)
-                continue
-            kind = msg.WhichOneof("kind")
-            if kind == "refuse":
-                if not self._refused:
-                    log.warning("the scheduler refused this executor: %s; saying hello until "
-                                "it is adopted", msg.refuse.reason)
-                    self._refused = True
-            elif kind == "welcome":
-                launched = None  # a new scheduler session: whatever ran is forgotten
-                self.worker.runner.reset()
-                log.info("joined scheduler")
-            elif kind == "plan":
-                plan, start = msg.plan, time.perf_counter()
-                if self.profiler is not None:
-                    self.profiler.step()
-                try:
-                    with self._phase("launch"):
-                        nxt = self.worker.runner.launch(plan)
-                except Exception as e:  # report, keep serving: the scheduler aborts the step
-                    if launched is not None:
-                        self._send(self._finish(*launched))
-                        launched = None
-                    self._send(self._failed(plan.step_id, e))
-                    continue
-                if launched is not None:
-                    self._send(self._finish(*launched))
-                launched = None
-                if nxt is None:  # nothing samples (prefill chunks only): answer at once
-                    self._send(self._result(plan.step_id, [], [], start, graphed=False))
-                else:
-                    launched = (plan.step_id, nxt, start)
+            if self._held is not None:
+                data, self._held = self._held, None
+            else:
+                with self._phase("recv"):
+                    data = self.sock.recv()
+            if (msg := _decode(data)) is not None:
+                self._handle(msg)
         self.sock.close()
+
+    def _handle(self, msg: pb.SchedulerMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "refuse":
+            if not self._refused:
+                log.warning("the scheduler refused this executor: %s; saying hello until "
+                            "it is adopted", msg.refuse.reason)
+                self._refused = True
+        elif kind == "welcome":
+            self._launched = None  # a new scheduler session: whatever ran is forgotten
+            self.worker.runner.reset()
+            log.info("joined scheduler")
+        elif kind == "plan":
+            self._run_plan(msg.plan)
+        elif kind == "bitmask":  # of a step that failed before it waited for it
+            log.debug("dropped the bitmask of step %d, not awaited", msg.bitmask.step_id)
+
+    def _run_plan(self, plan: pb.StepPlan) -> None:
+        start = time.perf_counter()
+        if self.profiler is not None:
+            self.profiler.step()
+        try:
+            with self._phase("launch"):
+                nxt = self.worker.runner.launch(plan, lambda: self._await_bitmask(plan.step_id))
+        except Abandoned:
+            return  # the scheduler gave this step up (lost this executor, or took another)
+        except Exception as e:  # report, keep serving: the scheduler aborts the step
+            self._send_launched()
+            self._send(self._failed(plan.step_id, e))
+            return
+        self._send_launched()
+        if nxt is None:  # nothing samples (prefill chunks only): answer at once
+            self._send(self._result(plan.step_id, [], [], start, graphed=False))
+        else:
+            self._launched = (plan.step_id, nxt, start)
+
+    def _send_launched(self) -> None:
+        if self._launched is not None:
+            launched, self._launched = self._launched, None
+            self._send(self._finish(*launched))
+
+    def _await_bitmask(self, step_id: int) -> pb.StepBitmask:
+        """Called by the runner between a step's forward pass and its sampling: the result of
+        the step before goes out (the masks may depend on its tokens), then this waits for
+        the step's StepBitmask. While waiting it says hello every second, as when idle: a
+        scheduler that gave the step up (step timeout) adopts this executor again and its
+        welcome ends the wait, as does a refusal (Abandoned). A plan arriving first is the
+        scheduler's error: this step fails, and the plan runs next."""
+        self._send_launched()
+        with self._phase("await_bitmask"):
+            while True:
+                if self.stopping:
+                    raise Abandoned
+                if not self.sock.poll(int(HELLO_INTERVAL_S * 1000)):
+                    self._hello()
+                    continue
+                data = self.sock.recv()
+                if (msg := _decode(data)) is None:
+                    continue
+                kind = msg.WhichOneof("kind")
+                if kind == "bitmask":
+                    if msg.bitmask.step_id == step_id:
+                        return msg.bitmask
+                    log.debug("dropped the bitmask of step %d while awaiting step %d's",
+                              msg.bitmask.step_id, step_id)
+                    continue
+                self._held = data
+                if kind == "plan":
+                    raise ValueError(f"step {msg.plan.step_id}'s plan arrived before step "
+                                     f"{step_id}'s token bitmask")
+                raise Abandoned
 
     def _send(self, result: pb.StepResult) -> None:
         with self._phase("send"):
@@ -145,6 +189,18 @@ class ExecutorServer:
                              device_memory_used_bytes=used, device_memory_total_bytes=total,
                              execution_mode=pb.EXECUTION_MODE_CUDA_GRAPH if graphed
                              else pb.EXECUTION_MODE_EAGER)
+
+
+class Abandoned(Exception):
+    """The scheduler will not send the bitmask a step waits for: drop the step unanswered."""
+
+
+def _decode(data: bytes) -> pb.SchedulerMessage | None:
+    try:
+        return pb.SchedulerMessage.FromString(data)
+    except Exception as e:  # the scheduler's socket is the only peer; never crash on it
+        log.warning("dropped a malformed frame from the scheduler: %s", e)
+        return None
 
 
 def _link_keys(args: argparse.Namespace) -> tuple[KeyPair | None, bytes]:

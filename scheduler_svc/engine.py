@@ -14,7 +14,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.core.memory import release_free_memory
@@ -31,7 +31,7 @@ from pagedserve.scheduler.outputs import (
     logprobs_of,
     prompt_logprobs_of,
 )
-from pagedserve.scheduler.request import Constraint, GenerationParams, Request
+from pagedserve.scheduler.request import Constraint, GenerationParams, Request, RequestStatus
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from pagedserve.scheduler.streams import EngineError, RequestStream
 from pagedserve.scheduler.telemetry import StepTiming, Telemetry
@@ -48,7 +48,11 @@ class InFlight:
     generation: int  # the link's generation it was sent under
     t0: float  # planning started (perf_counter)
     t1: float  # sent
-    bitmask_s: float = 0.0  # of t1 - t0, filling token bitmasks
+    # structured outputs: the constrained requests sampling in it, each with the number of its
+    # tokens its matcher must have seen before its mask can be filled; sent once they have
+    mask_rows: list[tuple[Request, int]] = field(default_factory=list)
+    mask_sent: bool = True
+    bitmask_s: float = 0.0  # filling them
 
 
 class Engine:
@@ -164,7 +168,9 @@ class Engine:
     async def _step_loop(self) -> None:
         # Step N's tokens are delivered (detokenized, stop strings matched, queued) after step
         # N+1 is sent, so that host work hides behind the executor's. With async scheduling
-        # N+1 is also planned before N's result arrives (Scheduler.expect_tokens).
+        # N+1 is also planned before N's result arrives (Scheduler.expect_tokens). A step's
+        # token bitmasks go out after its plan, as soon as the tokens they depend on are in
+        # (_send_bitmasks): the executor runs the forward pass meanwhile.
         inflight: deque[InFlight] = deque()
         depth = 2 if self.async_scheduling else 1
         sampled: list[Sampled] = []  # the last result's tokens, delivered after the next send
@@ -176,6 +182,7 @@ class Engine:
             if len(inflight) < depth and (step := self._plan(sched, ahead=bool(inflight))):
                 inflight.append(step)
                 await self.link.send(step.step_id, step.out)
+                await self._send_bitmasks(inflight)
                 if self.async_scheduling:  # after encoding: a new request goes without them
                     sched.expect_tokens(step.out)
                 continue  # plan one more ahead, or deliver and wait for the result
@@ -186,6 +193,7 @@ class Engine:
                 await self._idle(sched)
                 continue
             sampled = self._apply(inflight, await self.link.results.get())
+            await self._send_bitmasks(inflight)
 
     def _plan(self, sched: Scheduler, ahead: bool) -> InFlight | None:
         if not sched.has_work():
@@ -194,28 +202,40 @@ class Engine:
         out = sched.schedule(ahead=ahead)
         if out.is_empty:
             return None
-        bitmask_s = self._fill_bitmasks(out)
+        # the constrained requests sampling here: each one's mask waits for every token
+        # before the one it samples (with async scheduling the last may still be in flight)
+        rows = [(s.req, s.start + s.num_tokens) for s in out.scheduled()
+                if s.req.matcher is not None and s.start + s.num_tokens == s.req.num_tokens]
+        out.bitmask_follows = bool(rows)
         for s in out.new:
             self.telemetry.scheduled(self.streams.get(s.req.req_id), time.monotonic(), s.start)
         step = InFlight(next(self._step_ids), out, self.link.generation, t0, time.perf_counter(),
-                        bitmask_s)
+                        rows, not rows)
         self.metrics.plan_time.observe(step.t1 - t0)
         return step
 
-    def _fill_bitmasks(self, out: SchedulerOutput) -> float:
-        """The bitmask rows of the constrained requests that sample in this step (their
-        matchers have seen every token before it: the scheduler plans none ahead of its
-        token); the host time it took, 0.0 without any."""
-        rows = [s.req for s in out.scheduled()
-                if s.req.matcher is not None and s.start + s.num_tokens == s.req.num_tokens]
-        if not rows:
-            return 0.0
-        t0 = time.perf_counter()
-        out.bitmask_req_ids = [r.req_id for r in rows]
-        out.token_bitmask = self.grammars.fill([r.matcher for r in rows])
-        took = time.perf_counter() - t0
-        self.metrics.bitmask_time.observe(took)
-        return took
+    async def _send_bitmasks(self, inflight: deque[InFlight]) -> None:
+        """Send the token bitmasks of the steps in flight whose constrained requests' matchers
+        have seen every token they need, oldest first, stopping at one still waiting (the
+        executor takes them in step order). Called after each send and each result: a step
+        planned ahead of the previous one's result gets its masks as soon as that result is
+        applied, before any later plan, while the executor still runs its forward pass."""
+        for step in inflight:
+            if step.mask_sent or step.generation != self.link.generation:
+                continue  # (a step of a lost executor: nobody waits for its masks)
+            # an ended request gets no row (a terminated matcher has no next token; its token
+            # will be ignored)
+            live = [(r, need) for r, need in step.mask_rows
+                    if r.status != RequestStatus.FINISHED and not r.matcher.is_terminated()]
+            if any(r.num_tokens - r.num_pending < need for r, need in live):
+                return
+            rows = [r for r, _ in live]
+            t0 = time.perf_counter()
+            bits = self.grammars.fill([r.matcher for r in rows])
+            step.bitmask_s = time.perf_counter() - t0
+            self.metrics.bitmask_time.observe(step.bitmask_s)
+            step.mask_sent = True
+            await self.link.send_bitmask(step.step_id, [r.req_id for r in rows], bits)
 
     def _apply(self, inflight: deque[InFlight], item: pb.StepResult | LinkDown) -> list[Sampled]:
         """Match a result (or the link going down) to the oldest step in flight; the tokens

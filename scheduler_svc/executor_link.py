@@ -151,6 +151,10 @@ class ExecutorLink:
         self._in_flight.append(step_id)
         await self.sock.send_multipart([self._ident, encode_plan(step_id, out)])
 
+    async def send_bitmask(self, step_id: int, req_ids: list[int], bits: bytes) -> None:
+        """A step's token bitmasks, after its plan (StepPlan.bitmask_follows)."""
+        await self.sock.send_multipart([self._ident, encode_bitmask(step_id, req_ids, bits)])
+
     # ----------------------------------------------------------------- incoming
     async def _recv_loop(self) -> None:
         while True:
@@ -303,9 +307,7 @@ def encode_plan(step_id: int, out: SchedulerOutput) -> bytes:
                               num_computed_tokens=s.start, block_ids=s.block_ids,
                               sampling=wire_sampling(s.req), num_prompt_tokens=s.req.prompt_len)
         plan.new_num_scheduled_tokens.append(s.num_tokens)
-    if out.bitmask_req_ids:
-        plan.bitmask_req_ids.extend(out.bitmask_req_ids)
-        plan.token_bitmask = out.token_bitmask
+    plan.bitmask_follows = out.bitmask_follows
     if out.cached:  # column by column: one extend per field, not one append per request
         cached = out.cached
         plan.cached_req_ids.extend([s.req.req_id for s in cached])
@@ -314,6 +316,11 @@ def encode_plan(step_id: int, out: SchedulerOutput) -> bytes:
         plan.cached_num_new_blocks.extend([len(s.block_ids) for s in cached])
         plan.cached_new_block_ids.extend([i for s in cached for i in s.block_ids])
     return pb.SchedulerMessage(plan=plan).SerializeToString()
+
+
+def encode_bitmask(step_id: int, req_ids: list[int], bits: bytes) -> bytes:
+    return pb.SchedulerMessage(bitmask=pb.StepBitmask(step_id=step_id, req_ids=req_ids,
+                                                      token_bitmask=bits)).SerializeToString()
 
 
 def _bad_logprobs(r: pb.StepResult, vocab: int) -> str:

@@ -5,21 +5,23 @@ matcher per request, and the allowed-token bitmasks of a step.
                       thread (xgrammar releases the GIL), so the step loop never waits for it;
                       a bad schema/regex/grammar is InvalidRequest before anything is queued
     submit            Grammars.matcher(compiled): the request's own state (n > 1: one each)
-    each step         Grammars.fill(requests): one bitmask row per constrained request that
-                      samples in the step, from its matcher, sent with the plan (packed bits)
+    each step         Grammars.fill(matchers): one bitmask row per constrained request that
+                      samples in the step, from its matcher, in one batched call; sent in a
+                      StepBitmask message after the plan (the engine's _send_bitmasks)
     each token        the scheduler advances the matcher (Scheduler.update); the request ends
                       when the matcher terminates (the end-of-sequence token after a complete
                       match: the mask allows it only then)
 
 The matcher sees only tokens that came back from the executor: a preempted request (recompute
 or swap) or one on a new executor continues from the same matcher state, since its tokens are
-the same. docs/structured_outputs.md has the measurements and the async-scheduling rule.
+the same. docs/structured_outputs.md has the measurements and how the masks travel.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -43,7 +45,10 @@ class Grammars:
     vocabulary, makes matchers and fills bitmasks."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
-                 cache_size: int = DEFAULT_CACHE_SIZE, threads: int = 2) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE, threads: int = 2,
+                 fill_threads: int = 0) -> None:
+        """threads: compile threads; fill_threads: the bitmask fill's (0: half the cores, at
+        most 8, as xgrammar's "auto")."""
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.cache_size = cache_size
@@ -53,6 +58,8 @@ class Grammars:
         self._compiler: Any = None
         self._lock = threading.Lock()
         self.num_compiled = 0  # compilations run (cache misses)
+        self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
+        self.fill_threads = fill_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -116,6 +123,13 @@ class Grammars:
             return self._compiler
 
     # ----------------------------------------------------------------- per request
+    def _get_batch(self) -> Any:
+        import xgrammar as xgr
+
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(self.fill_threads)
+        return self._batch
+
     @staticmethod
     def matcher(compiled: Any) -> Any:
         import xgrammar as xgr
@@ -123,13 +137,15 @@ class Grammars:
         return xgr.GrammarMatcher(compiled)
 
     def fill(self, matchers: list[Any]) -> bytes:
-        """The bitmask rows of these matchers' next tokens, as StepPlan.token_bitmask."""
+        """The bitmask rows of these matchers' next tokens, as StepBitmask.token_bitmask (none
+        may be terminated). One batched call: xgrammar spreads the rows over its threads and
+        releases the GIL once, where a call per row released and re-took it per row (with
+        another thread of this process running, each re-take can wait a GIL switch interval)."""
         import torch
 
         mask = np.empty((len(matchers), self.words), np.int32)
-        rows = torch.from_numpy(mask)  # xgrammar fills a tensor; this one shares the memory
-        for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(rows, i)
+        if matchers:  # xgrammar fills a tensor; this one shares the memory
+            self._get_batch().batch_fill_next_token_bitmask(matchers, torch.from_numpy(mask))
         return mask.tobytes()
 
 

@@ -31,10 +31,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     num_batched_tokens: int = 0
-    # structured outputs: the constrained requests that sample in this step, and their rows of
-    # allowed-token bits (StepPlan.bitmask_req_ids / token_bitmask)
-    bitmask_req_ids: list[int] = field(default_factory=list)
-    token_bitmask: bytes = b""
+    # structured outputs: a StepBitmask for this step follows the plan (some constrained
+    # request samples in it)
+    bitmask_follows: bool = False
 
     @property
     def is_empty(self) -> bool:

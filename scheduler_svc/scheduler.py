@@ -184,9 +184,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            # a constrained request's next mask depends on its token still in flight (async
-            # scheduling): it waits for that token and runs in the step after
-            n = 0 if req.matcher is not None and req.num_pending else self._chunk(req, budget)
+            n = self._chunk(req, budget)
             if n <= 0:
                 i += 1
                 continue

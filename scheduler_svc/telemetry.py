@@ -32,7 +32,7 @@ class StepTiming:
     plan_s: float  # schedule()
     round_trip_s: float  # encoding and sending -> result, including executor time
     execute_s: float  # executor-reported
-    bitmask_s: float = 0.0  # of plan_s, filling the constrained rows' token bitmasks
+    bitmask_s: float = 0.0  # filling the constrained rows' token bitmasks (after sending)
 
 
 class Telemetry:

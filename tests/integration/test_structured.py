@@ -80,7 +80,7 @@ def run_all(svc, jobs: list[dict]) -> list[tuple[str, list[int], api.GenerateRes
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory, model_dir):
     """Room for the 104 schema requests in one batch of 64; without async scheduling (on by
-    default), under which a constrained request runs every other step."""
+    default): the reference the async runs (service, tight_service, swap_service) must equal."""
     yield from _serving(tmp_path_factory, "structured", "--no-async-scheduling",
                         "--max-num-seqs", "64",
                         "--max-num-batched-tokens", "2048")
@@ -121,14 +121,19 @@ def test_regex_choice_and_grammars_match(wide):
     assert all(ids[-1] in eos for _, ids, _ in r)  # each ended on EOS once its match was whole
 
 
-def test_unconstrained_requests_get_their_tokens_alone_in_a_mixed_batch(wide):
+@pytest.mark.parametrize("fixture", ["wide", "service"])  # sync, async scheduling
+def test_unconstrained_requests_get_their_tokens_alone_in_a_mixed_batch(request, fixture):
+    svc = request.getfixturevalue(fixture)
     plain = [dict(prompt=p, temperature=0.0, max_tokens=24)
              for p in ("What is the capital of France?", "Count to ten.", "Say hi.")]
-    alone = [generate(wide, **dict(kw))[1] for kw in plain]
+    alone = [generate(svc, **dict(kw))[1] for kw in plain]
     constrained = [dict(prompt=PROMPT.format(n), json_schema=s, temperature=1.0, seed=7)
                    for n, s in list(SCHEMAS.items())[:12]]
-    mixed = run_all(wide, [*constrained[:6], *plain, *constrained[6:]])
+    mixed = run_all(svc, [*constrained[:6], *plain, *constrained[6:]])
     assert [ids for _, ids, _ in mixed[6:9]] == alone
+    for job, (text, _, last) in zip(constrained, mixed[:6] + mixed[9:], strict=True):
+        assert last.finish_reason == api.FINISH_REASON_STOP, text
+        jsonschema.validate(json.loads(text), job["json_schema"])
 
 
 def test_n_completions_each_follow_the_schema(wide):

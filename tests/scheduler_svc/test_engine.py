@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
+import xgrammar as xgr
 
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from pagedserve.scheduler.capacity import fit_step_bounds
 from pagedserve.scheduler.engine import Engine
-from pagedserve.scheduler.executor_link import LinkConfig, LinkDown, encode_plan
+from pagedserve.scheduler.executor_link import (
+    LinkConfig,
+    LinkDown,
+    encode_bitmask,
+    encode_plan,
+)
 from pagedserve.scheduler.request import GenerationParams
 from pagedserve.scheduler.scheduler import SchedulerConfig
 from pagedserve.scheduler.streams import Chunk, EngineError
@@ -35,6 +42,8 @@ class FakeLink:
         self.generation = 0
         self.sent: list[tuple[int, pb.StepPlan, list[int]]] = []  # (step, plan, samplers)
         self.new_plan = asyncio.Event()
+        self.masks: dict[int, pb.StepBitmask] = {}  # by step id
+        self.events: list[tuple[str, int]] = []  # ("plan" | "mask" | "result", step id)
 
     def attach(self, on_joined, on_lost) -> None:
         self.on_joined, self.on_lost = on_joined, on_lost
@@ -50,7 +59,13 @@ class FakeLink:
         samplers = [s.req.req_id for s in out.scheduled()
                     if s.start + s.num_tokens == len(s.req.token_ids)]
         self.sent.append((step_id, plan, samplers))
+        self.events.append(("plan", step_id))
         self.new_plan.set()
+
+    async def send_bitmask(self, step_id, req_ids, bits) -> None:
+        msg = pb.SchedulerMessage.FromString(encode_bitmask(step_id, req_ids, bits)).bitmask
+        self.masks[step_id] = msg
+        self.events.append(("mask", step_id))
 
     # -------------------------------------------------------------- the test's side
     def join(self) -> None:
@@ -69,9 +84,19 @@ class FakeLink:
         self.on_lost("timed out")
 
     def answer(self, index: int) -> None:
-        step_id, _, samplers = self.sent[index]
+        """TOKEN for each request that samples; a constrained one (as an executor would, only
+        once the step's bitmask arrived) the lowest token its row allows."""
+        step_id, plan, samplers = self.sent[index]
+        tokens = [TOKEN] * len(samplers)
+        if plan.bitmask_follows:
+            mask = self.masks[step_id]
+            words = np.frombuffer(mask.token_bitmask, np.int32).reshape(len(mask.req_ids), -1)
+            for rid, row in zip(mask.req_ids, words, strict=True):
+                bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+                tokens[samplers.index(rid)] = int(np.flatnonzero(bits)[0])
+        self.events.append(("result", step_id))
         self.results.put_nowait(pb.StepResult(step_id=step_id, req_ids=samplers,
-                                              sampled_token_ids=[TOKEN] * len(samplers)))
+                                              sampled_token_ids=tokens))
 
     async def wait_sent(self, n: int) -> None:
         while len(self.sent) < n:
@@ -178,6 +203,66 @@ def test_an_executor_joining_mid_step_gets_the_requests_recomputed():
         link.answer(2)
         got = await collect(stream)
         assert (got.token_ids, got.finish_reason) == ([TOKEN, TOKEN], "length")
+        await engine.close()
+
+    run(main())
+
+
+# a toy vocabulary of CAP's 100 tokens for grammars: 0 "a", 1 "b", 2 the EOS, then "c".."z"
+# and strings no regex below matches
+VOCAB = ["a", "b", "</s>", *"cdefghijklmnopqrstuvwxyz"] + [f"<{i}>" for i in range(26, 100)]
+
+
+def grammar(regex: str):
+    info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[2])
+    return xgr.GrammarCompiler(info).compile_regex(regex)
+
+
+def test_async_scheduling_plans_a_constrained_request_on_every_step():
+    """Its mask for step N+1 is filled once step N's token is back, and sent before any later
+    plan; the executor waits for it only before sampling."""
+    async def main():
+        engine, link = await started(async_scheduling=True)
+        params = GenerationParams(max_tokens=5, temperature=0)
+        json_ = engine.submit("c", [10] * 3, params, grammar=grammar("b[ab]*"))
+        plain = engine.submit("p", [11] * 3, params)
+        for i in range(5):  # step 5 samples the last tokens: nothing is planned behind it
+            await link.wait_sent(min(i + 2, 5))
+            link.answer(i)
+        got = [await collect(s) for s in (json_, plain)]
+        assert [(c.token_ids, c.finish_reason) for c in got] == \
+            [([1, 0, 0, 0, 0], "length"), ([TOKEN] * 5, "length")]
+        # both sample in each of the five steps: the constrained one is never skipped
+        assert [samplers for _, _, samplers in link.sent[:5]] == [[1, 2]] * 5
+        assert [p.bitmask_follows for _, p, _ in link.sent] == [True] * 5 + [False]
+        assert [list(link.masks[s].req_ids) for s in range(1, 6)] == [[1]] * 5
+        # step 1's mask at once (nothing in flight); step N+1's after N's result, before any
+        # later plan; step 6 only tells the executor that both finished
+        assert link.events == [("plan", 1), ("mask", 1), ("plan", 2),
+                               *[e for n in range(1, 4)
+                                 for e in (("result", n), ("mask", n + 1), ("plan", n + 2))],
+                               ("result", 4), ("mask", 5), ("result", 5), ("plan", 6)]
+        engine.scheduler.check_idle(full=True)
+        await engine.close()
+
+    run(main())
+
+
+def test_a_step_whose_constrained_requests_ended_still_gets_its_mask_message():
+    """Aborted after step 2 was planned, before step 1's result: the executor waits for step
+    2's mask all the same, so it comes, with no rows."""
+    async def main():
+        engine, link = await started(async_scheduling=True)
+        stream = engine.submit("c", [10] * 3, GenerationParams(max_tokens=5, temperature=0),
+                               grammar=grammar("[ab]+"))
+        await link.wait_sent(2)
+        engine.abort(stream)
+        link.answer(0)
+        await link.wait_sent(3)
+        assert list(link.masks[2].req_ids) == [] and link.masks[2].token_bitmask == b""
+        assert link.events[:5] == [("plan", 1), ("mask", 1), ("plan", 2), ("result", 1),
+                                   ("mask", 2)]
+        assert list(link.sent[2][1].finished_req_ids) == [1]
         await engine.close()
 
     run(main())

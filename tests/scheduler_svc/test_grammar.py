@@ -1,6 +1,5 @@
 """The scheduler's side of structured outputs: the grammar cache and compile thread, matchers
-advancing with the tokens, the end when a match is whole, and async scheduling's rule that a
-constrained request is not planned ahead of its own token."""
+advancing with the tokens, the end when a match is whole, and the batched fill."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import xgrammar as xgr
 from pagedserve.scheduler.grammar import Grammars
 from pagedserve.scheduler.inputs import InvalidRequest
 from pagedserve.scheduler.request import Constraint, GenerationParams, Request
-from tests.scheduler_svc.test_scheduler import make, plan
+from tests.scheduler_svc.test_scheduler import make
 
 VOCAB = ["a", "b", "c", "</s>"]  # a toy vocabulary: token 3 is EOS
 EOS = 3
@@ -70,24 +69,10 @@ def test_a_token_the_grammar_refuses_ends_the_request():
     assert 1 not in s.requests
 
 
-def test_async_planning_skips_a_constrained_request_until_its_token_is_back():
-    s = make()
-    free = Request(2, "r2", 2, [5, 6], GenerationParams(max_tokens=10), arrival_seq=2)
-    s.add(constrained(1, "[ab]+"))
-    s.add(free)
-    out1 = s.schedule()
-    s.expect_tokens(out1)
-    out2 = s.schedule(ahead=True)
-    assert [p[1] for p in plan(out2)] == [2]  # 1's mask needs the token step 1 samples
-    s.expect_tokens(out2)
-    s.update([1, 2], [0, 9])
-    out3 = s.schedule(ahead=True)
-    assert [p[1] for p in plan(out3)] == [1, 2]
-
-
 @pytest.fixture
 def grammars(tokenizer):
-    g = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], cache_size=2)
+    g = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], cache_size=2,
+                 fill_threads=3)
     yield g
     g.close()
 
@@ -147,3 +132,22 @@ def test_fill_gives_the_matchers_allowed_tokens(grammars, tokenizer):
     assert len(bits) == (len(tokenizer) + 31) // 32
     allowed = {t for t in range(len(tokenizer)) if (int(bits[t // 32]) >> (t % 32)) & 1}
     assert {tokenizer.decode([t]) for t in allowed} == {"y", "ye", "yes", "n", "no"}
+
+
+def test_the_batched_fill_gives_each_row_its_own_matchers_mask(grammars, tokenizer):
+    """Rows in different states, on several threads: each the same as one matcher's own
+    fill."""
+    async def run():
+        return [await grammars.compile(Constraint("regex", r)) for r in ("[0-9]+", "x|y")]
+
+    digits, xy = asyncio.run(run())
+    ms = [grammars.matcher(g) for g in (digits, xy, digits, xy, digits)]
+    assert ms[2].accept_token(tokenizer.encode("7")[0])
+    words = grammars.words
+    batched = np.frombuffer(grammars.fill(ms), np.int32).reshape(len(ms), words)
+    for m, row in zip(ms, batched, strict=True):
+        one = xgr.allocate_token_bitmask(1, len(tokenizer))
+        m.fill_next_token_bitmask(one, 0)
+        assert np.array_equal(row, one[0].numpy())
+    assert not np.array_equal(batched[0], batched[1])
+    assert grammars.fill([]) == b""
