@@ -7,6 +7,8 @@
 #   env       GPU, CPU count, package versions, where pagedserve imports from
 #   tests     GPU tests of CUDA graphs and of the model against HF (tests/executor_svc)
 #   kernels   every kernel test on the GPU (tests/kernels)
+#   fp8kv     the FP8 KV-cache kernel tests on the GPU, then decode attention at batch 64 x 8k
+#             (8B shapes) over an FP8 cache beside bf16 (benchmarks/kernels/bench_fp8_kv.py)
 #   overhead  host cost per step with a stub model: step_overhead at 16, 64, 256 running
 #   w1        W1 on 1B and 8B beside HF generate bs256: output tok/s, roofline fraction
 #   w1cb      W1 on 1B, throughput settings + async, beside HF generate bs256 and HF CB
@@ -175,6 +177,10 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         tests/executor_svc/test_model_gpu.py 2>&1 | tee $B/pytest_gpu.log | tail -15 ;;
     kernels)
       python3 -m pytest -q -rs tests/kernels 2>&1 | tee $B/pytest_kernels.log | tail -8 ;;
+    fp8kv)
+      python3 -m pytest -q -rs -k fp8 tests/kernels/test_kv_cache.py \
+        tests/kernels/test_paged_attention.py 2>&1 | tee $B/pytest_fp8kv.log | tail -8
+      python3 benchmarks/kernels/bench_fp8_kv.py 2>&1 | tee -a $B/fp8kv.log | tail -4 ;;
     overhead)
       python3 -m benchmarks.step_overhead --running 16 64 256 2>&1 | quiet 5 ;;
     w1) for m in M1 M8; do tp W1 $m --hf generate:256; done ;;

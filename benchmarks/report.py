@@ -234,11 +234,13 @@ def w4a16_section(records: list[dict]) -> list[str]:
 
 
 def perplexity_section(records: list[dict]) -> list[str]:
+    # records before the FP8 KV cache ran over a float cache ("auto")
     rows = [[when(r), r["commit"], r["model"], r["method"], num(r["group_size"], "d")
-             if r["group_size"] else "-", num(r["ppl"], ".3f"), r["tokens"]] for r in records]
-    return ["## Perplexity of quantized weights", "",
-            *table(["recorded (UTC)", "commit", "model", "method", "group", "ppl", "tokens"],
-                   rows), ""]
+             if r["group_size"] else "-", r.get("kv_cache_dtype", "auto"), num(r["ppl"], ".3f"),
+             r["tokens"]] for r in records]
+    return ["## Perplexity of quantized weights and KV cache", "",
+            *table(["recorded (UTC)", "commit", "model", "method", "group", "kv cache", "ppl",
+                    "tokens"], rows), ""]
 
 
 def plots(throughput: list[dict], serve: list[dict]) -> list[str]:

@@ -40,6 +40,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="random: random weights for the model's config (benchmarks)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="auto: triton on CUDA, torch on CPU")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="auto: the model's dtype; fp8: float8 e4m3 with a scale per layer for "
+                        "K and for V (the checkpoint's k_scale/v_scale, else 1.0): twice the "
+                        "tokens per GiB")
     p.add_argument("--quantization", choices=["auto", "none", "awq", "gptq", "fp8"],
                    default="auto",
                    help="awq, gptq: 4-bit weights; fp8: FP8 weights and activations (a float "

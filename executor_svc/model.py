@@ -6,6 +6,7 @@ attention metadata says which rows belong to which sequence and where their KV l
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,9 @@ from pagedserve.executor.quantization import Fp8Linear, QuantConfig, Quantizatio
 Ops = Any  # the namespace kernels.get_ops() returns
 _PACKED_ALONG_N = (".qweight", ".scales", ".zeros")  # fused parts concatenate along dim 1
 _FP8_SCALES = (".weight_scale", ".input_scale")  # one per output row (quantization/fp8.py)
+# FP8 KV-cache scales as checkpoints name them (vLLM's loader reads the same): k_scale/v_scale,
+# an older kv_scale for both, compressed-tensors' k_proj/v_proj output_scale
+_KV_SCALE = re.compile(r"^layers\.(\d+)\.self_attn\.(k|v|kv)(?:_scale|_proj\.output_scale)$")
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, quant: QuantConfig | None,
@@ -78,6 +82,10 @@ class Attention(nn.Module):
         self.o_proj = make_linear(self.h * self.d, cfg.hidden_size, False, quant, ops)
         self.scale = self.d**-0.5
         self.ops, self.cfg = ops, cfg
+        # an FP8 cache stores K / k_scale and V / v_scale (the checkpoint's, else vLLM's 1.0);
+        # other caches ignore them. Plain floats: CUDA graphs capture them as kernel arguments.
+        self.k_scale, self.v_scale = 1.0, 1.0
+        self.kv_scales_loaded = False
 
     def forward(
         self,
@@ -94,10 +102,12 @@ class Attention(nn.Module):
             positions, q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), cos_sin
         )
         k_cache, v_cache = kv_cache
-        self.ops.write_kv_cache(k, v.view(t, self.hkv, self.d), k_cache, v_cache, meta.slot_mapping)
+        self.ops.write_kv_cache(k, v.view(t, self.hkv, self.d), k_cache, v_cache,
+                                meta.slot_mapping, self.k_scale, self.v_scale)
         o = self.ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            k_scale=self.k_scale, v_scale=self.v_scale,
         )
         return tp.all_reduce(self.o_proj(o.reshape(t, self.h * self.d)), self.cfg)
 
@@ -182,6 +192,32 @@ class LlamaForCausalLM(nn.Module):
         """logits of hidden's rows (with tensor parallelism every rank calls this alike)."""
         return self.logits(hidden[rows])
 
+    def kv_scales_summary(self) -> str:
+        attn = [layer.self_attn for layer in self.layers]
+        loaded = sum(a.kv_scales_loaded for a in attn)
+        if not loaded:
+            return "no k_scale/v_scale in the checkpoint: scales 1.0 (vLLM's default)"
+        ks, vs = [a.k_scale for a in attn], [a.v_scale for a in attn]
+        return (f"scales of {loaded}/{len(attn)} layers from the checkpoint (k {min(ks):.4g}.."
+                f"{max(ks):.4g}, v {min(vs):.4g}..{max(vs):.4g}), others 1.0")
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Takes an FP8 KV-cache scale (per tensor; a per-head one counts as its largest, which
+        saturates no head); False for any other weight."""
+        m = _KV_SCALE.match(name)
+        if m is None:
+            return False
+        value = float(tensor.float().max())
+        if not 0.0 < value < float("inf"):
+            raise ValueError(f"{name}: an FP8 KV scale must be positive and finite, got {value}")
+        attn = self.layers[int(m.group(1))].self_attn
+        if m.group(2) in ("k", "kv"):
+            attn.k_scale = value
+        if m.group(2) in ("v", "kv"):
+            attn.v_scale = value
+        attn.kv_scales_loaded = True
+        return True
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up projections. Quantized modules come
         already converted (quantization.convert_checkpoint): their parts fuse along N. With
@@ -193,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or self._load_kv_scale(name, tensor):
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue

@@ -2,7 +2,8 @@
 
 The scheduler decides what moves where; this copies. Layout mirrors the device cache:
 per layer, K and V tensors of [num_swap_blocks, block_size, num_kv_heads, head_dim], pinned when
-the device is a GPU so that copies run at full PCIe speed.
+the device is a GPU so that copies run at full PCIe speed. Blocks move as raw bytes (uint8
+views), so an FP8 cache swaps like any other: torch has no CPU index_copy_ for float8 dtypes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ class SwapSpace:
         self.num_blocks = num_blocks
         pin = bool(like) and like[0][0].is_cuda
         self.host = [
-            tuple(torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+            tuple(torch.empty((num_blocks, *_raw(t).shape[1:]), dtype=torch.uint8,
+                              pin_memory=pin)
                   for t in layer)
             for layer in like
         ] if num_blocks > 0 else []
@@ -29,7 +31,7 @@ class SwapSpace:
         dst_t = torch.tensor(dst)
         for dev_layer, host_layer in zip(device_kv, self.host, strict=True):
             for dev, host in zip(dev_layer, host_layer, strict=True):
-                host.index_copy_(0, dst_t, dev.index_select(0, src_t).cpu())
+                host.index_copy_(0, dst_t, _raw(dev).index_select(0, src_t).cpu())
 
     def swap_in(self, device_kv: list[tuple[torch.Tensor, torch.Tensor]], src: list[int],
                 dst: list[int]) -> None:
@@ -41,5 +43,10 @@ class SwapSpace:
         dst_t = torch.tensor(dst, device=device)
         for dev_layer, host_layer in zip(device_kv, self.host, strict=True):
             for dev, host in zip(dev_layer, host_layer, strict=True):
-                dev.index_copy_(0, dst_t, host.index_select(0, src_t).to(device,
-                                                                         non_blocking=True))
+                _raw(dev).index_copy_(0, dst_t, host.index_select(0, src_t).to(
+                    device, non_blocking=True))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes: [N, BS, Hkv, D * itemsize] uint8, a view (the cache is contiguous)."""
+    return t.view(torch.uint8)

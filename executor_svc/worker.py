@@ -52,6 +52,7 @@ class ExecutorConfig:
     enforce_eager: bool = False  # CUDA: no graphs, every step launches its kernels eagerly
     attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
     quantization: str = "auto"  # "auto" (config.json's), "none", "awq", "gptq", "fp8"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3, scales per layer)
     tensor_parallel_size: int = 1  # ranks of the group (executor_svc/distributed.py)
     tensor_parallel_rank: int = 0  # this process's rank: its share of the model and KV cache
 
@@ -73,6 +74,21 @@ def resolve_step_bounds(cfg: ExecutorConfig, device: torch.device) -> ExecutorCo
         seqs, tokens = step_bounds(device.type)
     return replace(cfg, max_num_seqs=cfg.max_num_seqs or seqs,
                    max_num_batched_tokens=cfg.max_num_batched_tokens or tokens)
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device,
+                     backend: str) -> torch.dtype:
+    """The KV cache's element type for --kv-cache-dtype `name` (ValueError: cannot be used)."""
+    if name == "auto":
+        return dtype
+    if name != "fp8":
+        raise ValueError(f"kv cache dtype must be auto or fp8, got {name!r}")
+    if device.type == "cuda" and backend == "triton" and \
+            torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError("--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or newer "
+                         f"(Ada, Hopper), for Triton's e4m3 casts; {device} is "
+                         f"{torch.cuda.get_device_name(device)}")
+    return torch.float8_e4m3fn
 
 
 def load_ops(backend: str) -> SimpleNamespace:
@@ -101,6 +117,7 @@ class Worker:
         if backend not in ("torch", "triton"):
             raise ValueError(f"attention backend must be auto, torch or triton, got {backend!r}")
         self.backend = backend
+        self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype, self.device, backend)
         if cfg.load_format not in ("auto", "random"):
             raise ValueError(f"load format must be auto or random, got {cfg.load_format!r}")
         self.model_cfg = ModelConfig.from_pretrained(cfg.model).for_rank(
@@ -112,6 +129,8 @@ class Worker:
             model = build_model(self.model_cfg, load_ops(backend), self.dtype, self.device,
                                 max_len, weights, quant=quant)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if self.kv_dtype == torch.float8_e4m3fn:
+            log.info("FP8 KV cache: %s", model.kv_scales_summary())
         log.info("model weights: %.2f GiB on %s%s", self.weight_bytes / GiB, self.device,
                  f" ({quant.describe()})" if quant else "")
         self.block_size = cfg.block_size
@@ -125,7 +144,7 @@ class Worker:
 
             self.num_blocks = min_over_ranks(self.num_blocks, self.device)
         if self.num_blocks < 1:
-            per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.dtype.itemsize)
+            per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.kv_dtype.itemsize)
             raise MemoryBudgetError(
                 f"--kv-cache-gib {cfg.kv_cache_bytes / GiB:.3g} holds no KV block of "
                 f"{per_block} bytes; raise --kv-cache-gib")
@@ -142,14 +161,14 @@ class Worker:
         shape = (self.num_blocks, cfg.block_size, self.model_cfg.num_kv_heads,
                  self.model_cfg.head_dim)
         # uninitialised on purpose: attention never reads a slot before it is written
-        kv = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-               torch.empty(shape, dtype=self.dtype, device=self.device))
+        kv = [(torch.empty(shape, dtype=self.kv_dtype, device=self.device),
+               torch.empty(shape, dtype=self.kv_dtype, device=self.device))
               for _ in range(self.model_cfg.num_layers)]
-        per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.dtype.itemsize)
-        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%d sequences of "
+        per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.kv_dtype.itemsize)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s (%d sequences of "
                  "max_model_len %d at once)", self.num_blocks, cfg.block_size, capacity_tokens,
-                 self.num_blocks * per_block / GiB, capacity_tokens // self.max_model_len,
-                 self.max_model_len)
+                 self.num_blocks * per_block / GiB, dtype_str(self.kv_dtype),
+                 capacity_tokens // self.max_model_len, self.max_model_len)
         self.swap = SwapSpace(cfg.swap_space_bytes // per_block, kv)
         self.runner = ModelRunner(model, kv, cfg.block_size, self.device, self.sampler,
                                   self.swap, self.counts)
@@ -165,7 +184,7 @@ class Worker:
             # the bounds its memory profile and graphs cover (CPU: 0, unbounded)
             max_num_batched_tokens=cfg.max_num_batched_tokens if on_cuda else 0,
             max_num_seqs=cfg.max_num_seqs if on_cuda else 0,
-            weight_bytes=self.weight_bytes,
+            weight_bytes=self.weight_bytes, kv_cache_dtype=dtype_str(self.kv_dtype),
         )
         self._memory_at, self._memory = 0.0, (0, 0)
         log.info("executor ready: %d KV blocks of %d tokens, max_model_len %d, %s on %s (%s)",
@@ -221,7 +240,8 @@ class Worker:
     def _num_blocks(self, cfg: ExecutorConfig, model: LlamaForCausalLM, max_len: int) -> int:
         if cfg.num_kv_blocks > 0:
             return cfg.num_kv_blocks
-        per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.dtype.itemsize)
+        # the cache's own element size: an FP8 cache holds twice the tokens of a bf16 one
+        per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.kv_dtype.itemsize)
         if self.device.type != "cuda":
             return cfg.kv_cache_bytes // per_block
         with phase(f"profiling memory of a {cfg.max_num_batched_tokens}-token step"):
@@ -270,8 +290,8 @@ class Worker:
         cu_q = np.zeros(seqs + 1, np.int64)
         np.cumsum(q_lens, out=cu_q[1:])
         shape = (1, self.block_size, mc.num_kv_heads, mc.head_dim)
-        kv = [(torch.zeros(shape, dtype=self.dtype, device=dev),
-               torch.zeros(shape, dtype=self.dtype, device=dev)) for _ in range(mc.num_layers)]
+        kv = [(torch.zeros(shape, dtype=self.kv_dtype, device=dev),
+               torch.zeros(shape, dtype=self.kv_dtype, device=dev)) for _ in range(mc.num_layers)]
         width = -(-int(q_lens.max()) // self.block_size)
         positions = np.concatenate([np.arange(n) for n in q_lens.tolist()])
         meta = AttentionMetadata(
@@ -321,6 +341,10 @@ def budget_message(cfg: ExecutorConfig, used: int, peak: int, graph_peak: int, t
             f"raise --gpu-memory-utilization")
 
 
+def dtype_str(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _memory_of(device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -345,6 +369,7 @@ def executor_config(args: argparse.Namespace, rank: int, size: int, device: str)
         swap_space_bytes=int(args.swap_space_gib * (1 << 30)),
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager, tensor_parallel_size=size, tensor_parallel_rank=rank,
     )

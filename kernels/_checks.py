@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# An FP8 KV cache (--kv-cache-dtype fp8) stores e4m3 with a scale per layer for K and for V:
+# stored = saturate(x / scale) to +-FP8_MAX, read back as stored * scale.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+KV_DTYPES = (*FLOAT_DTYPES, FP8_KV_DTYPE)
 
 
 def check_tensor(

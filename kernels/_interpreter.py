@@ -1,4 +1,4 @@
-"""A fix for Triton's CPU interpreter (TRITON_INTERPRET=1), used by the tests and by the GPU
+"""Fixes for Triton's CPU interpreter (TRITON_INTERPRET=1), used by the tests and by the GPU
 benchmarks' CPU smoke runs. The service itself never runs Triton on a CPU (torch backend)."""
 
 from __future__ import annotations
@@ -7,9 +7,11 @@ from __future__ import annotations
 def fix_interpreter_index() -> None:
     """Triton 3.6's interpreter holds scalars as shape-(1,) arrays and converts them with
     int(), which numpy >= 2.4 rejects, so `range(runtime_bound)` fails inside kernels (e.g. the
-    split-K loop of kernels/w4a16.py). Convert via the single element instead. Idempotent."""
+    split-K loop of kernels/w4a16.py). Convert via the single element instead. Idempotent.
+    Also applies fix_interpreter_fp8()."""
     import triton.runtime.interpreter as interp
 
+    fix_interpreter_fp8()
     orig = interp._patch_lang_tensor
     if getattr(orig, "_pagedserve_fixed", False):
         return
@@ -20,3 +22,29 @@ def fix_interpreter_index() -> None:
 
     patched._pagedserve_fixed = True
     interp._patch_lang_tensor = patched
+
+
+def fix_interpreter_fp8() -> None:
+    """The interpreter's float -> float8e4nv cast (triton 3.6 to 3.9, `_convert_float`) rounds
+    by adding the first cut-off bit to the 3-bit mantissa without carrying into the exponent:
+    125.2 becomes 64, not 128, whenever the exponent is odd. The GPU's cvt.rn.satfinite rounds
+    to nearest even; so does torch's cast, which this routes fp32 -> e4m3fn through (the
+    kernels clamp to +-448 first, so saturation never differs). Loads of fp8 (the upcast) are
+    exact in the interpreter and stay as they are. Idempotent."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    orig = interp._convert_float
+    if getattr(orig, "_pagedserve_fixed", False):
+        return
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype == tl.float8e4nv:
+            x = torch.from_numpy(np.ascontiguousarray(input).view(np.float32))
+            return x.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(input.shape)
+        return orig(input, input_dtype, output_dtype, rounding_mode)
+
+    convert._pagedserve_fixed = True
+    interp._convert_float = convert

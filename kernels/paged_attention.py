@@ -12,6 +12,10 @@ launches of the same kernel, each skipping the sequences that belong to the othe
   sequence by binary search and exits if its block is empty.
 
 So decode rows keep their small, fast config even when a prefill shares the step.
+
+An FP8 cache (float8_e4m3fn) is read as stored * scale: K and V tiles are widened to q's dtype
+(exact: every e4m3 value is a bf16/fp16 value) and the dots run as for a bf16 cache; k_scale
+folds into the softmax scale and v_scale into the output, so no tile is multiplied.
 """
 
 from __future__ import annotations
@@ -23,7 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels._checks import FLOAT_DTYPES, check_inner_contiguous, check_out, check_tensor
+from pagedserve.kernels._checks import (
+    FLOAT_DTYPES,
+    FP8_KV_DTYPE,
+    check_inner_contiguous,
+    check_out,
+    check_tensor,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -59,7 +69,7 @@ def _attend_tile(
     k_ptrs = k_base + (blk * stride_kb + slot_in * stride_ks)[:, None] + offs_d[None, :]
     v_ptrs = v_base + (blk * stride_vb + slot_in * stride_vs)[:, None] + offs_d[None, :]
     k = tl.load(k_ptrs, mask=k_ok[:, None], other=0.0) if MASK else tl.load(k_ptrs)
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, TILE_N], log2 domain
+    s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale  # [BLOCK_M, TILE_N], log2 domain
     if MASK:
         keep = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         s = tl.where(keep, s, float("-inf"))
@@ -70,7 +80,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0) if MASK else tl.load(v_ptrs)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i, acc
 
 
@@ -83,7 +93,7 @@ def _attend_tile(
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    qk_scale, num_seqs, num_heads, num_splits, min_q_len,
+    qk_scale, v_scale, num_seqs, num_heads, num_splits, min_q_len,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -146,6 +156,7 @@ def _paged_attn_kernel(
             q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d,
             stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, BLOCK_SIZE, TILE_N, True)
 
+    acc = acc * v_scale  # 1.0 unless the cache is FP8
     if SPLIT:  # partial rows are seq * BLOCK_Q + tok (PER_SEQ only), not token rows
         part_row = (seq * BLOCK_Q + tok).to(tl.int64)
         idx = (part_row * num_heads + head) * num_splits + split
@@ -225,8 +236,8 @@ def _pick_num_splits(programs: int, device: torch.device, max_seq_len: int, tile
 def _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> None:
     check_tensor("q", q, 3, FLOAT_DTYPES)
     dev = q.device
-    check_tensor("k_cache", k_cache, 4, (q.dtype,), dev)
-    check_tensor("v_cache", v_cache, 4, (q.dtype,), dev)
+    check_tensor("k_cache", k_cache, 4, (q.dtype, FP8_KV_DTYPE), dev)
+    check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), dev)
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -264,6 +275,8 @@ def paged_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,  # None: split the context only when programs are few
     out: torch.Tensor | None = None,  # [T, H, D], q's dtype
+    k_scale: float = 1.0,  # FP8 caches only: keys read as stored * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Same contract as kernels.reference.paged_attention.
 
@@ -293,18 +306,23 @@ def paged_attention(
                                           short.tile_n)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if k_cache.dtype != FP8_KV_DTYPE:
+        k_scale = v_scale = 1.0
+    elif not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"FP8 KV scales must be > 0, got k_scale {k_scale}, v_scale {v_scale}")
     args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
-    launch(*args, short, per_seq=True, num_splits=num_splits)
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    launch(*args, short, per_seq=True, num_splits=num_splits, **scales)
     short_q = short.block_m // group
     if max_query_len > short_q:
         launch(*args, long_config(max_query_len, group, q.dtype), per_seq=False,
-               min_q_len=short_q + 1)
+               min_q_len=short_q + 1, **scales)
     return out
 
 
 def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float,
            out: torch.Tensor, cfg: Config, *, per_seq: bool, num_splits: int = 1,
-           min_q_len: int = 0) -> None:
+           min_q_len: int = 0, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """One launch with an explicit config over checked arguments (benchmarks sweep this).
 
     per_seq=True handles only sequences with q_len <= cfg.block_m // group (and may split the
@@ -330,7 +348,7 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: flo
     _paged_attn_kernel[(grid0, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
         out, part_m, part_l, part_acc,
-        scale * _LOG2E, num_seqs, num_heads, num_splits, min_q_len,
+        scale * _LOG2E * k_scale, float(v_scale), num_seqs, num_heads, num_splits, min_q_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),

@@ -161,7 +161,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             model=self.model_name, max_model_len=cap.max_model_len, vocab_size=cap.vocab_size,
             block_size=cap.block_size, num_kv_blocks=cap.num_kv_blocks,
             eos_token_ids=sorted(self.engine.eos_token_ids), dtype=cap.dtype, device=cap.device,
-            attention_backend=cap.attention_backend,
+            attention_backend=cap.attention_backend, kv_cache_dtype=cap.kv_cache_dtype,
         )
 
 

@@ -107,7 +107,7 @@ class Telemetry:
         m = self.metrics
         m.cache_config.clear()  # the previous executor's
         m.cache_config.labels(m.model_name, cap.block_size, cap.num_kv_blocks,
-                              cap.num_swap_blocks, cap.dtype, prefix_caching).set(1)
+                              cap.num_swap_blocks, cap.kv_cache_dtype, prefix_caching).set(1)
         m.total_blocks.set(cap.num_kv_blocks)
         m.kv_capacity_tokens.set(cap.num_kv_blocks * cap.block_size)
         m.weight_bytes.set(cap.weight_bytes)

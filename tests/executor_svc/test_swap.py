@@ -23,3 +23,23 @@ def test_no_swap_space_is_a_no_op():
     swap = SwapSpace(0, [])
     swap.swap_out([], [], [])
     assert swap.num_blocks == 0
+
+
+def test_fp8_blocks_round_trip_bit_for_bit():
+    # torch has no CPU index_copy_ for float8: the swap space moves the blocks' bytes
+    g = torch.Generator().manual_seed(1)
+    kv = [tuple((torch.randn(6, 4, 2, 8, generator=g) * 100).to(torch.float8_e4m3fn)
+                for _ in range(2)) for _ in range(2)]
+    saved = [(k[[1, 4]].view(torch.uint8).clone(), v[[1, 4]].view(torch.uint8).clone())
+             for k, v in kv]
+    swap = SwapSpace(5, kv)
+    swap.swap_out(kv, src=[1, 4], dst=[3, 0])
+    for k, v in kv:
+        k.view(torch.uint8).fill_(0x7F)  # NaN
+        v.view(torch.uint8).fill_(0x7F)
+    swap.swap_in(kv, src=[3, 0], dst=[5, 2])
+    for (k, v), (k_want, v_want) in zip(kv, saved, strict=True):
+        assert k.dtype == torch.float8_e4m3fn
+        assert torch.equal(k[[5, 2]].view(torch.uint8), k_want)
+        assert torch.equal(v[[5, 2]].view(torch.uint8), v_want)
+        assert (k[0].view(torch.uint8) == 0x7F).all()

@@ -64,3 +64,59 @@ def test_cuda_large(dtype):
     write_kv_cache(key, value, k_out, v_out, slots)
     torch.testing.assert_close(k_out, k_ref, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(v_out, v_ref, rtol=0, atol=0, equal_nan=True)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.37, 2.5)])
+def test_fp8_matches_reference_bits(device, dtype, scales):
+    key, value, _, slots = _case(37, 2, 64, 16, dtype, device, 4)
+    # spread over every e4m3 binade, past the +-448 saturation and into subnormals
+    key.mul_(torch.logspace(-4, 3, 64, device=device).to(dtype))
+    value.mul_(300)
+    cache = torch.full((8, 16, 2, 64), 0x7F, dtype=torch.uint8, device=device).view(FP8)  # NaN
+    k_ref, v_ref, k_out, v_out = (cache.clone() for _ in range(4))
+    reference.write_kv_cache(key, value, k_ref, v_ref, slots, *scales)
+    write_kv_cache(key, value, k_out, v_out, slots, *scales)
+    assert torch.equal(_bits(k_out), _bits(k_ref))
+    assert torch.equal(_bits(v_out), _bits(v_ref))
+    written = _bits(k_out) != 0x7F
+    assert written.sum().item() == (slots >= 0).sum().item() * 2 * 64
+    # the reference is what its docstring says: x / scale saturated and rounded to e4m3
+    flat = k_ref.view(-1, 2, 64)[slots[slots >= 0]].float()
+    want = (key[slots >= 0].float() / scales[0]).clamp(-448, 448)
+    assert flat.abs().max().item() == 448.0
+    assert torch.equal(flat, want.to(FP8).float())
+    assert ((flat - want).abs() <= want.abs() / 16 + 2**-10).all()  # 3 mantissa bits
+
+
+def test_fp8_rejects_bad_scale(device):
+    key, value, _, slots = _case(5, 2, 64, 16, torch.float32, device, 5)
+    cache = torch.zeros((8, 16, 2, 64), dtype=FP8, device=device)
+    with pytest.raises(ValueError, match="scales must be > 0"):
+        write_kv_cache(key, value, cache, cache.clone(), slots, 0.0, 1.0)
+    with pytest.raises(ValueError):  # K and V caches of different dtypes
+        write_kv_cache(key, value, cache, cache.float(), slots)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_fp8_large(dtype):
+    gen = torch.Generator().manual_seed(6)
+    n_tok, hkv, d, bs, n_blocks = 4000, 8, 128, 16, 300
+    key = (torch.randn(n_tok, hkv, d, generator=gen) * 100).to("cuda", dtype)
+    value = (torch.randn(n_tok, hkv, d, generator=gen) * 0.01).to("cuda", dtype)
+    slots = torch.randperm(n_blocks * bs, generator=gen)[:n_tok].cuda()
+    slots[7::9] = -1
+    cache = torch.zeros((n_blocks, bs, hkv, d), dtype=FP8, device="cuda")
+    k_ref, v_ref, k_out, v_out = (cache.clone() for _ in range(4))
+    reference.write_kv_cache(key, value, k_ref, v_ref, slots, 0.3, 0.002)
+    write_kv_cache(key, value, k_out, v_out, slots, 0.3, 0.002)
+    assert torch.equal(_bits(k_out), _bits(k_ref))
+    assert torch.equal(_bits(v_out), _bits(v_ref))

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from kernel_utils import make_paged_batch, rel_err
@@ -98,6 +100,57 @@ def test_rejects_misuse(device):
         paged_attention(*args, 0.1, out=torch.empty(1, device=device))
 
 
+def _to_fp8(batch, k_scale: float, v_scale: float):
+    """batch with its caches stored as the FP8 cache stores them (NaN slots stay NaN)."""
+    return replace(batch, k_cache=reference.quantize_fp8(batch.k_cache, k_scale),
+                   v_cache=reference.quantize_fp8(batch.v_cache, v_scale))
+
+
+def _check_fp8(batch, scale: float, k_scale: float, v_scale: float, tol: float, **kw) -> None:
+    """Kernel on an FP8 cache against the reference on the same cache; and the reference's
+    FP8 read against attention over the dequantized values in float32 (its definition)."""
+    b8 = _to_fp8(batch, k_scale, v_scale)
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    out = _run(b8, scale, **kw, **scales)
+    assert not out.isnan().any(), "unwritten or NaN-polluted output rows"
+    ref = reference.paged_attention(b8.q.float(), *b8.args()[1:], scale, **scales)
+    err = rel_err(out, ref)
+    assert err < tol, err
+    deq = replace(b8, q=b8.q.float(), k_cache=b8.k_cache.float() * k_scale,
+                  v_cache=b8.v_cache.float() * v_scale)
+    assert rel_err(ref, _ref(deq, scale)) < 1e-6
+    # FP8 storage moved the result, but only by e4m3's rounding (3 mantissa bits)
+    exact = _ref(batch, scale)
+    assert 1e-4 < rel_err(ref, exact) < 0.1
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 3.0)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_cache_mixed_batch(device, scales, num_splits):
+    batch = make_paged_batch(MIXED_Q, MIXED_CTX, 8, 2, 64, 16, DTYPE, device, seed=21)
+    _check_fp8(batch, 0.125, *scales, TOL, num_splits=num_splits)
+
+
+def test_fp8_cache_long_prefill(device):
+    batch = make_paged_batch([1, 70, 1], [9, 90, 65], 4, 2, 64, 32, DTYPE, device, seed=22)
+    _check_fp8(batch, 0.125, 0.5, 0.25, TOL)
+
+
+def test_fp8_cache_decode_split(device):
+    ctxs = [1, 17, 200]
+    batch = make_paged_batch([1] * 3, ctxs, 4, 2, 64, 16, DTYPE, device, seed=23)
+    _check_fp8(batch, 0.125, 2.0, 0.5, TOL, num_splits=4, max_query_len=1, max_seq_len=200)
+
+
+def test_fp8_scales_ignored_for_float_cache(device):
+    batch = make_paged_batch([1, 5], [9, 20], 4, 2, 64, 16, DTYPE, device, seed=24)
+    a = _run(batch, 0.125)
+    b = _run(batch, 0.125, k_scale=3.0, v_scale=7.0)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="scales must be > 0"):
+        _run(_to_fp8(batch, 1.0, 1.0), 0.125, k_scale=-1.0)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -112,3 +165,17 @@ def test_cuda_llama_shapes(dtype, block_size):
                               torch.device("cuda"), seed=2)
     _check(decode, 128**-0.5, 1e-2)  # small batch: takes the split-context path
     _check(decode, 128**-0.5, 1e-2, num_splits=1)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_fp8_llama_shapes(dtype):
+    gen = torch.Generator().manual_seed(12)
+    q_lens = [1] * 24 + [512, 37, 300]
+    ctxs = torch.randint(1, 3000, (24,), generator=gen).tolist() + [512, 1500, 4000]
+    batch = make_paged_batch(q_lens, ctxs, 32, 8, 128, 16, dtype, torch.device("cuda"), seed=4)
+    _check_fp8(batch, 128**-0.5, 0.02, 0.03, 1e-2)
+    decode = make_paged_batch([1, 1], [5000, 20000], 32, 8, 128, 16, dtype,
+                              torch.device("cuda"), seed=5)
+    _check_fp8(decode, 128**-0.5, 1.0, 1.0, 1e-2)
+    _check_fp8(decode, 128**-0.5, 1.0, 1.0, 1e-2, num_splits=1)
