@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import repeat
 
 import numpy as np
 import torch
@@ -87,7 +86,8 @@ class ModelRunner:
         self.swap = swap or SwapSpace(0, [])
         self.block_size, self.device, self.sampler = block_size, device, sampler
         self.requests: dict[int, RequestState] = {}
-        self.row_of: dict[int, int] = {}  # req_id -> its row
+        # the held req_ids sorted, and their rows; None: to be rebuilt (requests came or went)
+        self._by_id: tuple[np.ndarray, np.ndarray] | None = None
         self.tables = BlockTableArray()
         self.cols = RowColumns(self.tables.array.shape[0])
         self.counts = counts or TokenCounts(model.cfg.vocab_size, device)
@@ -101,7 +101,7 @@ class ModelRunner:
 
     def reset(self) -> None:
         self.requests.clear()
-        self.row_of.clear()
+        self._by_id = None
         self.scoring.clear()
         self._unread.clear()
         self.tables = BlockTableArray()
@@ -148,6 +148,9 @@ class ModelRunner:
         if plan.swap_out_src or plan.swap_in_src:
             self.swap.swap_out(self.kv_caches, list(plan.swap_out_src), list(plan.swap_out_dst))
             self.swap.swap_in(self.kv_caches, list(plan.swap_in_src), list(plan.swap_in_dst))
+        if len(plan.new_requests) != len(plan.new_num_scheduled_tokens):
+            raise ValueError("the plan's new_requests and new_num_scheduled_tokens differ in "
+                             "length")
         cached = self._cached_rows(plan)  # checked before anything changes
         arrivals = []  # (count slot, token ids, prompt tokens) of new penalized requests
         new_rows = [self._admit(new, arrivals) for new in plan.new_requests]
@@ -156,31 +159,44 @@ class ModelRunner:
         if not n_new + n_cached:
             return None
         rows = np.concatenate([np.asarray(new_rows, np.int64), cached])
-        ns = np.concatenate([np.fromiter(plan.new_num_scheduled_tokens, np.int64, n_new),
-                             np.fromiter(plan.cached_num_scheduled_tokens, np.int64, n_cached)])
+        ns = np.concatenate([np.array(plan.new_num_scheduled_tokens, np.int64),
+                             np.array(plan.cached_num_scheduled_tokens, np.int64)])
         return self._run(rows, ns, plan, await_bitmask)
 
     def _cached_rows(self, plan: pb.StepPlan) -> np.ndarray:
         """The rows of the plan's cached requests, their new blocks appended; raises if one is
         not held or its computed tokens differ (nothing changed then)."""
-        ids, m = plan.cached_req_ids, len(plan.cached_req_ids)
-        rows = np.fromiter(map(self.row_of.get, ids, repeat(-1)), np.int64, m)
-        if m and rows.min() < 0:
+        ids = np.array(plan.cached_req_ids, np.int64)
+        if not (len(ids) == len(plan.cached_num_computed_tokens)
+                == len(plan.cached_num_scheduled_tokens) == len(plan.cached_num_new_blocks)):
+            raise ValueError("the plan's cached_* fields differ in length")
+        rows = self._rows_of(ids)
+        if len(rows) and rows.min() < 0:
             raise ValueError(f"request {ids[int(np.argmin(rows))]}: planned as cached, but this "
                              f"executor does not hold it")
-        starts = np.fromiter(plan.cached_num_computed_tokens, np.int64, m)
+        starts = np.array(plan.cached_num_computed_tokens, np.int64)
         if (drift := np.flatnonzero(self.cols.num_computed[rows] != starts)).size:
             i = int(drift[0])
             raise ValueError(f"request {ids[i]}: the scheduler has {starts[i]} computed tokens, "
                              f"this executor {self.cols.num_computed[rows[i]]}: the mirrors "
                              f"drifted")
-        nbs = np.fromiter(plan.cached_num_new_blocks, np.int64, m)
-        if m and nbs.any():  # a block boundary: a few rows a step
-            ends = np.cumsum(nbs).tolist()
-            new_ids = plan.cached_new_block_ids
-            for i in np.flatnonzero(nbs).tolist():
-                self.tables.append(int(rows[i]), new_ids[ends[i] - int(nbs[i]):ends[i]])
+        if plan.cached_new_block_ids:
+            self.tables.extend(rows, np.array(plan.cached_num_new_blocks, np.int64),
+                               np.array(plan.cached_new_block_ids, np.int32))
         return rows
+
+    def _rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """The rows of these request ids (-1: not held), by a binary search of the held ids,
+        sorted again only after requests came or went."""
+        if self._by_id is None:
+            held = np.flatnonzero(self.cols.req_id >= 0)
+            order = np.argsort(self.cols.req_id[held])
+            self._by_id = (self.cols.req_id[held][order], held[order])
+        sorted_ids, sorted_rows = self._by_id
+        if not len(sorted_ids):
+            return np.full(len(ids), -1, np.int64)
+        at = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
+        return np.where(sorted_ids[at] == ids, sorted_rows[at], -1)
 
     def _admit(self, new: pb.NewRequest, arrivals: list) -> int:
         """Take a new request's state and row; its row."""
@@ -195,7 +211,7 @@ class ModelRunner:
         if st.sampling.penalized:
             st.count_slot = self.counts.acquire()
             arrivals.append((st.count_slot, token_ids, st.num_prompt))
-        self.requests[new.req_id], self.row_of[new.req_id] = st, row
+        self.requests[new.req_id], self._by_id = st, None
         cols = self.cols
         cols.ensure(self.tables.array.shape[0])
         cols.req_id[row], cols.num_computed[row], cols.known[row] = (
@@ -322,11 +338,11 @@ class ModelRunner:
         # flat row, row in its launch's tokens, launch id: one copy to the device
         where = torch.from_numpy(np.stack([last[pending], cols.pending_index[rows[pending]],
                                            launch[pending]])).to(self.device)
-        sources = np.unique(launch[pending])  # one (the step before) in practice
-        if len(sources) == 1:
+        sources = launch[pending]
+        if (sources == sources[0]).all():  # one launch (the step before) in practice
             return input_ids, (where[0], self._unread[int(sources[0])][where[1]])
         flat, ids = [], []
-        for src in sources.tolist():
+        for src in np.unique(sources).tolist():
             of = where[2] == src
             flat.append(where[0][of])
             ids.append(self._unread[src][where[1][of]])
@@ -353,7 +369,7 @@ class ModelRunner:
         """Drop a request's state, its row and its token-count slot, if held."""
         self.scoring.discard(rid)
         if (st := self.requests.pop(rid, None)) is not None:
-            del self.row_of[rid]
+            self._by_id = None
             self.tables.remove(st.row)
             self.cols.clear(st.row)
             if st.count_slot >= 0:
