@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
 
-from pagedserve.core.wire import PENDING_TOKEN
-from pagedserve.executor.block_table import BlockTableArray
+from pagedserve.executor.block_table import BlockTableArray, RowColumns
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM
 from pagedserve.executor.penalties import TokenCounts
 from pagedserve.executor.prompt_logprobs import PromptLogprobs, PromptRows, score
 from pagedserve.executor.sampler import (
+    MIN_TOKENS,
+    PENALTY,
     HostLogprobs,
     SampleOutput,
     Sampler,
@@ -32,8 +32,8 @@ class Launched:
     """A step whose forward pass and sampling are queued on the device, tokens unread."""
 
     req_ids: list[int]
-    states: list[RequestState]
-    indices: list[int]  # where each state's token goes in its token_ids
+    rows: np.ndarray  # [S] the sampling requests' rows in the runner's RowColumns
+    launch_id: int  # what those rows' pending_launch holds until finish() reads the tokens
     tokens: torch.Tensor  # [S] int64 on the device
     graphed: bool
     sampled: SampleOutput | None = None  # the logprobs of the rows that asked
@@ -47,16 +47,18 @@ class Launched:
 
 @dataclass(slots=True)
 class RequestState:
-    # prompt + generated (the executor appends what it samples; PENDING_TOKEN until read back)
+    """What a request needs beyond its RowColumns scalars: only its prefill chunks, penalty
+    counts and prompt logprobs read it, never a decode step."""
+
+    # as it arrived (prompt, then what it generated before a preemption): the inputs of its
+    # prefill chunks. What it samples here is not appended: once it samples, every step it is
+    # in starts at its last token (RowColumns.last_token, or pending on the device).
     token_ids: list[int]
-    row: int  # its row in the runner's BlockTableArray (the block table, mirrored from plans)
-    num_computed: int  # tokens whose KV is in the cache
+    row: int  # its row in the runner's BlockTableArray and RowColumns
     sampling: SamplingSpec
-    num_prompt: int = 0  # of token_ids, the prompt's (penalties and min_tokens count the rest)
+    num_prompt: int
     count_slot: int = -1  # its TokenCounts slot if it uses a penalty
     prompt_logprobs: int = -1  # k alternatives per scored prompt token; -1: not asked
-    # the launched step whose token is this request's last (pending) entry, and its row there
-    pending: tuple[Launched, int] | None = None
 
 
 def sampling_spec(s: pb.Sampling) -> SamplingSpec:
@@ -84,16 +86,26 @@ class ModelRunner:
         self.swap = swap or SwapSpace(0, [])
         self.block_size, self.device, self.sampler = block_size, device, sampler
         self.requests: dict[int, RequestState] = {}
+        # the held req_ids sorted, and their rows; None: to be rebuilt (requests came or went)
+        self._by_id: tuple[np.ndarray, np.ndarray] | None = None
         self.tables = BlockTableArray()
+        self.cols = RowColumns(self.tables.array.shape[0])
         self.counts = counts or TokenCounts(model.cfg.vocab_size, device)
         self.graphs: DecodeGraphs | None = None  # set by the worker after capture (CUDA)
         self.last_step_graphed = False  # whether the last step replayed a CUDA graph
         self.scoring: set[int] = set()  # requests with prompt tokens still to score
+        # sampled tokens of launches not finished yet, by launch id (rows pending on them read
+        # their input there); ids are never reused, so a launch outliving a reset matches none
+        self._unread: dict[int, torch.Tensor] = {}
+        self._next_launch = 0
 
     def reset(self) -> None:
         self.requests.clear()
+        self._by_id = None
         self.scoring.clear()
+        self._unread.clear()
         self.tables = BlockTableArray()
+        self.cols = RowColumns(self.tables.array.shape[0])
         self.counts.reset()
 
     def execute(self, plan: pb.StepPlan, bitmask: pb.StepBitmask | None = None
@@ -103,20 +115,24 @@ class ModelRunner:
         return self.finish(launched) if launched is not None else ([], [])
 
     def finish(self, launched: Launched) -> tuple[list[int], list[int]]:
-        """Wait for a launched step's tokens and put them in place of its pending entries."""
+        """Wait for a launched step's tokens; they become the last token of the rows still
+        pending on it (a row in a later launch since waits for that one's)."""
         if launched.ready is not None:  # waits for this step's sampling, not what follows it
             launched.ready.synchronize()
-            tokens = launched.host_tokens.tolist()
+            host = launched.host_tokens
         else:
-            tokens = launched.tokens.tolist()
+            host = launched.tokens.cpu()
+        tokens = host.tolist()
         if launched.sampled is not None:
             launched.logprobs = read_logprobs(launched.sampled)
         if launched.prompt is not None:
             launched.prompt_read = launched.prompt.read()
-        for st, i, tok in zip(launched.states, launched.indices, tokens, strict=True):
-            st.token_ids[i] = tok
-            if st.pending is not None and st.pending[0] is launched:
-                st.pending = None  # else a later launch's token is the pending one now
+        cols, rows = self.cols, launched.rows
+        if len(rows):
+            mine = cols.pending_launch[rows] == launched.launch_id
+            cols.last_token[rows[mine]] = host.numpy()[mine]
+            cols.pending_launch[rows[mine]] = -1
+        self._unread.pop(launched.launch_id, None)
         return launched.req_ids, tokens
 
     def launch(self, plan: pb.StepPlan,
@@ -132,83 +148,101 @@ class ModelRunner:
         if plan.swap_out_src or plan.swap_in_src:
             self.swap.swap_out(self.kv_caches, list(plan.swap_out_src), list(plan.swap_out_dst))
             self.swap.swap_in(self.kv_caches, list(plan.swap_in_src), list(plan.swap_in_dst))
-        batch: list[tuple[int, int]] = []  # (req_id, num tokens scheduled)
+        if len(plan.new_requests) != len(plan.new_num_scheduled_tokens):
+            raise ValueError("the plan's new_requests and new_num_scheduled_tokens differ in "
+                             "length")
+        cached = self._cached_rows(plan)  # checked before anything changes
         arrivals = []  # (count slot, token ids, prompt tokens) of new penalized requests
-        for new, n in zip(plan.new_requests, plan.new_num_scheduled_tokens, strict=True):
-            self._forget(new.req_id)  # none unless the mirror drifted
-            st = RequestState(list(new.token_ids), self.tables.add(list(new.block_ids)),
-                              new.num_computed_tokens, sampling_spec(new.sampling),
-                              new.num_prompt_tokens or len(new.token_ids))
-            if new.sampling.HasField("prompt_logprobs"):
-                st.prompt_logprobs = new.sampling.prompt_logprobs
-                self.scoring.add(new.req_id)
-            if st.sampling.penalized:
-                st.count_slot = self.counts.acquire()
-                arrivals.append((st.count_slot, st.token_ids, st.num_prompt))
-            self.requests[new.req_id] = st
-            batch.append((new.req_id, n))
+        new_rows = [self._admit(new, arrivals) for new in plan.new_requests]
         self.counts.load(arrivals)
-        offset = 0
-        for rid, start, n, nb in zip(plan.cached_req_ids, plan.cached_num_computed_tokens,
-                                     plan.cached_num_scheduled_tokens, plan.cached_num_new_blocks,
-                                     strict=True):
-            st = self.requests.get(rid)
-            if st is None:
-                raise ValueError(f"request {rid}: planned as cached, but this executor does not "
-                                 f"hold it")
-            if st.num_computed != start:
-                raise ValueError(f"request {rid}: the scheduler has {start} computed tokens, this "
-                                 f"executor {st.num_computed}: the mirrors drifted")
-            if nb:
-                self.tables.append(st.row, plan.cached_new_block_ids[offset:offset + nb])
-            offset += nb
-            batch.append((rid, n))
-        if not batch:
+        n_new, n_cached = len(new_rows), len(cached)
+        if not n_new + n_cached:
             return None
-        return self._run(batch, plan, await_bitmask)
+        rows = np.concatenate([np.asarray(new_rows, np.int64), cached])
+        ns = np.concatenate([np.array(plan.new_num_scheduled_tokens, np.int64),
+                             np.array(plan.cached_num_scheduled_tokens, np.int64)])
+        return self._run(rows, ns, plan, await_bitmask)
 
-    def _run(self, batch: list[tuple[int, int]], plan: pb.StepPlan,
+    def _cached_rows(self, plan: pb.StepPlan) -> np.ndarray:
+        """The rows of the plan's cached requests, their new blocks appended; raises if one is
+        not held or its computed tokens differ (nothing changed then)."""
+        ids = np.array(plan.cached_req_ids, np.int64)
+        if not (len(ids) == len(plan.cached_num_computed_tokens)
+                == len(plan.cached_num_scheduled_tokens) == len(plan.cached_num_new_blocks)):
+            raise ValueError("the plan's cached_* fields differ in length")
+        rows = self._rows_of(ids)
+        if len(rows) and rows.min() < 0:
+            raise ValueError(f"request {ids[int(np.argmin(rows))]}: planned as cached, but this "
+                             f"executor does not hold it")
+        starts = np.array(plan.cached_num_computed_tokens, np.int64)
+        if (drift := np.flatnonzero(self.cols.num_computed[rows] != starts)).size:
+            i = int(drift[0])
+            raise ValueError(f"request {ids[i]}: the scheduler has {starts[i]} computed tokens, "
+                             f"this executor {self.cols.num_computed[rows[i]]}: the mirrors "
+                             f"drifted")
+        if plan.cached_new_block_ids:
+            self.tables.extend(rows, np.array(plan.cached_num_new_blocks, np.int64),
+                               np.array(plan.cached_new_block_ids, np.int32))
+        return rows
+
+    def _rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """The rows of these request ids (-1: not held), by a binary search of the held ids,
+        sorted again only after requests came or went."""
+        if self._by_id is None:
+            held = np.flatnonzero(self.cols.req_id >= 0)
+            order = np.argsort(self.cols.req_id[held])
+            self._by_id = (self.cols.req_id[held][order], held[order])
+        sorted_ids, sorted_rows = self._by_id
+        if not len(sorted_ids):
+            return np.full(len(ids), -1, np.int64)
+        at = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
+        return np.where(sorted_ids[at] == ids, sorted_rows[at], -1)
+
+    def _admit(self, new: pb.NewRequest, arrivals: list) -> int:
+        """Take a new request's state and row; its row."""
+        self._forget(new.req_id)  # none unless the mirror drifted
+        token_ids = list(new.token_ids)
+        row = self.tables.add(list(new.block_ids))
+        st = RequestState(token_ids, row, sampling_spec(new.sampling),
+                          new.num_prompt_tokens or len(token_ids))
+        if new.sampling.HasField("prompt_logprobs"):
+            st.prompt_logprobs = new.sampling.prompt_logprobs
+            self.scoring.add(new.req_id)
+        if st.sampling.penalized:
+            st.count_slot = self.counts.acquire()
+            arrivals.append((st.count_slot, token_ids, st.num_prompt))
+        self.requests[new.req_id], self._by_id = st, None
+        cols = self.cols
+        cols.ensure(self.tables.array.shape[0])
+        cols.req_id[row], cols.num_computed[row], cols.known[row] = (
+            new.req_id, new.num_computed_tokens, len(token_ids))
+        cols.num_prompt[row], cols.count_slot[row] = st.num_prompt, st.count_slot
+        cols.last_token[row] = token_ids[-1] if token_ids else 0
+        cols.pending_launch[row] = -1
+        cols.features[row], cols.spec[row] = st.sampling.features, st.sampling
+        return row
+
+    def _run(self, rows: np.ndarray, ns: np.ndarray, plan: pb.StepPlan,
              await_bitmask: Callable[[], pb.StepBitmask | None]) -> Launched | None:
-        bs, dev = self.block_size, self.device
-        states = [self.requests[rid] for rid, _ in batch]
-        b = len(batch)
-        ns = np.fromiter((n for _, n in batch), np.int64, b)
-        starts = np.fromiter((st.num_computed for st in states), np.int64, b)
+        bs, dev, cols = self.block_size, self.device, self.cols
+        b = len(rows)
+        starts = cols.num_computed[rows]
         ends = starts + ns
-        known = np.fromiter((len(st.token_ids) for st in states), np.int64, b)
-        rows = np.fromiter((st.row for st in states), np.int64, b)
+        known = cols.known[rows]
         num_blocks = self.tables.lengths[rows]
         bad = (ends > known) | (ends > num_blocks * bs)
         if bad.any():
-            rid = batch[int(np.argmax(bad))][0]
+            rid = cols.req_id[rows[int(np.argmax(bad))]]
             raise ValueError(f"request {rid}: plan runs past its tokens or blocks")
         cu_q = np.zeros(b + 1, np.int64)
         np.cumsum(ns, out=cu_q[1:])
         if cu_q[-1] == b:  # decode only: one token each
             positions, token_rows = starts, rows
-            input_ids = [st.token_ids[st.num_computed] for st in states]
         else:
             seq_of_token = np.repeat(np.arange(b), ns)
             positions = starts[seq_of_token] + np.arange(cu_q[-1]) - cu_q[:-1][seq_of_token]
             token_rows = rows[seq_of_token]
-            input_ids = list(chain.from_iterable(
-                st.token_ids[s:e] for st, s, e in zip(states, starts.tolist(), ends.tolist(),
-                                                      strict=True)))
-        # rows whose token is still on the device (the previous launch's sample): (row, source)
-        # (a request with a PENDING token computed everything before it: it is the last input)
-        fixes = [(i, st.pending) for i, st in zip((cu_q[1:] - 1).tolist(), states, strict=True)
-                 if st.pending is not None]
-        patch = None
-        if fixes:
-            by_launch: dict[int, tuple[Launched, list[int], list[int]]] = {}
-            for i, (src, row) in fixes:  # one launch in practice (the step before this one)
-                by_launch.setdefault(id(src), (src, [], []))
-                by_launch[id(src)][1].append(i)
-                by_launch[id(src)][2].append(row)
-            patch = (torch.tensor([i for _, pos, _ in by_launch.values() for i in pos], device=dev),
-                     torch.cat([src.tokens[torch.tensor(rows, device=dev)]
-                                for src, _, rows in by_launch.values()]))
-            input_ids = [0 if t == PENDING_TOKEN else t for t in input_ids]
+        input_ids, patch = self._inputs(rows, starts, ends, known, cu_q)
         table = self.tables.array
         slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         sample = ends == known  # prompt (or chunk) complete: its last row's logits are needed
@@ -216,11 +250,11 @@ class ModelRunner:
         graphs = self.graphs
         self.last_step_graphed = (graphs is not None and cu_q[-1] == b
                                   and graphs.fits(b, max_blocks))
-        scored = self._prompt_rows(batch, states, starts, ends, cu_q)
+        scored = self._prompt_rows(rows, starts, ends, cu_q)
         prompt = None
         if self.last_step_graphed:
-            logits = graphs.run(np.asarray(input_ids, np.int64), positions, slots,
-                                table[rows, :max_blocks], ends, patch)
+            logits = graphs.run(input_ids, positions, slots, table[rows, :max_blocks], ends,
+                                patch)
             if scored is not None:  # one token a row: flat rows are batch rows
                 full = logits
                 prompt = score(scored, lambda idx: full[idx], dev)
@@ -235,7 +269,7 @@ class ModelRunner:
                 max_query_len=int(ns.max()),
                 max_seq_len=int(ends.max()),
             )
-            ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+            ids = torch.from_numpy(input_ids).to(dev)
             if patch is not None:
                 ids[patch[0]] = patch[1]
             pos = torch.from_numpy(positions).to(dev)
@@ -246,58 +280,98 @@ class ModelRunner:
                 hidden = self.model.hidden(ids, pos, self.kv_caches, meta)
                 logits = self.model.logits_of(hidden, last_rows)
                 prompt = score(scored, lambda idx: self.model.logits_of(hidden, idx), dev)
-        for st, n in zip(states, ns.tolist(), strict=True):
-            st.num_computed += n
-        samplers = [(rid, st) for (rid, _), st, s in zip(batch, states, sample.tolist(),
-                                                        strict=True) if s]
-        if not samplers:
+        cols.num_computed[rows] += ns  # (a request is in a batch once: rows are distinct)
+        srows = rows[sample]
+        if not len(srows):
             if prompt is None:
                 return None
-            return Launched([], [], [], torch.empty(0, dtype=torch.int64, device=dev),
+            return Launched([], srows, -1, torch.empty(0, dtype=torch.int64, device=dev),
                             self.last_step_graphed, prompt=prompt)
-        sampling = self._sampling_batch([st for _, st in samplers])
+        sampling = self._sampling_batch(srows, ends[sample])
+        req_ids = cols.req_id[srows].tolist()
         if plan.bitmask_follows:
             bitmask = await_bitmask()
             if bitmask is None:
                 raise ValueError(f"step {plan.step_id}: its token bitmask did not come")
-            self._add_bitmask(sampling, [rid for rid, _ in samplers], bitmask, logits.shape[-1])
+            self._add_bitmask(sampling, req_ids, bitmask, logits.shape[-1])
         sampled = self.sampler.sample(logits, sampling)
-        launched = Launched([rid for rid, _ in samplers], [st for _, st in samplers],
-                            [len(st.token_ids) for _, st in samplers], sampled.tokens,
+        launched = Launched(req_ids, srows, self._next_launch, sampled.tokens,
                             self.last_step_graphed,
                             sampled if sampled.logprobs is not None else None, prompt=prompt)
+        self._next_launch += 1
         if sampled.tokens.is_cuda:  # finish() reads them without waiting for later launches
             launched.host_tokens = torch.empty(sampled.tokens.shape, dtype=torch.int64,
                                                pin_memory=True)
             launched.host_tokens.copy_(sampled.tokens, non_blocking=True)
             launched.ready = torch.cuda.Event()
             launched.ready.record()
-        for row, (_, st) in enumerate(samplers):
-            st.token_ids.append(PENDING_TOKEN)
-            st.pending = (launched, row)
+        cols.known[srows] += 1
+        cols.pending_launch[srows] = launched.launch_id
+        cols.pending_index[srows] = np.arange(len(srows))
+        self._unread[launched.launch_id] = sampled.tokens
         return launched
 
-    def _prompt_rows(self, batch: list[tuple[int, int]], states: list[RequestState],
-                     starts: np.ndarray, ends: np.ndarray, cu_q: np.ndarray
-                     ) -> PromptRows | None:
+    def _inputs(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, known: np.ndarray,
+                cu_q: np.ndarray) -> tuple[np.ndarray, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The step's input ids [T] and the patch (flat rows, ids on the device) for the rows
+        whose input is still on the device (a launch's sample not read back yet).
+
+        A row starting at its last token (every decode row; once a request has sampled, all
+        its steps are such) takes RowColumns.last_token, or the patch if it is pending; only
+        prefill chunks read their request's token_ids."""
+        cols = self.cols
+        last = cu_q[1:] - 1  # each row's last flat index
+        tail = starts == known - 1  # then it schedules one token (ends <= known)
+        if tail.all() and cu_q[-1] == len(rows):
+            input_ids = cols.last_token[rows]
+        else:
+            input_ids = np.zeros(cu_q[-1], np.int64)
+            input_ids[last[tail]] = cols.last_token[rows[tail]]
+            for i in np.flatnonzero(~tail).tolist():  # prefill chunks: a few rows a step
+                s, e = int(starts[i]), int(ends[i])
+                input_ids[cu_q[i]:cu_q[i + 1]] = self.requests[int(cols.req_id[rows[i]])
+                                                                ].token_ids[s:e]
+        launch = cols.pending_launch[rows]
+        pending = np.flatnonzero(launch >= 0)
+        if not pending.size:
+            return input_ids, None
+        # flat row, row in its launch's tokens, launch id: one copy to the device
+        where = torch.from_numpy(np.stack([last[pending], cols.pending_index[rows[pending]],
+                                           launch[pending]])).to(self.device)
+        sources = launch[pending]
+        if (sources == sources[0]).all():  # one launch (the step before) in practice
+            return input_ids, (where[0], self._unread[int(sources[0])][where[1]])
+        flat, ids = [], []
+        for src in np.unique(sources).tolist():
+            of = where[2] == src
+            flat.append(where[0][of])
+            ids.append(self._unread[src][where[1][of]])
+        return input_ids, (torch.cat(flat), torch.cat(ids))
+
+    def _prompt_rows(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                     cu_q: np.ndarray) -> PromptRows | None:
         """The prompt tokens this step scores for the requests that asked, or None (at once,
         without a look at each row, while no request still has prompt tokens to score)."""
         if not self.scoring:
             return None
-        rows = PromptRows()
-        for i, ((rid, _), st) in enumerate(zip(batch, states, strict=True)):
-            if rid in self.scoring:
-                rows.add(rid, st.token_ids, st.num_prompt, st.prompt_logprobs, int(starts[i]),
-                         int(ends[i]), int(cu_q[i]))
-                if ends[i] >= st.num_prompt - 1:
-                    self.scoring.discard(rid)
-        return rows if rows.req_ids else None
+        prompt = PromptRows()
+        req_ids = self.cols.req_id[rows]
+        for i in np.flatnonzero(np.isin(req_ids, list(self.scoring))).tolist():
+            rid = int(req_ids[i])
+            st = self.requests[rid]
+            prompt.add(rid, st.token_ids, st.num_prompt, st.prompt_logprobs, int(starts[i]),
+                       int(ends[i]), int(cu_q[i]))
+            if ends[i] >= st.num_prompt - 1:
+                self.scoring.discard(rid)
+        return prompt if prompt.req_ids else None
 
     def _forget(self, rid: int) -> None:
-        """Drop a request's state, its block-table row and its token-count slot, if held."""
+        """Drop a request's state, its row and its token-count slot, if held."""
         self.scoring.discard(rid)
         if (st := self.requests.pop(rid, None)) is not None:
+            self._by_id = None
             self.tables.remove(st.row)
+            self.cols.clear(st.row)
             if st.count_slot >= 0:
                 self.counts.release(st.count_slot)
 
@@ -321,11 +395,15 @@ class ModelRunner:
         sampling.bitmask = mask.to(self.device, non_blocking=False)
         sampling.bitmask_rows = [rows[i] for i in order]
 
-    def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
-        batch = SamplingBatch([st.sampling for st in states], [len(st.token_ids) for st in states])
-        if any(st.sampling.min_tokens for st in states):
-            batch.num_output = [len(st.token_ids) - st.num_prompt for st in states]
-        if any(st.count_slot >= 0 for st in states):
-            batch.count_slots = [st.count_slot for st in states]
+    def _sampling_batch(self, rows: np.ndarray, positions: np.ndarray) -> SamplingBatch:
+        """The sampling rows of these RowColumns rows; positions: where each token goes. A
+        batch whose rows need no stage beyond argmax is a couple of column reads."""
+        cols = self.cols
+        features = int(np.bitwise_or.reduce(cols.features[rows]))
+        batch = SamplingBatch(cols.spec[rows].tolist(), positions.tolist(), features=features)
+        if features & MIN_TOKENS:
+            batch.num_output = (cols.known[rows] - cols.num_prompt[rows]).tolist()
+        if features & PENALTY:
+            batch.count_slots = cols.count_slot[rows].tolist()
             batch.counts = self.counts
         return batch

@@ -41,6 +41,11 @@ def position_seed(seed: int, position: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ position)
 
 
+# SamplingSpec.features bits: the stages beyond a greedy argmax a row needs. A batch that
+# carries the OR of its rows' bits skips the per-row scan of each stage no row needs.
+RANDOM, LOGPROBS, BIAS, MIN_TOKENS, PENALTY = 1, 2, 4, 8, 16
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingSpec:
     temperature: float = 0.0
@@ -65,6 +70,12 @@ class SamplingSpec:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
+    @property
+    def features(self) -> int:
+        return ((RANDOM if not self.greedy else 0) | (LOGPROBS if self.logprobs >= 0 else 0)
+                | (BIAS if self.logit_bias else 0) | (MIN_TOKENS if self.min_tokens else 0)
+                | (PENALTY if self.penalized else 0))
+
 
 MAX_TOP_LOGPROBS = 20
 
@@ -84,6 +95,12 @@ class SamplingBatch:
     # word w allows token 32 w + b) for the rows bitmask_rows; None: no row is constrained
     bitmask: torch.Tensor | None = None
     bitmask_rows: list[int] | None = None
+    # the OR of the rows' SamplingSpec.features; None: unknown (every stage scans every row)
+    features: int | None = None
+
+    def wants(self, feature: int) -> bool:
+        """Whether any row may need this stage."""
+        return self.features is None or bool(self.features & feature)
 
 
 @dataclass(slots=True)
@@ -142,7 +159,7 @@ class Sampler:
         specs = batch.specs
         x = self.process(logits, batch)
         out = x.argmax(dim=-1)
-        rows = [i for i, s in enumerate(specs) if not s.greedy]
+        rows = [i for i, s in enumerate(specs) if not s.greedy] if batch.wants(RANDOM) else []
         if rows:
             out[rows] = self._sample(x[rows], [specs[i] for i in rows],
                                      [batch.positions[i] for i in rows])
@@ -152,7 +169,8 @@ class Sampler:
             slots = torch.tensor([batch.count_slots[i] for i in pen], device=logits.device)
             batch.counts.record(slots, out[idx])
         result = SampleOutput(out)
-        lp_rows = [i for i, s in enumerate(specs) if s.logprobs >= 0]
+        lp_rows = ([i for i, s in enumerate(specs) if s.logprobs >= 0]
+                   if batch.wants(LOGPROBS) else [])
         if lp_rows:
             result.logprob_rows = lp_rows
             result.logprob_ks = [specs[i].logprobs for i in lp_rows]
@@ -163,7 +181,8 @@ class Sampler:
         """The logits after logit_bias, min_tokens and penalties: a new tensor if any row has
         one of them, else the same."""
         specs, dev = batch.specs, logits.device
-        bias = [(i, t, v) for i, s in enumerate(specs) for t, v in s.logit_bias]
+        bias = ([(i, t, v) for i, s in enumerate(specs) for t, v in s.logit_bias]
+                if batch.wants(BIAS) else [])
         masked = ([(i, t) for i, (s, n) in enumerate(zip(specs, batch.num_output, strict=True))
                    if n < s.min_tokens for t in s.min_tokens_masked_ids]
                   if batch.num_output is not None else [])

@@ -18,3 +18,14 @@ def test_rows_grow_append_and_are_reused():
     d = t.add([4])
     assert d == b and t.lengths[d] == 1 and t.array[d, 0] == 4
     assert t.array.dtype == np.int32
+
+
+def test_extend_appends_each_rows_blocks_in_one_scatter():
+    t = BlockTableArray(rows=4, cols=2)
+    a, b, c = t.add([5]), t.add([6, 7]), t.add([8])
+    # b gets none, c three (past the table's width: it grows), a one; rows in any order
+    t.extend(np.array([c, b, a]), np.array([3, 0, 1]), np.array([30, 31, 32, 10], np.int32))
+    assert t.array[a, :2].tolist() == [5, 10]
+    assert t.array[b, :2].tolist() == [6, 7]
+    assert t.array[c, :4].tolist() == [8, 30, 31, 32]
+    assert t.lengths[[a, b, c]].tolist() == [2, 2, 4]
