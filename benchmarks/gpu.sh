@@ -34,8 +34,8 @@
 #             e.g. "--gluon --rows 32 64"; QUANT_S: time limit): us and speedup vs bf16
 #   fp8gemm   FP8 kernel tests, then the FP8 GEMM bench (FP8_BENCH: its flags, e.g. "--rows 256";
 #             FP8_S: time limit): per-token quantization + row-wise _scaled_mm vs bf16 at 8B shapes
-#   fp8serve  W1 and W2 on 8B, throughput settings: bf16, then --quantization fp8 (random
-#             weights quantized per channel), in one run
+#   fp8serve  W1 and W2 on 8B, throughput settings: bf16, then FP8 weights and FP8 KV cache
+#             (--quantization fp8: random weights quantized per channel; --kv-cache-dtype fp8)
 #   ab        before/after: W1 on 8B and 1B, throughput settings, an older tree (BASELINE=<dir>,
 #             its own harness, commit from BASELINE_COMMIT or <dir>/.commit) and this one
 #             alternated for AB_ROUNDS rounds (default 2); REPORT.md pairs them
@@ -228,7 +228,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       timeout "${FP8_S:-420}" python3 benchmarks/quant/bench_fp8.py --out $B/records \
         ${FP8_BENCH:-} 2>&1 | tee $B/bench_fp8.log | tail -40 ;;
     fp8serve) for w in W1 W2; do fast $w M8; fast $w M8 --server-flag=--quantization \
-      --server-flag=fp8; done ;;
+      --server-flag=fp8 --server-flag=--kv-cache-dtype --server-flag=fp8; done ;;
     ab) ab ;;
     curve) curve ;;
     tp)
