@@ -53,6 +53,7 @@
 #             (32 -> 16 tokens): it must come up and answer all; ~5 min
 #   defaults  W1 and W2 on 8B and 1B with the default flags (step bounds by device: 1,024 and
 #             8,192 on the H200; async scheduling on; stream interval 1), no peer; ~8 min
+#   defaults1b  W1 on 1B with the default flags only (~1 min)
 #   defaultsw3  W3 at rate=inf, 1,000 requests, 8B, default flags; ~4 min
 # Records go to $B/records (PAGEDSERVE_RESULTS), logs, profiles and dumps to $B; all of it comes
 # back as $OUT/bundle.tgz (the device returns at most 8 files). Back here:
@@ -251,6 +252,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       tp "" $m --hf none --requests 1024 --prompt 32 --output 16 --max-num-seqs 1024 \
         --max-num-batched-tokens 32768; done ;;
     defaults) for m in M8 M1; do for w in W1 W2; do tp $w $m "${DEFAULTS[@]}"; done; done ;;
+    defaults1b) tp W1 M1 "${DEFAULTS[@]}" ;;
     defaultsw3)
       python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 1000 --rate inf \
         --dump "$B/dumps/w3_defaults_8b_$(date +%H%M)" 2>&1 | tee -a $B/serve.log | quiet 8 ;;
