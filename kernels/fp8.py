@@ -61,12 +61,21 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @functools.cache
 def has_scaled_mm(device: torch.device) -> bool:
-    """Row-wise torch._scaled_mm: CUDA compute capability 8.9+ (Ada, Hopper), or the CPU,
-    where this torch implements it (tests run the production call there; the CPU service
-    uses the faster emulation, kernels.get_ops("torch"))."""
+    """Row-wise torch._scaled_mm: CUDA compute capability 8.9+ (Ada, Hopper), or the CPU where
+    this torch implements row-wise scales (2.13 does; 2.11's CPU kernel takes per-tensor
+    scales only, so it is probed once). Tests run the production call on such a CPU; the CPU
+    service uses the faster emulation, kernels.get_ops("torch")."""
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 9)
-    return device.type == "cpu"
+    if device.type != "cpu":
+        return False
+    a = torch.zeros((16, 16), dtype=FP8)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones((16, 1)), scale_b=torch.ones((1, 16)),
+                         out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def fp8_gemm(

@@ -68,8 +68,7 @@ def test_gemm_equals_the_quantized_math(m, n, k, static):
     s = torch.tensor([0.02]) if static else None
     want = float64_math(x, wq, ws, s, bias)
     emulated = ref.fp8_gemm(x, wq, ws, s, bias)
-    production = fp8.fp8_gemm(x, wq, ws, s, bias)  # torch._scaled_mm on the CPU
-    assert fp8.has_scaled_mm(x.device)
+    production = fp8.fp8_gemm(x, wq, ws, s, bias)  # torch._scaled_mm where this CPU torch has it
     # fp32 accumulation of exact products: a few fp32 ulps of the largest partial sums
     tol = 1e-5 * want.abs().max().item()
     torch.testing.assert_close(emulated.double(), want, rtol=0, atol=tol)
@@ -100,14 +99,6 @@ def test_triton_per_token_quantization_matches_torch():
     q, s = fp8.quantize_per_token_triton(x)
     want_q, want_s = ref.quantize_per_token(x)
     assert torch.equal(s, want_s)
-    got, want = q.float(), want_q.float()
-    if CUDA:
-        assert torch.equal(got, want)
-        return
-    # Triton's CPU interpreter converts to e4m3 without carrying a rounded-up mantissa into
-    # the exponent (124.07 -> 64, not 128; 0.0149 -> 7 * 2^-9, not 2^-6): only codes that
-    # round up to a power of two differ, towards zero; all others are exact
-    off = got != want
-    assert torch.equal(want[off].abs().log2().frac(), torch.zeros(int(off.sum())))
-    assert (got[off] * want[off] > 0).all() and (got[off].abs() < want[off].abs()).all()
-    assert off.float().mean() < 0.1
+    # on the CPU too: tests/conftest.py applies kernels._interpreter's fix of the interpreter's
+    # e4m3 cast (it lost the rounding carry into the exponent: 124.07 -> 64, not 128)
+    assert torch.equal(q.float(), want_q.float())
