@@ -2,6 +2,8 @@
 
     python3 benchmarks/kernels/bench_fp8_kv.py              # GPU: batch 64 x 8k, 8B shapes
     python3 benchmarks/kernels/bench_fp8_kv.py --smoke      # CPU interpreter, tiny sizes
+    python3 benchmarks/kernels/bench_fp8_kv.py --sweep      # FP8 decode configs (kind
+                                                            # decode_fp8kv_sweep)
 
 Llama-3.1-8B attention shapes (32 q heads, 8 KV heads, head dim 128, 16-token blocks); both
 caches hold the same random values (the FP8 one quantized with scales 0.5/0.25, so the scale
@@ -14,6 +16,7 @@ reference on the FP8 cache: the kernel's own error).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -31,6 +34,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--sweep", action="store_true",
+                   help="time the decode launch over tile/warp/stage configs, FP8 tiles widened "
+                        "to bf16 and to fp16 (q cast to fp16), at 64 x 8k and 256 x 2k")
     return p.parse_args()
 
 
@@ -46,7 +52,56 @@ import triton.testing  # noqa: E402
 
 from benchmarks.common import write_records  # noqa: E402
 from pagedserve.kernels import reference  # noqa: E402
-from pagedserve.kernels.paged_attention import paged_attention  # noqa: E402
+from pagedserve.kernels.paged_attention import Config, launch, paged_attention  # noqa: E402
+
+SWEEP = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2)]
+
+
+def sweep() -> None:
+    """Decode configs for an FP8 cache, each checked against the reference, beside bf16's."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    records = []
+    for b, ctx in ((64, 8192), (256, 2048)):
+        torch.manual_seed(0)
+        nblk = -(-ctx // BS)
+        shape = (b * nblk, BS, HKV, D)
+        k = torch.randn(shape, device=dev, dtype=dt)
+        v = torch.randn(shape, device=dev, dtype=dt)
+        k8, v8 = reference.quantize_fp8(k, K_SCALE), reference.quantize_fp8(v, V_SCALE)
+        tables = torch.randperm(b * nblk, device=dev).int().view(b, nblk)
+        seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+        cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        q = torch.randn(b, H, D, device=dev, dtype=dt)
+        scale = D**-0.5
+        ref8 = reference.paged_attention(q.float(), k8, v8, tables, seq_lens, cu, scale,
+                                         k_scale=K_SCALE, v_scale=V_SCALE)
+        cases = [("bfloat16", "bfloat16", c) for c in SWEEP[:3]]
+        cases += [("float8_e4m3fn", w, c) for w in ("bfloat16", "float16") for c in SWEEP]
+        for kv, widen, (tile_n, warps, stages) in cases:
+            fp8 = kv == "float8_e4m3fn"
+            kc, vc, ks, vs = (k8, v8, K_SCALE, V_SCALE) if fp8 else (k, v, 1.0, 1.0)
+            qx = q.to(torch.float16) if widen == "float16" else q
+            out = torch.empty_like(q)
+            cfg = Config(16, tile_n, warps, stages)
+
+            fn = functools.partial(launch, qx, kc, vc, tables, seq_lens, cu, scale, out, cfg,
+                                   per_seq=True, num_splits=1, k_scale=ks, v_scale=vs)
+
+            try:
+                ms = bench(fn)
+            except Exception as e:  # a config the compiler refuses (shared memory)
+                print(f"B={b} ctx={ctx} {kv} widen {widen} {cfg}: {type(e).__name__}")
+                continue
+            err = rel_err(out, ref8) if fp8 else None
+            nbytes = 2 * kc.numel() * kc.element_size()
+            records.append({"kind": "decode_fp8kv_sweep", "impl": "pagedserve",
+                            "kv_cache_dtype": kv, "widen_to": widen, "batch": b, "ctx": ctx,
+                            "tile_n": tile_n, "num_warps": warps, "num_stages": stages,
+                            "ms": ms, "tbps": nbytes / ms / 1e9, "rel_err_vs_reference": err})
+            print(f"B={b:3d} ctx={ctx:5d} {kv:14s} widen {widen:8s} tile {tile_n:3d} "
+                  f"warps {warps} stages {stages}: {ms:.4f} ms {nbytes / ms / 1e9:5.2f} TB/s"
+                  + (f" err {err:.1e}" if err is not None else ""), flush=True)
+    print("wrote", write_records("kernels", records))
 
 
 def bench(fn) -> float:
@@ -120,4 +175,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sweep() if ARGS.sweep else main()
