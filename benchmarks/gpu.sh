@@ -38,6 +38,7 @@
 #             FP8_S: time limit): per-token quantization + row-wise _scaled_mm vs bf16 at 8B shapes
 #   fp8serve  W1 and W2 on 8B, throughput settings: bf16, then FP8 weights and FP8 KV cache
 #             (--quantization fp8: random weights quantized per channel; --kv-cache-dtype fp8)
+#   fp8only   fp8serve's FP8 runs alone (W2 then W1; compare with an fp8serve run's bf16)
 #   ab        before/after: W1 on 8B and 1B, throughput settings, an older tree (BASELINE=<dir>,
 #             its own harness, commit from BASELINE_COMMIT or <dir>/.commit) and this one
 #             alternated for AB_ROUNDS rounds (default 2); REPORT.md pairs them
@@ -232,6 +233,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       # shellcheck disable=SC2086  # FP8_BENCH is a list of flags
       timeout "${FP8_S:-420}" python3 benchmarks/quant/bench_fp8.py --out $B/records \
         ${FP8_BENCH:-} 2>&1 | tee $B/bench_fp8.log | tail -40 ;;
+    fp8only) for w in W2 W1; do fast $w M8 --server-flag=--quantization --server-flag=fp8 \
+      --server-flag=--kv-cache-dtype --server-flag=fp8; done ;;
     fp8serve) for w in W1 W2; do fast $w M8; fast $w M8 --server-flag=--quantization \
       --server-flag=fp8 --server-flag=--kv-cache-dtype --server-flag=fp8; done ;;
     ab) ab ;;

@@ -13,9 +13,10 @@ launches of the same kernel, each skipping the sequences that belong to the othe
 
 So decode rows keep their small, fast config even when a prefill shares the step.
 
-An FP8 cache (float8_e4m3fn) is read as stored * scale: K and V tiles are widened to q's dtype
-(exact: every e4m3 value is a bf16/fp16 value) and the dots run as for a bf16 cache; k_scale
-folds into the softmax scale and v_scale into the output, so no tile is multiplied.
+An FP8 cache (float8_e4m3fn) is read as stored * scale: K and V tiles are widened to q's dtype,
+fp16 when q is bf16 (exact: every e4m3 value is an fp16 value), and the dots run as for a
+16-bit cache; k_scale folds into the softmax scale and v_scale into the output, so no tile is
+multiplied.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _paged_attn_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    PER_SEQ: tl.constexpr, SPLIT: tl.constexpr,
+    PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, WIDEN_F16: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -127,6 +128,10 @@ def _paged_attn_kernel(
     row_t = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + (row_t * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
+    if WIDEN_F16:  # an FP8 cache: its tiles widen to q's dtype, and e4m3 -> fp16 is one
+        # conversion per two values on sm89+ where e4m3 -> bf16 goes through fp32; fp16 q
+        # (clamped to its range) also keeps 3 more mantissa bits than bf16
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     q_pos = ctx - q_len + tok  # absolute position of each query row
 
     first_pos = ctx - q_len + q_tok0
@@ -214,8 +219,12 @@ class Config:
     num_stages: int
 
 
-def short_config(group: int) -> Config:
-    # memory-bound: deeper pipelines only hold more tiles in flight (2 stages beat 4)
+def short_config(group: int, fp8: bool = False) -> Config:
+    # memory-bound: deeper pipelines only hold more tiles in flight (2 stages beat 3 on bf16);
+    # an FP8 tile holds half the bytes, so FP8 takes twice the keys and one more stage to keep
+    # as many bytes in flight (benchmarks/kernels/bench_fp8_kv.py --sweep)
+    if fp8:
+        return Config(max(16, triton.next_power_of_2(group)), 128, 4, 3)
     return Config(max(16, triton.next_power_of_2(group)), 64, 4, 2)
 
 
@@ -295,7 +304,7 @@ def paged_attention(
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group = num_heads // num_kv_heads
-    short = short_config(group)
+    short = short_config(group, k_cache.dtype == FP8_KV_DTYPE)
     if num_splits is None:
         if num_seqs * num_kv_heads >= 2 * _num_sms(q.device):
             num_splits = 1
@@ -354,6 +363,7 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: flo
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, PER_SEQ=per_seq, SPLIT=split,
+        WIDEN_F16=k_cache.dtype == FP8_KV_DTYPE and q.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:

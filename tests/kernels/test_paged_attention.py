@@ -142,6 +142,14 @@ def test_fp8_cache_decode_split(device):
     _check_fp8(batch, 0.125, 2.0, 0.5, TOL, num_splits=4, max_query_len=1, max_seq_len=200)
 
 
+def test_fp8_cache_with_bf16_queries_widens_to_fp16(device):
+    """bf16 q over an FP8 cache runs the dots in fp16 (the kernel's WIDEN_F16): as close to the
+    reference as bf16 output allows, decode and prefill rows, split and not."""
+    batch = make_paged_batch(MIXED_Q, MIXED_CTX, 8, 2, 64, 16, torch.bfloat16, device, seed=25)
+    for num_splits in (1, 3):
+        _check_fp8(batch, 0.125, 0.5, 2.0, 1e-2, num_splits=num_splits)
+
+
 def test_fp8_scales_ignored_for_float_cache(device):
     batch = make_paged_batch([1, 5], [9, 20], 4, 2, 64, 16, DTYPE, device, seed=24)
     a = _run(batch, 0.125)
