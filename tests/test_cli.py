@@ -150,13 +150,18 @@ def test_a_bad_model_path_is_one_line_before_anything_loads(command, tmp_path):
 
 
 def _stderr_until(proc: subprocess.Popen, marker: str, timeout: float) -> list[str]:
+    """stderr's lines up to the one with `marker`. Reads the pipe's descriptor, not the file
+    object: its readline() may pull several lines into its own buffer, where select() cannot
+    see them, and the loop would then wait for output that has already arrived."""
     lines: list[str] = []
+    fd, pending = proc.stderr.fileno(), b""
     deadline = time.monotonic() + timeout
     while not any(marker in line for line in lines):
         assert proc.poll() is None, "".join(lines)[-3000:]
         assert time.monotonic() < deadline, "".join(lines)[-3000:]
-        if select.select([proc.stderr], [], [], 1.0)[0]:
-            lines.append(proc.stderr.readline())
+        if select.select([fd], [], [], 1.0)[0]:
+            *done, pending = (pending + os.read(fd, 1 << 16)).split(b"\n")
+            lines += [line.decode(errors="replace") + "\n" for line in done]
     return lines
 
 
