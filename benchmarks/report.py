@@ -197,6 +197,7 @@ def load_section(records: list[dict]) -> list[str]:
 
 
 def kernels_section(records: list[dict]) -> list[str]:
+    records = [r for r in records if r["kind"] in ("decode", "prefill")]
     if not records:
         return []
     name, recs = list(runs(records).items())[-1]
@@ -231,6 +232,57 @@ def w4a16_section(records: list[dict]) -> list[str]:
     return [f"## W4A16 GEMM (newest run: {name}, commit {recs[0]['commit']})", "",
             *table(["rows", "n", "k", "bf16 us", "AWQ us (vs bf16)", "GPTQ act-order us",
                     "int4 read floor us"], rows), ""]
+
+
+def fp8_kv_section(records: list[dict]) -> list[str]:
+    recs = [r for r in records if r["kind"] == "decode_fp8kv"]
+    rows = [[when(r), r["commit"], r.get("gpu") or "cpu", f"{r['batch']} x {r['ctx']}",
+             r["kv_cache_dtype"], num(r["ms"], ".4f"), num(r["tbps"], ".2f"),
+             f"{r['speedup_vs_bf16']:.2f}x"] for r in recs if not r.get("smoke")]
+    if not rows:
+        return []
+    return ["## Decode attention on an FP8 KV cache (`bench_fp8_kv.py`; configs: "
+            "`decode_fp8kv_sweep` in kernels.jsonl)", "",
+            *table(["recorded (UTC)", "commit", "gpu", "batch x ctx", "kv cache", "ms",
+                    "TB/s", "vs bf16"], rows), ""]
+
+
+def fp8_gemm_section(records: list[dict]) -> list[str]:
+    if not records:
+        return []
+    name, recs = list(runs(records).items())[-1]
+    by = defaultdict(dict)
+    for r in recs:
+        by[(r["shape"], r["n"], r["k"], r["rows"])][r["impl"]] = r
+    rows = [[shape, n, k, m, num(i.get("bf16", {}).get("ms", math.nan) * 1e3, ".1f"),
+             num(i.get("fp8", {}).get("ms", math.nan) * 1e3, ".1f"),
+             f"{i['bf16']['ms'] / i['fp8']['ms']:.2f}x" if "bf16" in i and "fp8" in i else "-",
+             num(i.get("gemm_only", {}).get("ms", math.nan) * 1e3, ".1f")]
+            for (shape, n, k, m), i in by.items()]
+    return [f"## FP8 GEMM (newest run: {name}, commit {recs[0]['commit']}, "
+            f"{recs[0].get('gpu') or 'cpu'})", "",
+            *table(["shape", "n", "k", "rows", "bf16 us", "fp8 us (quant + GEMM)", "vs bf16",
+                    "GEMM alone us"], rows), ""]
+
+
+def structured_section(records: list[dict]) -> list[str]:
+    rows = []
+    for recs in runs(records).values():
+        by = {(r["concurrency"], r["constrained"]): r for r in recs}
+        for (conc, constrained), r in sorted(by.items()):
+            if not constrained or (conc, False) not in by:
+                continue
+            plain = by[(conc, False)]["tpot_p50_ms"]
+            rows.append([when(r), r["commit"], r.get("gpu") or "cpu", r["model"], conc,
+                         num(plain, ".2f"), num(r["tpot_p50_ms"], ".2f"),
+                         f"{(r['tpot_p50_ms'] / plain - 1) * 100:+.1f} %",
+                         num(r["bitmask_ms_per_step"], ".2f"),
+                         num(r["plan_ms_per_step"], ".2f")])
+    if not rows:
+        return []
+    return ["## Structured outputs: JSON-schema requests against the same run unconstrained", "",
+            *table(["recorded (UTC)", "commit", "gpu", "model", "running", "TPOT plain ms",
+                    "TPOT JSON ms", "vs plain", "bitmask ms/step", "plan ms/step"], rows), ""]
 
 
 def perplexity_section(records: list[dict]) -> list[str]:
@@ -298,8 +350,9 @@ def main() -> None:
              "do not edit)", "",
              *ab_section(throughput), *throughput_section(throughput), *serve_section(serve),
              *step_overhead_section(load("step_overhead")), *load_section(load("load")),
-             *kernels_section(load("kernels")),
-             *w4a16_section(load("w4a16_gemm")), *perplexity_section(load("perplexity")),
+             *kernels_section(load("kernels")), *fp8_kv_section(load("kernels")),
+             *w4a16_section(load("w4a16_gemm")), *fp8_gemm_section(load("fp8_gemm")),
+             *structured_section(load("structured")), *perplexity_section(load("perplexity")),
              *plots(throughput, serve), ""]
     path = RESULTS / "REPORT.md"
     path.write_text("\n".join(lines))
