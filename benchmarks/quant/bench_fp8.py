@@ -30,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import environment  # noqa: E402
+from benchmarks.quant.timing import graph_ms  # noqa: E402
 from pagedserve.kernels import fp8  # noqa: E402
 from pagedserve.kernels import fp8_reference as ref  # noqa: E402
 
@@ -50,26 +51,7 @@ def timed(calls) -> float:
         for c in calls:
             c()
         return (time.perf_counter() - start) * 1e3 / len(calls)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return sorted(times)[len(times) // 2]
+    return graph_ms(calls)
 
 
 def case(n: int, k: int, rows: int, gen: torch.Generator) -> tuple[dict, float]:

@@ -29,6 +29,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common import environment  # noqa: E402
+from benchmarks.quant.timing import graph_ms  # noqa: E402
 from pagedserve.kernels import w4a16  # noqa: E402
 from pagedserve.kernels.w4a16_decode import (  # noqa: E402
     DECODE_MAX_ROWS,
@@ -157,26 +158,7 @@ def bench_graph(calls):
     copy, so none is read from L2): kernel time without Python launch overhead."""
     if DEV == "cpu":
         return bench_eager(calls[0])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return sorted(times)[len(times) // 2]
+    return graph_ms(calls)
 
 
 def copies_for(nbytes):
