@@ -32,8 +32,8 @@
 #   overload  135M at 46 req/s (sustainable) then 70 (1.5x), 10 % high priority, queue of 64
 #   quant     W4A16 GPU tests (QUANT_K: a -k selection) and GEMM bench (QUANT_BENCH: its flags,
 #             e.g. "--gluon --rows 32 64"; QUANT_S: time limit): us and speedup vs bf16
-#   fp8kvsweep  FP8-cache decode configs (tile, warps, stages; tiles widened to bf16 or fp16)
-#             at 64 x 8k and 256 x 2k beside bf16's, each checked against the reference; ~2 min
+#   fp8kvsweep  FP8-cache decode configs (tile, warps, stages) at 64 x 8k and 256 x 2k
+#             beside bf16's, each checked against the reference; ~2 min
 #   fp8gemm   FP8 kernel tests, then the FP8 GEMM bench (FP8_BENCH: its flags, e.g. "--rows 256";
 #             FP8_S: time limit): per-token quantization + row-wise _scaled_mm vs bf16 at 8B shapes
 #   fp8serve  W1 and W2 on 8B, throughput settings: bf16, then FP8 weights and FP8 KV cache

@@ -20,6 +20,7 @@ import functools
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -35,8 +36,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sweep", action="store_true",
-                   help="time the decode launch over tile/warp/stage configs, FP8 tiles widened "
-                        "to bf16 and to fp16 (q cast to fp16), at 64 x 8k and 256 x 2k")
+                   help="time the decode launch over tile/warp/stage configs on an FP8 cache "
+                        "beside bf16's, at 64 x 8k and 256 x 2k")
     return p.parse_args()
 
 
@@ -57,49 +58,73 @@ from pagedserve.kernels.paged_attention import Config, launch, paged_attention  
 SWEEP = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2)]
 
 
-def sweep() -> None:
-    """Decode configs for an FP8 cache, each checked against the reference, beside bf16's."""
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    records = []
-    for b, ctx in ((64, 8192), (256, 2048)):
+@dataclass
+class Batch:
+    """b decode rows of context ctx over scattered blocks; the same random K/V as a cache of
+    dt and as an FP8 one (scales K_SCALE, V_SCALE)."""
+
+    b: int
+    ctx: int
+    k: torch.Tensor
+    v: torch.Tensor
+    k8: torch.Tensor
+    v8: torch.Tensor
+    tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu: torch.Tensor
+    q: torch.Tensor
+    scale: float = D**-0.5
+
+    @classmethod
+    def make(cls, b: int, ctx: int, dev: torch.device, dt: torch.dtype) -> Batch:
         torch.manual_seed(0)
         nblk = -(-ctx // BS)
         shape = (b * nblk, BS, HKV, D)
         k = torch.randn(shape, device=dev, dtype=dt)
         v = torch.randn(shape, device=dev, dtype=dt)
-        k8, v8 = reference.quantize_fp8(k, K_SCALE), reference.quantize_fp8(v, V_SCALE)
-        tables = torch.randperm(b * nblk, device=dev).int().view(b, nblk)
-        seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
-        cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
-        q = torch.randn(b, H, D, device=dev, dtype=dt)
-        scale = D**-0.5
-        ref8 = reference.paged_attention(q.float(), k8, v8, tables, seq_lens, cu, scale,
+        return cls(b, ctx, k, v, reference.quantize_fp8(k, K_SCALE),
+                   reference.quantize_fp8(v, V_SCALE),
+                   torch.randperm(b * nblk, device=dev).int().view(b, nblk),
+                   torch.full((b,), ctx, dtype=torch.int32, device=dev),
+                   torch.arange(b + 1, dtype=torch.int32, device=dev),
+                   torch.randn(b, H, D, device=dev, dtype=dt))
+
+    def reference8(self) -> torch.Tensor:
+        """Attention over the FP8 cache by the fp32 reference."""
+        return reference.paged_attention(self.q.float(), self.k8, self.v8, self.tables,
+                                         self.seq_lens, self.cu, self.scale,
                                          k_scale=K_SCALE, v_scale=V_SCALE)
-        cases = [("bfloat16", "bfloat16", c) for c in SWEEP[:3]]
-        cases += [("float8_e4m3fn", w, c) for w in ("bfloat16", "float16") for c in SWEEP]
-        for kv, widen, (tile_n, warps, stages) in cases:
+
+
+def sweep() -> None:
+    """Decode configs for an FP8 cache (its tiles widened to fp16 in the kernel), each checked
+    against the reference, beside bf16's."""
+    records = []
+    for b, ctx in ((64, 8192), (256, 2048)):
+        x = Batch.make(b, ctx, torch.device("cuda"), torch.bfloat16)
+        ref8 = x.reference8()
+        cases = [("bfloat16", c) for c in SWEEP[:3]] + [("float8_e4m3fn", c) for c in SWEEP]
+        for kv, (tile_n, warps, stages) in cases:
             fp8 = kv == "float8_e4m3fn"
-            kc, vc, ks, vs = (k8, v8, K_SCALE, V_SCALE) if fp8 else (k, v, 1.0, 1.0)
-            qx = q.to(torch.float16) if widen == "float16" else q
-            out = torch.empty_like(q)
+            kc, vc, ks, vs = (x.k8, x.v8, K_SCALE, V_SCALE) if fp8 else (x.k, x.v, 1.0, 1.0)
+            out = torch.empty_like(x.q)
             cfg = Config(16, tile_n, warps, stages)
-
-            fn = functools.partial(launch, qx, kc, vc, tables, seq_lens, cu, scale, out, cfg,
-                                   per_seq=True, num_splits=1, k_scale=ks, v_scale=vs)
-
+            fn = functools.partial(launch, x.q, kc, vc, x.tables, x.seq_lens, x.cu, x.scale, out,
+                                   cfg, per_seq=True, num_splits=1, k_scale=ks, v_scale=vs)
             try:
                 ms = bench(fn)
             except Exception as e:  # a config the compiler refuses (shared memory)
-                print(f"B={b} ctx={ctx} {kv} widen {widen} {cfg}: {type(e).__name__}")
+                print(f"B={b} ctx={ctx} {kv} {cfg}: {type(e).__name__}")
                 continue
             err = rel_err(out, ref8) if fp8 else None
             nbytes = 2 * kc.numel() * kc.element_size()
             records.append({"kind": "decode_fp8kv_sweep", "impl": "pagedserve",
-                            "kv_cache_dtype": kv, "widen_to": widen, "batch": b, "ctx": ctx,
-                            "tile_n": tile_n, "num_warps": warps, "num_stages": stages,
-                            "ms": ms, "tbps": nbytes / ms / 1e9, "rel_err_vs_reference": err})
-            print(f"B={b:3d} ctx={ctx:5d} {kv:14s} widen {widen:8s} tile {tile_n:3d} "
-                  f"warps {warps} stages {stages}: {ms:.4f} ms {nbytes / ms / 1e9:5.2f} TB/s"
+                            "kv_cache_dtype": kv, "widen_to": "float16" if fp8 else "bfloat16",
+                            "batch": b, "ctx": ctx, "tile_n": tile_n, "num_warps": warps,
+                            "num_stages": stages, "ms": ms, "tbps": nbytes / ms / 1e9,
+                            "rel_err_vs_reference": err})
+            print(f"B={b:3d} ctx={ctx:5d} {kv:14s} tile {tile_n:3d} warps {warps} stages "
+                  f"{stages}: {ms:.4f} ms {nbytes / ms / 1e9:5.2f} TB/s"
                   + (f" err {err:.1e}" if err is not None else ""), flush=True)
     print("wrote", write_records("kernels", records))
 
@@ -122,31 +147,21 @@ def main() -> None:
     dev = torch.device("cpu" if ARGS.smoke else "cuda")
     dt = torch.float32 if ARGS.smoke else torch.bfloat16
     b, ctx = (2, 64) if ARGS.smoke else (ARGS.batch, ARGS.ctx)
-    torch.manual_seed(0)
-    nblk = -(-ctx // BS)
-    shape = (b * nblk, BS, HKV, D)
-    k = torch.randn(shape, device=dev, dtype=dt)
-    v = torch.randn(shape, device=dev, dtype=dt)
-    k8, v8 = reference.quantize_fp8(k, K_SCALE), reference.quantize_fp8(v, V_SCALE)
-    tables = torch.randperm(b * nblk, device=dev).int().view(b, nblk)  # scattered blocks
-    seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
-    cu = torch.arange(b + 1, dtype=torch.int32, device=dev)
-    q = torch.randn(b, H, D, device=dev, dtype=dt)
-    scale = D**-0.5
+    x = Batch.make(b, ctx, dev, dt)
     base = str(dt).removeprefix("torch.")  # bfloat16 (float32 in the smoke run)
-    outs = {base: torch.empty_like(q), "float8_e4m3fn": torch.empty_like(q)}
-    caches = {base: (k, v, 1.0, 1.0), "float8_e4m3fn": (k8, v8, K_SCALE, V_SCALE)}
+    outs = {base: torch.empty_like(x.q), "float8_e4m3fn": torch.empty_like(x.q)}
+    caches = {base: (x.k, x.v, 1.0, 1.0), "float8_e4m3fn": (x.k8, x.v8, K_SCALE, V_SCALE)}
 
     def call(name):
         kc, vc, ks, vs = caches[name]
-        return lambda: paged_attention(q, kc, vc, tables, seq_lens, cu, scale, max_query_len=1,
-                                       max_seq_len=ctx, out=outs[name], k_scale=ks, v_scale=vs)
+        return lambda: paged_attention(x.q, kc, vc, x.tables, x.seq_lens, x.cu, x.scale,
+                                       max_query_len=1, max_seq_len=ctx, out=outs[name],
+                                       k_scale=ks, v_scale=vs)
 
     fns = {name: call(name) for name in caches}
     for fn in fns.values():
         fn()
-    ref8 = reference.paged_attention(q.float(), k8, v8, tables, seq_lens, cu, scale,
-                                     k_scale=K_SCALE, v_scale=V_SCALE)
+    ref8 = x.reference8()
     errs = {"rel_err_vs_bf16": rel_err(outs["float8_e4m3fn"], outs[base]),
             "rel_err_vs_reference": rel_err(outs["float8_e4m3fn"], ref8)}
     times: dict[str, list[float]] = {name: [] for name in fns}
