@@ -138,13 +138,16 @@ class Worker:
         self._graph_estimate = 0  # what the memory profile set aside for the graphs (0: none)
         self.sampler = Sampler(self.device)
         self.counts = TokenCounts(self.model_cfg.vocab_size, self.device)
+        # bytes of one KV block of every layer, in the cache's own element type (an FP8 cache
+        # holds twice the tokens of a bf16 one in the same memory)
+        self.block_bytes = per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(
+            self.kv_dtype.itemsize)
         self.num_blocks = self._num_blocks(cfg, model, max_len)
         if cfg.tensor_parallel_size > 1:  # every rank holds its heads of every block
             from pagedserve.executor.tp_layers import min_over_ranks
 
             self.num_blocks = min_over_ranks(self.num_blocks, self.device)
         if self.num_blocks < 1:
-            per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.kv_dtype.itemsize)
             raise MemoryBudgetError(
                 f"--kv-cache-gib {cfg.kv_cache_bytes / GiB:.3g} holds no KV block of "
                 f"{per_block} bytes; raise --kv-cache-gib")
@@ -164,7 +167,6 @@ class Worker:
         kv = [(torch.empty(shape, dtype=self.kv_dtype, device=self.device),
                torch.empty(shape, dtype=self.kv_dtype, device=self.device))
               for _ in range(self.model_cfg.num_layers)]
-        per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.kv_dtype.itemsize)
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s (%d sequences of "
                  "max_model_len %d at once)", self.num_blocks, cfg.block_size, capacity_tokens,
                  self.num_blocks * per_block / GiB, dtype_str(self.kv_dtype),
@@ -240,8 +242,7 @@ class Worker:
     def _num_blocks(self, cfg: ExecutorConfig, model: LlamaForCausalLM, max_len: int) -> int:
         if cfg.num_kv_blocks > 0:
             return cfg.num_kv_blocks
-        # the cache's own element size: an FP8 cache holds twice the tokens of a bf16 one
-        per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(self.kv_dtype.itemsize)
+        per_block = self.block_bytes
         if self.device.type != "cuda":
             return cfg.kv_cache_bytes // per_block
         with phase(f"profiling memory of a {cfg.max_num_batched_tokens}-token step"):
