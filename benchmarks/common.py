@@ -41,6 +41,34 @@ def model_flags(model: str, load_format: str, tokenizer: str = "") -> list[str]:
             *(["--tokenizer", tokenizer] if tokenizer else [])]
 
 
+def step_breakdown(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
+    """Where a step's time went between two scrapes of the service's metrics.
+
+    wall / steps = plan + round trip + the rest (delivering tokens to streams, gRPC writes);
+    round trip = executor time + the link.
+    """
+    def delta(key):
+        return after.get(f"pagedserve_{key}", 0) - before.get(f"pagedserve_{key}", 0)
+
+    def steps(mode):
+        return delta(f'executor_steps_total{{mode="{mode}"}}')
+
+    def mean_ms(hist):
+        return 1e3 * delta(f"{hist}_sum") / max(1, delta(f"{hist}_count"))
+
+    return {"graph_steps": steps("cuda_graph"), "eager_steps": steps("eager"),
+            "step_ms": 1e3 * wall / max(1, steps("cuda_graph") + steps("eager")),
+            "plan_ms": mean_ms("scheduler_plan_seconds"),
+            "round_trip_ms": mean_ms("step_round_trip_seconds"),
+            "execute_ms": mean_ms("executor_step_seconds")}
+
+
+def step_bounds(log_text: str) -> dict:
+    """The step bounds the executor settled on (flags or by device), from its log line."""
+    m = re.search(r"step bounds: (\d+) sequences, (\d+) tokens", log_text)
+    return {"max_num_seqs": int(m[1]), "max_num_batched_tokens": int(m[2])} if m else {}
+
+
 def results_dir() -> Path:
     return Path(os.environ.get("PAGEDSERVE_RESULTS") or RESULTS)
 

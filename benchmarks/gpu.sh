@@ -57,7 +57,10 @@
 #   defaults  W1 and W2 on 8B and 1B with the default flags (step bounds by device: 1,024 and
 #             8,192 on the H200; async scheduling on; stream interval 1), no peer; ~8 min
 #   defaults1b  W1 on 1B with the default flags only (~1 min)
-#   defaultsw3  W3 at rate=inf, 1,000 requests, 8B, default flags; ~4 min
+#   defaultsw3  W3 at rate=inf, 1,000 requests, 8B, default flags, then at 0.8 of the request
+#             rate it completed (the sustainable rate's 80 %); ~5 min
+#   prefix8b  W3 on 8B with a shared 2,000-token system prompt at PREFIX_RATE (default 4) req/s,
+#             200 requests, prefix caching on and off, default flags; ~5 min
 # Records go to $B/records (PAGEDSERVE_RESULTS), logs, profiles and dumps to $B; all of it comes
 # back as $OUT/bundle.tgz (the device returns at most 8 files). Back here:
 #   tar xzf bundle.tgz -C /tmp/b && .venv/bin/python -m benchmarks.common add /tmp/b/records/*
@@ -218,6 +221,11 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       python3 -m benchmarks.serve "${M135[@]}" --workload W3-shared-prefix --shared-prefix 1000 \
         --num-requests 400 --rate 8 --server-flag=$flag 2>&1 | tee -a $B/serve.log | quiet 2
     done ;;
+    prefix8b) for flag in --enable-prefix-caching --no-enable-prefix-caching; do
+      python3 -m benchmarks.serve "${M8[@]}" --workload W3-shared-prefix --shared-prefix 2000 \
+        --num-requests 200 --rate "${PREFIX_RATE:-4}" --server-flag=$flag 2>&1 \
+        | tee -a $B/serve.log | quiet 2
+    done ;;
     overload)
       python3 -m benchmarks.serve "${M135[@]}" --workload overload-priority --num-requests 400 \
         --rate 46 --rate 70 --high-priority-fraction 0.1 --server-flag=--max-waiting-requests \
@@ -262,7 +270,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     defaults1b) tp W1 M1 "${DEFAULTS[@]}" ;;
     defaultsw3)
       python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 1000 --rate inf \
-        --dump "$B/dumps/w3_defaults_8b_$(date +%H%M)" 2>&1 | tee -a $B/serve.log | quiet 8 ;;
+        --overload 0.8 --dump "$B/dumps/w3_defaults_8b_$(date +%H%M)" 2>&1 \
+        | tee -a $B/serve.log | quiet 8 ;;
     *) echo "unknown part $part" ;;
   esac
   save

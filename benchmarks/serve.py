@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from benchmarks.common import model_flags, write_records
+from benchmarks.common import model_flags, step_bounds, step_breakdown, write_records
 from pagedserve.client import build_request
 from pagedserve.protos.v1 import generate_pb2_grpc
 
@@ -48,7 +48,9 @@ class Outcome:
 
 def sharegpt_like(n: int, seed: int, prefix: int) -> list[tuple[int, int]]:
     rng = np.random.default_rng(seed)
-    prompts = np.clip(rng.lognormal(np.log(150), 0.8, n), 4, 1024 - prefix).astype(int)
+    # a prompt's own part stays within 1024 tokens with the prefix, but never below 128 (a
+    # long shared prefix would leave nothing of its own to prefill)
+    prompts = np.clip(rng.lognormal(np.log(150), 0.8, n), 4, max(1024 - prefix, 128)).astype(int)
     outputs = np.clip(rng.lognormal(np.log(135), 0.8, n), 4, 1024).astype(int)
     return list(zip(prompts.tolist(), outputs.tolist(), strict=True))
 
@@ -187,14 +189,18 @@ def main() -> None:
             if rate_s == "overload":  # a multiple of the capacity just measured
                 rate_s = f"{args.overload * records[0]['request_rps']:.2f}"
             rate = math.inf if rate_s == "inf" else float(rate_s)
+            before = svc.metrics()
             outcomes, wall = asyncio.run(drive(svc.address, rate, shapes, prefix,
                                                args.high_priority_fraction, vocab, args.seed,
                                                timeout=3600))
+            after = svc.metrics()
             rec = {"workload": args.workload, "model": Path(args.model).name,
                    "weights": args.load_format, "engine": "pagedserve", "rate": rate_s,
                    "num_requests": args.num_requests, "shared_prefix": args.shared_prefix,
                    "server_flags": " ".join(args.server_flag),
-                   **summarize(outcomes, wall, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)}
+                   **summarize(outcomes, wall, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3),
+                   **step_breakdown(before, after, wall),
+                   **step_bounds(svc.log_path.read_text(errors="replace"))}
             if args.shared_prefix:
                 rec["prefix_caching"] = "off" if "--no-enable-prefix-caching" in \
                     args.server_flag else "on"

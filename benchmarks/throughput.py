@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import model_flags, write_records
+from benchmarks.common import model_flags, step_breakdown, write_records
 
 PROMPT_VOCAB = 32000  # prompt ids below every tokenizer's size here (random ids either way)
 
@@ -108,26 +108,11 @@ def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str
     for line in compiles:
         print("  server:", line[:400], flush=True)
 
-    def delta(key):
-        return after.get(f"pagedserve_{key}", 0) - before.get(f"pagedserve_{key}", 0)
-
-    def steps(mode):
-        return delta(f'executor_steps_total{{mode="{mode}"}}')
-
-    def mean_ms(hist):
-        return 1e3 * delta(f"{hist}_sum") / max(1, delta(f"{hist}_count"))
-
     return {"output_tok_s": sum(outputs) / wall, "wall_s": wall,
             "ttft_p50_ms": 1e3 * statistics.median(ttfts),
             "ttft_p99_ms": 1e3 * ttfts[int(0.99 * (len(ttfts) - 1))],
             "tpot_p50_ms": 1e3 * statistics.median(tpots),
-            "graph_steps": steps("cuda_graph"), "eager_steps": steps("eager"),
-            # where a step's time goes: wall / steps = plan + round trip + the rest (delivering
-            # tokens to streams, gRPC writes); round trip = executor time + the link
-            "step_ms": 1e3 * wall / max(1, steps("cuda_graph") + steps("eager")),
-            "plan_ms": mean_ms("scheduler_plan_seconds"),
-            "round_trip_ms": mean_ms("step_round_trip_seconds"),
-            "execute_ms": mean_ms("executor_step_seconds"),
+            **step_breakdown(before, after, wall),
             "kv_token_utilization_at_peak":
                 after.get("pagedserve_kv_cache_token_utilization_at_peak"),
             "num_kv_blocks": after.get("pagedserve_num_kv_blocks"),
