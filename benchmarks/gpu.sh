@@ -22,6 +22,7 @@
 #   w2        W2 on 1B and 8B, default step budget and streaming, no peer
 #   profile   torch profile of W1 on 8B (2 prefill steps, 4 graphed decodes): ops tables
 #   profile1b the same on 1B, whose decode steps are host-bound
+#   profile1bdefaults  profile1b with the default flags (step bounds by device, interval 1)
 #   awq       W2 on 8B in bf16, then W1 and W2 with random AWQ weights, throughput settings
 #   awqasync  awq's AWQ runs with --async-scheduling (compare with bigasync)
 #   awqlat    8B decode, 128 -> 512 tokens, at LAT_SEQS running (default 1 16), bf16 then AWQ
@@ -105,11 +106,13 @@ tp() {  # workload, model array name, extra benchmarks.throughput flags
     | tee -a $B/throughput.log | quiet 4
 }
 fast() { local w=$1 m=$2; shift 2; tp "$w" "$m" "${FAST[@]}" "$@"; }
-profile() {  # model array name, label
-  fast W1 "$1" --server-flag=--torch-profile-dir --server-flag=/tmp/profile_"$2" \
+profile() {  # model array name, label, flags (throughput settings when none)
+  local m=$1 label=$2; shift 2
+  [ $# -eq 0 ] && set -- "${FAST[@]}"
+  tp W1 "$m" "$@" --server-flag=--torch-profile-dir --server-flag=/tmp/profile_"$label" \
     --server-flag=--torch-profile-steps --server-flag=5:2,80:4
-  mkdir -p $B/profile_"$2" && cp /tmp/profile_"$2"/ops_* $B/profile_"$2"/
-  tail -12 /tmp/profile_"$2"/ops_*_80.txt
+  mkdir -p $B/profile_"$label" && cp /tmp/profile_"$label"/ops_* $B/profile_"$label"/
+  tail -12 /tmp/profile_"$label"/ops_*_80.txt
 }
 latency() {  # running counts: 8B decode, bf16 then AWQ
   local q seqs
@@ -207,6 +210,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     w2) for m in M1 M8; do tp W2 $m --hf none; done ;;
     profile) profile M8 8b ;;
     profile1b) profile M1 1b ;;
+    profile1bdefaults) profile M1 1b_defaults "${DEFAULTS[@]}" ;;
     awq) fast W2 M8; for w in W1 W2; do fast $w M8 --server-flag=--quantization \
       --server-flag=awq; done ;;
     awqasync) for w in W1 W2; do fast $w M8 --server-flag=--quantization --server-flag=awq \
