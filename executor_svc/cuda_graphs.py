@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM
+from pagedserve.executor.transfer import to_device
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class DecodeGraphs:
         self.slot_mapping[:bs].copy_(self._stage_dev[2, :bs])
         self.seq_lens[:bs].copy_(self._stage_dev[3, :bs])
         nb = tables.shape[1]
-        self.block_tables[:b, :nb].copy_(torch.from_numpy(tables), non_blocking=True)
+        self.block_tables[:b, :nb].copy_(to_device(tables, self.block_tables.device))
         if self.before_replay is not None:
             self.before_replay(bs, b, nb)
         self.graphs[bs].replay()

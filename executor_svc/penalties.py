@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedserve.executor.transfer import to_device
+
 
 class TokenCounts:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
@@ -69,8 +71,8 @@ class TokenCounts:
         offsets = np.repeat(np.cumsum(lens) - lens, lens)
         in_prompt = (np.arange(len(ids)) - offsets) < np.repeat(prompt_lens, lens)
         packed = np.stack([np.repeat(slots, lens), ids, in_prompt.astype(np.int64)])
-        slot_t, ids_t, in_prompt_t = torch.from_numpy(packed).to(self.device)
-        rows = torch.from_numpy(slots).to(self.device)
+        slot_t, ids_t, in_prompt_t = to_device(packed, self.device)
+        rows = to_device(slots, self.device)
         self.output[rows] = 0
         self.prompt[rows] = False
         in_prompt_t = in_prompt_t.bool()

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.executor.transfer import to_device
+
 SLICE = 64
 
 
@@ -77,8 +79,8 @@ def score(rows: PromptRows, logits_of: Callable[[torch.Tensor], torch.Tensor],
           device: torch.device) -> PromptLogprobs:
     """logits_of(flat row indices) -> [R, vocab] float32 logits of those batch rows."""
     kmax = max(rows.ks)
-    flat = torch.tensor(rows.flat, dtype=torch.int64, device=device)
-    targets = torch.tensor(rows.targets, dtype=torch.int64, device=device)
+    flat = to_device(rows.flat, device, torch.int64)
+    targets = to_device(rows.targets, device, torch.int64)
     parts = []
     for i in range(0, len(rows.flat), SLICE):
         lp = torch.log_softmax(logits_of(flat[i:i + SLICE]), dim=-1)

@@ -24,6 +24,7 @@ from pagedserve.executor.sampler import (
     read_logprobs,
 )
 from pagedserve.executor.swap import SwapSpace
+from pagedserve.executor.transfer import to_device
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
 
@@ -259,21 +260,21 @@ class ModelRunner:
                 full = logits
                 prompt = score(scored, lambda idx: full[idx], dev)
             if not sample.all():  # a one-token prefill chunk shares the step: no logits wanted
-                logits = logits[torch.from_numpy(np.flatnonzero(sample)).to(dev)]
+                logits = logits[to_device(np.flatnonzero(sample), dev)]
         else:
             meta = AttentionMetadata(
-                slot_mapping=torch.from_numpy(slots).to(dev),
-                block_tables=torch.from_numpy(table[rows, :max_blocks]).to(dev),
-                seq_lens=torch.from_numpy(ends.astype(np.int32)).to(dev),
-                cu_seqlens_q=torch.from_numpy(cu_q.astype(np.int32)).to(dev),
+                slot_mapping=to_device(slots, dev),
+                block_tables=to_device(table[rows, :max_blocks], dev),
+                seq_lens=to_device(ends.astype(np.int32), dev),
+                cu_seqlens_q=to_device(cu_q.astype(np.int32), dev),
                 max_query_len=int(ns.max()),
                 max_seq_len=int(ends.max()),
             )
-            ids = torch.from_numpy(input_ids).to(dev)
+            ids = to_device(input_ids, dev)
             if patch is not None:
                 ids[patch[0]] = patch[1]
-            pos = torch.from_numpy(positions).to(dev)
-            last_rows = torch.from_numpy(cu_q[1:][sample] - 1).to(dev)
+            pos = to_device(positions, dev)
+            last_rows = to_device(cu_q[1:][sample] - 1, dev)
             if scored is None:
                 logits = self.model(ids, pos, self.kv_caches, meta, last_rows)
             else:
@@ -336,8 +337,8 @@ class ModelRunner:
         if not pending.size:
             return input_ids, None
         # flat row, row in its launch's tokens, launch id: one copy to the device
-        where = torch.from_numpy(np.stack([last[pending], cols.pending_index[rows[pending]],
-                                           launch[pending]])).to(self.device)
+        where = to_device(np.stack([last[pending], cols.pending_index[rows[pending]],
+                                    launch[pending]]), self.device)
         sources = launch[pending]
         if (sources == sources[0]).all():  # one launch (the step before) in practice
             return input_ids, (where[0], self._unread[int(sources[0])][where[1]])
@@ -392,7 +393,7 @@ class ModelRunner:
         order = sorted(range(len(ids)), key=rows.__getitem__)  # ascending sampling rows
         host = torch.frombuffer(bytearray(bitmask.token_bitmask), dtype=torch.int32)
         mask = host.view(len(ids), words)[order]
-        sampling.bitmask = mask.to(self.device, non_blocking=False)
+        sampling.bitmask = to_device(mask, self.device)
         sampling.bitmask_rows = [rows[i] for i in order]
 
     def _sampling_batch(self, rows: np.ndarray, positions: np.ndarray) -> SamplingBatch:

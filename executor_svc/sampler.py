@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pagedserve.executor.penalties import TokenCounts
+from pagedserve.executor.transfer import to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -161,12 +162,12 @@ class Sampler:
         out = x.argmax(dim=-1)
         rows = [i for i, s in enumerate(specs) if not s.greedy] if batch.wants(RANDOM) else []
         if rows:
-            out[rows] = self._sample(x[rows], [specs[i] for i in rows],
+            out[to_device(rows, out.device)] = self._sample(x[rows], [specs[i] for i in rows],
                                      [batch.positions[i] for i in rows])
         if batch.count_slots is not None:
             pen = [i for i, slot in enumerate(batch.count_slots) if slot >= 0]
-            idx = torch.tensor(pen, device=logits.device)
-            slots = torch.tensor([batch.count_slots[i] for i in pen], device=logits.device)
+            idx = to_device(pen, logits.device)
+            slots = to_device([batch.count_slots[i] for i in pen], logits.device)
             batch.counts.record(slots, out[idx])
         result = SampleOutput(out)
         lp_rows = ([i for i, s in enumerate(specs) if s.logprobs >= 0]
@@ -193,36 +194,36 @@ class Sampler:
         x = logits.clone()
         if bias:
             rows, ids, vals = zip(*bias, strict=True)
-            x.index_put_((torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)),
-                         torch.tensor(vals, dtype=x.dtype, device=dev), accumulate=True)
+            x.index_put_((to_device(rows, dev), to_device(ids, dev)),
+                         to_device(vals, dev, x.dtype), accumulate=True)
         if masked:
-            rows_ids = torch.tensor(masked, device=dev)
+            rows_ids = to_device(masked, dev)
             x[rows_ids[:, 0], rows_ids[:, 1]] = float("-inf")
         if pen:
             params = np.array([(specs[i].repetition_penalty, specs[i].frequency_penalty,
                                 specs[i].presence_penalty) for i in pen], np.float32)
-            slots = torch.tensor([batch.count_slots[i] for i in pen], device=dev)
+            slots = to_device([batch.count_slots[i] for i in pen], dev)
             which = (bool((params[:, 0] != 1.0).any()), bool(params[:, 1].any()),
                      bool(params[:, 2].any()))
-            params_t = torch.from_numpy(params).to(dev)
+            params_t = to_device(params, dev)
             if len(pen) == len(specs):  # every row: no gather and scatter back
                 x = batch.counts.apply(x, slots, params_t, which)
             else:
-                idx = torch.tensor(pen, device=dev)
+                idx = to_device(pen, dev)
                 x[idx] = batch.counts.apply(x[idx], slots, params_t, which)
         if batch.bitmask is not None:
             allowed = unpack_bitmask(batch.bitmask, x.shape[-1])
             if len(batch.bitmask_rows) == len(specs):
                 x.masked_fill_(~allowed, float("-inf"))
             else:
-                idx = torch.tensor(batch.bitmask_rows, device=dev)
+                idx = to_device(batch.bitmask_rows, dev)
                 x[idx] = x[idx].masked_fill(~allowed, float("-inf"))
         return x
 
     def _sample(
         self, logits: torch.Tensor, specs: list[SamplingSpec], positions: list[int]
     ) -> torch.Tensor:
-        temps = torch.tensor([s.temperature for s in specs], device=logits.device)
+        temps = to_device([s.temperature for s in specs], logits.device, torch.float32)
         logits = logits / temps[:, None]
         if any(s.min_p > 0.0 for s in specs):
             logits = self._min_p(logits, specs)
@@ -240,7 +241,7 @@ class Sampler:
 
     @staticmethod
     def _min_p(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
-        min_p = torch.tensor([s.min_p for s in specs], device=logits.device)
+        min_p = to_device([s.min_p for s in specs], logits.device, torch.float32)
         probs = torch.softmax(logits, dim=-1)
         floor = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
         return logits.masked_fill(probs < floor, float("-inf"))
@@ -249,10 +250,10 @@ class Sampler:
     def _top_k_top_p(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
         vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ks = torch.tensor([s.top_k if s.top_k > 0 else vocab for s in specs], device=logits.device)
+        ks = to_device([s.top_k if s.top_k > 0 else vocab for s in specs], logits.device)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         drop = ranks >= ks[:, None]
-        ps = torch.tensor([s.top_p for s in specs], device=logits.device)
+        ps = to_device([s.top_p for s in specs], logits.device, torch.float32)
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
         drop |= before >= ps[:, None]
@@ -275,7 +276,7 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: in
     if len(rows) == logits.shape[0]:  # every row: no gather
         lp, chosen = torch.log_softmax(logits.float(), dim=-1), tokens
     else:
-        idx = torch.tensor(rows, device=logits.device)
+        idx = to_device(rows, logits.device)
         lp, chosen = torch.log_softmax(logits[idx].float(), dim=-1), tokens[idx]
     parts = [lp.gather(1, chosen[:, None])]
     if k:
