@@ -58,6 +58,7 @@
 #   defaults  W1 and W2 on 8B and 1B with the default flags (step bounds by device: 1,024 and
 #             8,192 on the H200; async scheduling on; stream interval 1), no peer; ~8 min
 #   defaults1b  W1 on 1B with the default flags only (~1 min)
+#   defaults8b  W1 and W2 on 8B with the default flags (~3 min)
 #   defaultsw3  W3 at rate=inf, 1,000 requests, 8B, default flags, then at 0.8 of the request
 #             rate it completed (the sustainable rate's 80 %); ~5 min
 #   prefix8b  W3 on 8B with a shared 2,000-token system prompt at PREFIX_RATE (default 4) req/s,
@@ -272,6 +273,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         --max-num-batched-tokens 32768; done ;;
     defaults) for m in M8 M1; do for w in W1 W2; do tp $w $m "${DEFAULTS[@]}"; done; done ;;
     defaults1b) tp W1 M1 "${DEFAULTS[@]}" ;;
+    defaults8b) for w in W1 W2; do tp $w M8 "${DEFAULTS[@]}"; done ;;
     defaultsw3)
       python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 1000 --rate inf \
         --overload 0.8 --dump "$B/dumps/w3_defaults_8b_$(date +%H%M)" 2>&1 \
