@@ -231,11 +231,12 @@ class Sampler:
             logits = self._top_k_top_p(logits, specs)
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
-        for i, (spec, pos) in enumerate(zip(specs, positions, strict=True)):
-            gen = self.unseeded
-            if spec.seed is not None:
-                gen = torch.Generator(device=probs.device)
-                gen.manual_seed(position_seed(spec.seed, pos))
+        seeded = [i for i, spec in enumerate(specs) if spec.seed is not None]
+        if len(seeded) < len(specs):  # the unseeded rows' draws: one launch for all of them
+            noise.exponential_(generator=self.unseeded)
+        for i in seeded:  # its own stream per row: a seeded row's draw is batch-invariant
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed(position_seed(specs[i].seed, positions[i]))
             noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 

@@ -266,3 +266,20 @@ def test_bitmask_leaves_logprobs_those_of_the_raw_logits():
     out = Sampler(torch.device("cpu")).sample(logits, batch)
     assert out.tokens.tolist() == [7]
     assert torch.allclose(out.logprobs[0, 0], torch.log_softmax(logits, -1)[0, 7])
+
+
+def test_unseeded_rows_draw_in_one_launch(monkeypatch):
+    """Unseeded rows share one exponential_ call over the batch (a launch per row was per-request
+    work each step); seeded rows keep their own per-row stream."""
+    calls = []
+    real = torch.Tensor.exponential_
+
+    def counting(self, *args, **kwargs):
+        calls.append(tuple(self.shape))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "exponential_", counting)
+    x = logits(rows=6)
+    specs = [SamplingSpec(temperature=1.0)] * 4 + [SamplingSpec(temperature=1.0, seed=3)] * 2
+    Sampler(CPU, seed=0)(x, specs, list(range(6)))
+    assert calls == [(6, 50), (50,), (50,)]
