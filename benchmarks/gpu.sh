@@ -5,7 +5,8 @@
 # smollm2-135m (135M); "throughput settings": 8192-token steps, 8 tokens per streamed message,
 # no HF peer. PARTS picks the parts, which run in the order given:
 #   env       GPU, CPU count, package versions, where pagedserve imports from
-#   tests     GPU tests of CUDA graphs and of the model against HF (tests/executor_svc)
+#   tests     GPU tests of CUDA graphs and of the model against HF (tests/executor_svc), and the
+#             executor's start-up progress lines on CUDA (tests/test_cli.py)
 #   kernels   every kernel test on the GPU (tests/kernels)
 #   fp8kv     the FP8 KV-cache kernel tests on the GPU, then decode attention at batch 64 x 8k
 #             (8B shapes) over an FP8 cache beside bf16 (benchmarks/kernels/bench_fp8_kv.py)
@@ -185,7 +186,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       'zmq', zmq.__version__, 'pagedserve from', pagedserve.__file__)" ;;
     tests)
       python3 -m pytest -q -rs tests/executor_svc/test_cuda_graphs.py \
-        tests/executor_svc/test_model_gpu.py 2>&1 | tee $B/pytest_gpu.log | tail -15 ;;
+        tests/executor_svc/test_model_gpu.py "tests/test_cli.py::test_a_cuda_start_reports_profiling_and_graph_capture" \
+        2>&1 | tee $B/pytest_gpu.log | tail -15 ;;
     kernels)
       python3 -m pytest -q -rs tests/kernels 2>&1 | tee $B/pytest_kernels.log | tail -8 ;;
     fp8kvsweep) python3 benchmarks/kernels/bench_fp8_kv.py --sweep 2>&1 \

@@ -220,3 +220,25 @@ def test_first_start_reports_each_phase_and_leaves_a_cache_others_can_read(open_
                                "head", "-c", "16", str(model / "model.safetensors")],
                               capture_output=True, timeout=30)
         assert read.returncode == 0, read.stderr
+
+
+def test_a_cuda_start_reports_profiling_and_graph_capture():
+    """On CUDA the executor's start also reports the memory profile and the CUDA-graph capture,
+    each with a start and an end line (the CPU start above has neither phase)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.cli", "executor", "--model", "default", "--device",
+         "cuda", "--scheduler-address", f"tcp://127.0.0.1:{free_port()}"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        lines = _stderr_until(proc, "connecting to", timeout=600)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    phases = _phases(lines)
+    names = {what.split(" ")[0] for what, _ in phases[::2]}
+    assert {"loading", "profiling", "warm-up", "capturing"} <= names, phases
+    assert all(phases[i][1] == "start" and phases[i + 1] == (phases[i][0], "end")
+               for i in range(0, len(phases), 2)), phases
