@@ -229,7 +229,8 @@ def test_a_cuda_start_reports_profiling_and_graph_capture():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.cli", "executor", "--model", "default", "--device",
+        [sys.executable, "-m", "pagedserve.cli", "executor", "--model",
+         str(ROOT / "benchmarks/models/smollm2-135m"), "--load-format", "random", "--device",
          "cuda", "--scheduler-address", f"tcp://127.0.0.1:{free_port()}"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=ROOT)
     try:
