@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pagedserve.core.collector import freeze_long_lived
 from pagedserve.executor.model import AttentionMetadata
 
 log = logging.getLogger("pagedserve.executor")
@@ -277,6 +278,7 @@ def _follower_main(args: argparse.Namespace, rank: int, size: int, port: int, pi
     follower = Follower(worker, pipe)
     worker.runner = _WarmUpRunner(follower)
     worker.warm_up()
+    freeze_long_lived()
     follower.run()
     dist.destroy_process_group()
 

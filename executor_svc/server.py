@@ -13,6 +13,7 @@ import uuid
 
 import zmq
 
+from pagedserve.core.collector import freeze_long_lived
 from pagedserve.core.link_security import (
     KeyPair,
     LinkSecurityError,
@@ -253,6 +254,7 @@ def run(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     log.info("executor %s connecting to %s", server.executor_id, args.scheduler_address)
+    freeze_long_lived()  # torch, the model's modules, the warm-up's leftovers
     server.serve_forever()
     if group is not None:
         group.stop()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pagedserve.core.collector import freeze_long_lived
 from pagedserve.core.link_security import (
     LinkSecurityError,
     allowed_keys,
@@ -106,11 +106,7 @@ async def serve(args: argparse.Namespace) -> None:
     if tls is not None:
         loop.add_signal_handler(signal.SIGHUP, tls.reload)
         pending.add(loop.create_task(tls.watch(), name="tls-watch"))  # until the process ends
-    # Everything loaded so far (tokenizer, protobuf descriptors, ...) lives as long as the
-    # process; frozen, it is out of the collector's reach, so a full collection (which lands
-    # inside whatever step allocates at the time) no longer walks the tokenizer's objects.
-    gc.collect()
-    gc.freeze()
+    freeze_long_lived()  # the tokenizer, protobuf descriptors, ...
     await engine.start()
     await server.start()
     mark_ready()
