@@ -60,10 +60,21 @@ def _flag(command: str, name: str, default: str) -> str:
     return m.group(1) if m else default
 
 
+# async scheduling is serve's default from b03d9f2 on: records after it without
+# --no-async-scheduling ran with two steps in flight too
+ASYNC_DEFAULT_SINCE = "2026-12-01T02:55:14Z"
+
+
+def _overlapped(r: dict) -> bool:
+    flags = r.get("server_flags", "")
+    return "--async-scheduling" in flags or (
+        "--no-async-scheduling" not in flags and r.get("recorded_at", "") >= ASYNC_DEFAULT_SINCE)
+
+
 def _step(r: dict) -> str:
     if "step_ms" not in r:
         return "-"
-    if "--async-scheduling" in r.get("server_flags", ""):
+    if _overlapped(r):
         # two steps in flight: their times overlap, so they do not add up to the step
         return f"{r['step_ms']:.1f} (overlapped: plan {r['plan_ms']:.1f}, executor " \
                f"{r['execute_ms']:.1f})"
@@ -85,7 +96,8 @@ def throughput_section(records: list[dict]) -> list[str]:
             when(ours), ours["commit"], *key,
             _flag(ours["command"], "--max-num-batched-tokens", "2048"),
             _flag(flags, "--stream-interval", "1"),
-            " ".join(re.sub(r"--stream-interval \S+", "", flags).split()) or "-",
+            " ".join([*re.sub(r"--stream-interval \S+", "", flags).split(),
+                      *(f"{k}={v}" for k, v in ours.get("sampling", {}).items())]) or "-",
             num(ours["output_tok_s"]), num(ours.get("bound_output_tok_s")),
             f"{num(ours.get('roofline_fraction'), '.2f')} ({TARGETS.get(key, '-')})",
             " / ".join(num(r and r["output_tok_s"]) for r in peers), _step(ours),
