@@ -488,3 +488,30 @@ def test_n_completions_charge_the_tenant_the_prompt_once(keyed):
                                       max_tokens=1).usage.prompt_tokens == 30
     with pytest.raises(openai.RateLimitError):  # the bucket is spent now: it does meter
         metered.completions.create(model=MODEL, prompt=list(range(300, 330)), max_tokens=1)
+
+
+def test_a_full_queue_is_a_rate_limit_with_retry_after(queue_service):
+    """One sequence runs and one waits (queue_service's bounds): a third request is refused at
+    once with 429, OpenAI's error object and a Retry-After header, and the service keeps
+    serving when the two streams end."""
+    client = sdk(queue_service)
+    long = {"ignore_eos": True}
+    running = client.completions.create(model=MODEL, prompt="Count:", max_tokens=4000,
+                                        stream=True, extra_body=long)
+    next(iter(running))  # it runs: the next request waits
+    waiting = client.completions.create(model=MODEL, prompt="Count:", max_tokens=4000,
+                                        stream=True, extra_body=long)
+    try:
+        started = time.monotonic()
+        with pytest.raises(openai.RateLimitError) as err:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert time.monotonic() - started < 10
+        assert err.value.status_code == 429
+        assert err.value.type == "rate_limit_error"
+        assert "server busy" in err.value.message
+        assert int(err.value.response.headers["retry-after"]) >= 1
+    finally:
+        waiting.close()
+        running.close()
+    queue_service.wait_idle(timeout=60)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage
