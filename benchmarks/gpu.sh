@@ -24,6 +24,8 @@
 #   profile   torch profile of W1 on 8B (2 prefill steps, 4 graphed decodes): ops tables
 #   profile1b the same on 1B, whose decode steps are host-bound
 #   profile1bdefaults  profile1b with the default flags (step bounds by device, interval 1)
+#   profilesched1b  W1 on 1B at the default flags with the scheduler under cProfile
+#             (--profile-dir): its functions by cumulative and own time
 #   awq       W2 on 8B in bf16, then W1 and W2 with random AWQ weights, throughput settings
 #   awqasync  awq's AWQ runs with --async-scheduling (compare with bigasync)
 #   awqlat    8B decode, 128 -> 512 tokens, at LAT_SEQS running (default 1 16), bf16 then AWQ
@@ -214,6 +216,9 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     profile) profile M8 8b ;;
     profile1b) profile M1 1b ;;
     profile1bdefaults) profile M1 1b_defaults "${DEFAULTS[@]}" ;;
+    profilesched1b) tp W1 M1 "${DEFAULTS[@]}" --server-flag=--profile-dir \
+      --server-flag=$B/profile_scheduler_1b
+      rm -f $B/profile_scheduler_1b/scheduler.prof; head -70 $B/profile_scheduler_1b/*.txt ;;
     awq) fast W2 M8; for w in W1 W2; do fast $w M8 --server-flag=--quantization \
       --server-flag=awq; done ;;
     awqasync) for w in W1 W2; do fast $w M8 --server-flag=--quantization --server-flag=awq \

@@ -62,6 +62,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="plan and send step N+1 before step N's result arrives (hides the "
                         "scheduler's time per step; a request that stops costs one more token "
                         "of compute)")
+    p.add_argument("--profile-dir", default="",
+                   help="profile the scheduler process with cProfile while it runs and write "
+                        "scheduler.prof and scheduler_top.txt (the top functions by cumulative "
+                        "and by own time) here at exit (empty: off; slows the process)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV blocks of shared prompt prefixes")
     p.add_argument("--long-prefill-token-threshold", type=int, default=512,

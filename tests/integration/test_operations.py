@@ -193,3 +193,25 @@ def test_a_request_stuck_twice_fails_and_a_drain_timeout_aborts(stack):
     assert stack.scheduler.wait(timeout=30) == 0
     stack.executor.send_signal(signal.SIGTERM)
     assert stack.executor.wait(timeout=30) == 0
+
+
+def test_the_scheduler_profile_is_written_at_exit(tmp_path):
+    """--profile-dir: after a served request and a SIGTERM, the scheduler leaves a pstats file
+    and a readable table in which its step loop appears."""
+    import pstats
+
+    folder = tmp_path / "profile"
+    stack = Stack(tmp_path, "--profile-dir", str(folder))
+    try:
+        stack.wait_health(health_pb2.HealthCheckResponse.SERVING, timeout=180)
+        _, ids, _ = stack.client.complete(text="The capital of France is", max_tokens=4,
+                                          temperature=0)
+        assert len(ids) == 4
+        stack.scheduler.send_signal(signal.SIGTERM)
+        assert stack.scheduler.wait(timeout=60) == 0, stack.logs()
+    finally:
+        stack.stop()
+    top = (folder / "scheduler_top.txt").read_text()
+    assert "_step_loop" in top and "cumulative" in top
+    stats = pstats.Stats(str(folder / "scheduler.prof")).stats
+    assert any(fn == "_step_loop" for _, _, fn in stats)
