@@ -64,8 +64,8 @@ class ExecutorServer:
         # scheduler needs that result to fill them).
         self._hello()
         while not self.stopping:
-            if self._held is None and not self.sock.poll(
-                    0 if self._launched else int(HELLO_INTERVAL_S * 1000)):
+            if self._held is None and not (self._next_message_first() if self._launched
+                                           else self.sock.poll(int(HELLO_INTERVAL_S * 1000))):
                 if self._launched is not None:
                     self._send_launched()
                 else:
@@ -79,6 +79,21 @@ class ExecutorServer:
             if (msg := _decode(data)) is not None:
                 self._handle(msg)
         self.sock.close()
+
+    def _next_message_first(self) -> bool:
+        """With a step launched and its tokens not read: whether a message (the next plan,
+        under async scheduling) arrives before the device finishes the step. A plan that does
+        is launched behind the running step, so the device does not idle while this process
+        builds it; tokens that are ready first go out at once, since the scheduler may be
+        waiting for them to plan. Reading the tokens at once instead waited for the device and
+        left it idle for every next step's launch. On the CPU a step has run by the end of its
+        launch: nothing to wait for."""
+        ready = self._launched[1].ready
+        while True:
+            if self.sock.poll(0):
+                return True
+            if ready is None or ready.query() or self.stopping:
+                return bool(self.sock.poll(0))
 
     def _handle(self, msg: pb.SchedulerMessage) -> None:
         kind = msg.WhichOneof("kind")

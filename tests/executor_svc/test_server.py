@@ -136,3 +136,63 @@ def test_a_plan_before_the_awaited_mask_fails_that_step_and_then_runs(link):
         30, "ValueError: step 31's plan arrived before step 30's token bitmask")
     ran = link.result()
     assert (ran.step_id, list(ran.req_ids), ran.error) == (31, [5], "")
+
+
+class DeviceStep:
+    """A launched step's completion event, under the test's control (a CUDA event's part)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def test_a_plan_that_comes_while_the_device_runs_is_launched_before_the_tokens_are_read(
+        tmp_path):
+    """Async scheduling on a device: while step 1 still runs, the executor waits for the next
+    plan or step 1's end, whichever first. Plan 2 comes first, so it is launched behind step 1
+    (the device need not idle while the host builds it) and only then is step 1's result read
+    and sent; step 2's result waits for its own end."""
+    save_random_llama(tmp_path, "d64")
+    worker = Worker(ExecutorConfig(model=str(tmp_path), device="cpu", num_kv_blocks=16))
+    runner, order, steps = worker.runner, [], {}
+    launch, finish = runner.launch, runner.finish
+
+    def launching(plan, *args):
+        launched = launch(plan, *args)
+        launched.host_tokens, launched.ready = launched.tokens, DeviceStep()
+        steps[plan.step_id] = launched.ready
+        order.append(("launch", plan.step_id))
+        return launched
+
+    def finishing(launched):
+        order.append(("read", next(s for s, e in steps.items() if e is launched.ready)))
+        return finish(launched)
+
+    runner.launch, runner.finish = launching, finishing
+    sched = Scheduler()
+    server = ExecutorServer(worker, f"tcp://127.0.0.1:{sched.port}")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        sched.welcome()
+        sched.send(new(1, 1, [0], bitmask_follows=False))
+        assert sched.result(timeout_s=0.5) is None  # step 1 runs and no plan came: it waits
+        plan2 = decode(2, 1, 3)
+        plan2.plan.bitmask_follows = False
+        sched.send(plan2)
+        first = sched.result()
+        assert first.step_id == 1 and len(first.sampled_token_ids) == 1
+        assert order == [("launch", 1), ("launch", 2), ("read", 1)]
+        assert sched.result(timeout_s=0.5) is None  # step 2 still runs
+        steps[2].done = True
+        second = sched.result()
+        assert second.step_id == 2 and order[-1] == ("read", 2)
+    finally:
+        server.stopping = True
+        thread.join(10)
+        sched.sock.close()
