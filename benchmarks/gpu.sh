@@ -280,7 +280,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         --max-num-batched-tokens 32768; done ;;
     defaults) for m in M8 M1; do for w in W1 W2; do tp $w $m "${DEFAULTS[@]}"; done; done ;;
     defaults1b) tp W1 M1 "${DEFAULTS[@]}" ;;
-    defaults8b) for w in W1 W2; do tp $w M8 "${DEFAULTS[@]}"; done ;;
+    defaults8b) for w in ${DEFAULTS_W:-W1 W2}; do tp $w M8 "${DEFAULTS[@]}"; done ;;
     defaultsw3)
       python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 1000 --rate inf \
         --overload 0.8 --dump "$B/dumps/w3_defaults_8b_$(date +%H%M)" 2>&1 \
