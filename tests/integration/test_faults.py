@@ -5,7 +5,7 @@ paused past the step timeout, a stale executor resumed after its successor joine
 scheduler killed under `serve` with streams in flight, cancel storms. After each fault (the
 `recovers` fixture): no KV block leaked, each process (or the one that replaced it) within
 10 % of its resident memory before the fault, and a known greedy request gets HF's tokens.
-Every test has a timeout (pytest-timeout); the file takes about 2.5 minutes on 2 cores."""
+Every test has a timeout (pytest-timeout); the file takes about 100 s on 2 cores."""
 
 from __future__ import annotations
 
