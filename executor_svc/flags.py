@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.core.config import add_insecure_link_arg, add_step_args
+from pagedserve.core.config import add_insecure_link_arg, add_link_timeout_arg, add_step_args
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -19,6 +19,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler-public-key", default="",
                    help="the scheduler's public key, its NAME.key file (with --executor-key)")
     add_insecure_link_arg(p)
+    add_link_timeout_arg(p)
     p.add_argument("--device", default="auto",
                    help="cpu, cuda, cuda:1; auto: CUDA when present")
     p.add_argument("--dtype", default="auto",

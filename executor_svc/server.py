@@ -14,6 +14,7 @@ import uuid
 import zmq
 
 from pagedserve.core.collector import freeze_long_lived
+from pagedserve.core.link_liveness import keep_alive
 from pagedserve.core.link_security import (
     KeyPair,
     LinkSecurityError,
@@ -35,14 +36,16 @@ HELLO_INTERVAL_S = 1.0  # resend hello until welcomed, and as a heartbeat while 
 class ExecutorServer:
     def __init__(self, worker: Worker, scheduler_address: str,
                  profiler: StepProfiler | None = None, key: KeyPair | None = None,
-                 scheduler_key: bytes = b"") -> None:
+                 scheduler_key: bytes = b"", link_timeout_s: float = 2.0) -> None:
         """key and scheduler_key: this executor's CURVE key pair and the scheduler's public
-        key (pagedserve.core.link_security); both or neither."""
+        key (pagedserve.core.link_security); both or neither. link_timeout_s: ZeroMQ
+        heartbeats (pagedserve.core.link_liveness)."""
         self.worker = worker
         self.profiler = profiler
         self.executor_id = uuid.uuid4().hex
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        keep_alive(self.sock, link_timeout_s)
         if key is not None:
             self.sock.curve_secretkey, self.sock.curve_publickey = key.secret, key.public
             self.sock.curve_serverkey = scheduler_key
@@ -261,7 +264,8 @@ def run(args: argparse.Namespace) -> None:
         JitWatch().install()
     profiler = (StepProfiler(args.torch_profile_dir, args.torch_profile_steps)
                 if args.torch_profile_dir else None)
-    server = ExecutorServer(worker, args.scheduler_address, profiler, *keys)
+    server = ExecutorServer(worker, args.scheduler_address, profiler, *keys,
+                            link_timeout_s=args.executor_link_timeout_s)
 
     def stop(*_: object) -> None:
         server.stopping = True

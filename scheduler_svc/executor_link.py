@@ -4,15 +4,17 @@ and the one codec of the internal messages (plans out, results in).
 An executor connects a DEALER and says hello (with its capacity) once a second until welcomed,
 then as a heartbeat while idle. One executor is adopted at a time: another one is refused
 (it keeps saying hello) until the adopted one is lost. A lost executor is one whose connection
-closed (a process killed for real), that went silent while idle, or that left a step unanswered
-past step_timeout_s. With keys (pagedserve.core.link_security) the socket is a CURVE server
-and only executors whose public key is in the allow-list get through the handshake; without,
-the link must stay on this host.
+closed: a process killed for real, or one that answered no ZeroMQ heartbeat for
+link_timeout_s (stopped, hung host, cut network; libzmq answers them during long steps, see
+pagedserve.core.link_liveness); that went silent while idle; or that left a step unanswered
+past step_timeout_s. A lost executor that comes back reconnects as a new peer: its late
+results are dropped, and it is adopted again only through a new hello. With keys
+(pagedserve.core.link_security) the socket is a CURVE server and only executors whose public
+key is in the allow-list get through the handshake; without, the link must stay on this host.
 
 What the engine sees:
     on_joined(capacity)  an executor was welcomed: whatever ran on an earlier one is lost
-    on_lost(reason)      the executor went silent while idle, or left a step unanswered past
-                         step_timeout_s
+    on_lost(reason)      the executor was lost (above)
     results              step results, in the order the steps were sent; a LinkDown item
                          wakes a step loop that waits on an executor that is gone (one that
                          waits on no step of its generation skips it)
@@ -33,6 +35,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from pagedserve.core.link_liveness import keep_alive
 from pagedserve.core.link_security import (
     LinkSecurityError,
     allowed_keys,
@@ -55,6 +58,7 @@ class LinkConfig:
     key_file: str = ""  # the scheduler's NAME.key_secret (CURVE); empty: no keys
     allowed_keys_dir: str = ""  # the executors' public NAME.key files
     insecure: bool = False  # allow a link reachable from other hosts without keys
+    link_timeout_s: float = 2.0  # ZeroMQ heartbeats: silence this long drops the connection
 
 
 class LinkBindError(Exception):
@@ -93,6 +97,7 @@ class ExecutorLink:
         self._monitor: zmq.asyncio.Socket | None = None
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        keep_alive(self.sock, self.cfg.link_timeout_s)
 
     def attach(self, on_joined: Callable[[pb.Capacity], None],
                on_lost: Callable[[str], None]) -> None:
@@ -173,6 +178,10 @@ class ExecutorLink:
             elif kind == "result" and ident == self._ident:
                 self._last_seen = time.monotonic()
                 self._on_result(msg.result)
+            elif kind == "result":
+                log.warning("dropped the result of step %d from a peer that is not the "
+                            "adopted executor (one lost before, or a stranger)",
+                            msg.result.step_id)
 
     def _on_result(self, result: pb.StepResult) -> None:
         while self._in_flight and self._in_flight[0] <= result.step_id:
@@ -210,12 +219,16 @@ class ExecutorLink:
             [ident, pb.SchedulerMessage(refuse=pb.Refuse(reason=why)).SerializeToString()])
 
     async def _disconnects(self, monitor: zmq.asyncio.Socket) -> None:
-        """The adopted executor's connection closed (its process died): lost at once, so a
-        restarted executor is adopted without waiting for a timeout."""
+        """The adopted executor's connection closed (its process died, or libzmq gave up on
+        its heartbeats): lost at once, so a restarted executor is adopted without waiting for
+        a timeout."""
+        why = "its connection closed (the process died"
+        why += (f", or sent nothing, not even a heartbeat, for {self.cfg.link_timeout_s:g} s)"
+                if self.cfg.link_timeout_s > 0 else ")")
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
             if event["value"] == self._fd and self.connected.is_set():
-                self._lose("its connection closed")
+                self._lose(why)
 
     async def _watchdog(self) -> None:
         """Declare the executor lost when an idle one stops beating or a step runs too long."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.core.config import add_insecure_link_arg, add_step_args
+from pagedserve.core.config import add_insecure_link_arg, add_link_timeout_arg, add_step_args
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -23,6 +23,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor-allowed-keys", default="",
                    help="directory of the executors' public keys (NAME.key files)")
     add_insecure_link_arg(p)
+    add_link_timeout_arg(p)
     p.add_argument("--api-keys", default="",
                    help="YAML file of API keys and their tenants (priority range, concurrent "
                         "requests, tokens per minute; see scheduler_svc/tenants.py); clients "

@@ -197,7 +197,8 @@ def _link_config(args: argparse.Namespace) -> LinkConfig:
         load_keypair(args.scheduler_key)
         allowed_keys(args.executor_allowed_keys)
     return LinkConfig(args.executor_timeout_s, args.executor_heartbeat_timeout_s,
-                      args.scheduler_key, args.executor_allowed_keys, args.insecure_executor_link)
+                      args.scheduler_key, args.executor_allowed_keys, args.insecure_executor_link,
+                      args.executor_link_timeout_s)
 
 
 def run(args: argparse.Namespace) -> None:

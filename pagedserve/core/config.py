@@ -142,3 +142,13 @@ def add_insecure_link_arg(p: argparse.ArgumentParser) -> None:
                    default=False,
                    help="allow an executor link that other hosts can reach without keys "
                         "(prompts cross the network in plain text)")
+
+
+def add_link_timeout_arg(p: argparse.ArgumentParser) -> None:
+    """Shared by both processes (one flag under `serve`): ZeroMQ heartbeats on the executor
+    link (pagedserve.core.link_liveness)."""
+    p.add_argument("--executor-link-timeout-s", type=float, default=2.0,
+                   help="the executor link is dropped when the other process has sent "
+                        "nothing for this long, not even ZeroMQ's heartbeats (one every "
+                        "quarter of it, answered during steps too): a paused, hung or cut-off "
+                        "executor is lost within about 1.25 times this (0: no heartbeats)")

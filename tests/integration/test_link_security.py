@@ -3,6 +3,7 @@ every interface, and DEALER sockets playing a rogue executor."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from tests.integration.service import Stack, free_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 PROMPT = "What is the capital of France?"
 
 
@@ -87,6 +89,28 @@ def test_rogue_executors_get_nothing_and_the_real_one_keeps_serving(stack, keys,
         sock.close()
     log = (stack.tmp / "scheduler.log").read_text()
     assert "rogue" not in log  # not even refused: the handshake stopped them
+
+
+def test_heartbeats_run_inside_curve_and_drop_a_stopped_executor_mid_step(stack, hf_greedy):
+    """With a step in flight only ZeroMQ's heartbeats can tell (the step timeout is 120 s):
+    they flow through the CURVE session, so a stopped executor is lost within 3 s; after
+    SIGCONT it says hello again and the stream is recomputed."""
+    from pagedserve.client import build_request
+
+    log = stack.tmp / "scheduler.log"
+    seen = len(log.read_text())
+    stream = stack.client.stub.Generate(build_request(chat=[("user", PROMPT)], temperature=0,
+                                                      max_tokens=24), timeout=120)
+    ids = list(next(stream).token_ids)
+    stack.executor.send_signal(signal.SIGSTOP)
+    try:
+        assert stack.wait_health(NOT_SERVING, timeout=10) < 3
+    finally:
+        stack.executor.send_signal(signal.SIGCONT)
+    ids += [t for chunk in stream for t in chunk.token_ids]
+    assert ids == hf_greedy[4]
+    assert "lost: its connection closed (the process died, or sent nothing, not even a " \
+           "heartbeat, for 2 s)" in log.read_text()[seen:]
 
 
 def test_a_second_executor_waits_until_the_first_is_gone(stack, keys):

@@ -181,6 +181,87 @@ def test_results_from_any_peer_but_the_adopted_executor_are_ignored(tmp_path):
     asyncio.run(main())
 
 
+PAUSABLE_EXECUTOR = """
+import sys, time, zmq
+from pagedserve.core.link_liveness import keep_alive
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
+address, link_timeout, step_s = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0)
+keep_alive(sock, link_timeout)
+sock.connect(address)
+cap = pb.Capacity(num_kv_blocks=8, block_size=4, max_model_len=32, vocab_size=100)
+hello = pb.ExecutorMessage(hello=pb.Hello(capacity=cap, executor_id="exec-a"))
+sock.send(hello.SerializeToString())
+sock.recv()  # welcome
+step = pb.SchedulerMessage.FromString(sock.recv()).plan.step_id
+print("step", step, flush=True)
+start = time.monotonic()
+while time.monotonic() - start < step_s:  # a long step that holds the GIL throughout
+    pass
+result = pb.StepResult(step_id=step, req_ids=[1], sampled_token_ids=[9])
+sock.send(pb.ExecutorMessage(result=result).SerializeToString())
+while True:  # then idle, saying hello as the real executor does
+    sock.send(hello.SerializeToString())
+    if sock.poll(200):
+        sock.recv()
+"""
+
+
+def test_heartbeats_keep_a_busy_executor_and_drop_a_stopped_one_within_the_link_timeout(
+        tmp_path, caplog):
+    """A real process: its Python thread busy in a step for 3 link timeouts is not lost
+    (libzmq answers the heartbeats); SIGSTOPped, it is lost within 1.25 link timeouts
+    although a step is in flight and the step and idle timeouts are a minute; after SIGCONT
+    its late result is dropped and its next hello adopts it afresh."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    timeout = 0.4
+
+    async def main():
+        address = f"ipc://{tmp_path}/link"
+        link = ExecutorLink(address, LinkConfig(step_timeout_s=60, heartbeat_timeout_s=60,
+                                                link_timeout_s=timeout))
+        joined, lost = [], []
+        link.attach(joined.append, lost.append)
+        await link.start()
+        peer = subprocess.Popen([sys.executable, "-c", PAUSABLE_EXECUTOR, address,
+                                 str(timeout), "3.0"], stdout=subprocess.PIPE, text=True)
+        try:
+            await until(lambda: link.connected.is_set(), 30)
+            req = Request(1, "r", 2, [5, 6], GenerationParams(max_tokens=4))
+            await link.send(1, one_request_step(req, 0, 2, [0], new=True))
+            assert await asyncio.to_thread(peer.stdout.readline) == "step 1\n"
+            await asyncio.sleep(3 * timeout)
+            assert link.connected.is_set() and lost == []  # busy, but heartbeats answered
+
+            peer.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            await until(lambda: bool(lost), 10)
+            noticed = time.monotonic() - stopped
+            assert noticed < 1.25 * timeout + 0.25, noticed
+            assert lost == [f"its connection closed (the process died, or sent nothing, not "
+                            f"even a heartbeat, for {timeout:g} s)"]
+            assert isinstance(link.results.get_nowait(), LinkDown)
+
+            await asyncio.sleep(3.0 - 6 * timeout)  # its step is over when it resumes
+            peer.send_signal(signal.SIGCONT)
+            await until(lambda: len(joined) == 2, 10)  # its hello after the late result
+            assert link.connected.is_set() and link.results.empty()
+            assert "dropped the result of step 1 from a peer that is not the adopted " \
+                   "executor" in caplog.text
+        finally:
+            peer.send_signal(signal.SIGCONT)
+            peer.kill()
+            peer.wait()
+        await link.close()
+
+    asyncio.run(main())
+
+
 def test_a_result_whose_logprobs_do_not_fit_together_is_refused():
     from zmq import Frame
 
