@@ -4,11 +4,15 @@ goes back to the OS."""
 
 from __future__ import annotations
 
+import json
+import re
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2
 
@@ -140,3 +144,58 @@ def test_memory_returns_after_a_burst_of_large_inputs(fresh_big_service):
         after = rss_mib()
     assert after <= 1.1 * before, (before, after)
     assert big_service.client.complete(text="Hello", max_tokens=1)[1]
+
+
+BODY_LIMIT = 2 * 262_144 + 2**20  # the default model: twice its input limit, plus 1 MiB
+TOO_LARGE = {"type": "invalid_request_error", "param": None, "code": "request_too_large"}
+
+
+def raw_http(svc, head: bytes, body_parts=()) -> tuple[int, dict]:
+    """Send a request's head and body parts on a bare socket (the body need not be whole) and
+    read the response: its status and JSON body."""
+    with socket.create_connection(("127.0.0.1", svc.http_port), timeout=10) as s:
+        s.sendall(head)
+        for part in body_parts:
+            s.sendall(part)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += s.recv(65536)
+        headers, rest = data.split(b"\r\n\r\n", 1)
+        length = int(re.search(rb"(?i)content-length: (\d+)", headers).group(1))
+        while len(rest) < length:
+            rest += s.recv(65536)
+    return int(headers.split()[1]), json.loads(rest)
+
+
+def test_a_body_declared_too_large_is_refused_before_it_is_sent(service):
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 1000000000\r\n\r\n")  # and no body follows
+    status, body = raw_http(service, head)
+    assert status == 413
+    assert body == {"error": {"message": f"request body: 1000000000 bytes, more than the "
+                              f"{BODY_LIMIT} a request may have (twice the input limit, "
+                              f"--max-input-bytes, plus 1 MiB)", **TOO_LARGE}}
+
+
+def test_a_chunked_body_is_refused_once_past_the_limit(service):
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+    part = b"%x\r\n%s\r\n" % (65536, b"a" * 65536)
+    status, body = raw_http(service, head, [part] * (BODY_LIMIT // 65536 + 1))  # never ended
+    assert status == 413
+    assert body["error"] == {"message": f"request body: more than {BODY_LIMIT} bytes, more "
+                             f"than the {BODY_LIMIT} a request may have (twice the input "
+                             f"limit, --max-input-bytes, plus 1 MiB)", **TOO_LARGE}
+
+
+def test_an_oversized_body_gets_413_from_the_sdk_and_the_server_serves_on(service):
+    client = openai.OpenAI(base_url=service.http_url + "/v1", api_key="none", max_retries=0,
+                           timeout=60)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model="default", prompt="a" * BODY_LIMIT, max_tokens=1)
+    assert err.value.status_code == 413
+    assert err.value.body["code"] == "request_too_large"
+    assert err.value.body["message"].startswith("request body: ")
+    out = client.completions.create(model="default", prompt="The capital of France is",
+                                    max_tokens=2)
+    assert out.usage.completion_tokens == 2
