@@ -38,7 +38,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(mutual TLS)")
     p.add_argument("--max-input-bytes", type=int, default=0,
                    help="most UTF-8 bytes of text or chat input per request, refused before "
-                        "tokenizing (0: 32 per token of max_model_len)")
+                        "tokenizing (0: 32 per token of max_model_len; the model config's "
+                        "until an executor joins); an HTTP body may have twice this plus 1 MiB")
     p.add_argument("--enable-reflection", action=argparse.BooleanOptionalAction, default=True,
                    help="gRPC server reflection (grpcurl lists and calls the API without the "
                         ".proto)")

@@ -39,15 +39,17 @@ BYTES_PER_TOKEN_BOUND = 32  # no tokenizer here averages more bytes per token th
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, max_input_bytes: int = 0) -> None:
+    def __init__(self, tokenizer: Any, max_input_bytes: int = 0, model_len: int = 0) -> None:
         """max_input_bytes: the most UTF-8 bytes of text (or chat text) tokenized for one
-        request; 0: BYTES_PER_TOKEN_BOUND per token of max_model_len once that is known."""
+        request; 0: BYTES_PER_TOKEN_BOUND per token of max_model_len (the joined executor's,
+        or model_len, the model config's, before one has joined)."""
         self.tok = tokenizer
         self.chat = ChatRenderer(tokenizer)
         self.max_input_bytes = max_input_bytes
+        self.model_len = model_len
 
-    def byte_limit(self, max_model_len: int) -> int:
-        return self.max_input_bytes or BYTES_PER_TOKEN_BOUND * max_model_len
+    def byte_limit(self, max_model_len: int | None) -> int:
+        return self.max_input_bytes or BYTES_PER_TOKEN_BOUND * (max_model_len or self.model_len)
 
     def encode_text(self, text: str) -> list[int]:
         return list(self.tok.encode(text))
@@ -68,16 +70,29 @@ class InputProcessor:
         except (ChatError, ToolError) as e:
             raise InvalidRequest(str(e)) from e
 
-    def check_size(self, req: api.GenerateRequest | api.TokenizeRequest,
-                   max_model_len: int) -> None:
-        """Refuse input too large to be a prompt before any tokenizing work is spent on it."""
-        kind = req.WhichOneof("input")  # token ids need no work: validate() bounds them
+    @staticmethod
+    def input_bytes(req: api.GenerateRequest | api.TokenizeRequest) -> int:
+        """The UTF-8 bytes of text or chat input that tokenizing would read (0 for token ids:
+        they need no work, and validate() bounds them)."""
+        kind = req.WhichOneof("input")
         if kind not in ("text", "chat"):
-            return
-        texts = [req.text] if kind == "text" else _chat_texts(req.chat)
-        n, most = sum(len(t.encode()) for t in texts), self.byte_limit(max_model_len)
-        if n > most:
-            raise InvalidRequest(f"{kind}: {n} bytes, more than the {most} a prompt may have")
+            return 0
+        return sum(len(t.encode()) for t in ([req.text] if kind == "text"
+                                             else _chat_texts(req.chat)))
+
+    def check_size(self, req: api.GenerateRequest | api.TokenizeRequest, n: int,
+                   max_model_len: int | None) -> None:
+        """Refuse input too large to be a prompt (n: its input_bytes) before any tokenizing
+        work is spent on it; max_model_len None: no executor has joined yet."""
+        if n > (most := self.byte_limit(max_model_len)):
+            raise InvalidRequest(f"{req.WhichOneof('input')}: {n} bytes, more than the {most} a "
+                                 "prompt may have")
+
+    def tokenize(self, req: api.TokenizeRequest) -> api.TokenizeResponse:
+        """The Tokenize answer: ids and their token strings, both in proportion to the input
+        (called off the event loop)."""
+        ids = self.prompt_ids(req)
+        return api.TokenizeResponse(token_ids=ids, tokens=self.tok.convert_ids_to_tokens(ids))
 
     def prompt_ids(self, req: api.GenerateRequest | api.TokenizeRequest) -> list[int]:
         kind = req.WhichOneof("input")
@@ -104,14 +119,14 @@ def _chat_texts(chat: api.ChatMessages) -> list[str]:
 def validate(req: api.GenerateRequest, prompt: list[int], limits: Limits) -> GenerationParams:
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequest(f"request_id: longer than {MAX_REQUEST_ID_LEN} characters")
-    bad = next((t for t in prompt if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(f"token_ids: {bad} is outside the vocabulary [0, {limits.vocab_size})")
     room = limits.max_model_len - len(prompt)
-    if room < 1:
+    if room < 1:  # before the scan below: a prompt far too long is refused without one
         raise InvalidRequest(f"input: the prompt has {len(prompt)} tokens; max_model_len is "
                              f"{limits.max_model_len}, so it must be at most "
                              f"{limits.max_model_len - 1}")
+    bad = next((t for t in prompt if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"token_ids: {bad} is outside the vocabulary [0, {limits.vocab_size})")
     s = req.sampling
     max_tokens = room
     if s.HasField("max_tokens"):

@@ -41,6 +41,10 @@ from pagedserve.scheduler.openai_tools import CallStream, ToolMode, read_calls, 
 from pagedserve.scheduler.servicer import Call, GenerationServicer
 from pagedserve.scheduler.streams import Chunk, EngineError
 
+# JSON escapes at most double the UTF-8 bytes of a prompt (a non-ASCII character as \uXXXX); the
+# MiB is for the request's other fields (a JSON schema, tools, logit_bias).
+BODY_SLACK_BYTES = 1 << 20
+LARGE_BODY_BYTES = 256 * 1024  # parsed on a worker thread; followed by a heap trim
 TIMEOUT_HEADER = "x-request-timeout"  # seconds the request may live, as a gRPC deadline
 _DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -77,6 +81,26 @@ class OpenAIApp:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, ChatCompletionRequest)
 
+    async def _body(self, request: Request) -> bytes:
+        """The request body, read as it arrives and refused (413) as soon as it is known to be
+        over the limit: from its Content-Length, else once that many bytes came; the rest is
+        never held (uvicorn drops what follows a response)."""
+        cap = self.engine.link.capacity
+        most = body_limit(self.gen.inputs.byte_limit(cap.max_model_len if cap else None))
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > most:
+            raise _too_large(f"{int(declared)} bytes", most)
+        parts, n = [], 0
+        async for part in request.stream():
+            n += len(part)
+            if n > most:
+                self.gen.trim.soon()
+                raise _too_large(f"more than {most} bytes", most)
+            parts.append(part)
+        if n >= LARGE_BODY_BYTES:
+            self.gen.trim.soon()
+        return b"".join(parts)
+
     def _authenticate(self, request: Request) -> Any:
         try:
             return self.gen.authenticate([("authorization", request.headers.get(
@@ -86,7 +110,9 @@ class OpenAIApp:
 
     async def _generate(self, request: Request, model: type) -> Response:
         tenant = self._authenticate(request)
-        req = parse(model, await request.body())
+        body = await self._body(request)
+        req = parse(model, body) if len(body) < LARGE_BODY_BYTES else \
+            await asyncio.to_thread(parse, model, body)
         if req.model != self.model_name:
             raise OpenAIError(404, f"The model '{req.model}' does not exist; this server "
                               f"serves '{self.model_name}'", "model", "model_not_found")
@@ -281,6 +307,17 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.call.close()
+
+
+def body_limit(input_limit: int) -> int:
+    """The most bytes a request body may have, given --max-input-bytes' limit on its text."""
+    return 2 * input_limit + BODY_SLACK_BYTES
+
+
+def _too_large(size: str, most: int) -> OpenAIError:
+    return OpenAIError(413, f"request body: {size}, more than the {most} a request may have "
+                       f"(twice the input limit, --max-input-bytes, plus 1 MiB)",
+                       code="request_too_large")
 
 
 def _timeout(request: Request) -> float | None:

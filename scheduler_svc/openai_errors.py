@@ -32,6 +32,7 @@ class OpenAIError(Exception):
         return cls(status, message, code=code.lower(), retry_after_s=retry_after_s)
 
     def body(self) -> dict[str, Any]:
-        kind = next((t for s, t in STATUS.values() if s == self.status), "server_error")
+        kind = next((t for s, t in STATUS.values() if s == self.status),
+                    "invalid_request_error" if 400 <= self.status < 500 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param,
                           "code": self.code}}

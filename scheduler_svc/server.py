@@ -20,7 +20,11 @@ from pagedserve.core.link_security import (
     check_exposure,
     load_keypair,
 )
-from pagedserve.core.models import read_generation_eos, resolve_model
+from pagedserve.core.models import (
+    read_generation_eos,
+    read_max_position_embeddings,
+    resolve_model,
+)
 from pagedserve.core.readiness import mark_ready
 from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
 from pagedserve.protos.v1 import generate_pb2_grpc
@@ -72,6 +76,7 @@ async def serve(args: argparse.Namespace) -> None:
     model_dir = resolve_model(args.model)
     tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
+    model_len = await asyncio.to_thread(read_max_position_embeddings, model_dir)
     health_servicer = health.aio.HealthServicer()
     loop = asyncio.get_running_loop()
 
@@ -90,8 +95,8 @@ async def serve(args: argparse.Namespace) -> None:
                     on_readiness=on_readiness, stream_interval=args.stream_interval,
                     async_scheduling=args.async_scheduling)
     server = grpc_server(RpcMetrics(metrics.rpcs, model_name))
-    servicer = GenerationServicer(engine, InputProcessor(tokenizer, args.max_input_bytes),
-                                  model_name, tenants)
+    inputs = InputProcessor(tokenizer, args.max_input_bytes, model_len)
+    servicer = GenerationServicer(engine, inputs, model_name, tenants)
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     http = http_server(OpenAIApp(servicer, model_name).app, args, tls) if args.http_port \
         else None

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
+from pagedserve.core.memory import TrimAfterBurst
 from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.protos.v1 import generate_pb2_grpc
 from pagedserve.scheduler.engine import Engine
@@ -21,7 +24,11 @@ from pagedserve.scheduler.tenants import Admission, Tenant, Tenants
 _FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH}
 NO_EXECUTOR = ("no executor has joined the scheduler yet (readiness, health service "
                "'pagedserve.v1.Generation', turns SERVING when one does)")
-MAX_MODEL_LEN_BOUND = 1 << 20  # Tokenize before an executor joined: no model is longer
+# Inputs from this size on are tokenized on one thread of their own, so that a burst of them
+# takes one core from the running streams rather than all, and are followed by a heap trim.
+LARGE_INPUT_BYTES = 64 * 1024
+_In = TypeVar("_In", api.GenerateRequest, api.TokenizeRequest)
+_Out = TypeVar("_Out")
 Metadata = Iterable[tuple[str, str | bytes]] | None  # gRPC metadata, or the HTTP headers
 
 
@@ -69,6 +76,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.inputs = inputs
         self.model_name = model_name
         self.tenants = tenants
+        self.trim = TrimAfterBurst()
+        self._large = ThreadPoolExecutor(1, thread_name_prefix="tokenize-large")
 
     def authenticate(self, metadata: Metadata) -> Tenant | None:
         """The tenant of the request's API key (None when the service runs without keys)."""
@@ -102,6 +111,20 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise EngineError("UNAVAILABLE", NO_EXECUTOR)
         return Limits(max_model_len=cap.max_model_len, vocab_size=cap.vocab_size)
 
+    async def _tokenized(self, work: Callable[[_In], _Out], request: _In,
+                         max_model_len: int | None) -> _Out:
+        """work(request), tokenizing, on a worker thread once the input passed the size check
+        (work in proportion to the input never runs on the event loop, which serves every
+        stream)."""
+        n = self.inputs.input_bytes(request)
+        try:
+            self.inputs.check_size(request, n, max_model_len)
+            pool = self._large if n >= LARGE_INPUT_BYTES else None
+            return await asyncio.get_running_loop().run_in_executor(pool, work, request)
+        finally:
+            if n >= LARGE_INPUT_BYTES:
+                self.trim.soon()
+
     async def start(self, request: api.GenerateRequest, tenant: Tenant | None,
                     timeout: float | None) -> Call:
         """Validate and admit an authenticated request, and queue it; the HTTP API calls this
@@ -110,8 +133,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if self.engine.draining:
             raise EngineError("UNAVAILABLE", "server is draining")
         limits = self._limits()
-        self.inputs.check_size(request, limits.max_model_len)
-        prompt = await asyncio.to_thread(self.inputs.prompt_ids, request)
+        prompt = await self._tokenized(self.inputs.prompt_ids, request, limits.max_model_len)
         params = validate(request, prompt, limits)
         grammar = None if params.constraint is None else \
             await self.engine.compile(params.constraint)
@@ -145,11 +167,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: api.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> api.TokenizeResponse:
         self.authenticate(context.invocation_metadata())
-        cap = self.engine.link.capacity  # none yet: bound by the largest model length there is
-        self.inputs.check_size(request, cap.max_model_len if cap else MAX_MODEL_LEN_BOUND)
-        ids = await asyncio.to_thread(self.inputs.prompt_ids, request)
-        tokens = self.inputs.tok.convert_ids_to_tokens(ids)
-        return api.TokenizeResponse(token_ids=ids, tokens=tokens)
+        cap = self.engine.link.capacity  # none yet: the model config's length bounds it
+        return await self._tokenized(self.inputs.tokenize, request,
+                                     cap.max_model_len if cap else None)
 
     async def GetModelInfo(  # noqa: N802
         self, request: api.GetModelInfoRequest, context: grpc.aio.ServicerContext

@@ -5,9 +5,11 @@ prompts stays at its peak resident size long after; malloc_trim returns what is 
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import functools
+import gc
 
 
 @functools.cache
@@ -27,3 +29,37 @@ def release_free_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+class TrimAfterBurst:
+    """Trims the heap once a burst of large allocations has passed: soon() after each large
+    input (tokenized, or refused for its size: parsing it took memory too) trims quiet_s after
+    the last one, and no later than max_wait_s after the first, so that a steady stream of them
+    is trimmed too. A full collection comes first: a refused request's prompt ids are held in
+    reference cycles (its exception's traceback through gRPC's abort) until one runs. The trim
+    runs on a worker thread: on a heap of gigabytes it takes a while. Called on the loop."""
+
+    def __init__(self, quiet_s: float = 0.5, max_wait_s: float = 5.0) -> None:
+        self.quiet_s, self.max_wait_s = quiet_s, max_wait_s
+        self._first = self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self.trims = 0  # how many ran (tests, logs)
+
+    def soon(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._last = loop.time()
+        if self._timer is None:
+            self._first = self._last
+            self._timer = loop.call_later(self.quiet_s, self._due)
+
+    def _due(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        wait = min(self._last + self.quiet_s, self._first + self.max_wait_s) - now
+        if wait > 0:  # another large input came meanwhile: wait for the quiet after it
+            self._timer = loop.call_later(wait, self._due)
+            return
+        self._timer = None
+        self.trims += 1
+        gc.collect()
+        loop.run_in_executor(None, release_free_memory)

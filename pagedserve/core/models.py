@@ -134,3 +134,11 @@ def read_generation_eos(path: Path) -> list[int]:
             if eos is not None:
                 return [eos] if isinstance(eos, int) else list(eos)
     return []
+
+
+def read_max_position_embeddings(path: Path) -> int:
+    """The model's context length as its config states it (transformers' default where the
+    file leaves it out), which is what the executor serves unless --max-model-len says."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(str(path)).max_position_embeddings)

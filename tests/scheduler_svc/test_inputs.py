@@ -44,6 +44,8 @@ def test_prompt_limits():
         validate(request(), list(range(100)), LIMITS)
     with pytest.raises(InvalidRequest, match="^token_ids: 1000 is outside"):
         validate(request(), [1, 1000], LIMITS)
+    with pytest.raises(InvalidRequest, match="^input: the prompt has 100 tokens"):  # no scan
+        validate(request(), [1000] * 100, LIMITS)
 
 
 def test_prompt_sources(tokenizer):
@@ -68,17 +70,25 @@ def test_input_too_large_is_refused_before_tokenizing(tokenizer):
         def encode(self, text):
             raise AssertionError("tokenized")
 
-    inputs = InputProcessor(Untouchable())
+    inputs = InputProcessor(Untouchable(), model_len=50)
+
+    def check(req, max_model_len):
+        inputs.check_size(req, inputs.input_bytes(req), max_model_len)
+
     big = api.GenerateRequest(text="x" * 3201)  # 32 bytes per token of max_model_len 100
     with pytest.raises(InvalidRequest, match=r"^text: 3201 bytes, more than the 3200"):
-        inputs.check_size(big, 100)
+        check(big, 100)
     chat = api.GenerateRequest(chat=api.ChatMessages(
         messages=[api.ChatMessage(role="user", content="y" * 3200)]))
     with pytest.raises(InvalidRequest, match=r"^chat: 3204 bytes"):
-        inputs.check_size(chat, 100)
-    inputs.check_size(api.GenerateRequest(token_ids=api.TokenIds(ids=[1] * 101)), 100)  # cheap
-    inputs.check_size(api.GenerateRequest(text="x" * 3200), 100)  # at the limit: fine
+        check(chat, 100)
+    check(api.GenerateRequest(token_ids=api.TokenIds(ids=[1] * 101)), 100)  # cheap
+    check(api.GenerateRequest(text="x" * 3200), 100)  # at the limit: fine
+    # no executor yet: the model config's length (50) bounds Tokenize
+    with pytest.raises(InvalidRequest, match=r"^text: 1601 bytes, more than the 1600 a"):
+        check(api.TokenizeRequest(text="x" * 1601), None)
     assert InputProcessor(Untouchable(), max_input_bytes=10).byte_limit(100) == 10
+    assert InputProcessor(Untouchable(), max_input_bytes=10, model_len=50).byte_limit(None) == 10
 
 
 @pytest.mark.parametrize("sampling, message", [
