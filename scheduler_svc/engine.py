@@ -14,7 +14,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedserve.core.memory import release_free_memory
@@ -175,7 +175,9 @@ class Engine:
         depth = 2 if self.async_scheduling else 1
         sampled: list[Sampled] = []  # the last result's tokens, delivered after the next send
         while True:
-            await self.link.connected.wait()
+            if not self.link.connected.is_set():
+                await self._outage()
+                continue
             sched = self.scheduler
             self.streams.expire()
             self.telemetry.observe_scheduler(sched.stats())
@@ -273,6 +275,19 @@ class Engine:
         # let the servicers write what was just queued before the loop takes the next result
         # (else, with a result already waiting, a stream's first message carries two tokens)
         await asyncio.sleep(0)
+
+    async def _outage(self) -> None:
+        """No executor: the queue still changes (new requests arriving, deadlines passing)
+        and the gauges follow it until one joins; a loop that only waited for the link left
+        them frozen at the last step's values. Nothing runs meanwhile: the lost executor's
+        requests count as waiting (the next executor recomputes them)."""
+        if self.scheduler is not None:
+            self.streams.expire()
+            st = self.scheduler.stats()
+            self.telemetry.observe_scheduler(replace(st, running=0,
+                                                     waiting=st.waiting + st.running))
+        self._wake.clear()
+        await self._wake.wait()  # a request, an abort, or an executor joining
 
     async def _idle(self, sched: Scheduler) -> None:
         """Nothing in flight: check the block accounting if there is no work at all, then

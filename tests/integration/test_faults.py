@@ -163,10 +163,19 @@ def test_an_executor_killed_mid_stream_is_noticed_at_once_and_its_requests_recom
     stack.executor.kill()
     stack.executor.wait()
     assert stack.wait_health(NOT_SERVING, timeout=10) < 3  # not the 120 s step timeout
+    late = stack.client.stub.Generate(build_request(chat=CHAT, temperature=0, max_tokens=24),
+                                      timeout=180)
+    # the gauges follow the outage: the re-queued request and the one sent meanwhile wait
+    deadline = time.monotonic() + 5
+    while (m := scrape(stack.metrics_port))["pagedserve_num_requests_waiting"] != 2:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+    assert m["pagedserve_num_requests_running"] == 0
     stack.executor = stack.start_executor()
     for chunk in stream:  # the request waited, then was recomputed on the new executor
         ids.extend(chunk.token_ids)
     assert ids == hf_greedy[4]
+    assert [t for chunk in late for t in chunk.token_ids] == hf_greedy[4]
     assert stack.wait_health(SERVING) < 1
 
 
