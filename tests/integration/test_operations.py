@@ -135,9 +135,13 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(tmp_path, model_
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, model_dir):
-    """One stack for the tests below, in order: the last one stops it."""
+    """One stack for the tests below, in order: the last one stops it. The link's ZeroMQ
+    heartbeats are off (--executor-link-timeout-s 0): a SIGSTOPped executor then stands for a
+    hung GPU, a live process whose step never returns, which only the step timeout catches
+    (with them on, a stopped process is lost at once: test_faults)."""
+    off = ("--executor-link-timeout-s", "0")
     s = Stack(tmp_path_factory.mktemp("stack"), "--executor-heartbeat-timeout-s", "2",
-              "--executor-timeout-s", "3", "--drain-timeout-s", "1")
+              "--executor-timeout-s", "3", "--drain-timeout-s", "1", *off, executor_flags=off)
     yield s
     s.stop()
 

@@ -23,6 +23,8 @@ def test_deadline_aborts_the_request_and_frees_its_blocks(service):
 
 def test_full_queue_refuses_with_a_retry_hint(queue_service):
     svc = queue_service
+    refused = 'pagedserve_num_requests_refused_total{reason="queue_full"}'
+    before = svc.metrics().get(refused, 0)  # the session's service: other tests refuse too
     running = svc.client.stub.Generate(build_request(**LONG, max_tokens=400), timeout=120)
     next(running)  # it holds the only sequence slot
     waiting = svc.client.stub.Generate(build_request(**LONG, max_tokens=4), timeout=120)
@@ -36,7 +38,7 @@ def test_full_queue_refuses_with_a_retry_hint(queue_service):
     assert "max_waiting_requests" in err.value.details()
     trailers = dict(err.value.trailing_metadata())
     assert int(trailers["retry-after-ms"]) >= 1000
-    assert svc.metrics()['pagedserve_num_requests_refused_total{reason="queue_full"}'] == 1
+    assert svc.metrics()[refused] == before + 1
     running.cancel()
     # the queued one is served once the slot frees (its 4 tokens, in however many messages)
     assert sum(len(c.token_ids) for c in waiting) == 4
