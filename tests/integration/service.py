@@ -24,10 +24,19 @@ _SAMPLE = re.compile(r'^([^{\s]+)(?:\{(.*)\})? (\S+)$')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
+# the service's default ports (gRPC, HTTP, metrics, executor link): tests that start it with
+# its defaults (the compose layout, the CLI's checks) must find them free, and 50051 lies in
+# Linux's ephemeral range, where a long-lived test service could otherwise be given it
+DEFAULT_PORTS = frozenset({50051, 8080, 8000, 5557})
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in DEFAULT_PORTS:
+            return port
 
 
 def health(channel: grpc.Channel, service: str = READINESS) -> int | None:
