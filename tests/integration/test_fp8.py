@@ -6,7 +6,10 @@ Agree, not equal: batching and chunked prefill change the fp32 accumulation orde
 bits, and an activation on a rounding boundary then lands on the neighbouring e4m3 code (6 %
 apart), so at a near tie the greedy choice may differ. Each served token is checked against the
 reference's logits with the served prefix fed in (teacher forcing): it is the argmax, or within
-TIE of it."""
+TIE of it, except at most FLIPS positions a request within FLIP: one flipped activation code moves
+the served logits themselves by a few tenths (0.32 seen in a full run), so the served choice can
+leave a gap that large, once; a teacher-forced check keeps one flip from spreading to later
+positions."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from tests.integration.service import Service
 MAX_TOKENS = 16
 CASES = [PROMPTS[i] for i in (0, 4)]
 TIE = 0.05  # logits; a wrong token (a shifted position, another request's row) is whole units off
+FLIP, FLIPS = 1.0, 2  # the larger gaps a flipped e4m3 code may leave, and how many a request
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +63,8 @@ def test_fp8_service_answers_like_the_fp8_math(tmp_path, reference, tokenizer):
         else:
             assert len(ids) == MAX_TOKENS
         g = gaps(reference, prompt_ids(tokenizer, kind, content), ids)
-        assert max(g) <= TIE, list(zip(g, ids, strict=True))
+        flips = [x for x in g if x > TIE]
+        assert len(flips) <= FLIPS and max(g) <= FLIP, list(zip(g, ids, strict=True))
     assert "Paris" in got[0][0]
     assert all(last.finish_reason in (api.FINISH_REASON_LENGTH, api.FINISH_REASON_STOP)
                for _, _, last in got)
