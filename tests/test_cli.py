@@ -181,6 +181,24 @@ def _phases(lines: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+def _start_phases(flags: list[str], timeout: float, **popen) -> list[str]:
+    """An executor started with `flags` until it connects, then stopped: the first word of each
+    progress phase it reported, in order; each phase must have a start and then an end line."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.cli", "executor", *flags,
+         "--scheduler-address", f"tcp://127.0.0.1:{free_port()}"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=ROOT, **popen)
+    try:
+        lines = _stderr_until(proc, "connecting to", timeout=timeout)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    phases = _phases(lines)
+    assert all(phases[i][1] == "start" and phases[i + 1] == (phases[i][0], "end")
+               for i in range(0, len(phases), 2)), phases
+    return [what.split(" ")[0] for what, _ in phases[::2]]
+
+
 @pytest.fixture
 def open_cache():
     """An empty cache folder that other users may enter (pytest's tmp_path is 0700)."""
@@ -195,21 +213,10 @@ def test_first_start_reports_each_phase_and_leaves_a_cache_others_can_read(open_
     get a start and an end line (profiling and graph capture are CUDA-only, wrapped alike);
     the converted model is 0755/0644 under umask 022, readable by another user."""
     cache = open_cache
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.cli", "executor", "--model", "default", "--device",
-         "cpu", "--scheduler-address", f"tcp://127.0.0.1:{free_port()}"],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,
-        env={**os.environ, "PAGEDSERVE_CACHE": str(cache)}, preexec_fn=lambda: os.umask(0o022))
-    try:
-        lines = _stderr_until(proc, "connecting to", timeout=300)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-    phases = _phases(lines)
-    names = [what.split(" ")[0] for what, _ in phases[::2]]
-    assert names == ["converting", "loading", "warm-up"], phases
-    assert all(phases[i][1] == "start" and phases[i + 1] == (phases[i][0], "end")
-               for i in range(0, len(phases), 2)), phases
+    names = _start_phases(["--model", "default", "--device", "cpu"], timeout=300,
+                          env={**os.environ, "PAGEDSERVE_CACHE": str(cache)},
+                          preexec_fn=lambda: os.umask(0o022))
+    assert names == ["converting", "loading", "warm-up"]
     [model] = (cache / "models").iterdir()
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [model, *model.rglob("*")]}
     assert modes[model.name] == 0o755
@@ -228,18 +235,6 @@ def test_a_cuda_start_reports_profiling_and_graph_capture():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.cli", "executor", "--model",
-         str(ROOT / "benchmarks/models/smollm2-135m"), "--load-format", "random", "--device",
-         "cuda", "--scheduler-address", f"tcp://127.0.0.1:{free_port()}"],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=ROOT)
-    try:
-        lines = _stderr_until(proc, "connecting to", timeout=600)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    phases = _phases(lines)
-    names = {what.split(" ")[0] for what, _ in phases[::2]}
-    assert {"loading", "profiling", "warm-up", "capturing"} <= names, phases
-    assert all(phases[i][1] == "start" and phases[i + 1] == (phases[i][0], "end")
-               for i in range(0, len(phases), 2)), phases
+    names = _start_phases(["--model", str(ROOT / "benchmarks/models/smollm2-135m"),
+                           "--load-format", "random", "--device", "cuda"], timeout=600)
+    assert {"loading", "profiling", "warm-up", "capturing"} <= set(names), names
