@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -25,18 +26,31 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 # the service's default ports (gRPC, HTTP, metrics, executor link): tests that start it with
-# its defaults (the compose layout, the CLI's checks) must find them free, and 50051 lies in
-# Linux's ephemeral range, where a long-lived test service could otherwise be given it
+# its defaults (the compose layout, the CLI's checks) must find them free
 DEFAULT_PORTS = frozenset({50051, 8080, 8000, 5557})
+# Ports are handed out below Linux's ephemeral range (ip_local_port_range, 32768-60999 by
+# default): a port found free there could be taken by any process's outgoing connection
+# between free_port() closing it and the service binding it (it happened: a test's scheduler
+# found its port taken). Below the range only an explicit bind can take it.
+_PORTS = range(20000, 32000)
+_handed_out: set[int] = set()
+_rng = random.Random()  # seeded from the OS: two suites at once draw different ports
 
 
 def free_port() -> int:
+    """A port nobody listens on, never handed out before in this process, outside the
+    ephemeral range and the service's defaults."""
     while True:
+        port = _rng.choice(_PORTS)
+        if port in _handed_out or port in DEFAULT_PORTS:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in DEFAULT_PORTS:
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
 
 
 def health(channel: grpc.Channel, service: str = READINESS) -> int | None:
