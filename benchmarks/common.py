@@ -28,6 +28,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from pagedserve.scheduler.metrics import EXECUTOR_PHASES, LOOP_PHASES
+
 RESULTS = Path(__file__).resolve().parent / "results"
 # family_2026-11-30T010026[_label].jsonl, family_2026-11-29_run1.jsonl
 _PER_RUN = re.compile(r"(?P<family>.+?)_(?P<date>\d{4}-\d{2}-\d{2})(?:T(?P<time>\d{6}))?"
@@ -45,7 +47,8 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
     """Where a step's time went between two scrapes of the service's metrics.
 
     wall / steps = plan + round trip + the rest (delivering tokens to streams, gRPC writes);
-    round trip = executor time + the link.
+    round trip = executor time + the link. Then each process's time per step by phase, and the
+    device's busy time and gaps (CUDA): what bounds a host-bound run.
     """
     def delta(key):
         return after.get(f"pagedserve_{key}", 0) - before.get(f"pagedserve_{key}", 0)
@@ -56,12 +59,40 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
     def mean_ms(hist):
         return 1e3 * delta(f"{hist}_sum") / max(1, delta(f"{hist}_count"))
 
+    n = max(1, steps("cuda_graph") + steps("eager"))
+
+    def per_step_ms(family, label, values):
+        return {v: round(1e3 * delta(f'{family}_seconds_total{{{label}="{v}"}}') / n, 4)
+                for v in values}
+
     return {"graph_steps": steps("cuda_graph"), "eager_steps": steps("eager"),
-            "step_ms": 1e3 * wall / max(1, steps("cuda_graph") + steps("eager")),
+            "step_ms": 1e3 * wall / n,
             "plan_ms": mean_ms("scheduler_plan_seconds"),
             "round_trip_ms": mean_ms("step_round_trip_seconds"),
-            "execute_ms": mean_ms("executor_step_seconds")}
+            "execute_ms": mean_ms("executor_step_seconds"),
+            # per step, where each process's time went (pagedserve_*_seconds_total by phase)
+            "scheduler_loop_ms": per_step_ms("scheduler_loop", "phase", LOOP_PHASES),
+            "executor_host_ms": per_step_ms("executor_host", "phase", EXECUTOR_PHASES),
+            "device_ms": per_step_ms("executor_device", "state", ("busy", "gap"))}
 
+
+def step_split(r: dict | None) -> str:
+    """A run's step-time breakdown in one cell (common.step_breakdown's fields)."""
+    if not r or "step_ms" not in r:
+        return "-"
+    head = f"{r['step_ms']:.1f}"
+    if "device_ms" not in r:
+        return (f"{head}: plan {r['plan_ms']:.2f}, round trip {r['round_trip_ms']:.1f}, "
+                f"executor {r['execute_ms']:.1f}")
+
+    def parts(d: dict, keep: float = 0.05) -> str:
+        return " ".join(f"{k} {v:.2f}" for k, v in d.items() if v >= keep)
+
+    out = [head]
+    if any(r["device_ms"].values()):
+        out.append(f"device {parts(r['device_ms'], 0)}")
+    return "; ".join([*out, f"scheduler {parts(r['scheduler_loop_ms'])}",
+                      f"executor {parts(r['executor_host_ms'])}"])
 
 def step_bounds(log_text: str) -> dict:
     """The step bounds the executor settled on (flags or by device), from its log line."""

@@ -60,7 +60,7 @@
 #             (32 -> 16 tokens): it must come up and answer all; ~5 min
 #   defaults  W1 and W2 on 8B and 1B with the default flags (step bounds by device: 1,024 and
 #             8,192 on the H200; async scheduling on; stream interval 1), no peer; ~8 min
-#   defaults1b  W1 on 1B with the default flags only (~1 min)
+#   defaults1b  W1 (or DEFAULTS_W) on 1B with the default flags (~1 min a workload)
 #   defaults8b  W1 and W2 on 8B with the default flags (~3 min)
 #   defaultsw3  W3 at rate=inf, 1,000 requests, 8B, default flags, then at 0.8 of the request
 #             rate it completed (the sustainable rate's 80 %); ~5 min
@@ -188,7 +188,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       'zmq', zmq.__version__, 'pagedserve from', pagedserve.__file__)" ;;
     tests)
       python3 -m pytest -q -rs tests/executor_svc/test_cuda_graphs.py \
-        tests/executor_svc/test_model_gpu.py "tests/test_cli.py::test_a_cuda_start_reports_profiling_and_graph_capture" \
+        tests/executor_svc/test_model_gpu.py tests/executor_svc/test_step_clock.py \
+        "tests/test_cli.py::test_a_cuda_start_reports_profiling_and_graph_capture" \
         2>&1 | tee $B/pytest_gpu.log | tail -15 ;;
     kernels)
       python3 -m pytest -q -rs tests/kernels 2>&1 | tee $B/pytest_kernels.log | tail -8 ;;
@@ -279,7 +280,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       tp "" $m --hf none --requests 1024 --prompt 32 --output 16 --max-num-seqs 1024 \
         --max-num-batched-tokens 32768; done ;;
     defaults) for m in M8 M1; do for w in W1 W2; do tp $w $m "${DEFAULTS[@]}"; done; done ;;
-    defaults1b) tp W1 M1 "${DEFAULTS[@]}" ;;
+    defaults1b) for w in ${DEFAULTS_W:-W1}; do tp $w M1 "${DEFAULTS[@]}"; done ;;
     defaults8b) for w in ${DEFAULTS_W:-W1 W2}; do tp $w M8 "${DEFAULTS[@]}"; done ;;
     defaultsw3)
       python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 1000 --rate inf \

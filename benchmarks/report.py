@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from statistics import fmean
 
-from benchmarks.common import RESULTS, read
+from benchmarks.common import RESULTS, read, step_split
 
 # Measured on this H200 by the issue's author (../shared/BENCHMARKS.md), output tok/s.
 ANCHORS = {("W1", "llama3.1-8b"): "HF generate bs256 4,469; HF CB 535",
@@ -185,7 +185,7 @@ def defaults_section(throughput: list[dict], serve: list[dict]) -> list[str]:
         got = r and r.get("roofline_fraction")
         rows.append([f"{w} {m}: fraction of the bound", f">= {target}",
                      f"{num(got, '.2f')} ({num(r and r['output_tok_s'])} out tok/s)",
-                     r and r["commit"], got is not None and got >= target])
+                     r and r["commit"], got is not None and got >= target, step_split(r)])
     gpu = [r for r in serve if r.get("gpu") and not r.get("server_flags")
            and r["model"] == "llama3.1-8b"]
     w3 = [r for r in gpu if r["workload"] == "W3" and r["num_requests"] == 1000
@@ -193,14 +193,14 @@ def defaults_section(throughput: list[dict], serve: list[dict]) -> list[str]:
     inf = next((r for r in reversed(w3) if r["rate"] == "inf"), None)
     rows.append(["W3 at rate=inf, 1,000 requests", ">= 12,500 out tok/s",
                  num(inf and inf["output_tok_s"]), inf and inf["commit"],
-                 inf is not None and inf["output_tok_s"] >= 12500])
+                 inf is not None and inf["output_tok_s"] >= 12500, step_split(inf)])
     paced = next((r for r in reversed(w3) if inf and r["run"] == inf["run"]
                   and r["rate"] != "inf"), None)
     ok = paced is not None and paced["ttft_p99_ms"] <= 150 and paced["tpot_p99_ms"] <= 30
     rows.append(["W3 at 80 % of the rate sustained at inf: TTFT p99 / TPOT p99",
                  "<= 150 / 30 ms", paced and f"{num(paced['ttft_p99_ms'])} / "
                  f"{num(paced['tpot_p99_ms'], '.1f')} at {paced['rate']} req/s",
-                 paced and paced["commit"], ok])
+                 paced and paced["commit"], ok, step_split(paced)])
     pre = [r for r in serve if r.get("gpu") and r["workload"] == "W3-shared-prefix"
            and r["model"] == "llama3.1-8b" and r["shared_prefix"] == 2000]
     on = next((r for r in reversed(pre) if r.get("prefix_caching") == "on"), None)
@@ -208,13 +208,18 @@ def defaults_section(throughput: list[dict], serve: list[dict]) -> list[str]:
     ratio = on and off and on["ttft_p50_ms"] / off["ttft_p50_ms"]
     rows.append(["2,000-token shared prefix: TTFT p50 caching on / off", "<= 0.4",
                  ratio and f"{ratio:.2f} ({num(on['ttft_p50_ms'])} / {num(off['ttft_p50_ms'])}"
-                 f" ms)", on and on["commit"], bool(ratio) and ratio <= 0.4])
+                 f" ms)", on and on["commit"], bool(ratio) and ratio <= 0.4, step_split(on)])
     for row in rows:
         row[3] = row[3] or "-"
         row[2] = row[2] or "not measured"
         row[4] = "met" if row[4] else "missed"
     return ["## Targets at the default flags (H200, through gRPC)", "",
-            *table(["what", "target", "newest run", "commit", ""], rows), ""]
+            "Per step, ms: the wall time per step, then (runs since the phase counters) the "
+            "device's busy time and gaps, the scheduler loop's phases and the executor's host "
+            "phases (docs/performance.md, \"Where a step's time goes\"); older runs: plan, "
+            "round trip and executor time.", "",
+            *table(["what", "target", "newest run", "commit", "", "per step (ms)"], rows), ""]
+
 
 
 def step_overhead_section(records: list[dict]) -> list[str]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import model_flags, step_breakdown, write_records
+from benchmarks.common import model_flags, step_breakdown, step_split, write_records
 
 PROMPT_VOCAB = 32000  # prompt ids below every tokenizer's size here (random ids either way)
 
@@ -309,6 +309,7 @@ def main() -> None:
           "eager steps; KV token utilization at peak {kv_token_utilization_at_peak}; weights "
           "{weight_gib:.2f} GiB, KV cache {kv_capacity_tokens:.0f} tokens".format(**ours),
           flush=True)
+    print("  " + step_split(ours), flush=True)
     print("appended to", write_records("throughput", records))
 
 

@@ -8,8 +8,8 @@ graphed decodes, so e.g. `5:2,80:4`.
 
 The op table ends with a timeline: the window's wall time, how much of it the device was busy
 (kernels, copies, memsets: the union of their intervals), the longest device idle gaps, and the
-host time spent in each executor phase (`recv`, `launch`, `finish`, `send`: see
-`ExecutorServer`). A device busy for most of the window is what the host overlap is for; idle
+host time spent in each executor phase (step_clock.HOST_PHASES; a phase's time here includes
+the phases nested in it, as a launch holds the wait for a bitmask). A device busy for most of the window is what the host overlap is for; idle
 gaps that line up with a phase name the host work to shrink.
 """
 
@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from pagedserve.executor.step_clock import HOST_PHASES
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,6 @@ class StepProfiler:
 
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-PHASES = ("recv", "launch", "finish", "send")
 
 
 def _union_ms(intervals: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
@@ -117,7 +118,7 @@ def timeline(trace: dict) -> str:
                      f"{len(dev)} device events")
         for at, ms in sorted(gaps, key=lambda g: -g[1])[:5]:
             lines.append(f"  device idle {ms:.2f} ms from {(at - t0) / 1e3:.2f} ms")
-    for name in PHASES:
+    for name in HOST_PHASES:
         spans = [e["dur"] / 1e3 for e in events
                  if e.get("cat") == "user_annotation" and e.get("name") == name]
         if spans:

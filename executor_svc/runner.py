@@ -23,6 +23,7 @@ from pagedserve.executor.sampler import (
     SamplingSpec,
     read_logprobs,
 )
+from pagedserve.executor.step_clock import DeviceClock
 from pagedserve.executor.swap import SwapSpace
 from pagedserve.executor.transfer import to_device
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
@@ -99,12 +100,14 @@ class ModelRunner:
         # their input there); ids are never reused, so a launch outliving a reset matches none
         self._unread: dict[int, torch.Tensor] = {}
         self._next_launch = 0
+        self.device_time = DeviceClock(device)
 
     def reset(self) -> None:
         self.requests.clear()
         self._by_id = None
         self.scoring.clear()
         self._unread.clear()
+        self.device_time.reset()
         self.tables = BlockTableArray()
         self.cols = RowColumns(self.tables.array.shape[0])
         self.counts.reset()
@@ -143,7 +146,19 @@ class ModelRunner:
         samples. A decode row whose input is the token of a step launched but not finished
         reads it on the device, so step N+1 can be launched before N's tokens are read.
         With plan.bitmask_follows, await_bitmask() gives the step's StepBitmask; it is called
-        once the forward pass is queued, before sampling."""
+        once the forward pass is queued, before sampling. Its work on the device is timed
+        (self.device_time; a wait for the bitmask counts as busy)."""
+        start = self.device_time.begin()
+        launched = None
+        try:
+            launched = self._launch(plan, await_bitmask)
+            return launched
+        finally:
+            self.device_time.end(start, plan.after_idle,
+                                 launched.ready if launched is not None else None)
+
+    def _launch(self, plan: pb.StepPlan,
+                await_bitmask: Callable[[], pb.StepBitmask | None]) -> Launched | None:
         for rid in (*plan.finished_req_ids, *plan.preempted_req_ids):
             self._forget(rid)
         if plan.swap_out_src or plan.swap_in_src:
@@ -304,7 +319,7 @@ class ModelRunner:
             launched.host_tokens = torch.empty(sampled.tokens.shape, dtype=torch.int64,
                                                pin_memory=True)
             launched.host_tokens.copy_(sampled.tokens, non_blocking=True)
-            launched.ready = torch.cuda.Event()
+            launched.ready = torch.cuda.Event(enable_timing=self.device_time.on)
             launched.ready.record()
         cols.known[srows] += 1
         cols.pending_launch[srows] = launched.launch_id

@@ -10,6 +10,7 @@ import sys
 import time
 import traceback
 import uuid
+from collections.abc import Iterator
 
 import zmq
 
@@ -26,6 +27,7 @@ from pagedserve.core.readiness import EXIT_CONFIG, mark_ready
 from pagedserve.executor.jit_watch import JitWatch
 from pagedserve.executor.profiling import StepProfiler
 from pagedserve.executor.runner import Launched
+from pagedserve.executor.step_clock import PhaseClock, take
 from pagedserve.executor.worker import MemoryBudgetError, Worker, executor_config
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
@@ -54,6 +56,7 @@ class ExecutorServer:
         self._refused = False  # told once in the log
         self._launched: tuple[int, Launched, float] | None = None
         self._held: bytes | None = None  # a message received while awaiting a bitmask
+        self.clock = PhaseClock()  # host time by phase, sent with each result
 
     def _hello(self) -> None:
         hello = pb.Hello(capacity=self.worker.capacity, executor_id=self.executor_id)
@@ -67,21 +70,29 @@ class ExecutorServer:
         # scheduler needs that result to fill them).
         self._hello()
         while not self.stopping:
-            if self._held is None and not (self._next_message_first() if self._launched
-                                           else self.sock.poll(int(HELLO_INTERVAL_S * 1000))):
+            if self._held is None and not self._message_waiting():
                 if self._launched is not None:
                     self._send_launched()
                 else:
                     self._hello()
                 continue
             if self._held is not None:
-                data, self._held = self._held, None
+                msg, self._held = _decode(self._held), None
             else:
                 with self._phase("recv"):
-                    data = self.sock.recv()
-            if (msg := _decode(data)) is not None:
+                    msg = _decode(self.sock.recv())
+            if msg is not None:
                 self._handle(msg)
         self.sock.close()
+
+    def _message_waiting(self) -> bool:
+        """Whether a message came; with a step launched, see _next_message_first; without,
+        whether one came within the hello interval (the wait counts as idle)."""
+        if self._launched is not None:
+            with self._phase("wait"):
+                return self._next_message_first()
+        with self._phase("idle"):
+            return bool(self.sock.poll(int(HELLO_INTERVAL_S * 1000)))
 
     def _next_message_first(self) -> bool:
         """With a step launched and its tokens not read: whether a message (the next plan,
@@ -90,12 +101,15 @@ class ExecutorServer:
         builds it; tokens that are ready first go out at once, since the scheduler may be
         waiting for them to plan. Reading the tokens at once instead waited for the device and
         left it idle for every next step's launch. On the CPU a step has run by the end of its
-        launch: nothing to wait for."""
+        launch: its tokens go out at once (launching a waiting plan first would hold them for
+        the whole next step)."""
         ready = self._launched[1].ready
+        if ready is None:
+            return False
         while True:
             if self.sock.poll(0):
                 return True
-            if ready is None or ready.query() or self.stopping:
+            if ready.query() or self.stopping:
                 return bool(self.sock.poll(0))
 
     def _handle(self, msg: pb.SchedulerMessage) -> None:
@@ -118,6 +132,8 @@ class ExecutorServer:
         start = time.perf_counter()
         if self.profiler is not None:
             self.profiler.step()
+        if plan.after_idle:  # the scheduler had no work: that wait is not the loop's pace
+            self.clock.forget("idle")
         try:
             with self._phase("launch"):
                 nxt = self.worker.runner.launch(plan, lambda: self._await_bitmask(plan.step_id))
@@ -146,7 +162,7 @@ class ExecutorServer:
         welcome ends the wait, as does a refusal (Abandoned). A plan arriving first is the
         scheduler's error: this step fails, and the plan runs next."""
         self._send_launched()
-        with self._phase("await_bitmask"):
+        with self._phase("bitmask"):
             while True:
                 if self.stopping:
                     raise Abandoned
@@ -171,10 +187,18 @@ class ExecutorServer:
 
     def _send(self, result: pb.StepResult) -> None:
         with self._phase("send"):
+            result.time.CopyFrom(take(self.clock, self.worker.runner.device_time))
             self.sock.send(pb.ExecutorMessage(result=result).SerializeToString())
 
-    def _phase(self, name: str) -> contextlib.AbstractContextManager:
-        return self.profiler.phase(name) if self.profiler is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Host time of one phase (step_clock.HOST_PHASES), also marked in a torch profile."""
+        with self.clock.phase(name):
+            if self.profiler is None:
+                yield
+            else:
+                with self.profiler.phase(name):
+                    yield
 
     def _finish(self, step_id: int, launched: Launched, start: float) -> pb.StepResult:
         try:

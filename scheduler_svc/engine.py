@@ -80,6 +80,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._busy_since_trim = False
+        self._after_idle = True  # the loop waited for work since the last plan
         self.grammars: Grammars | None = None  # structured outputs; made when an executor joins
 
     # ----------------------------------------------------------------- lifecycle
@@ -171,31 +172,57 @@ class Engine:
         # N+1 is also planned before N's result arrives (Scheduler.expect_tokens). A step's
         # token bitmasks go out after its plan, as soon as the tokens they depend on are in
         # (_send_bitmasks): the executor runs the forward pass meanwhile.
+        # Each phase's time goes to pagedserve_scheduler_loop_seconds_total (the wait for work
+        # with nothing in flight does not).
         inflight: deque[InFlight] = deque()
         depth = 2 if self.async_scheduling else 1
         sampled: list[Sampled] = []  # the last result's tokens, delivered after the next send
+        loop, now = self.metrics.loop_time, time.perf_counter
         while True:
             if not self.link.connected.is_set():
                 await self._outage()
                 continue
             sched = self.scheduler
+            t0 = now()
             self.streams.expire()
             self.telemetry.observe_scheduler(sched.stats())
             if len(inflight) < depth and (step := self._plan(sched, ahead=bool(inflight))):
+                t1 = now()
                 inflight.append(step)
                 await self.link.send(step.step_id, step.out)
                 await self._send_bitmasks(inflight)
                 if self.async_scheduling:  # after encoding: a new request goes without them
                     sched.expect_tokens(step.out)
+                loop["plan"].inc(t1 - t0)
+                loop["send"].inc(now() - t1)
                 continue  # plan one more ahead, or deliver and wait for the result
+            t1 = now()
+            loop["plan"].inc(t1 - t0)
             if sampled:
-                await self._deliver(sampled)
+                self.streams.deliver(sampled)
                 sampled = []
+                t2 = now()
+                # let the servicers write what was just queued before the loop takes the next
+                # result (else, with a result already waiting, a stream's first message
+                # carries two tokens)
+                await asyncio.sleep(0)
+                loop["deliver"].inc(t2 - t1)
+                t1 = now()
+                loop["other_tasks"].inc(t1 - t2)
             if not inflight:
                 await self._idle(sched)
                 continue
-            sampled = self._apply(inflight, await self.link.results.get())
+            waiting = self.link.results.empty()
+            item = await self.link.results.get()
+            t2 = now()
+            # the result was read off the socket at link.result_at; from then on the loop
+            # waited only for the event loop's other tasks
+            came = min(max(self.link.result_at, t1), t2) if waiting else t1
+            loop["await_executor"].inc(came - t1)
+            loop["other_tasks"].inc(t2 - came)
+            sampled = self._apply(inflight, item)
             await self._send_bitmasks(inflight)
+            loop["update"].inc(now() - t2)
 
     def _plan(self, sched: Scheduler, ahead: bool) -> InFlight | None:
         if not sched.has_work():
@@ -209,6 +236,7 @@ class Engine:
         rows = [(s.req, s.start + s.num_tokens) for s in out.scheduled()
                 if s.req.matcher is not None and s.start + s.num_tokens == s.req.num_tokens]
         out.bitmask_follows = bool(rows)
+        out.after_idle, self._after_idle = self._after_idle, False
         for s in out.new:
             self.telemetry.scheduled(self.streams.get(s.req.req_id), time.monotonic(), s.start)
         step = InFlight(next(self._step_ids), out, self.link.generation, t0, time.perf_counter(),
@@ -270,12 +298,6 @@ class Engine:
         self.telemetry.step(item, timing, len(sampled))
         return sampled
 
-    async def _deliver(self, sampled: list[Sampled]) -> None:
-        self.streams.deliver(sampled)
-        # let the servicers write what was just queued before the loop takes the next result
-        # (else, with a result already waiting, a stream's first message carries two tokens)
-        await asyncio.sleep(0)
-
     async def _outage(self) -> None:
         """No executor: the queue still changes (new requests arriving, deadlines passing)
         and the gauges follow it until one joins; a loop that only waited for the link left
@@ -288,6 +310,7 @@ class Engine:
                                                      waiting=st.waiting + st.running))
         self._wake.clear()
         await self._wake.wait()  # a request, an abort, or an executor joining
+        self._after_idle = True
 
     async def _idle(self, sched: Scheduler) -> None:
         """Nothing in flight: check the block accounting if there is no work at all, then
@@ -299,6 +322,7 @@ class Engine:
                 self._busy_since_trim = False
         self._wake.clear()
         await self._wake.wait()
+        self._after_idle = True
 
     # ----------------------------------------------------------------- executor
     def _joined(self, cap: pb.Capacity) -> None:

@@ -81,6 +81,7 @@ class ExecutorLink:
         self.on_joined: Callable[[pb.Capacity], None] = lambda cap: None
         self.on_lost: Callable[[str], None] = lambda why: None
         self.results: asyncio.Queue[pb.StepResult | LinkDown] = asyncio.Queue()
+        self.result_at = 0.0  # perf_counter when the newest result was read off the socket
         self.connected = asyncio.Event()
         self.capacity: pb.Capacity | None = None
         self.generation = 0
@@ -187,6 +188,7 @@ class ExecutorLink:
         while self._in_flight and self._in_flight[0] <= result.step_id:
             self._in_flight.popleft()
         self._head_since = time.monotonic()  # the executor starts on the next one now
+        self.result_at = time.perf_counter()
         self.results.put_nowait(result)
 
     def _on_hello(self, ident: bytes, hello: pb.Hello, fd: int) -> None:
@@ -321,6 +323,7 @@ def encode_plan(step_id: int, out: SchedulerOutput) -> bytes:
                               sampling=wire_sampling(s.req), num_prompt_tokens=s.req.prompt_len)
         plan.new_num_scheduled_tokens.append(s.num_tokens)
     plan.bitmask_follows = out.bitmask_follows
+    plan.after_idle = out.after_idle
     if out.cached:  # column by column: one extend per field, not one append per request
         cached = out.cached
         plan.cached_req_ids.extend([s.req.req_id for s in cached])

@@ -46,6 +46,13 @@ FINISH_REASONS = ("stop", "length", "abort", "deadline_exceeded", "unavailable",
 SUCCESS_REASONS = ("stop", "length")
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTION_MODES = ("eager", "cuda_graph")
+# the scheduler's step loop while steps are in flight (engine.Engine._step_loop): planning and
+# its bookkeeping; encoding and sending plans and bitmasks; detokenizing and queueing tokens
+# for the streams; applying results; waiting for the executor's result; and the other tasks of
+# the process's event loop (gRPC and HTTP handlers writing streams) when they hold it
+LOOP_PHASES = ("plan", "send", "deliver", "update", "await_executor", "other_tasks")
+EXECUTOR_PHASES = ("idle", "wait", "recv", "launch", "bitmask", "finish", "send")
+DEVICE_STATES = ("busy", "gap")
 REFUSAL_REASONS = ("queue_full", "unauthenticated")
 TENANT_OUTCOMES = ("admitted", "denied", "throttled")  # denied: priority; throttled: a quota
 _LATENCY = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
@@ -222,6 +229,21 @@ class Metrics:
                                (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10))
         self.steps = by(Counter, "executor_steps", "Executor steps, by how the forward ran",
                         "mode", EXECUTION_MODES)
+        self.loop_time = by(Counter, "scheduler_loop_seconds",
+                            "The scheduler's step loop while steps are in flight, by phase: "
+                            "plan, send, deliver (detokenize, queue for streams), update "
+                            "(apply results), await_executor, other_tasks (the event loop's "
+                            "other work, e.g. gRPC writes)", "phase", LOOP_PHASES)
+        self.executor_time = by(Counter, "executor_host_seconds",
+                                "The executor process's time, by phase: idle (no step "
+                                "launched, waiting for a plan; a wait for work left out), wait "
+                                "(a step launched, waiting for the next plan or the device), "
+                                "recv, launch, bitmask, finish (reading tokens back), send",
+                                "phase", EXECUTOR_PHASES)
+        self.device_time = by(Counter, "executor_device_seconds",
+                              "CUDA: device time from events around each launch: busy, or gap "
+                              "(nothing queued between launches; a wait for work left out)",
+                              "state", DEVICE_STATES)
         self.device_memory_used = gauge(
             "device_memory_used_bytes",
             "Executor device memory in use (CUDA: the card's; CPU: the process's RSS)")

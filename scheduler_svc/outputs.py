@@ -34,6 +34,8 @@ class SchedulerOutput:
     # structured outputs: a StepBitmask for this step follows the plan (some constrained
     # request samples in it)
     bitmask_follows: bool = False
+    # planned after the loop waited for work (StepPlan.after_idle)
+    after_idle: bool = False
 
     @property
     def is_empty(self) -> bool:

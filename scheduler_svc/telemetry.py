@@ -92,6 +92,18 @@ class Telemetry:
         m.generation_tokens.inc(num_sampled)
         m.step_time.observe(result.execute_seconds)
         m.steps[_MODES.get(result.execution_mode, "eager")].inc()
+        if result.HasField("time"):
+            t, host, dev = result.time, m.executor_time, m.device_time
+            for phase, seconds in (("idle", t.idle_seconds), ("wait", t.wait_seconds),
+                                   ("recv", t.recv_seconds), ("launch", t.launch_seconds),
+                                   ("bitmask", t.bitmask_seconds),
+                                   ("finish", t.finish_seconds), ("send", t.send_seconds)):
+                if seconds > 0:
+                    host[phase].inc(seconds)
+            if t.device_busy_seconds > 0:
+                dev["busy"].inc(t.device_busy_seconds)
+            if t.device_gap_seconds > 0:
+                dev["gap"].inc(t.device_gap_seconds)
         if result.device_memory_total_bytes:
             m.device_memory_used.set(result.device_memory_used_bytes)
             m.device_memory_total.set(result.device_memory_total_bytes)

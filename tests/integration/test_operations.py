@@ -89,6 +89,34 @@ def test_metrics_move_by_exactly_the_traffic(service, tokenizer):
         assert "prompt" not in r  # no prompt text unless --log-prompts
 
 
+def test_the_step_loops_time_is_split_by_phase_and_idleness_left_out(service):
+    """Both processes' time per phase reaches /metrics: each phase of a request's steps is
+    counted, the phases add up to no more than the request's wall time (nothing twice), and the
+    executor's wait for work before the request is not counted as idle."""
+    before = _settled(service)
+    time.sleep(2.5)  # the executor waits for a plan meanwhile: no work, not the loop's pace
+    t0 = time.monotonic()
+    _run(service.client, "phases", "The ocean is deep and", 8, 0, {})
+    wall = time.monotonic() - t0
+    after = _settled(service)
+
+    def d(family: str, label: str, value: str) -> float:
+        return _delta(before, after, f'pagedserve_{family}_seconds_total{{{label}="{value}"}}')
+
+    loop = {p: d("scheduler_loop", "phase", p) for p in
+            ("plan", "send", "deliver", "update", "await_executor", "other_tasks")}
+    host = {p: d("executor_host", "phase", p) for p in
+            ("idle", "wait", "recv", "launch", "bitmask", "finish", "send")}
+    assert all(loop[p] > 0 for p in ("plan", "send", "deliver", "update", "await_executor"))
+    assert all(host[p] > 0 for p in ("recv", "launch", "finish", "send")), host
+    assert host["bitmask"] == 0  # nothing constrained
+    assert host["idle"] < 0.5, host  # not the 2.5 s before the request
+    assert sum(loop.values()) < wall and sum(host.values()) < wall, (wall, loop, host)
+    # the executor's launches (the forward passes, on the CPU) are what the loop awaited
+    assert host["launch"] < loop["await_executor"] + loop["other_tasks"]
+    assert d("executor_device", "state", "busy") == d("executor_device", "state", "gap") == 0
+
+
 def _settled(service: Service) -> dict[str, float]:
     """Metrics once idle and the last step (it may only drop finished requests) is back."""
     deadline = time.monotonic() + 10

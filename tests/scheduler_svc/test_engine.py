@@ -37,6 +37,7 @@ class FakeLink:
     def __init__(self) -> None:
         self.cfg = LinkConfig(step_timeout_s=5.0)
         self.results: asyncio.Queue = asyncio.Queue()
+        self.result_at = 0.0
         self.connected = asyncio.Event()
         self.capacity: pb.Capacity | None = None
         self.generation = 0

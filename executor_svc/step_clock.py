@@ -1,0 +1,108 @@
+"""Where the executor's time goes, always on and cheap enough for every step: host seconds by
+phase, and on CUDA the device's busy time and the gaps between launches, from events on the
+stream. Each result carries what was added since the previous one (pb.ExecutorTime), and the
+scheduler exports the sums: a host-bound deployment shows as device gaps beside the host phase
+that fills them, in Grafana as in a benchmark record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
+
+HOST_PHASES = ("idle", "wait", "recv", "launch", "bitmask", "finish", "send")
+
+
+class PhaseClock:
+    """Host seconds by phase. Phases nest: an inner one (awaiting a bitmask inside a launch)
+    pauses the one around it, so the phases add up to the wall time they cover."""
+
+    def __init__(self) -> None:
+        self.totals = dict.fromkeys(HOST_PHASES, 0.0)
+        self._stack: list[str] = []
+        self._since = 0.0
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        now = time.perf_counter()
+        if self._stack:
+            self.totals[self._stack[-1]] += now - self._since
+        self._stack.append(name)
+        self._since = now
+        try:
+            yield
+        finally:
+            now = time.perf_counter()
+            self.totals[self._stack.pop()] += now - self._since
+            self._since = now
+
+    def forget(self, name: str) -> None:
+        """Drop what `name` holds (the idle wait before a plan that followed the scheduler's own
+        idleness: no work, not overhead)."""
+        self.totals[name] = 0.0
+
+
+class DeviceClock:
+    """CUDA: a timing event before and after each launch's work on the current stream. Busy is
+    each launch's first to last event; gap is one launch's last event to the next one's first,
+    time in which the device had nothing queued. Events are read once they have completed, so
+    a launch answered without waiting (a prefill chunk that samples nothing) is counted in a
+    later result. On the CPU nothing is recorded."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.on = device.type == "cuda"
+        self._spans: deque[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = deque()
+        self._last_end: torch.cuda.Event | None = None
+        self.busy = self.gap = 0.0
+
+    def begin(self) -> torch.cuda.Event | None:
+        if not self.on:
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def end(self, start: torch.cuda.Event | None, after_idle: bool,
+            end: torch.cuda.Event | None = None) -> None:
+        """Close a launch's span: `end` is the launch's own recorded timing event if it has one
+        (the event its tokens are read after). after_idle: the gap before it is no work."""
+        if start is None:
+            return
+        if end is None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        self._spans.append((start, end, after_idle))
+
+    def read(self) -> None:
+        """Add the completed spans, oldest first, to busy and gap."""
+        while self._spans and self._spans[0][1].query():
+            start, end, after_idle = self._spans.popleft()
+            self.busy += start.elapsed_time(end) / 1e3
+            if self._last_end is not None and not after_idle:
+                self.gap += self._last_end.elapsed_time(start) / 1e3
+            self._last_end = end
+
+    def reset(self) -> None:
+        """A new scheduler session: launches before it are not followed by the next."""
+        self._spans.clear()
+        self._last_end = None
+
+
+def take(clock: PhaseClock, device: DeviceClock) -> pb.ExecutorTime:
+    """What both clocks added since the last take, as a result's ExecutorTime; zeroes them."""
+    device.read()
+    t = clock.totals
+    out = pb.ExecutorTime(
+        idle_seconds=t["idle"], wait_seconds=t["wait"], recv_seconds=t["recv"],
+        launch_seconds=t["launch"], bitmask_seconds=t["bitmask"],
+        finish_seconds=t["finish"], send_seconds=t["send"],
+        device_busy_seconds=device.busy, device_gap_seconds=device.gap)
+    clock.totals = dict.fromkeys(HOST_PHASES, 0.0)
+    device.busy = device.gap = 0.0
+    return out
