@@ -73,7 +73,12 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
             # per step, where each process's time went (pagedserve_*_seconds_total by phase)
             "scheduler_loop_ms": per_step_ms("scheduler_loop", "phase", LOOP_PHASES),
             "executor_host_ms": per_step_ms("executor_host", "phase", EXECUTOR_PHASES),
-            "device_ms": per_step_ms("executor_device", "state", ("busy", "gap"))}
+            "device_ms": per_step_ms("executor_device", "state", ("busy", "gap")),
+            # CPU time per step of each process (every thread): near step_ms, it is saturated
+            "cpu_ms": {"scheduler": round(1e3 * (after.get("process_cpu_seconds_total", 0)
+                                                 - before.get("process_cpu_seconds_total", 0))
+                                          / n, 4),
+                       "executor": round(1e3 * delta("executor_cpu_seconds_total") / n, 4)}}
 
 
 def step_split(r: dict | None) -> str:
@@ -91,6 +96,8 @@ def step_split(r: dict | None) -> str:
     out = [head]
     if any(r["device_ms"].values()):
         out.append(f"device {parts(r['device_ms'], 0)}")
+    if "cpu_ms" in r:
+        out.append(f"cpu {parts(r['cpu_ms'])}")
     return "; ".join([*out, f"scheduler {parts(r['scheduler_loop_ms'])}",
                       f"executor {parts(r['executor_host_ms'])}"])
 

@@ -27,6 +27,7 @@ class PhaseClock:
         self.totals = dict.fromkeys(HOST_PHASES, 0.0)
         self._stack: list[str] = []
         self._since = 0.0
+        self.cpu_at = time.process_time()  # the process's CPU time at the last take()
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -103,6 +104,8 @@ def take(clock: PhaseClock, device: DeviceClock) -> pb.ExecutorTime:
         launch_seconds=t["launch"], bitmask_seconds=t["bitmask"],
         finish_seconds=t["finish"], send_seconds=t["send"],
         device_busy_seconds=device.busy, device_gap_seconds=device.gap)
+    cpu = time.process_time()
+    out.cpu_seconds, clock.cpu_at = cpu - clock.cpu_at, cpu
     clock.totals = dict.fromkeys(HOST_PHASES, 0.0)
     device.busy = device.gap = 0.0
     return out

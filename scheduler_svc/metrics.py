@@ -244,6 +244,8 @@ class Metrics:
                               "CUDA: device time from events around each launch: busy, or gap "
                               "(nothing queued between launches; a wait for work left out)",
                               "state", DEVICE_STATES)
+        self.executor_cpu = counter("executor_cpu_seconds",
+                                    "CPU time of the executor process (every thread)")
         self.device_memory_used = gauge(
             "device_memory_used_bytes",
             "Executor device memory in use (CUDA: the card's; CPU: the process's RSS)")

@@ -104,6 +104,8 @@ class Telemetry:
                 dev["busy"].inc(t.device_busy_seconds)
             if t.device_gap_seconds > 0:
                 dev["gap"].inc(t.device_gap_seconds)
+            if t.cpu_seconds > 0:
+                m.executor_cpu.inc(t.cpu_seconds)
         if result.device_memory_total_bytes:
             m.device_memory_used.set(result.device_memory_used_bytes)
             m.device_memory_total.set(result.device_memory_total_bytes)
