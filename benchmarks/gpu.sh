@@ -61,6 +61,7 @@
 #   defaults  W1 and W2 on 8B and 1B with the default flags (step bounds by device: 1,024 and
 #             8,192 on the H200; async scheduling on; stream interval 1), no peer; ~8 min
 #   defaults1b  W1 (or DEFAULTS_W) on 1B with the default flags (~1 min a workload)
+#   interval1b  the same with --stream-interval 8: what the gRPC messages per token cost
 #   defaults8b  W1 and W2 on 8B with the default flags (~3 min)
 #   defaultsw3  W3 at rate=inf, 1,000 requests, 8B, default flags, then at 0.8 of the request
 #             rate it completed (the sustainable rate's 80 %); ~5 min
@@ -282,6 +283,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     defaults) for m in M8 M1; do for w in W1 W2; do tp $w $m "${DEFAULTS[@]}"; done; done ;;
     defaults1b) for w in ${DEFAULTS_W:-W1}; do tp $w M1 "${DEFAULTS[@]}"; done ;;
     defaults8b) for w in ${DEFAULTS_W:-W1 W2}; do tp $w M8 "${DEFAULTS[@]}"; done ;;
+    interval1b) for w in ${DEFAULTS_W:-W1}; do
+      tp $w M1 "${DEFAULTS[@]}" --server-flag=--stream-interval --server-flag=8; done ;;
     defaultsw3)
       python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 1000 --rate inf \
         --overload 0.8 --dump "$B/dumps/w3_defaults_8b_$(date +%H%M)" 2>&1 \
