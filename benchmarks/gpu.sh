@@ -62,6 +62,7 @@
 #             8,192 on the H200; async scheduling on; stream interval 1), no peer; ~8 min
 #   defaults1b  W1 (or DEFAULTS_W) on 1B with the default flags (~1 min a workload)
 #   interval1b  the same with --stream-interval 8: what the gRPC messages per token cost
+#   grpcstream  benchmarks/grpc_stream.py on this host: one streamed message's server cost
 #   defaults8b  W1 and W2 on 8B with the default flags (~3 min)
 #   defaultsw3  W3 at rate=inf, 1,000 requests, 8B, default flags, then at 0.8 of the request
 #             rate it completed (the sustainable rate's 80 %); ~5 min
@@ -202,6 +203,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       python3 benchmarks/kernels/bench_fp8_kv.py 2>&1 | tee -a $B/fp8kv.log | tail -4 ;;
     overhead)
       python3 -m benchmarks.step_overhead --running 16 64 256 2>&1 | quiet 5 ;;
+    grpcstream) python3 -m benchmarks.grpc_stream 2>&1 | quiet 2 ;;
     w1) for m in M1 M8; do tp W1 $m --hf generate:256; done ;;
     w1cb) fast W1 M1 --hf cb --hf generate:256 --server-flag=--async-scheduling ;;
     big) for m in M8 M1; do fast W1 $m; fast W2 $m; done ;;

@@ -223,14 +223,24 @@ def defaults_section(throughput: list[dict], serve: list[dict]) -> list[str]:
 
 
 def step_overhead_section(records: list[dict]) -> list[str]:
+    loops = [r for r in records if r.get("kind", "step_overhead") == "step_overhead"]
     rows = [[when(r), r["commit"], r["gpu"] or "CPU", r["running"], r.get("tokenizer", "-"),
              r.get("async_scheduling", "-"), num(r["plan_us_p50"]),
              num(r["round_trip_us_p50"]), num(r["executor_us_p50"]),
-             num(r.get("step_period_us"))] for r in records]
-    return ["## Step overhead (stub model: host work per step)", "",
-            *table(["recorded (UTC)", "commit", "machine (GPU)", "running", "tokenizer",
-                    "async", "plan p50 us", "round trip p50 us", "executor p50 us",
-                    "step period us"], rows), ""]
+             num(r.get("step_period_us"))] for r in loops]
+    grpc = [[when(r), r["commit"], r["gpu"] or "CPU", r["streams"],
+             num(r["server_wall_us_per_message"], ".1f"),
+             num(r["server_cpu_us_per_message"], ".1f")]
+            for r in records if r.get("kind") == "grpc_stream"]
+    out = ["## Step overhead (stub model: host work per step)", "",
+           *table(["recorded (UTC)", "commit", "machine (GPU)", "running", "tokenizer",
+                   "async", "plan p50 us", "round trip p50 us", "executor p50 us",
+                   "step period us"], rows), ""]
+    if grpc:
+        out += ["## One streamed gRPC message (benchmarks/grpc_stream.py: the server's cost)", "",
+                *table(["recorded (UTC)", "commit", "machine (GPU)", "streams",
+                        "server wall us / message", "server CPU us / message"], grpc), ""]
+    return out
 
 
 def load_section(records: list[dict]) -> list[str]:

@@ -9,8 +9,9 @@ graphed decodes, so e.g. `5:2,80:4`.
 The op table ends with a timeline: the window's wall time, how much of it the device was busy
 (kernels, copies, memsets: the union of their intervals), the longest device idle gaps, and the
 host time spent in each executor phase (step_clock.HOST_PHASES; a phase's time here includes
-the phases nested in it, as a launch holds the wait for a bitmask). A device busy for most of the window is what the host overlap is for; idle
-gaps that line up with a phase name the host work to shrink.
+the phases nested in it, as a launch holds the wait for a bitmask). A device busy for most of
+the window is what the host overlap is for; idle gaps that line up with a phase name the host
+work to shrink.
 """
 
 from __future__ import annotations
