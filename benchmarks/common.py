@@ -74,8 +74,6 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
             "scheduler_loop_ms": per_step_ms("scheduler_loop", "phase", LOOP_PHASES),
             "executor_host_ms": per_step_ms("executor_host", "phase", EXECUTOR_PHASES),
             "device_ms": per_step_ms("executor_device", "state", ("busy", "gap")),
-            # steps whose tokens waited for the next step's (the scheduler loop behind)
-            "deferred_deliveries": delta("scheduler_deferred_deliveries_total"),
             # CPU time per step of each process (every thread): near step_ms, it is saturated
             "cpu_ms": {"scheduler": round(1e3 * (after.get("process_cpu_seconds_total", 0)
                                                  - before.get("process_cpu_seconds_total", 0))
