@@ -172,22 +172,14 @@ class Engine:
         # N+1 is also planned before N's result arrives (Scheduler.expect_tokens). A step's
         # token bitmasks go out after its plan, as soon as the tokens they depend on are in
         # (_send_bitmasks): the executor runs the forward pass meanwhile.
-        # When the next result has already arrived by the time a step's tokens are due, this
-        # loop, not the executor, is the bottleneck: the tokens wait for the next result's and
-        # both go out together (once at most), so the executor gets its next plan sooner and
-        # each stream half the messages (the servicers send what queued meanwhile as one).
         # Each phase's time goes to pagedserve_scheduler_loop_seconds_total (the wait for work
         # with nothing in flight does not).
         inflight: deque[InFlight] = deque()
         depth = 2 if self.async_scheduling else 1
-        sampled: list[Sampled] = []  # tokens of results applied, delivered after the next send
-        deferred = False  # sampled held back once already
+        sampled: list[Sampled] = []  # the last result's tokens, delivered after the next send
         loop, now = self.metrics.loop_time, time.perf_counter
         while True:
             if not self.link.connected.is_set():
-                if sampled:
-                    self.streams.deliver(sampled)
-                    sampled, deferred = [], False
                 await self._outage()
                 continue
             sched = self.scheduler
@@ -206,21 +198,9 @@ class Engine:
                 continue  # plan one more ahead, or deliver and wait for the result
             t1 = now()
             loop["plan"].inc(t1 - t0)
-            if sampled and not deferred and inflight and not self.link.results.empty():
-                # behind the executor: deliver with the next result's tokens, but a first token
-                # now (time to first token is not traded for throughput)
-                first = [s for s in sampled if s.first]
-                if first:
-                    self.streams.deliver(first)
-                    sampled = [s for s in sampled if not s.first]
-                if sampled:
-                    deferred = True
-                    self.metrics.deferred_deliveries.inc()
-                loop["deliver"].inc(now() - t1)
-                t1 = now()
-            elif sampled:
+            if sampled:
                 self.streams.deliver(sampled)
-                sampled, deferred = [], False
+                sampled = []
                 t2 = now()
                 # let the servicers write what was just queued before the loop takes the next
                 # result (else, with a result already waiting, a stream's first message
@@ -240,7 +220,7 @@ class Engine:
             came = min(max(self.link.result_at, t1), t2) if waiting else t1
             loop["await_executor"].inc(came - t1)
             loop["other_tasks"].inc(t2 - came)
-            sampled += self._apply(inflight, item)
+            sampled = self._apply(inflight, item)
             await self._send_bitmasks(inflight)
             loop["update"].inc(now() - t2)
 

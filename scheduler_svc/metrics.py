@@ -244,10 +244,6 @@ class Metrics:
                               "CUDA: device time from events around each launch: busy, or gap "
                               "(nothing queued between launches; a wait for work left out)",
                               "state", DEVICE_STATES)
-        self.deferred_deliveries = counter(
-            "scheduler_deferred_deliveries",
-            "Steps whose tokens waited for the next step's, because its result had arrived "
-            "before they were delivered (the scheduler loop was the bottleneck)")
         self.executor_cpu = counter("executor_cpu_seconds",
                                     "CPU time of the executor process (every thread)")
         self.device_memory_used = gauge(

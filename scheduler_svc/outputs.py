@@ -92,7 +92,6 @@ class Sampled:
     finish_reason: str | None = None  # "stop" (EOS or a stop token) | "length" (max_tokens)
     stop_reason: int | None = None  # the stop token's id
     logprob: TokenLogprob | None = None  # if the request asked for logprobs
-    first: bool = False  # the request's first output token
 
 
 @dataclass(frozen=True, slots=True)

@@ -307,16 +307,14 @@ class Scheduler:
             if refused:
                 log.error("request %s: the executor sampled token %d, which its grammar "
                           "refuses; ending it", req.external_id, tok)
-            known = req.num_known_output_tokens
-            out.first = known == 1
             # (the executor masks EOS and stop ids before min_tokens: this only makes sure)
-            if known >= params.min_tokens and (
+            if req.num_known_output_tokens >= params.min_tokens and (
                     tok in params.stop_token_ids
                     or (tok in self.eos_token_ids and not params.ignore_eos)):
                 out.finish_reason, out.stop_reason = "stop", tok
             elif refused or (req.matcher is not None and req.matcher.is_terminated()):
                 out.finish_reason = "stop"  # (EOS under ignore_eos: stop_reason stays None)
-            elif req.fills_max_tokens(known):
+            elif req.fills_max_tokens(req.num_known_output_tokens):
                 out.finish_reason = "length"
             if out.finish_reason is not None:
                 self.finish(rid)

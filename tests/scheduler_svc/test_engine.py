@@ -161,45 +161,6 @@ def test_async_scheduling_plans_a_step_ahead_and_delivers_in_order():
     run(main())
 
 
-def test_tokens_due_while_the_next_result_waits_go_out_with_its_tokens():
-    """A result already in when a step's tokens are due: the loop is behind, and those tokens
-    wait (once) for the next result's; a first token goes out at once all the same."""
-    async def main():
-        engine, link = await started(async_scheduling=True)
-        deliveries = []  # tokens per delivery
-        deliver = engine.streams.deliver
-        engine.streams.deliver = lambda sampled: (deliveries.append(len(sampled)),
-                                                  deliver(sampled))
-        stream = engine.submit("r", [5] * 4, GenerationParams(max_tokens=8, temperature=0))
-        await link.wait_sent(2)
-        link.answer(0)
-        link.answer(1)  # waiting while the first token is due: it goes out anyway
-        await link.wait_sent(4)
-        assert deliveries == [1, 1]
-        assert engine.metrics.deferred_deliveries._value.get() == 0
-        link.answer(2)
-        link.answer(3)  # waiting when step 3's token is due: it goes out with step 4's
-        await link.wait_sent(6)
-        assert deliveries == [1, 1, 2]
-        assert engine.metrics.deferred_deliveries._value.get() == 1
-        link.answer(4)
-        await link.wait_sent(7)
-        assert deliveries == [1, 1, 2, 1]  # nothing waiting: at once
-        for i in (5, 6, 7):
-            await link.wait_sent(i + 1)
-            link.answer(i)
-        got = await collect(stream)
-        assert (got.token_ids, got.completion_tokens, got.finish_reason) == \
-            ([TOKEN] * 8, 8, "length")
-        assert sum(deliveries) == 8
-        engine.scheduler.check_idle(full=True)
-        await engine.close()
-
-    run(main())
-
-
-
-
 def test_a_request_in_two_steps_that_time_out_fails_and_a_new_executor_serves_on():
     async def main():
         engine, link = await started()
