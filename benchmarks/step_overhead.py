@@ -39,8 +39,13 @@ def stub_executor(address: str, num_blocks: int, block_size: int, keys: str = ""
     from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
     class StubModel:
+        # greedy picks the last id, which decodes to text ("/" in SmolLM2's vocabulary); id 0
+        # (what all-zero logits gave) is a special token that decodes to nothing, so the
+        # detokenizer's window never advanced and delivery cost grew with every step
         def __call__(self, input_ids, positions, kv, meta, rows):
-            return torch.zeros(len(rows), VOCAB)
+            logits = torch.zeros(len(rows), VOCAB)
+            logits[:, -1] = 1.0
+            return logits
 
     class StubWorker:
         runner = ModelRunner(StubModel(), [], block_size, torch.device("cpu"),
