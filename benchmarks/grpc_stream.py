@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import socket
 import time
 
 import grpc
@@ -53,17 +52,17 @@ def _client(port: int, streams: int) -> None:
 
 
 async def measure(streams: int, messages: int) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     servicer = _Servicer(messages)
     server = grpc.aio.server()
     rpc.add_GenerationServicer_to_server(servicer, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     client = mp.get_context("spawn").Process(target=_client, args=(port, streams))
     client.start()
+    deadline = time.monotonic() + 120
     while len(servicer.queues) < streams:
+        if not client.is_alive() or time.monotonic() > deadline:
+            raise SystemExit(f"the client opened {len(servicer.queues)} of {streams} streams")
         await asyncio.sleep(0.01)
     wall0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(messages):

@@ -147,15 +147,13 @@ class ModelRunner:
         reads it on the device, so step N+1 can be launched before N's tokens are read.
         With plan.bitmask_follows, await_bitmask() gives the step's StepBitmask; it is called
         once the forward pass is queued, before sampling. Its work on the device is timed
-        (self.device_time; a wait for the bitmask counts as busy)."""
-        start = self.device_time.begin()
+        (self.device_time)."""
         launched = None
         try:
             launched = self._launch(plan, await_bitmask)
             return launched
         finally:
-            self.device_time.end(start, plan.after_idle,
-                                 launched.ready if launched is not None else None)
+            self.device_time.close(launched.ready if launched is not None else None)
 
     def _launch(self, plan: pb.StepPlan,
                 await_bitmask: Callable[[], pb.StepBitmask | None]) -> Launched | None:
@@ -268,6 +266,7 @@ class ModelRunner:
                                   and graphs.fits(b, max_blocks))
         scored = self._prompt_rows(rows, starts, ends, cu_q)
         prompt = None
+        self.device_time.begin(plan.after_idle)  # the device's part starts here
         if self.last_step_graphed:
             logits = graphs.run(input_ids, positions, slots, table[rows, :max_blocks], ends,
                                 patch)
@@ -305,8 +304,10 @@ class ModelRunner:
                             self.last_step_graphed, prompt=prompt)
         sampling = self._sampling_batch(srows, ends[sample])
         req_ids = cols.req_id[srows].tolist()
-        if plan.bitmask_follows:
+        if plan.bitmask_follows:  # the device waits for the scheduler meanwhile: a gap
+            self.device_time.close()
             bitmask = await_bitmask()
+            self.device_time.begin()
             if bitmask is None:
                 raise ValueError(f"step {plan.step_id}: its token bitmask did not come")
             self._add_bitmask(sampling, req_ids, bitmask, logits.shape[-1])

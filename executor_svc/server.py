@@ -103,13 +103,14 @@ class ExecutorServer:
         left it idle for every next step's launch. On the CPU a step has run by the end of its
         launch: its tokens go out at once (launching a waiting plan first would hold them for
         the whole next step)."""
-        ready = self._launched[1].ready
-        if ready is None:
+        launched = self._launched[1]
+        ready = launched.ready  # on CUDA None only with nothing to read back (prompt logprobs)
+        if ready is None and not launched.tokens.is_cuda:
             return False
         while True:
             if self.sock.poll(0):
                 return True
-            if ready.query() or self.stopping:
+            if ready is None or ready.query() or self.stopping:
                 return bool(self.sock.poll(0))
 
     def _handle(self, msg: pb.SchedulerMessage) -> None:
@@ -122,6 +123,7 @@ class ExecutorServer:
         elif kind == "welcome":
             self._launched = None  # a new scheduler session: whatever ran is forgotten
             self.worker.runner.reset()
+            self.clock = PhaseClock()
             log.info("joined scheduler")
         elif kind == "plan":
             self._run_plan(msg.plan)

@@ -50,49 +50,65 @@ class PhaseClock:
 
 
 class DeviceClock:
-    """CUDA: a timing event before and after each launch's work on the current stream. Busy is
-    each launch's first to last event; gap is one launch's last event to the next one's first,
-    time in which the device had nothing queued. Events are read once they have completed, so
-    a launch answered without waiting (a prefill chunk that samples nothing) is counted in a
-    later result. On the CPU nothing is recorded."""
+    """CUDA: timing events on the current stream around each launch's device work, from just
+    before its forward pass's first input copy to the copy of its tokens (a wait for token
+    bitmasks between the forward pass and sampling splits it in two). Busy is the time inside
+    spans; gap is one span's end to the next one's start, when the device had nothing queued
+    (a launch's host work before its first copy shows there). Events are read once they have
+    completed, so a launch answered without waiting (a prefill chunk that samples nothing) is
+    counted in a later result. On the CPU nothing is recorded; after a CUDA error the clock
+    stops rather than fail a step."""
 
     def __init__(self, device: torch.device) -> None:
         self.on = device.type == "cuda"
         self._spans: deque[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = deque()
+        self._open: tuple[torch.cuda.Event, bool] | None = None
         self._last_end: torch.cuda.Event | None = None
         self.busy = self.gap = 0.0
 
-    def begin(self) -> torch.cuda.Event | None:
-        if not self.on:
-            return None
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        return start
+    def begin(self, after_idle: bool = False) -> None:
+        """Open a span; after_idle: the gap before it is no work (StepPlan.after_idle)."""
+        if self.on and self._open is None:
+            with self._guard():
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                self._open = (start, after_idle)
 
-    def end(self, start: torch.cuda.Event | None, after_idle: bool,
-            end: torch.cuda.Event | None = None) -> None:
-        """Close a launch's span: `end` is the launch's own recorded timing event if it has one
-        (the event its tokens are read after). after_idle: the gap before it is no work."""
-        if start is None:
+    def close(self, end: torch.cuda.Event | None = None) -> None:
+        """Close the open span, if any, at `end` (a timing event already recorded after its
+        work) or here."""
+        if self._open is None:
             return
-        if end is None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-        self._spans.append((start, end, after_idle))
+        (start, after_idle), self._open = self._open, None
+        with self._guard():
+            if end is None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+            self._spans.append((start, end, after_idle))
 
     def read(self) -> None:
         """Add the completed spans, oldest first, to busy and gap."""
-        while self._spans and self._spans[0][1].query():
-            start, end, after_idle = self._spans.popleft()
-            self.busy += start.elapsed_time(end) / 1e3
-            if self._last_end is not None and not after_idle:
-                self.gap += self._last_end.elapsed_time(start) / 1e3
-            self._last_end = end
+        with self._guard():
+            while self._spans and self._spans[0][1].query():
+                start, end, after_idle = self._spans.popleft()
+                self.busy += start.elapsed_time(end) / 1e3
+                if self._last_end is not None and not after_idle:
+                    self.gap += self._last_end.elapsed_time(start) / 1e3
+                self._last_end = end
 
     def reset(self) -> None:
-        """A new scheduler session: launches before it are not followed by the next."""
+        """A new scheduler session: nothing before it is reported or followed."""
         self._spans.clear()
-        self._last_end = None
+        self._open = self._last_end = None
+        self.busy = self.gap = 0.0
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError:  # a CUDA error: the step reports it; timing is not worth more
+            self.on = False
+            self.reset()
 
 
 def take(clock: PhaseClock, device: DeviceClock) -> pb.ExecutorTime:

@@ -81,7 +81,8 @@ class ExecutorLink:
         self.on_joined: Callable[[pb.Capacity], None] = lambda cap: None
         self.on_lost: Callable[[str], None] = lambda why: None
         self.results: asyncio.Queue[pb.StepResult | LinkDown] = asyncio.Queue()
-        self.result_at = 0.0  # perf_counter when the newest result was read off the socket
+        # perf_counter when the oldest item now queued (or the last one taken) arrived
+        self.result_at = 0.0
         self.connected = asyncio.Event()
         self.capacity: pb.Capacity | None = None
         self.generation = 0
@@ -188,8 +189,12 @@ class ExecutorLink:
         while self._in_flight and self._in_flight[0] <= result.step_id:
             self._in_flight.popleft()
         self._head_since = time.monotonic()  # the executor starts on the next one now
-        self.result_at = time.perf_counter()
-        self.results.put_nowait(result)
+        self._put(result)
+
+    def _put(self, item: pb.StepResult | LinkDown) -> None:
+        if self.results.empty():
+            self.result_at = time.perf_counter()
+        self.results.put_nowait(item)
 
     def _on_hello(self, ident: bytes, hello: pb.Hello, fd: int) -> None:
         if ident == self._ident:
@@ -258,7 +263,7 @@ class ExecutorLink:
     def _forget_steps(self, why: str, timed_out_step: int = 0) -> None:
         """No step sent so far will be answered: wake whoever waits for one."""
         if why:
-            self.results.put_nowait(LinkDown(why, self.generation, timed_out_step))
+            self._put(LinkDown(why, self.generation, timed_out_step))
         self.generation += 1
         self._in_flight.clear()
 

@@ -51,6 +51,8 @@ EXECUTION_MODES = ("eager", "cuda_graph")
 # for the streams; applying results; waiting for the executor's result; and the other tasks of
 # the process's event loop (gRPC and HTTP handlers writing streams) when they hold it
 LOOP_PHASES = ("plan", "send", "deliver", "update", "await_executor", "other_tasks")
+# the executor's host phases: pb.ExecutorTime's <phase>_seconds fields (and
+# pagedserve.executor.step_clock.HOST_PHASES; a test holds the three together)
 EXECUTOR_PHASES = ("idle", "wait", "recv", "launch", "bitmask", "finish", "send")
 DEVICE_STATES = ("busy", "gap")
 REFUSAL_REASONS = ("queue_full", "unauthenticated")
@@ -238,11 +240,14 @@ class Metrics:
                                 "The executor process's time, by phase: idle (no step "
                                 "launched, waiting for a plan; a wait for work left out), wait "
                                 "(a step launched, waiting for the next plan or the device), "
-                                "recv, launch, bitmask, finish (reading tokens back), send",
+                                "recv, launch, bitmask (waiting for token bitmasks), finish "
+                                "(waiting for the device to end a step, reading its tokens "
+                                "back), send",
                                 "phase", EXECUTOR_PHASES)
         self.device_time = by(Counter, "executor_device_seconds",
-                              "CUDA: device time from events around each launch: busy, or gap "
-                              "(nothing queued between launches; a wait for work left out)",
+                              "CUDA: device time from events around each launch's device work: "
+                              "busy, or gap (nothing queued between launches; a wait for work "
+                              "left out)",
                               "state", DEVICE_STATES)
         self.executor_cpu = counter("executor_cpu_seconds",
                                     "CPU time of the executor process (every thread)")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
-from pagedserve.scheduler.metrics import SUCCESS_REASONS, Metrics
+from pagedserve.scheduler.metrics import EXECUTOR_PHASES, SUCCESS_REASONS, Metrics
 from pagedserve.scheduler.outputs import SchedulerStats
 from pagedserve.scheduler.streams import RequestStream
 
@@ -94,11 +94,8 @@ class Telemetry:
         m.steps[_MODES.get(result.execution_mode, "eager")].inc()
         if result.HasField("time"):
             t, host, dev = result.time, m.executor_time, m.device_time
-            for phase, seconds in (("idle", t.idle_seconds), ("wait", t.wait_seconds),
-                                   ("recv", t.recv_seconds), ("launch", t.launch_seconds),
-                                   ("bitmask", t.bitmask_seconds),
-                                   ("finish", t.finish_seconds), ("send", t.send_seconds)):
-                if seconds > 0:
+            for phase in EXECUTOR_PHASES:
+                if (seconds := getattr(t, f"{phase}_seconds")) > 0:
                     host[phase].inc(seconds)
             if t.device_busy_seconds > 0:
                 dev["busy"].inc(t.device_busy_seconds)

@@ -5,16 +5,17 @@ import time
 import pytest
 import torch
 
-from pagedserve.executor.step_clock import DeviceClock, PhaseClock, take
+from pagedserve.executor.step_clock import HOST_PHASES, DeviceClock, PhaseClock, take
 from pagedserve.executor.worker import ExecutorConfig, Worker
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
+from pagedserve.scheduler.metrics import EXECUTOR_PHASES
 from tests.executor_svc.test_model_gpu import save_random_llama
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def test_a_nested_phase_pauses_the_one_around_it_and_take_zeroes():
-    clock = PhaseClock()
+    clock, cpu = PhaseClock(), DeviceClock(torch.device("cpu"))
     t0 = time.perf_counter()
     with clock.phase("launch"):
         time.sleep(0.05)
@@ -22,15 +23,32 @@ def test_a_nested_phase_pauses_the_one_around_it_and_take_zeroes():
             time.sleep(0.1)
         time.sleep(0.05)
     wall = time.perf_counter() - t0
-    t = take(clock, DeviceClock(torch.device("cpu")))
-    assert 0.1 <= t.bitmask_seconds < 0.15
-    assert 0.1 <= t.launch_seconds < 0.15  # not the bitmask's 0.1 s again
+    t = take(clock, cpu)
+    assert t.bitmask_seconds >= 0.1 and t.launch_seconds >= 0.1
+    # each moment counted once: the launch's time leaves out the bitmask's 0.1 s
     assert t.launch_seconds + t.bitmask_seconds == pytest.approx(wall, abs=1e-3)
     assert t.device_busy_seconds == t.device_gap_seconds == 0  # nothing recorded on the CPU
-    assert take(clock, DeviceClock(torch.device("cpu"))).launch_seconds == 0
-    clock.totals["idle"] = 3.0
+    assert take(clock, cpu).launch_seconds == 0
+    with clock.phase("idle"):
+        time.sleep(0.01)
     clock.forget("idle")
-    assert clock.totals["idle"] == 0
+    assert take(clock, cpu).idle_seconds == 0
+
+
+def test_taken_inside_a_phase_the_phase_so_far_goes_to_the_next_take():
+    clock, cpu = PhaseClock(), DeviceClock(torch.device("cpu"))
+    with clock.phase("send"):
+        time.sleep(0.02)
+        first = take(clock, cpu)  # as the executor does, building its result
+        time.sleep(0.03)
+    assert first.send_seconds == 0
+    assert take(clock, cpu).send_seconds >= 0.05
+
+
+def test_the_phases_are_the_results_fields_and_the_metrics_labels():
+    fields = {f.name.removesuffix("_seconds") for f in pb.ExecutorTime.DESCRIPTOR.fields}
+    assert set(HOST_PHASES) == fields - {"device_busy", "device_gap", "cpu"}
+    assert HOST_PHASES == EXECUTOR_PHASES
 
 
 def _decode_plan(step: int, rid: int, computed: int, after_idle: bool) -> pb.StepPlan:
