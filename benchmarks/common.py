@@ -101,6 +101,7 @@ def step_split(r: dict | None) -> str:
     return "; ".join([*out, f"scheduler {parts(r['scheduler_loop_ms'])}",
                       f"executor {parts(r['executor_host_ms'])}"])
 
+
 def step_bounds(log_text: str) -> dict:
     """The step bounds the executor settled on (flags or by device), from its log line."""
     m = re.search(r"step bounds: (\d+) sequences, (\d+) tokens", log_text)

@@ -221,7 +221,6 @@ def defaults_section(throughput: list[dict], serve: list[dict]) -> list[str]:
             *table(["what", "target", "newest run", "commit", "", "per step (ms)"], rows), ""]
 
 
-
 def step_overhead_section(records: list[dict]) -> list[str]:
     loops = [r for r in records if r.get("kind", "step_overhead") == "step_overhead"]
     rows = [[when(r), r["commit"], r["gpu"] or "CPU", r["running"], r.get("tokenizer", "-"),
