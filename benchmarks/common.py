@@ -50,8 +50,8 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
     round trip = executor time + the link. Then each process's time per step by phase, and the
     device's busy time and gaps (CUDA): what bounds a host-bound run.
     """
-    def delta(key):
-        return after.get(f"pagedserve_{key}", 0) - before.get(f"pagedserve_{key}", 0)
+    def delta(key, prefix="pagedserve_"):
+        return after.get(prefix + key, 0) - before.get(prefix + key, 0)
 
     def steps(mode):
         return delta(f'executor_steps_total{{mode="{mode}"}}')
@@ -75,9 +75,7 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
             "executor_host_ms": per_step_ms("executor_host", "phase", EXECUTOR_PHASES),
             "device_ms": per_step_ms("executor_device", "state", ("busy", "gap")),
             # CPU time per step of each process (every thread): near step_ms, it is saturated
-            "cpu_ms": {"scheduler": round(1e3 * (after.get("process_cpu_seconds_total", 0)
-                                                 - before.get("process_cpu_seconds_total", 0))
-                                          / n, 4),
+            "cpu_ms": {"scheduler": round(1e3 * delta("process_cpu_seconds_total", "") / n, 4),
                        "executor": round(1e3 * delta("executor_cpu_seconds_total") / n, 4)}}
 
 

@@ -114,12 +114,8 @@ class DeviceClock:
 def take(clock: PhaseClock, device: DeviceClock) -> pb.ExecutorTime:
     """What both clocks added since the last take, as a result's ExecutorTime; zeroes them."""
     device.read()
-    t = clock.totals
-    out = pb.ExecutorTime(
-        idle_seconds=t["idle"], wait_seconds=t["wait"], recv_seconds=t["recv"],
-        launch_seconds=t["launch"], bitmask_seconds=t["bitmask"],
-        finish_seconds=t["finish"], send_seconds=t["send"],
-        device_busy_seconds=device.busy, device_gap_seconds=device.gap)
+    out = pb.ExecutorTime(**{f"{p}_seconds": s for p, s in clock.totals.items()},
+                          device_busy_seconds=device.busy, device_gap_seconds=device.gap)
     cpu = time.process_time()
     out.cpu_seconds, clock.cpu_at = cpu - clock.cpu_at, cpu
     clock.totals = dict.fromkeys(HOST_PHASES, 0.0)
