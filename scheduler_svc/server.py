@@ -20,6 +20,7 @@ from pagedserve.core.link_security import (
     check_exposure,
     load_keypair,
 )
+from pagedserve.core.memory import map_large_allocations
 from pagedserve.core.models import (
     read_generation_eos,
     read_max_position_embeddings,
@@ -208,6 +209,7 @@ def _link_config(args: argparse.Namespace) -> LinkConfig:
 
 def run(args: argparse.Namespace) -> None:
     _setup_request_log()
+    map_large_allocations()  # prompts of megabytes must not leave the heap fragmented
     profiler = cProfile.Profile() if args.profile_dir else None
     if profiler is not None:
         profiler.enable()

@@ -1,7 +1,8 @@
 """Handing freed memory back to the operating system.
 
 glibc's allocator keeps freed heap pages for reuse, so a process that tokenized a burst of large
-prompts stays at its peak resident size long after; malloc_trim returns what is free."""
+prompts stays at its peak resident size long after; malloc_trim returns what is free, and a
+fixed mmap threshold keeps the largest allocations out of the heap altogether."""
 
 from __future__ import annotations
 
@@ -29,6 +30,23 @@ def release_free_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+LARGE_ALLOCATION_BYTES = 1 << 20
+
+
+def map_large_allocations(nbytes: int = LARGE_ALLOCATION_BYTES) -> bool:
+    """Serve every allocation of nbytes or more from its own mapping, which free() unmaps at
+    once. glibc's default threshold rises to the largest block freed so far (up to 32 MiB), so
+    after the first 2 MB prompt its text and id lists come from the heap and the arenas, where
+    what surrounds them keeps part of the freed space from ever going back: resident memory crept
+    up by a few MiB with each burst of large inputs, trim or not. A fixed threshold stops that
+    rise. False where mallopt is not available."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, nbytes))
 
 
 class TrimAfterBurst:
