@@ -33,12 +33,15 @@ from pagedserve.scheduler.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    completion_prompts,
     invalid,
     parse,
+    scores_only,
     to_generate,
 )
 from pagedserve.scheduler.openai_tools import CallStream, ToolMode, read_calls, tool_mode
-from pagedserve.scheduler.servicer import Call, GenerationServicer
+from pagedserve.scheduler.outputs import TokenLogprob
+from pagedserve.scheduler.servicer import CallBatch, GenerationServicer
 from pagedserve.scheduler.streams import Chunk, EngineError
 
 # JSON escapes at most double the UTF-8 bytes of a prompt (a non-ASCII character as \uXXXX); the
@@ -123,44 +126,113 @@ class OpenAIApp:
         rid = request.headers.get("x-request-id") or \
             f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         tools = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
-        try:
-            call = await self.gen.start(to_generate(req, rid, tools), tenant, _timeout(request))
-        except InvalidRequest as e:
-            raise invalid(str(e), req) from None
-        except EngineError as e:
-            raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
+        batch = await self._start(req, rid, tools, tenant, _timeout(request))
         usage = req.stream_options is not None and req.stream_options.include_usage
-        shape = _Shape(rid, self.model_name, chat, usage, len(call.streams),
-                       self.token_text if call.stream.req.params.logprobs is not None else None,
+        first = batch.calls[0].stream.req.params
+        shape = _Shape(rid, self.model_name, chat, usage, batch.n, len(batch.calls),
+                       self.token_text if first.logprobs is not None else None,
                        self.token_text, tools)
+        if not chat and req.echo:
+            shape.echo_prompts(await self._prompt_texts(req, batch), batch.prompts,
+                               req.logprobs, scores_only(req))
+        if req.prompt_logprobs is not None:
+            shape.prompt_k = req.prompt_logprobs
         headers = {"x-request-id": rid}
         if not req.stream:
-            return await _complete(request, call, shape, headers)
-        return _EventStream(_events(call, shape, usage), call, media_type="text/event-stream",
+            return await _complete(request, batch, shape, headers)
+        return _EventStream(_events(batch, shape, usage), batch, media_type="text/event-stream",
                             headers={**headers, "cache-control": "no-cache"})
+
+    async def _start(self, req: Any, rid: str, tools: ToolMode | None, tenant: Any,
+                     timeout: float | None) -> CallBatch:
+        """Start the request: a Call per prompt of a completions batch (in order; if one is
+        refused, those started are closed and its error is the response's)."""
+        batch = CallBatch()
+        try:
+            for one in to_generate(req, rid, tools):
+                batch.add(await self.gen.start(one, tenant, timeout))
+        except InvalidRequest as e:
+            batch.close()
+            raise invalid(str(e), req) from None
+        except EngineError as e:
+            batch.close()
+            raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
+        except BaseException:
+            batch.close()
+            raise
+        return batch
+
+    async def _prompt_texts(self, req: CompletionRequest, batch: CallBatch) -> list[str]:
+        """What echo sends back of each prompt: its text as given, or its token ids decoded
+        (on a worker thread: work in proportion to the input stays off the event loop)."""
+        prompts = completion_prompts(req)
+        if all(isinstance(p, str) for p in prompts):
+            return [p for p in prompts if isinstance(p, str)]
+        tok = self.gen.inputs.tok
+        try:
+            return await asyncio.to_thread(lambda: [
+                p if isinstance(p, str) else tok.decode(p) for p in prompts])
+        except BaseException:
+            batch.close()
+            raise
 
 
 class _Shape:
-    """The response objects of one request (its n choices); a streamed chunk without logprobs
-    has its JSON built around its text (json-encoding only that), since each token of every
-    stream goes through here. logprobs: set when the request asked for them."""
+    """The response objects of one request (its prompts' n choices each); a streamed chunk
+    without logprobs has its JSON built around its text (json-encoding only that), since each
+    token of every stream goes through here. logprobs: set when the request asked for them."""
 
     def __init__(self, rid: str, model: str, chat: bool, include_usage: bool, n: int,
-                 logprobs: TokenText | None, text: TokenText, tools: ToolMode | None) -> None:
+                 prompts: int, logprobs: TokenText | None, text: TokenText,
+                 tools: ToolMode | None) -> None:
         self.rid, self.model, self.chat, self.logprobs, self.text = rid, model, chat, \
             logprobs, text
+        self.n = n  # choices per prompt
+        choices = n * prompts
         self.tools = tools  # calls are read out of each choice's text
-        self.calls = [CallStream(tools) for _ in range(n)] if tools is not None else []
+        self.calls = [CallStream(tools) for _ in range(choices)] if tools is not None else []
         self.created = int(time.time())
         self.kind = "chat.completion" if chat else "text_completion"
-        self.offsets = [0] * n  # completions' text_offset: characters each choice sent
+        self.offsets = [0] * choices  # completions' text_offset: characters each choice sent
+        self.prompt_k: int | None = None  # the prompt_logprobs field's alternatives, if asked
+        # echo (completions): each prompt's text and ids, put before its choices' first text
+        self.echo: list[tuple[str, list[int]]] | None = None
+        self.echo_k: int | None = None
+        self.scores_only = False  # echo with max_tokens 0: the prompt alone, nothing generated
+        self.echoed: set[int] = set()  # choices whose prompt went out
+        self.prompt_lps: dict[int, list[TokenLogprob | None]] = {}  # by prompt, once known
+        self._waiting: dict[int, list[Chunk]] = {}  # chunks held until their prompt's logprobs
         head = _DUMPS({"id": rid, "object": self.kind + (".chunk" if chat else ""),
                        "created": self.created, "model": model})[:-1]
         self._heads = [(f'data: {head},"choices":[{{"index":{i},' +
                         ('"delta":{"content":' if chat else '"text":')).encode()
-                       for i in range(n)]
+                       for i in range(choices)]
         self._tail = (("}" if chat else "") + ',"logprobs":null,"finish_reason":null}]' +
                       (',"usage":null' if include_usage else "") + "}\n\n").encode()
+
+    def echo_prompts(self, texts: list[str], ids: list[list[int]], k: int | None,
+                     scores_only: bool) -> None:
+        self.echo = list(zip(texts, ids, strict=True))
+        self.echo_k, self.scores_only = k, scores_only
+
+    def plain(self, chunk: Chunk) -> bool:
+        """Whether the chunk goes out as its text alone (delta())."""
+        return not chunk.finish_reason and self.logprobs is None and self.tools is None and \
+            (self.echo is None or chunk.index in self.echoed)
+
+    def ready(self, chunk: Chunk) -> list[Chunk]:
+        """The chunks that can go out now: with echo and logprobs, a choice's first chunk
+        waits for its prompt's logprobs, which come on the prompt's completion 0's first."""
+        if self.echo is None or self.logprobs is None or chunk.index in self.echoed:
+            return [chunk]
+        p, j = divmod(chunk.index, self.n)
+        if p in self.prompt_lps:
+            return [chunk]
+        if j:
+            self._waiting.setdefault(p, []).append(chunk)
+            return []
+        self.prompt_lps[p] = chunk.prompt_logprobs or []
+        return [chunk, *self._waiting.pop(p, [])]
 
     def delta(self, index: int, text: str) -> bytes:
         return self._heads[index] + _DUMPS(text).encode() + self._tail
@@ -174,8 +246,10 @@ class _Shape:
     def choice(self, index: int, text: str | None, chunk: Chunk | None, finish: bool,
                final: bool) -> dict:
         """A choice: the whole message (final) or a streamed delta, with the logprobs of the
-        chunk's tokens and, if finish, its finish reason (and the calls read from the text)."""
+        chunk's tokens and, if finish, its finish reason (and the calls read from the text).
+        With echo, the choice's first text is its prompt's, then the completion's."""
         reason = chunk.finish_reason if finish and chunk is not None else None
+        stop_reason = chunk.stop_reason if finish and chunk is not None else None
         calls = None
         if self.tools is not None and final:
             text, calls, reason = read_calls(self.tools, text or "", reason or "")
@@ -184,6 +258,17 @@ class _Shape:
             if finish:
                 rest, calls, reason = self.calls[index].finish(reason or "")
                 text = (text or "") + rest or None
+        logprobs = None
+        if self.logprobs is not None and chunk is not None:
+            if self.chat:
+                logprobs = chat_logprobs(self.text, chunk.token_ids, chunk.logprobs)
+            else:
+                logprobs = self._completion_logprobs(index, chunk)
+        if self.scores_only:  # the one sampled token is not the client's
+            text, reason, stop_reason = "", "length" if finish else None, None
+        if self.echo is not None and index not in self.echoed:
+            self.echoed.add(index)
+            text = self.echo[index // self.n][0] + (text or "")
         if self.chat:
             body = {"message": {"role": "assistant", "content": text}} if final else \
                 {"delta": {} if text is None else {"content": text}}
@@ -193,75 +278,82 @@ class _Shape:
                     [{"index": i, **c} for i, c in enumerate(calls)]
         else:
             body = {"text": text or ""}
-        logprobs = None
-        if self.logprobs is not None and chunk is not None:
-            if self.chat:
-                logprobs = chat_logprobs(self.text, chunk.token_ids, chunk.logprobs)
-            else:
-                logprobs, self.offsets[index] = completion_logprobs(
-                    self.text, chunk.token_ids, chunk.logprobs, self.offsets[index])
-        end = chunk if finish else None
-        out = {"index": index, **body, "logprobs": logprobs, "finish_reason": reason,
-               "stop_reason": end.stop_reason if end else None}  # vLLM's: what matched
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": reason,
+                "stop_reason": stop_reason}  # vLLM's: what matched
+
+    def _completion_logprobs(self, index: int, chunk: Chunk) -> dict:
+        """The legacy completions' logprobs of the chunk's tokens, after its prompt's tokens
+        on the choice's first chunk with echo."""
+        into = None
+        if self.echo is not None and index not in self.echoed:
+            p = index // self.n
+            into, self.offsets[index] = completion_logprobs(
+                self.text, self.echo[p][1], self.prompt_lps[p], 0, self.echo_k)
+            if self.scores_only:
+                return into
+        out, self.offsets[index] = completion_logprobs(
+            self.text, chunk.token_ids, chunk.logprobs, self.offsets[index], into=into)
         return out
 
-    def prompt_logprobs(self, call: Call, whole: Chunk) -> dict:
+    def prompt_logprobs(self, prompt: list[int], whole: Chunk) -> dict:
         """vLLM's prompt_logprobs field, if the request asked."""
-        if whole.prompt_logprobs is None:
+        if self.prompt_k is None or whole.prompt_logprobs is None:
             return {}
-        req = call.stream.req
-        return {"prompt_logprobs": prompt_logprobs(self.text, req.token_ids[:req.prompt_len],
-                                                   whole.prompt_logprobs)}
+        return {"prompt_logprobs": prompt_logprobs(self.text, prompt, whole.prompt_logprobs,
+                                                   self.prompt_k)}
 
 
-def _usage(call: Call, completion_tokens: int) -> dict:
-    """The prompt counted once, however many completions (as OpenAI does)."""
-    prompt = call.stream.req.prompt_len
+def _usage(batch: CallBatch, completion_tokens: int) -> dict:
+    """Each prompt counted once, however many completions (as OpenAI does)."""
+    prompt = sum(c.stream.req.prompt_len for c in batch.calls)
+    cached = sum(c.stream.cached_tokens for c in batch.calls)
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": call.stream.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _sse(obj: dict) -> bytes:
     return b"data: " + _DUMPS(obj).encode() + b"\n\n"
 
 
-async def _events(call: Call, shape: _Shape, include_usage: bool) -> AsyncIterator[bytes]:
+async def _events(batch: CallBatch, shape: _Shape, include_usage: bool
+                  ) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed request; an error after the response began goes
     out as an event with OpenAI's error object (the SDK raises it), then [DONE]."""
     extra = {"usage": None} if include_usage else {}  # OpenAI's: null but in the last
     completion_tokens = 0
     try:
         if shape.chat:  # each choice's first chunk carries the role, as OpenAI's do
-            for i in range(len(call.streams)):
+            for i in range(len(batch.streams)):
                 first = shape.choice(i, None, None, False, False)
                 first["delta"] = {"role": "assistant", "content": ""}
                 yield _sse(shape.obj([first], True, **extra))
-        async for chunk in call.chunks():
-            if not chunk.finish_reason and shape.logprobs is None and shape.tools is None:
-                yield shape.delta(chunk.index, chunk.text)
-                continue
-            finish = bool(chunk.finish_reason)
-            text = chunk.text or None if finish else chunk.text
-            choice = shape.choice(chunk.index, text, chunk, finish, False)
-            completion_tokens += chunk.completion_tokens
-            if finish or choice["delta"] or choice["logprobs"]:  # (a call's text is held)
-                yield _sse(shape.obj([choice], True, **extra))
+        async for got in batch.chunks():
+            for chunk in shape.ready(got):
+                if shape.plain(chunk):
+                    yield shape.delta(chunk.index, chunk.text)
+                    continue
+                finish = bool(chunk.finish_reason)
+                text = chunk.text or None if finish else chunk.text
+                choice = shape.choice(chunk.index, text, chunk, finish, False)
+                completion_tokens += 0 if shape.scores_only else chunk.completion_tokens
+                if finish or choice.get("delta", True) or choice["logprobs"]:  # (a call's
+                    yield _sse(shape.obj([choice], True, **extra))  # text is held)
         if include_usage:  # after every choice finished
-            yield _sse(shape.obj([], True, usage=_usage(call, completion_tokens)))
+            yield _sse(shape.obj([], True, usage=_usage(batch, completion_tokens)))
     except EngineError as e:
         yield _sse(OpenAIError.from_grpc(e.code, str(e)).body())
     yield b"data: [DONE]\n\n"
 
 
-async def _complete(request: Request, call: Call, shape: _Shape,
+async def _complete(request: Request, batch: CallBatch, shape: _Shape,
                     headers: dict[str, str]) -> Response:
     """A non-streamed request, ended early (its blocks freed) if the client goes away."""
 
     async def collect() -> list[Chunk]:
         """Each completion's chunks as one, by index."""
         wholes: dict[int, Chunk] = {}
-        async for chunk in call.chunks():
+        async for chunk in batch.chunks():
             i = chunk.index
             wholes[i] = wholes[i].then(chunk) if i in wholes else chunk
         return [wholes[i] for i in sorted(wholes)]
@@ -276,17 +368,21 @@ async def _complete(request: Request, call: Call, shape: _Shape,
             wholes = work.result()
         except EngineError as e:
             raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
+        n, prompts = shape.n, batch.prompts
+        for w in wholes[::n]:  # each prompt's completion 0 scored it
+            shape.prompt_lps[w.index // n] = w.prompt_logprobs or []
         choices = [shape.choice(w.index, w.text, w, True, True) for w in wholes]
-        prompt = shape.prompt_logprobs(call, wholes[0])
         if not shape.chat:  # vLLM's places: on each completions choice, on the chat response
-            choices = [c | prompt for c in choices]
-        body = shape.obj(choices, False, usage=_usage(call, sum(
-            w.completion_tokens for w in wholes)), **({} if not shape.chat else prompt))
+            choices = [c | shape.prompt_logprobs(prompts[i // n], wholes[i // n * n])
+                       for i, c in enumerate(choices)]
+        completion_tokens = 0 if shape.scores_only else sum(w.completion_tokens for w in wholes)
+        body = shape.obj(choices, False, usage=_usage(batch, completion_tokens), **(
+            {} if not shape.chat else shape.prompt_logprobs(prompts[0], wholes[0])))
         return JSONResponse(body, headers=headers)
     finally:
         for task in (work, gone):
             task.cancel()
-        call.close()
+        batch.close()
 
 
 async def _disconnected(request: Request) -> None:
@@ -298,7 +394,7 @@ class _EventStream(StreamingResponse):
     """A streamed response that closes its Call however it ends: finished, failed, or the
     client gone (Starlette then cancels the stream, wherever it was waiting)."""
 
-    def __init__(self, content: AsyncIterator[bytes], call: Call, **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[bytes], call: CallBatch, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self.call = call
 

@@ -62,37 +62,45 @@ def chat_logprobs(tt: TokenText, token_ids: list[int], lps: list[TokenLogprob]) 
         for t, lp in zip(token_ids, lps, strict=True)], "refusal": None}
 
 
-def completion_logprobs(tt: TokenText, token_ids: list[int], lps: list[TokenLogprob],
-                        offset: int) -> tuple[dict, int]:
+def completion_logprobs(tt: TokenText, token_ids: list[int],
+                        lps: list[TokenLogprob] | list[TokenLogprob | None], offset: int,
+                        k: int | None = None, into: dict | None = None) -> tuple[dict, int]:
     """The legacy completions' choices[i].logprobs for tokens whose text starts at character
     `offset` of the completion, and the offset after them. Each top_logprobs dict holds the k
-    most likely tokens and the sampled one (vLLM's: k + 1 entries when it is not among them)."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                            "text_offset": []}
+    most likely tokens (all that were computed if k is None) and the sampled one (vLLM's: k + 1
+    entries when it is not among them). An echoed prompt's tokens come first, the first of them
+    unscored: its entry (None) is null in token_logprobs and top_logprobs, as OpenAI's is.
+    into: a dict of these lists to extend (the echoed prompt's)."""
+    out: dict[str, list] = into if into is not None else {
+        "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, lp in zip(token_ids, lps, strict=True):
         text = tt.text(t)
         out["tokens"].append(text)
-        out["token_logprobs"].append(lp.logprob)
-        top = {tt.text(a): b for a, b in zip(lp.top_ids, lp.top_logprobs, strict=True)}
-        top.setdefault(text, lp.logprob)
-        out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(text)
+        if lp is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(lp.logprob)
+        top = {tt.text(a): b for a, b in zip(lp.top_ids[:k], lp.top_logprobs[:k], strict=True)}
+        top.setdefault(text, lp.logprob)
+        out["top_logprobs"].append(top)
     return out, offset
 
 
-def prompt_logprobs(tt: TokenText, prompt: list[int],
-                    lps: list[TokenLogprob | None]) -> list[dict | None]:
+def prompt_logprobs(tt: TokenText, prompt: list[int], lps: list[TokenLogprob | None],
+                    k: int | None = None) -> list[dict | None]:
     """vLLM's prompt_logprobs: None for the first prompt token, then for each a dict of token
     id -> {logprob, rank, decoded_token}: the prompt token's and its k most likely
-    alternatives' (ranks 1..k)."""
+    alternatives' (ranks 1..k; all that were computed if k is None)."""
     out: list[dict | None] = []
     for t, lp in zip(prompt, lps, strict=True):
         if lp is None:
             out.append(None)
             continue
         d = {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": tt.text(t)}}
-        for r, (a, b) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1):
+        for r, (a, b) in enumerate(zip(lp.top_ids[:k], lp.top_logprobs[:k], strict=True), 1):
             d.setdefault(str(a), {"logprob": b, "rank": r, "decoded_token": tt.text(a)})
         out.append(d)
     return out

@@ -107,7 +107,7 @@ class ChatCompletionRequest(_Request):
 
 
 _UNSUPPORTED_DEFAULTS = {  # field -> its default (null is too); others refused until supported
-    "best_of": 1, "suffix": None, "echo": False,
+    "best_of": 1, "suffix": None,
 }
 
 
@@ -146,23 +146,44 @@ def _param(loc: tuple) -> str | None:
 
 
 def to_generate(req: _Request, request_id: str, tools: ToolMode | None = None
-                ) -> api.GenerateRequest:
+                ) -> list[api.GenerateRequest]:
     """The one translation from an OpenAI request to the engine's parameters (as the gRPC API's
-    GenerateRequest, validated by inputs.validate like any gRPC request). tools: the chat
-    request's tool_mode()."""
+    GenerateRequest, validated by inputs.validate like any gRPC request): one per prompt of a
+    completions request's batch (request_id-i for prompt i of several, as vLLM names them),
+    else one. tools: the chat request's tool_mode()."""
     name = unsupported(req)
     if name is not None:
         raise OpenAIError(400, f"{name}: not supported yet", name, "unsupported_parameter")
-    out = api.GenerateRequest(request_id=request_id, priority=req.priority)
+    base = api.GenerateRequest(request_id=request_id, priority=req.priority)
+    _sampling(req, base.sampling, tools)
     if isinstance(req, ChatCompletionRequest):
-        _chat_input(req, out, tools)
-    else:
-        _completion_input(req, out)
-    s = out.sampling
-    limit = _max_tokens(req)
+        _chat_input(req, base, tools)
+        return [base]
+    assert isinstance(req, CompletionRequest)
+    prompts = completion_prompts(req)
+    outs = []
+    for i, prompt in enumerate(prompts):
+        out = api.GenerateRequest()
+        out.CopyFrom(base)
+        if len(prompts) > 1:
+            out.request_id = f"{request_id}-{i}"
+        _completion_input(prompt, out)
+        outs.append(out)
+    return outs
+
+
+def scores_only(req: _Request) -> bool:
+    """A completions request with echo and max_tokens 0: the prompt comes back (with its
+    logprobs, if asked), nothing is generated. The engine samples one token, dropped here."""
+    return isinstance(req, CompletionRequest) and bool(req.echo) and req.max_tokens == 0
+
+
+def _sampling(req: _Request, s: api.SamplingParams, tools: ToolMode | None) -> None:
+    limit = 1 if scores_only(req) else _max_tokens(req)
     if limit is not None:
         if not 1 <= limit < 2**31:
-            raise OpenAIError(400, f"{_max_tokens_name(req)}: must be >= 1, got {limit}",
+            echo = " (0 with echo)" if isinstance(req, CompletionRequest) else ""
+            raise OpenAIError(400, f"{_max_tokens_name(req)}: must be >= 1{echo}, got {limit}",
                               _max_tokens_name(req))
         s.max_tokens = limit
     if req.temperature is not None:
@@ -193,7 +214,6 @@ def to_generate(req: _Request, request_id: str, tools: ToolMode | None = None
             raise OpenAIError(400, f"logit_bias: key {token!r} is not a token id",
                               "logit_bias") from None
     _constrain(req, s, tools)
-    return out
 
 
 # (OpenAI's or vLLM's parameter, its key, the SamplingParams constraint field)
@@ -284,6 +304,10 @@ def _logprobs(req: _Request, s: api.SamplingParams) -> None:
             raise OpenAIError(400, "prompt_logprobs: not supported with stream: true",
                               "prompt_logprobs")
         s.prompt_logprobs = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and k is not None:
+        # the echoed prompt's tokens carry logprobs as the completion's do; the response's
+        # prompt_logprobs field, if asked too, shows its own number of alternatives
+        s.prompt_logprobs = max(k, req.prompt_logprobs or 0)
 
 
 def _max_tokens(req: _Request) -> int | None:
@@ -297,13 +321,17 @@ def _max_tokens_name(req: _Request) -> str:
     return "max_completion_tokens" if chat else "max_tokens"
 
 
-def _completion_input(req: CompletionRequest, out: api.GenerateRequest) -> None:
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: a batch (a list of strings, or of token id lists), else one."""
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise OpenAIError(400, "prompt: a batch of prompts is not supported yet; send one "
-                              "prompt per request", "prompt", "unsupported_parameter")
-        prompt = prompt[0]
+        return list(prompt)
+    if isinstance(prompt, list) and not prompt:
+        return [[]]  # no token ids (refused by validation, as an empty text is)
+    return [prompt]
+
+
+def _completion_input(prompt: str | list[int], out: api.GenerateRequest) -> None:
     if isinstance(prompt, str):
         out.text = prompt
     else:

@@ -50,7 +50,7 @@ class Call:
     async def chunks(self) -> AsyncIterator[Chunk]:
         """The output until every completion finished; an engine error is raised after the
         chunks queued before it."""
-        async for chunk in _merged(self.stream.queue, len(self.streams)):
+        async for chunk in merged_chunks(self.stream.queue, len(self.streams)):
             yield chunk
 
     def close(self, reason: str = "abort") -> None:
@@ -66,6 +66,49 @@ class Call:
             n = sum(s.num_tokens for s in self.streams)
             self.admission.release(n)
             self.engine.metrics.tenant_generation_tokens[self.admission.tenant.name].inc(n)
+
+
+class CallBatch:
+    """The Calls of one API request as one: a completions request's batch of prompts, one Call
+    each (admitted, validated and charged as separate requests), or a single Call. Their
+    streams share the first Call's queue; prompt p's completion j is Chunk.index p * n + j,
+    the order of OpenAI's choices."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+
+    def add(self, call: Call) -> None:
+        """The next prompt's Call, added before anything awaits after its start (so nothing
+        is on its queue yet and its streams can be re-pointed)."""
+        if self.calls:
+            base = len(self.calls) * len(call.streams)
+            for stream in call.streams:
+                assert stream.queue.empty()
+                stream.queue = self.calls[0].stream.queue
+                stream.req.index += base
+        self.calls.append(call)
+
+    @property
+    def n(self) -> int:
+        """Completions per prompt."""
+        return len(self.calls[0].streams)
+
+    @property
+    def streams(self) -> list[RequestStream]:
+        return [s for c in self.calls for s in c.streams]
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        """Each prompt's token ids."""
+        return [c.stream.req.token_ids[:c.stream.req.prompt_len] for c in self.calls]
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        async for chunk in merged_chunks(self.calls[0].stream.queue, len(self.streams)):
+            yield chunk
+
+    def close(self, reason: str = "abort") -> None:
+        for call in self.calls:
+            call.close(reason)
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -185,7 +228,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         )
 
 
-async def _merged(queue: asyncio.Queue, n: int) -> AsyncIterator[Chunk]:
+async def merged_chunks(queue: asyncio.Queue, n: int) -> AsyncIterator[Chunk]:
     """The chunks of n completions sharing a queue, until each has finished; an EngineError
     on the queue is raised. Chunks of one completion that queued while the last write was on
     its way go out as one message: a slow client or a busy server sends fewer, larger

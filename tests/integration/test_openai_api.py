@@ -111,7 +111,8 @@ BAD = [  # (endpoint, kwargs, param)
     ("completions", dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs"),
     ("completions", dict(stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs"),
     ("completions", dict(best_of=2), "best_of"),
-    ("completions", dict(echo=True), "echo"),
+    ("completions", dict(prompt=["hi", ""]), "prompt"),  # one bad prompt of a batch
+    ("completions", dict(prompt=[[1, 2], [10**7]]), "prompt"),
     ("completions", dict(extra_body={"max_tokenz": 3}), "max_tokenz"),
     ("chat", dict(max_completion_tokens=10**6), "max_completion_tokens"),
     ("chat", dict(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
@@ -444,6 +445,14 @@ def test_completions_logprobs_format(service, tokenizer, hf_model):
         want.setdefault(lp.tokens[i], lp.token_logprobs[i])  # the sampled one is always there
         assert lp.top_logprobs[i].keys() == want.keys()
         assert max(abs(lp.top_logprobs[i][k] - v) for k, v in want.items()) < 1e-4
+    (text_s, entries, finish), = streamed_completions(sdk(service).completions.create(
+        model=MODEL, prompt=PROMPTS[0][1], max_tokens=8, temperature=0, logprobs=3,
+        stream=True)).values()
+    assert text_s == text and finish == out.choices[0].finish_reason
+    assert [(e[0], e[3], e[2].keys()) for e in entries] == [
+        (t, o, top.keys()) for t, o, top in zip(lp.tokens, lp.text_offset, lp.top_logprobs,
+                                                strict=True)]
+    assert max(abs(e[1] - b) for e, b in zip(entries, lp.token_logprobs, strict=True)) < 1e-4
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -515,3 +524,137 @@ def test_a_full_queue_is_a_rate_limit_with_retry_after(queue_service):
         running.close()
     queue_service.wait_idle(timeout=60)
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage
+
+
+def streamed_completions(chunks):
+    """{index: (text, token logprobs entries, finish reason)} of a streamed completions
+    response, its chunks' texts and logprobs joined."""
+    out: dict[int, tuple[str, list, str | None]] = {}
+    for c in chunks:
+        for ch in c.choices:
+            text, lps, _ = out.get(ch.index, ("", [], None))
+            lp = ch.logprobs
+            if lp is not None:
+                lps = lps + list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs,
+                                     lp.text_offset, strict=True))
+            out[ch.index] = (text + ch.text, lps, ch.finish_reason)
+    return out
+
+
+def test_a_batch_of_prompts_gives_each_its_greedy_output_in_order(service, hf_greedy,
+                                                                  tokenizer):
+    """A batch of texts, then the same as token id lists."""
+    texts = [i for i, (kind, _) in enumerate(PROMPTS) if kind == "text"][:3]
+    client = sdk(service)
+    for prompt in ([PROMPTS[i][1] for i in texts],
+                   [tokenizer.encode(PROMPTS[i][1]) for i in texts]):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                        temperature=0)
+        assert [c.index for c in out.choices] == [0, 1, 2]
+        assert [c.text for c in out.choices] == [
+            tokenizer.decode(hf_greedy[i], skip_special_tokens=True) for i in texts]
+        assert out.usage.prompt_tokens == sum(len(tokenizer.encode(PROMPTS[i][1]))
+                                              for i in texts)
+        assert out.usage.completion_tokens == sum(len(hf_greedy[i]) for i in texts)
+        streamed = streamed_completions(client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True))
+        assert {i: (t, f) for i, (t, _, f) in streamed.items()} == {
+            c.index: (c.text, c.finish_reason) for c in out.choices}
+    assert service.wait_idle(30)["pagedserve_num_requests_running"] == 0
+
+
+def test_a_batch_with_n_is_prompt_major_and_each_prompt_samples_as_alone(service):
+    """Choice p * n + j is prompt p's completion j, sampled as a request of that prompt alone
+    with the same seed would sample it."""
+    client = sdk(service)
+    prompts = ["Once upon a time", "My favourite colour is"]
+    kw = dict(model=MODEL, max_tokens=8, temperature=1.0, seed=7, n=2)
+    batch = client.completions.create(prompt=prompts, **kw)
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [c.text for a in alone for c in a.choices]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    chunks = list(client.completions.create(prompt=prompts, **kw, stream=True,
+                                            stream_options={"include_usage": True}))
+    streamed = streamed_completions(chunks[:-1])
+    assert [streamed[i][0] for i in range(4)] == [c.text for c in batch.choices]
+    assert chunks[-1].usage.prompt_tokens == batch.usage.prompt_tokens
+
+
+def test_a_refused_prompt_of_a_batch_refuses_all_and_frees_what_started(service):
+    client = sdk(service)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=["Count:", "x " * 20000],
+                                  max_tokens=4000, extra_body={"ignore_eos": True})
+    assert err.value.param == "prompt"
+    m = service.wait_idle(10)
+    assert m["pagedserve_num_requests_running"] == 0
+    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"]
+
+
+def echo_reference(tokenizer, hf_model, service, prompt: str, max_tokens: int):
+    """The prompt's ids, the greedy completion's ids and HF's log_softmax over both."""
+    _, ids, _ = service.client.complete(text=prompt, max_tokens=max_tokens, temperature=0,
+                                        timeout=300)
+    prompt_ids_ = tokenizer.encode(prompt)
+    return prompt_ids_, ids, hf_log_softmax(hf_model, prompt_ids_ + ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_scores_the_prompt_and_the_completion_as_hf(service, tokenizer,
+                                                                       hf_model, stream):
+    """What lm-evaluation-harness's loglikelihood requests send (echo, logprobs, a batch of
+    token id prompts), n=2 so that a second choice takes its prompt's scores from the first."""
+    prompt, k = PROMPTS[2][1], 2
+    pids, ids, ref = echo_reference(tokenizer, hf_model, service, prompt, 4)
+    out = sdk(service).completions.create(model=MODEL, prompt=[pids, pids[:3]], echo=True,
+                                          logprobs=k, max_tokens=4, temperature=0, n=2,
+                                          stream=stream)
+    if stream:
+        got = streamed_completions(out)
+    else:
+        got = {c.index: (c.text, list(zip(c.logprobs.tokens, c.logprobs.token_logprobs,
+                                          c.logprobs.top_logprobs, c.logprobs.text_offset,
+                                          strict=True)), c.finish_reason) for c in out.choices}
+    assert sorted(got) == [0, 1, 2, 3]
+    for i in (0, 1):  # the first prompt's two greedy choices
+        text, entries, finish = got[i]
+        assert text == tokenizer.decode(pids) + tokenizer.decode(ids, skip_special_tokens=True)
+        assert finish == "length"
+        whole = pids + ids
+        assert [e[0] for e in entries] == [tokenizer.decode([t]) for t in whole]
+        assert [e[3] for e in entries] == [len("".join(e[0] for e in entries[:j]))
+                                           for j in range(len(whole))]
+        assert entries[0][1] is None and entries[0][2] is None  # nothing scores the first
+        for p in range(1, len(whole)):
+            row, t = ref[p - 1], whole[p]
+            assert abs(entries[p][1] - row[t].item()) < 1e-4
+            want = {tokenizer.decode([a]) for a in row.topk(k).indices.tolist()}
+            assert set(entries[p][2]) == want | {entries[p][0]}
+    assert got[2][0] == got[3][0] and got[2][0].startswith(tokenizer.decode(pids[:3]))
+    assert [e[0] for e in got[2][1][:3]] == [tokenizer.decode([t]) for t in pids[:3]]
+
+
+def test_echo_with_max_tokens_0_returns_the_scored_prompt_alone(service, tokenizer, hf_model):
+    prompt = "The capital of France is"
+    pids = tokenizer.encode(prompt)
+    ref = hf_log_softmax(hf_model, pids)
+    client = sdk(service)
+    out = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0,
+                                    logprobs=0)
+    c = out.choices[0]
+    assert c.text == prompt and c.finish_reason == "length"
+    assert c.logprobs.tokens == [tokenizer.decode([t]) for t in pids]
+    assert c.logprobs.token_logprobs[0] is None
+    assert max(abs(c.logprobs.token_logprobs[p] - ref[p - 1, pids[p]].item())
+               for p in range(1, len(pids))) < 1e-4
+    assert all(d.keys() == {tok} for d, tok in zip(c.logprobs.top_logprobs[1:],
+                                                  c.logprobs.tokens[1:], strict=True))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(pids), 0)
+    plain = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=3,
+                                      temperature=0)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+    streamed = streamed_completions(client.completions.create(
+        model=MODEL, prompt=prompt, echo=True, max_tokens=0, stream=True))
+    assert streamed == {0: (prompt, [], "length")}

@@ -28,3 +28,23 @@ def test_completion_offsets_and_prompt_logprobs_layout(tokenizer):
     assert prompt_logprobs(tt, [a, b], [None, TokenLogprob(-2.0, (a, b), (-0.5, -2.0), 2)]) == [
         None, {str(b): {"logprob": -2.0, "rank": 2, "decoded_token": " world"},
                str(a): {"logprob": -0.5, "rank": 1, "decoded_token": " Hello"}}]
+
+
+def test_an_echoed_prompt_comes_first_unscored_then_k_alternatives(tokenizer):
+    """echo: the prompt's entries (the first null, as OpenAI's), computed with more
+    alternatives than the request's logprobs shows, then the completion's after them."""
+    tt = TokenText(tokenizer)
+    a, b = tokenizer.encode(" Hello")[0], tokenizer.encode(" world")[0]
+    prompt, end = completion_logprobs(
+        tt, [a, b], [None, TokenLogprob(-2.0, (a, b), (-0.5, -2.0), 2)], 0, k=1)
+    assert end == 12
+    out, end = completion_logprobs(tt, [a], [TokenLogprob(-0.1, (a,), (-0.1,))], end,
+                                   into=prompt)
+    assert out is prompt and end == 18
+    assert out == {"tokens": [" Hello", " world", " Hello"],
+                   "token_logprobs": [None, -2.0, -0.1],
+                   "top_logprobs": [None, {" Hello": -0.5, " world": -2.0}, {" Hello": -0.1}],
+                   "text_offset": [0, 6, 12]}
+    assert prompt_logprobs(tt, [a, b], [None, TokenLogprob(-2.0, (a, b), (-0.5, -2.0), 2)],
+                           k=0) == [None, {str(b): {"logprob": -2.0, "rank": 2,
+                                                    "decoded_token": " world"}}]
