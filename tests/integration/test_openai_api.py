@@ -658,3 +658,25 @@ def test_echo_with_max_tokens_0_returns_the_scored_prompt_alone(service, tokeniz
     streamed = streamed_completions(client.completions.create(
         model=MODEL, prompt=prompt, echo=True, max_tokens=0, stream=True))
     assert streamed == {0: (prompt, [], "length")}
+
+
+def test_lm_evaluation_harness_loglikelihoods_equal_hf(service, model_dir, tokenizer, hf_model):
+    """lm-evaluation-harness's own API client (local-completions: batches of token id
+    prompts, echo, logprobs 1, max_tokens 1), as an evaluation run calls it."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    lm = LocalCompletionsAPI(base_url=service.http_url + "/v1/completions", model=MODEL,
+                             tokenizer=str(model_dir), tokenizer_backend="huggingface",
+                             batch_size=4, max_retries=1)
+    pairs = [("The capital of France is", " Paris"), ("The capital of France is", " London"),
+             ("Water boils at 100 degrees", " Celsius"), ("1, 2, 3,", " 4, 5")]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)])
+    for (context, continuation), (ll, greedy) in zip(pairs, got, strict=True):
+        whole = tokenizer.encode(context + continuation)
+        start = len(tokenizer.encode(context))
+        ref = hf_log_softmax(hf_model, whole)
+        assert abs(ll - sum(ref[p - 1, whole[p]].item() for p in range(start, len(whole)))) \
+            < 1e-4
+        assert greedy == all(ref[p - 1].argmax().item() == whole[p]
+                             for p in range(start, len(whole)))
