@@ -2,7 +2,8 @@
 gRPC server's asyncio loop: a request goes through GenerationServicer.start, the same path as a
 gRPC Generate call (tenants, validation, admission, deadline), then straight to the engine.
 
-    POST /v1/completions, POST /v1/chat/completions   (stream: server-sent events)
+    POST /v1/completions, POST /v1/chat/completions, POST /v1/responses   (stream: server-sent
+    events)
     GET /v1/models, GET /health (readiness: 200 when an executor is joined, else 503)
 """
 
@@ -22,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pagedserve.scheduler import openai_responses
 from pagedserve.scheduler.inputs import InvalidRequest
 from pagedserve.scheduler.openai_logprobs import (
     TokenText,
@@ -60,6 +62,7 @@ class OpenAIApp:
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ], exception_handlers={HTTPException: _http_error, OpenAIError: _error})
@@ -83,6 +86,39 @@ class OpenAIApp:
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, ChatCompletionRequest)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, as a chat request (openai_responses.py)."""
+        tenant = self._authenticate(request)
+        body = await self._body(request)
+        req = parse(openai_responses.ResponsesRequest, body) if len(body) < LARGE_BODY_BYTES else \
+            await asyncio.to_thread(parse, openai_responses.ResponsesRequest, body)
+        self._check_model(req.model)
+        chat = openai_responses.to_chat(req)
+        rid = request.headers.get("x-request-id") or f"resp_{uuid.uuid4().hex}"
+        try:
+            tools = tool_mode(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+            batch = await self._start(chat, rid, tools, tenant, _timeout(request))
+        except OpenAIError as e:
+            raise openai_responses.renamed(e) from None
+        shape = openai_responses.ResponseShape(rid, req, self.model_name, tools)
+        headers = {"x-request-id": rid}
+        if req.stream:
+            return _EventStream(openai_responses.events(shape, batch), batch,
+                                media_type="text/event-stream",
+                                headers={**headers, "cache-control": "no-cache"})
+        try:
+            wholes = await _gather(request, batch)
+            if wholes is None:
+                return Response(status_code=499)
+        finally:
+            batch.close()
+        return JSONResponse(openai_responses.whole(shape, batch, wholes[0]), headers=headers)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise OpenAIError(404, f"The model '{model}' does not exist; this server "
+                              f"serves '{self.model_name}'", "model", "model_not_found")
 
     async def _body(self, request: Request) -> bytes:
         """The request body, read as it arrives and refused (413) as soon as it is known to be
@@ -116,9 +152,7 @@ class OpenAIApp:
         body = await self._body(request)
         req = parse(model, body) if len(body) < LARGE_BODY_BYTES else \
             await asyncio.to_thread(parse, model, body)
-        if req.model != self.model_name:
-            raise OpenAIError(404, f"The model '{req.model}' does not exist; this server "
-                              f"serves '{self.model_name}'", "model", "model_not_found")
+        self._check_model(req.model)
         if req.stream_options is not None and not req.stream:
             raise OpenAIError(400, "stream_options: only allowed with stream: true",
                               "stream_options")
@@ -350,24 +384,10 @@ async def _complete(request: Request, batch: CallBatch, shape: _Shape,
                     headers: dict[str, str]) -> Response:
     """A non-streamed request, ended early (its blocks freed) if the client goes away."""
 
-    async def collect() -> list[Chunk]:
-        """Each completion's chunks as one, by index."""
-        wholes: dict[int, Chunk] = {}
-        async for chunk in batch.chunks():
-            i = chunk.index
-            wholes[i] = wholes[i].then(chunk) if i in wholes else chunk
-        return [wholes[i] for i in sorted(wholes)]
-
-    work = asyncio.ensure_future(collect())
-    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
+        wholes = await _gather(request, batch)
+        if wholes is None:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed"
-        try:
-            wholes = work.result()
-        except EngineError as e:
-            raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
         n, prompts = shape.n, batch.prompts
         for w in wholes[::n]:  # each prompt's completion 0 scored it
             shape.prompt_lps[w.index // n] = w.prompt_logprobs or []
@@ -380,9 +400,33 @@ async def _complete(request: Request, batch: CallBatch, shape: _Shape,
             {} if not shape.chat else shape.prompt_logprobs(prompts[0], wholes[0])))
         return JSONResponse(body, headers=headers)
     finally:
+        batch.close()
+
+
+async def _gather(request: Request, batch: CallBatch) -> list[Chunk] | None:
+    """Each completion's chunks as one, by index; None if the client went away first (the
+    caller closes the batch, which frees its blocks)."""
+
+    async def collect() -> list[Chunk]:
+        wholes: dict[int, Chunk] = {}
+        async for chunk in batch.chunks():
+            i = chunk.index
+            wholes[i] = wholes[i].then(chunk) if i in wholes else chunk
+        return [wholes[i] for i in sorted(wholes)]
+
+    work = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            return None
+        try:
+            return work.result()
+        except EngineError as e:
+            raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
+    finally:
         for task in (work, gone):
             task.cancel()
-        batch.close()
 
 
 async def _disconnected(request: Request) -> None:
