@@ -142,3 +142,50 @@ def test_bad_input_is_a_bad_request_naming_the_param(service, kwargs, param):
     assert err.value.param == param
     assert err.value.body["message"].startswith(param + ":")
     assert service.client.complete(text="Hello", max_tokens=1)[1]  # still serving
+
+
+def test_the_openai_agents_sdk_runs_a_tool_and_streams_an_answer(service, hf_greedy, tokenizer):
+    """OpenAI's Agents SDK on its Responses model: a forced tool call runs the Python function
+    with the arguments the model wrote; a plain agent's answer, streamed, is HF's greedy one."""
+    import asyncio
+
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # (it would upload traces to OpenAI)
+    cities: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"22 C and sunny in {city}"
+
+    def model() -> OpenAIResponsesModel:  # a client per event loop
+        return OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+            base_url=service.http_url + "/v1", api_key="none", max_retries=0))
+
+    async def run() -> tuple[str, str, str]:
+        agent = Agent(name="weather", instructions="You answer weather questions.",
+                      model=model(), tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+                      model_settings=ModelSettings(tool_choice="get_weather", temperature=0,
+                                                   max_tokens=40))
+        called = await Runner.run(agent, "What's the weather in Paris?")
+        plain = Agent(name="plain", model=model(),
+                      model_settings=ModelSettings(temperature=0, max_tokens=MAX_TOKENS))
+        streamed = Runner.run_streamed(plain, PROMPTS[CHATS[0]][1])
+        deltas = [e.data.delta async for e in streamed.stream_events()
+                  if e.type == "raw_response_event" and
+                  e.data.type == "response.output_text.delta"]
+        return called.final_output, "".join(deltas), streamed.final_output
+
+    called, deltas, final = asyncio.run(run())
+    assert len(cities) == 1 and called == f"22 C and sunny in {cities[0]}"
+    want = tokenizer.decode(hf_greedy[CHATS[0]], skip_special_tokens=True)
+    assert deltas == final == want
