@@ -181,13 +181,21 @@ class OpenAIApp:
                      timeout: float | None) -> CallBatch:
         """Start the request: a Call per prompt of a completions batch (in order; if one is
         refused, those started are closed and its error is the response's)."""
-        batch = CallBatch()
+        batch, gens = CallBatch(), to_generate(req, rid, tools)
+        if tenant is not None and 0 < tenant.max_concurrent < len(gens):  # would never fit
+            raise OpenAIError(400, f"prompt: a batch of {len(gens)} prompts, more than the "
+                              f"{tenant.max_concurrent} requests this API key may run at once",
+                              "prompt")
         try:
-            for one in to_generate(req, rid, tools):
+            for one in gens:
                 batch.add(await self.gen.start(one, tenant, timeout))
         except InvalidRequest as e:
             batch.close()
-            raise invalid(str(e), req) from None
+            err = invalid(str(e), req)
+            if len(gens) > 1:  # which prompt of the batch
+                err.message = err.message.replace(": ", f": prompt {len(batch.calls)} of the "
+                                                  f"batch: ", 1)
+            raise err from None
         except EngineError as e:
             batch.close()
             raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
@@ -248,6 +256,12 @@ class _Shape:
                      scores_only: bool) -> None:
         self.echo = list(zip(texts, ids, strict=True))
         self.echo_k, self.scores_only = k, scores_only
+
+    def echoes_logprobs(self, chunk: Chunk) -> bool:
+        """Whether the chunk's choice is the first of its choice with echo and logprobs: its
+        prompt's logprobs go with it."""
+        return self.echo is not None and self.logprobs is not None and \
+            chunk.index not in self.echoed
 
     def plain(self, chunk: Chunk) -> bool:
         """Whether the chunk goes out as its text alone (delta())."""
@@ -369,7 +383,9 @@ async def _events(batch: CallBatch, shape: _Shape, include_usage: bool
                     continue
                 finish = bool(chunk.finish_reason)
                 text = chunk.text or None if finish else chunk.text
-                choice = shape.choice(chunk.index, text, chunk, finish, False)
+                args = (chunk.index, text, chunk, finish, False)
+                choice = await asyncio.to_thread(shape.choice, *args) \
+                    if shape.echoes_logprobs(chunk) else shape.choice(*args)
                 completion_tokens += 0 if shape.scores_only else chunk.completion_tokens
                 if finish or choice.get("delta", True) or choice["logprobs"]:  # (a call's
                     yield _sse(shape.obj([choice], True, **extra))  # text is held)
@@ -391,7 +407,12 @@ async def _complete(request: Request, batch: CallBatch, shape: _Shape,
         n, prompts = shape.n, batch.prompts
         for w in wholes[::n]:  # each prompt's completion 0 scored it
             shape.prompt_lps[w.index // n] = w.prompt_logprobs or []
-        choices = [shape.choice(w.index, w.text, w, True, True) for w in wholes]
+        def choices_of() -> list[dict]:
+            return [shape.choice(w.index, w.text, w, True, True) for w in wholes]
+
+        # an echoed prompt's logprobs are work in proportion to the input: off the event loop
+        choices = await asyncio.to_thread(choices_of) if shape.echo and shape.logprobs \
+            else choices_of()
         if not shape.chat:  # vLLM's places: on each completions choice, on the chat response
             choices = [c | shape.prompt_logprobs(prompts[i // n], wholes[i // n * n])
                        for i, c in enumerate(choices)]
@@ -435,18 +456,18 @@ async def _disconnected(request: Request) -> None:
 
 
 class _EventStream(StreamingResponse):
-    """A streamed response that closes its Call however it ends: finished, failed, or the
+    """A streamed response that closes its Calls however it ends: finished, failed, or the
     client gone (Starlette then cancels the stream, wherever it was waiting)."""
 
-    def __init__(self, content: AsyncIterator[bytes], call: CallBatch, **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[bytes], batch: CallBatch, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
-        self.call = call
+        self.batch = batch
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.call.close()
+            self.batch.close()
 
 
 def body_limit(input_limit: int) -> int:

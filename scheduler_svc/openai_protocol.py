@@ -126,7 +126,7 @@ def parse(model: type[_Request], body: bytes) -> _Request:
         return model.model_validate_json(body)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
-        param = _param(err["loc"])
+        param = param_of(err["loc"])
         where = f"{param}: " if param else ""
         raise OpenAIError(400, f"{where}{err['msg']}", param,
                           "invalid_json" if err["type"] == "json_invalid" else None) from None
@@ -135,7 +135,7 @@ def parse(model: type[_Request], body: bytes) -> _Request:
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none", "function-after"}
 
 
-def _param(loc: tuple) -> str | None:
+def param_of(loc: tuple) -> str | None:
     """pydantic's error location as OpenAI names a parameter: messages[0].content."""
     out = ""
     for p in loc:

@@ -12,6 +12,7 @@ conversation as input, function_call and function_call_output items included) an
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedserve.scheduler.openai_errors import OpenAIError
-from pagedserve.scheduler.openai_protocol import ChatCompletionRequest
+from pagedserve.scheduler.openai_protocol import ChatCompletionRequest, param_of
 from pagedserve.scheduler.openai_tools import CallStream, ToolMode, read_calls
 from pagedserve.scheduler.servicer import CallBatch
 from pagedserve.scheduler.streams import Chunk, EngineError
@@ -69,6 +70,9 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
                    "send the whole conversation as input", "unsupported_parameter")
     if req.background:
         raise _bad("background", "not supported", "unsupported_parameter")
+    if "message.output_text.logprobs" in (req.include or []):
+        raise _bad("include", "message.output_text.logprobs is not supported yet",
+                   "unsupported_parameter")
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages += _messages(req.input)
     chat: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
@@ -88,7 +92,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(chat)
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
-        raise OpenAIError(400, f"input: {err['msg']}", "input") from None
+        param = param_of(err["loc"]) or "input"
+        raise renamed(OpenAIError(400, f"{param}: {err['msg']}", param)) from None
 
 
 def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -164,7 +169,10 @@ def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
                "\"name\": ...}")
 
 
-def _format(fmt: dict[str, Any]) -> dict[str, Any]:
+def _format(fmt: Any) -> dict[str, Any]:
+    if not isinstance(fmt, dict):
+        raise _bad("text.format", "an object: {\"type\": \"text\" | \"json_object\" | "
+                   "\"json_schema\", ...}")
     kind = fmt.get("type")
     if kind in ("text", "json_object"):
         return {"type": kind}
@@ -179,13 +187,20 @@ _PARAMS = {"max_completion_tokens": "max_output_tokens", "response_format": "tex
            "messages": "input"}
 
 
+_TOOL = re.compile(r"^tools\[\d+\]\.function(?=\.)")
+
+
 def renamed(err: OpenAIError) -> OpenAIError:
-    """An error of the chat request, naming the Responses parameter instead."""
+    """An error of the chat request, naming the Responses parameter instead (a tool's fields
+    are the tool's own there: tools[0].name, not tools[0].function.name)."""
     param = err.param or ""
     head = param.split("[")[0].split(".")[0]
-    if head not in _PARAMS:
+    if head in _PARAMS:
+        new = _PARAMS[head]
+    elif _TOOL.match(param):
+        new = param.replace(".function", "", 1)
+    else:
         return err
-    new = _PARAMS[head] if head != "messages" else "input"
     message = err.message[len(param):] if err.message.startswith(param) else ": " + err.message
     return OpenAIError(err.status, new + message, new, err.code, err.retry_after_s)
 
@@ -221,9 +236,10 @@ class ResponseShape:
         """The whole answer's output items, and why it is incomplete (None: completed)."""
         content, calls, finish = read_calls(self.tools, text, finish) if self.tools \
             else (text, None, finish)
-        items = [message(content)] if content else []
+        cut = finish == "length"
+        items = [message(content, "incomplete" if cut else "completed")] if content else []
         items += [function_call(c) for c in calls or []]
-        return items, "max_output_tokens" if finish == "length" else None
+        return items, "max_output_tokens" if cut else None
 
     def event(self, kind: str, **fields: Any) -> bytes:
         self.seq += 1
@@ -232,8 +248,10 @@ class ResponseShape:
 
 
 def message(text: str, status: str = "completed") -> dict[str, Any]:
+    """An assistant message item: in_progress (opened, no content yet), completed, or
+    incomplete (max_output_tokens cut it)."""
     return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status,
-            "role": "assistant", "content": [] if status != "completed" else [_part(text)]}
+            "role": "assistant", "content": [] if status == "in_progress" else [_part(text)]}
 
 
 def _part(text: str) -> dict[str, Any]:
@@ -298,7 +316,8 @@ async def events(shape: ResponseShape, batch: CallBatch) -> AsyncIterator[bytes]
             if not chunk.finish_reason:
                 continue
             if item is not None:
-                done = {**item, "status": "completed", "content": [_part(text)]}
+                done = {**item, "status": "incomplete" if finish == "length" else "completed",
+                        "content": [_part(text)]}
                 yield ev("response.output_text.done", item_id=item["id"], output_index=0,
                          content_index=0, text=text, logprobs=[])
                 yield ev("response.content_part.done", item_id=item["id"], output_index=0,
@@ -321,6 +340,9 @@ async def events(shape: ResponseShape, batch: CallBatch) -> AsyncIterator[bytes]
                      response=shape.response("incomplete" if incomplete else "completed",
                                              output, usage(batch, chunk.completion_tokens),
                                              incomplete))
-    except EngineError as e:
+    except EngineError as e:  # OpenAI's: an error event, then the response failed
         err = OpenAIError.from_grpc(e.code, str(e))
         yield ev("error", code=err.code, message=err.message, param=None)
+        failed = shape.response("failed", output)
+        failed["error"] = {"code": err.code, "message": err.message}
+        yield ev("response.failed", response=failed)

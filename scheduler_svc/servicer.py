@@ -38,7 +38,8 @@ class Call:
     by Chunk.index), and close() when it ends."""
 
     engine: Engine
-    streams: list[RequestStream]  # one per completion; they share streams[0].queue
+    streams: list[RequestStream]  # one per completion; they share streams[0].queue (a
+    # CallBatch re-points a later prompt's to its first Call's queue: read the batch's chunks)
     admission: Admission | None
     closed: bool = False
 

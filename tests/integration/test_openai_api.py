@@ -201,15 +201,25 @@ def test_a_deadline_header_ends_a_long_request(service):
     assert service.wait_idle(30)["pagedserve_num_requests_running"] == 0
 
 
+LONG_RUNS = {  # requests that would run for minutes on a CPU
+    "completions": {"prompt": "Count:", "max_tokens": 4000, "ignore_eos": True},
+    "batch": {"prompt": ["Count:", "Letters:"], "max_tokens": 4000, "ignore_eos": True},
+    "responses": {"input": "Count.", "max_output_tokens": 4000, "text": {"format": {  # no EOS
+        "type": "json_schema", "name": "count", "schema": {
+            "type": "array", "items": {"type": "integer"}, "minItems": 2000}}}},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LONG_RUNS))
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_drops_frees_the_blocks(service, stream):
-    body = json.dumps({"model": MODEL, "prompt": "Count:", "max_tokens": 4000,
-                       "ignore_eos": True, "stream": stream}).encode()
+def test_a_client_that_drops_frees_the_blocks(service, stream, kind):
+    body = json.dumps({"model": MODEL, **LONG_RUNS[kind], "stream": stream}).encode()
+    path = b"/v1/responses" if kind == "responses" else b"/v1/completions"
     sock = socket.create_connection(("127.0.0.1", service.http_port), timeout=60)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
-                 b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    sock.sendall(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (path, len(body), body))
     deadline = time.monotonic() + 60
-    while service.metrics()["pagedserve_num_requests_running"] < 1:  # it runs
+    while service.metrics()["pagedserve_num_requests_running"] < (2 if kind == "batch" else 1):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     if stream:
@@ -483,6 +493,16 @@ def test_prompt_logprobs_as_vllm_returns_them(service, tokenizer, hf_model, endp
             assert entry["decoded_token"] == tokenizer.decode([a])
 
 
+def test_a_batch_larger_than_the_tenants_concurrency_is_a_bad_request(keyed):
+    """It could never be admitted whole: a 429 would have a client retry forever."""
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk(keyed, "sk-paying").completions.create(model=MODEL, prompt=["a", "b"],
+                                                   max_tokens=2)
+    assert err.value.param == "prompt" and "more than the 1 requests" in str(err.value)
+    out = sdk(keyed, "sk-paying").completions.create(model=MODEL, prompt=["a"], max_tokens=2)
+    assert len(out.choices) == 1
+
+
 def test_n_completions_charge_the_tenant_the_prompt_once(keyed):
     """tokens_per_minute 60 (a token a second): a 10-token prompt with n = 3 and 4 tokens each
     charges 10 + 12, leaving about 38, enough for a 30-token prompt; the prompt charged three
@@ -588,6 +608,7 @@ def test_a_refused_prompt_of_a_batch_refuses_all_and_frees_what_started(service)
         client.completions.create(model=MODEL, prompt=["Count:", "x " * 20000],
                                   max_tokens=4000, extra_body={"ignore_eos": True})
     assert err.value.param == "prompt"
+    assert err.value.body["message"].startswith("prompt: prompt 1 of the batch: ")
     m = service.wait_idle(10)
     assert m["pagedserve_num_requests_running"] == 0
     assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"]
