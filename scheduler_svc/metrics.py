@@ -184,6 +184,15 @@ class Metrics:
                             "RPCs completed, by method and gRPC status code (OK, or why the "
                             "request was rejected or failed, e.g. INVALID_ARGUMENT)",
                             ["model_name", "grpc_service", "grpc_method", "grpc_code"], registry=r)
+        self.http_requests = Counter(PREFIX + "http_requests",
+                                     "HTTP API requests answered, by route (other: a path not "
+                                     "served) and status code (499: the client left before "
+                                     "the response began)",
+                                     ["model_name", "route", "status"], registry=r)
+        self.http_duration = Histogram(PREFIX + "http_request_duration_seconds",
+                                       "HTTP API requests, arrival to the response's last byte "
+                                       "(a stream's end)", ["model_name", "route"],
+                                       buckets=_LONG, registry=r)
         self.request_prompt_tokens = hist("request_prompt_tokens",
                                           "Prompt tokens of each request that left the engine",
                                           _TOKENS)

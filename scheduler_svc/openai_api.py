@@ -5,6 +5,7 @@ gRPC Generate call (tenants, validation, admission, deadline), then straight to 
     POST /v1/completions, POST /v1/chat/completions, POST /v1/responses   (stream: server-sent
     events)
     GET /v1/models, GET /health (readiness: 200 when an executor is joined, else 503)
+    POST /tokenize, POST /detokenize (vLLM's)
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ from pagedserve.scheduler.openai_logprobs import (
 from pagedserve.scheduler.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeBody,
     OpenAIError,
+    TokenizeBody,
     completion_prompts,
     invalid,
     parse,
     scores_only,
     to_generate,
+    to_tokenize,
 )
 from pagedserve.scheduler.openai_tools import CallStream, ToolMode, read_calls, tool_mode
 from pagedserve.scheduler.outputs import TokenLogprob
@@ -64,6 +68,8 @@ class OpenAIApp:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
         ], exception_handlers={HTTPException: _http_error, OpenAIError: _error})
 
@@ -80,6 +86,39 @@ class OpenAIApp:
         if (cap := self.engine.link.capacity) is not None:
             card["max_model_len"] = cap.max_model_len
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: {count, max_model_len, tokens, token_strs}."""
+        self._authenticate(request)
+        body = parse(TokenizeBody, await self._body(request))
+        if body.model is not None:
+            self._check_model(body.model)
+        try:
+            out = await self.gen.tokenize(to_tokenize(body))
+        except InvalidRequest as e:
+            message = str(e).replace("text:", "prompt:", 1).replace("chat.messages", "messages")
+            raise OpenAIError(400, message, message.split(":")[0].split("[")[0]) from None
+        cap = self.engine.link.capacity
+        return JSONResponse({"count": len(out.token_ids), "max_model_len":
+                             cap.max_model_len if cap else None, "tokens": list(out.token_ids),
+                             "token_strs": list(out.tokens) if body.return_token_strs else None})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: {prompt}, the ids' text (special tokens kept)."""
+        self._authenticate(request)
+        body = parse(DetokenizeBody, await self._body(request))
+        if body.model is not None:
+            self._check_model(body.model)
+        cap = self.engine.link.capacity
+        vocab = cap.vocab_size if cap else len(self.gen.inputs.tok)
+        bad = next((t for t in body.tokens if t >= vocab), None)
+        if bad is not None:
+            raise OpenAIError(400, f"tokens: token id {bad} is outside the vocabulary "
+                              f"(size {vocab})", "tokens")
+        tok = self.gen.inputs.tok
+        text = tok.decode(body.tokens) if len(body.tokens) < 4096 else \
+            await asyncio.to_thread(tok.decode, body.tokens)  # input-sized work off the loop
+        return JSONResponse({"prompt": text})
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, CompletionRequest)

@@ -111,6 +111,43 @@ _UNSUPPORTED_DEFAULTS = {  # field -> its default (null is too); others refused 
 }
 
 
+class TokenizeBody(BaseModel):
+    """vLLM's POST /tokenize: a prompt, or chat messages (rendered with the template and a
+    generation prompt, as a chat request's are)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # accepted when true: prompts get them, as Generate's do
+    add_generation_prompt: bool = True  # (likewise)
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[Count]
+
+
+def to_tokenize(body: TokenizeBody) -> api.TokenizeRequest:
+    if (body.prompt is None) == (body.messages is None):
+        raise OpenAIError(400, "prompt: give a prompt or messages (one of them)", "prompt")
+    for name in ("add_special_tokens", "add_generation_prompt"):
+        if not getattr(body, name):
+            raise OpenAIError(400, f"{name}: only true is supported", name,
+                              "unsupported_parameter")
+    out = api.TokenizeRequest()
+    if body.prompt is not None:
+        out.text = body.prompt
+    else:
+        chat = api.GenerateRequest()
+        _chat_input(ChatCompletionRequest(model=body.model or "", messages=body.messages),
+                    chat, None)
+        out.chat.CopyFrom(chat.chat)
+    return out
+
+
 def unsupported(req: _Request) -> str | None:
     """The first field the request sets that the engine does not support yet."""
     for name, default in _UNSUPPORTED_DEFAULTS.items():

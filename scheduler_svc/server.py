@@ -33,6 +33,7 @@ from pagedserve.scheduler import reflection
 from pagedserve.scheduler.engine import Engine, _crash_on_error
 from pagedserve.scheduler.errors import ErrorInterceptor
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkBindError, LinkConfig
+from pagedserve.scheduler.http_metrics import HTTPMetrics
 from pagedserve.scheduler.http_server import http_server
 from pagedserve.scheduler.inputs import InputProcessor
 from pagedserve.scheduler.metrics import Metrics
@@ -99,8 +100,9 @@ async def serve(args: argparse.Namespace) -> None:
     inputs = InputProcessor(tokenizer, args.max_input_bytes, model_len)
     servicer = GenerationServicer(engine, inputs, model_name, tenants)
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    http = http_server(OpenAIApp(servicer, model_name).app, args, tls) if args.http_port \
-        else None
+    api = HTTPMetrics(OpenAIApp(servicer, model_name).app, metrics.http_requests,
+                      metrics.http_duration, model_name)
+    http = http_server(api, args, tls) if args.http_port else None
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)  # open: probes
     if args.enable_reflection:
         reflection.enable(

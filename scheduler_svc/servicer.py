@@ -211,6 +211,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: api.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> api.TokenizeResponse:
         self.authenticate(context.invocation_metadata())
+        return await self.tokenize(request)
+
+    async def tokenize(self, request: api.TokenizeRequest) -> api.TokenizeResponse:
+        """An authenticated Tokenize (the HTTP API's /tokenize too)."""
         cap = self.engine.link.capacity  # none yet: the model config's length bounds it
         return await self._tokenized(self.inputs.tokenize, request,
                                      cap.max_model_len if cap else None)

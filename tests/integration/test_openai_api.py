@@ -701,3 +701,29 @@ def test_lm_evaluation_harness_loglikelihoods_equal_hf(service, model_dir, token
             < 1e-4
         assert greedy == all(ref[p - 1].argmax().item() == whole[p]
                              for p in range(start, len(whole)))
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(service, tokenizer):
+    text = PROMPTS[0][1]
+    r = post(service, "/tokenize", {"model": MODEL, "prompt": text, "return_token_strs": True})
+    assert r.status == 200
+    got = json.load(r)
+    ids = tokenizer.encode(text)
+    assert got == {"count": len(ids), "max_model_len": 8192, "tokens": ids,
+                   "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    chat = json.load(post(service, "/tokenize", {"messages": [{"role": "user",
+                                                               "content": PROMPTS[4][1]}]}))
+    assert chat["tokens"] == prompt_ids(tokenizer, "chat", PROMPTS[4][1])
+    assert chat["token_strs"] is None
+    back = json.load(post(service, "/detokenize", {"model": MODEL, "tokens": chat["tokens"]}))
+    assert back == {"prompt": tokenizer.decode(chat["tokens"])}
+    for path, body, status, param in [
+            ("/detokenize", {"tokens": [10**7]}, 400, "tokens"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
+            ("/tokenize", {"model": MODEL}, 400, "prompt"),
+            ("/tokenize", {"prompt": ""}, 400, "prompt"),
+            ("/tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
+             "messages"),
+            ("/tokenize", {"model": "gpt-4", "prompt": "hi"}, 404, "model")]:
+        r = post(service, path, body)
+        assert (r.status, json.load(r)["error"]["param"]) == (status, param), (path, body)

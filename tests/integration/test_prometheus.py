@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -124,8 +125,20 @@ def drive_load(svc: Service) -> dict[str, str]:
         except grpc.RpcError as e:
             seen["bad"] = e.code().name
 
+    def http(name: str, body: dict) -> None:  # the OpenAI API: counted by route and status
+        req = urllib.request.Request(svc.http_url + "/v1/chat/completions",
+                                     json.dumps({"model": MODEL, **body}).encode(),
+                                     {"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                seen[name] = str(r.status)
+        except urllib.error.HTTPError as e:
+            seen[name] = str(e.code)
+
+    question = {"messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": 4}
     threads = [threading.Thread(target=f, args=a) for f, a in
-               [(chat, (i,)) for i in range(6)] + [(cancel, ()), (expire, ()), (bad, ())]]
+               [(chat, (i,)) for i in range(6)] + [(cancel, ()), (expire, ()), (bad, ())] +
+               [(http, ("http", question)), (http, ("http_bad", {**question, "top_p": 2}))]]
     for t in threads:
         t.start()
     for t in threads:
@@ -155,17 +168,21 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(stack):
               timeout=60)
     started = time.monotonic()
     assert drive_load(svc) == {**{f"chat{i}": "OK" for i in range(6)}, "cancel": "CANCELLED",
-                               "deadline": "DEADLINE_EXCEEDED", "bad": "INVALID_ARGUMENT"}
+                               "deadline": "DEADLINE_EXCEEDED", "bad": "INVALID_ARGUMENT",
+                               "http": "200", "http_bad": "400"}
     sel = f'model_name="{MODEL}"'
     for reason, n in (("abort", 1), ("deadline_exceeded", 1), ("unavailable", 0)):
         prom.wait(f'pagedserve_request_success_total{{{sel}, finished_reason="{reason}"}}', n)
     prom.wait(f'sum(pagedserve_request_success_total{{{sel}, finished_reason=~"stop|length"}})',
-              6)
+              7)
     for code, n in (("OK", 6), ("CANCELLED", 1), ("DEADLINE_EXCEEDED", 1),
                     ("INVALID_ARGUMENT", 1)):
         prom.wait(f'pagedserve_grpc_server_handled_total{{{sel}, grpc_method="Generate", '
                   f'grpc_code="{code}"}}', n)
-    prom.wait(f'sum(pagedserve_request_prompt_tokens_count{{{sel}}})', 8)  # all that ran
+    for status in ("200", "400"):
+        prom.wait(f'pagedserve_http_requests_total{{{sel}, route="/v1/chat/completions", '
+                  f'status="{status}"}}', 1)
+    prom.wait(f'sum(pagedserve_request_prompt_tokens_count{{{sel}}})', 9)  # all that ran
 
     # $model: label_values(metric, label) -> the label's values among that metric's series
     definition, queries = dashboard_queries()
