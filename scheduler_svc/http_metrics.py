@@ -22,6 +22,8 @@ class HTTPMetrics:
         """requests: labelled (model_name, route, status); duration: (model_name, route)."""
         self.app, self.requests, self.duration, self.model_name = app, requests, duration, \
             model_name
+        for route in ROUTES:  # from the start: a rate() needs a sample from before the first
+            duration.labels(model_name, route)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":

@@ -20,11 +20,12 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pagedserve.scheduler import openai_responses
+from pagedserve.scheduler.http_metrics import CLIENT_LEFT
 from pagedserve.scheduler.inputs import InvalidRequest
 from pagedserve.scheduler.openai_logprobs import (
     TokenText,
@@ -54,6 +55,7 @@ from pagedserve.scheduler.streams import Chunk, EngineError
 # MiB is for the request's other fields (a JSON schema, tools, logit_bias).
 BODY_SLACK_BYTES = 1 << 20
 LARGE_BODY_BYTES = 256 * 1024  # parsed on a worker thread; followed by a heap trim
+LARGE_TOKENS = 4096  # token lists (de)tokenized or encoded on a worker thread
 TIMEOUT_HEADER = "x-request-timeout"  # seconds the request may live, as a gRPC deadline
 _DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -90,35 +92,50 @@ class OpenAIApp:
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: {count, max_model_len, tokens, token_strs}."""
         self._authenticate(request)
-        body = parse(TokenizeBody, await self._body(request))
+        body = await self._parsed(request, TokenizeBody)
         if body.model is not None:
             self._check_model(body.model)
+        tokenize, shaped = to_tokenize(body)
         try:
-            out = await self.gen.tokenize(to_tokenize(body))
+            out = await self.gen.tokenize(tokenize)
         except InvalidRequest as e:
-            message = str(e).replace("text:", "prompt:", 1).replace("chat.messages", "messages")
-            raise OpenAIError(400, message, message.split(":")[0].split("[")[0]) from None
+            raise invalid(str(e), shaped) from None
         cap = self.engine.link.capacity
-        return JSONResponse({"count": len(out.token_ids), "max_model_len":
-                             cap.max_model_len if cap else None, "tokens": list(out.token_ids),
-                             "token_strs": list(out.tokens) if body.return_token_strs else None})
+        model_len = cap.max_model_len if cap else self.gen.inputs.model_len
+
+        def answer() -> bytes:
+            return _DUMPS({"count": len(out.token_ids), "max_model_len": model_len,
+                           "tokens": list(out.token_ids),
+                           "token_strs": list(out.tokens) if body.return_token_strs else None
+                           }).encode()
+
+        return Response(await _off_loop_if(len(out.token_ids) >= LARGE_TOKENS, answer),
+                        media_type="application/json")
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's /detokenize: {prompt}, the ids' text (special tokens kept)."""
         self._authenticate(request)
-        body = parse(DetokenizeBody, await self._body(request))
+        body = await self._parsed(request, DetokenizeBody)
         if body.model is not None:
             self._check_model(body.model)
         cap = self.engine.link.capacity
         vocab = cap.vocab_size if cap else len(self.gen.inputs.tok)
-        bad = next((t for t in body.tokens if t >= vocab), None)
-        if bad is not None:
-            raise OpenAIError(400, f"tokens: token id {bad} is outside the vocabulary "
-                              f"(size {vocab})", "tokens")
         tok = self.gen.inputs.tok
-        text = tok.decode(body.tokens) if len(body.tokens) < 4096 else \
-            await asyncio.to_thread(tok.decode, body.tokens)  # input-sized work off the loop
-        return JSONResponse({"prompt": text})
+
+        def answer() -> bytes:
+            bad = next((t for t in body.tokens if t >= vocab), None)
+            if bad is not None:
+                raise OpenAIError(400, f"tokens: token id {bad} is outside the vocabulary "
+                                  f"(size {vocab})", "tokens")
+            return _DUMPS({"prompt": tok.decode(body.tokens)}).encode()
+
+        return Response(await _off_loop_if(len(body.tokens) >= LARGE_TOKENS, answer),
+                        media_type="application/json")
+
+    async def _parsed(self, request: Request, model: type) -> Any:
+        """The body, read within the size limit and parsed (off the loop when large)."""
+        body = await self._body(request)
+        return await _off_loop_if(len(body) >= LARGE_BODY_BYTES, parse, model, body)
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, CompletionRequest)
@@ -130,10 +147,13 @@ class OpenAIApp:
         """OpenAI's Responses API, as a chat request (openai_responses.py)."""
         tenant = self._authenticate(request)
         body = await self._body(request)
-        req = parse(openai_responses.ResponsesRequest, body) if len(body) < LARGE_BODY_BYTES else \
-            await asyncio.to_thread(parse, openai_responses.ResponsesRequest, body)
+
+        def read() -> tuple[Any, ChatCompletionRequest]:
+            req = parse(openai_responses.ResponsesRequest, body)
+            return req, openai_responses.to_chat(req)
+
+        req, chat = await _off_loop_if(len(body) >= LARGE_BODY_BYTES, read)
         self._check_model(req.model)
-        chat = openai_responses.to_chat(req)
         rid = request.headers.get("x-request-id") or f"resp_{uuid.uuid4().hex}"
         try:
             tools = tool_mode(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
@@ -169,12 +189,15 @@ class OpenAIApp:
         if declared.isdigit() and int(declared) > most:
             raise _too_large(f"{int(declared)} bytes", most)
         parts, n = [], 0
-        async for part in request.stream():
-            n += len(part)
-            if n > most:
-                self.gen.trim.soon()
-                raise _too_large(f"more than {most} bytes", most)
-            parts.append(part)
+        try:
+            async for part in request.stream():
+                n += len(part)
+                if n > most:
+                    self.gen.trim.soon()
+                    raise _too_large(f"more than {most} bytes", most)
+                parts.append(part)
+        except ClientDisconnect:  # gone while sending its body: nobody reads the answer
+            raise OpenAIError(CLIENT_LEFT, "the client closed the connection") from None
         if n >= LARGE_BODY_BYTES:
             self.gen.trim.soon()
         return b"".join(parts)
@@ -188,9 +211,7 @@ class OpenAIApp:
 
     async def _generate(self, request: Request, model: type) -> Response:
         tenant = self._authenticate(request)
-        body = await self._body(request)
-        req = parse(model, body) if len(body) < LARGE_BODY_BYTES else \
-            await asyncio.to_thread(parse, model, body)
+        req = await self._parsed(request, model)
         self._check_model(req.model)
         if req.stream_options is not None and not req.stream:
             raise OpenAIError(400, "stream_options: only allowed with stream: true",
@@ -507,6 +528,12 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.batch.close()
+
+
+async def _off_loop_if(large: bool, fn: Any, *args: Any) -> Any:
+    """fn(*args), on a worker thread if large: work in proportion to the input stays off the
+    event loop, which serves every stream."""
+    return await asyncio.to_thread(fn, *args) if large else fn(*args)
 
 
 def body_limit(input_limit: int) -> int:

@@ -112,15 +112,16 @@ _UNSUPPORTED_DEFAULTS = {  # field -> its default (null is too); others refused 
 
 
 class TokenizeBody(BaseModel):
-    """vLLM's POST /tokenize: a prompt, or chat messages (rendered with the template and a
-    generation prompt, as a chat request's are)."""
+    """vLLM's POST /tokenize: a prompt (its special tokens added, as a completion's prompt), or
+    chat messages (rendered with the template and a generation prompt, as a chat request's;
+    the template holds its special tokens, so none are added)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True  # accepted when true: prompts get them, as Generate's do
-    add_generation_prompt: bool = True  # (likewise)
+    add_special_tokens: bool | None = None  # vLLM's defaults: true for a prompt, false for chat
+    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 
@@ -130,22 +131,27 @@ class DetokenizeBody(BaseModel):
     tokens: list[Count]
 
 
-def to_tokenize(body: TokenizeBody) -> api.TokenizeRequest:
+def to_tokenize(body: TokenizeBody) -> tuple[api.TokenizeRequest, _Request]:
+    """The Tokenize call, and the request it tokenizes as (for naming errors' parameters)."""
     if (body.prompt is None) == (body.messages is None):
         raise OpenAIError(400, "prompt: give a prompt or messages (one of them)", "prompt")
-    for name in ("add_special_tokens", "add_generation_prompt"):
-        if not getattr(body, name):
-            raise OpenAIError(400, f"{name}: only true is supported", name,
-                              "unsupported_parameter")
+    chat = body.messages is not None
+    if body.add_special_tokens not in (None, not chat):
+        raise OpenAIError(400, f"add_special_tokens: only {str(not chat).lower()} is supported "
+                          f"with {'messages' if chat else 'a prompt'}", "add_special_tokens",
+                          "unsupported_parameter")
+    if not body.add_generation_prompt:
+        raise OpenAIError(400, "add_generation_prompt: only true is supported",
+                          "add_generation_prompt", "unsupported_parameter")
     out = api.TokenizeRequest()
     if body.prompt is not None:
         out.text = body.prompt
-    else:
-        chat = api.GenerateRequest()
-        _chat_input(ChatCompletionRequest(model=body.model or "", messages=body.messages),
-                    chat, None)
-        out.chat.CopyFrom(chat.chat)
-    return out
+        return out, CompletionRequest(model=body.model or "", prompt=body.prompt)
+    shaped = ChatCompletionRequest(model=body.model or "", messages=body.messages or [])
+    rendered = api.GenerateRequest()
+    _chat_input(shaped, rendered, None)
+    out.chat.CopyFrom(rendered.chat)
+    return out, shaped
 
 
 def unsupported(req: _Request) -> str | None:

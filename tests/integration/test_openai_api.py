@@ -723,7 +723,32 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(service, tokenizer):
             ("/tokenize", {"model": MODEL}, 400, "prompt"),
             ("/tokenize", {"prompt": ""}, 400, "prompt"),
             ("/tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
-             "messages"),
-            ("/tokenize", {"model": "gpt-4", "prompt": "hi"}, 404, "model")]:
+             "messages[0].role"),
+            ("/tokenize", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+            ("/tokenize", {"prompt": "hi", "add_special_tokens": False}, 400,
+             "add_special_tokens"),
+            ("/tokenize", {"messages": [{"role": "user", "content": "hi"}],
+                           "add_special_tokens": True}, 400, "add_special_tokens")]:
         r = post(service, path, body)
         assert (r.status, json.load(r)["error"]["param"]) == (status, param), (path, body)
+
+
+def test_http_requests_are_counted_by_route_and_status_a_dropped_upload_as_499(service):
+    key = 'pagedserve_http_requests_total{{route="{}",status="{}"}}'
+
+    def count(route: str, status: int) -> float:
+        return service.metrics().get(key.format(route, status), 0.0)
+
+    before = [count("/v1/completions", 499), count("/v1/models", 200), count("other", 404)]
+    with socket.create_connection(("127.0.0.1", service.http_port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: 1000\r\n\r\n{\"model\": ")
+    sdk(service).models.list()
+    assert post(service, "/v2/everything", {}).status == 404
+    deadline = time.monotonic() + 10
+    while [count("/v1/completions", 499), count("/v1/models", 200),
+           count("other", 404)] != [b + 1 for b in before]:
+        assert time.monotonic() < deadline, before
+        time.sleep(0.1)
+    assert service.metrics()[
+        'pagedserve_http_request_duration_seconds_count{route="/v1/models"}'] >= 1
