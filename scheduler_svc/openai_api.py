@@ -169,7 +169,7 @@ class OpenAIApp:
         try:
             wholes = await _gather(request, batch)
             if wholes is None:
-                return Response(status_code=499)
+                return Response(status_code=CLIENT_LEFT)
         finally:
             batch.close()
         return JSONResponse(openai_responses.whole(shape, batch, wholes[0]), headers=headers)
@@ -267,13 +267,13 @@ class OpenAIApp:
     async def _prompt_texts(self, req: CompletionRequest, batch: CallBatch) -> list[str]:
         """What echo sends back of each prompt: its text as given, or its token ids decoded
         (on a worker thread: work in proportion to the input stays off the event loop)."""
-        prompts = completion_prompts(req)
-        if all(isinstance(p, str) for p in prompts):
-            return [p for p in prompts if isinstance(p, str)]
-        tok = self.gen.inputs.tok
+        prompts, tok = completion_prompts(req), self.gen.inputs.tok
+
+        def texts() -> list[str]:
+            return [p if isinstance(p, str) else tok.decode(p) for p in prompts]
+
         try:
-            return await asyncio.to_thread(lambda: [
-                p if isinstance(p, str) else tok.decode(p) for p in prompts])
+            return await _off_loop_if(any(not isinstance(p, str) for p in prompts), texts)
         except BaseException:
             batch.close()
             raise
@@ -318,8 +318,8 @@ class _Shape:
         self.echo_k, self.scores_only = k, scores_only
 
     def echoes_logprobs(self, chunk: Chunk) -> bool:
-        """Whether the chunk's choice is the first of its choice with echo and logprobs: its
-        prompt's logprobs go with it."""
+        """Whether the chunk is its choice's first with echo and logprobs: its prompt's
+        logprobs go with it."""
         return self.echo is not None and self.logprobs is not None and \
             chunk.index not in self.echoed
 
@@ -331,7 +331,7 @@ class _Shape:
     def ready(self, chunk: Chunk) -> list[Chunk]:
         """The chunks that can go out now: with echo and logprobs, a choice's first chunk
         waits for its prompt's logprobs, which come on the prompt's completion 0's first."""
-        if self.echo is None or self.logprobs is None or chunk.index in self.echoed:
+        if not self.echoes_logprobs(chunk):
             return [chunk]
         p, j = divmod(chunk.index, self.n)
         if p in self.prompt_lps:
@@ -444,8 +444,7 @@ async def _events(batch: CallBatch, shape: _Shape, include_usage: bool
                 finish = bool(chunk.finish_reason)
                 text = chunk.text or None if finish else chunk.text
                 args = (chunk.index, text, chunk, finish, False)
-                choice = await asyncio.to_thread(shape.choice, *args) \
-                    if shape.echoes_logprobs(chunk) else shape.choice(*args)
+                choice = await _off_loop_if(shape.echoes_logprobs(chunk), shape.choice, *args)
                 completion_tokens += 0 if shape.scores_only else chunk.completion_tokens
                 if finish or choice.get("delta", True) or choice["logprobs"]:  # (a call's
                     yield _sse(shape.obj([choice], True, **extra))  # text is held)
@@ -463,7 +462,7 @@ async def _complete(request: Request, batch: CallBatch, shape: _Shape,
     try:
         wholes = await _gather(request, batch)
         if wholes is None:
-            return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+            return Response(status_code=CLIENT_LEFT)  # nobody reads it
         n, prompts = shape.n, batch.prompts
         for w in wholes[::n]:  # each prompt's completion 0 scored it
             shape.prompt_lps[w.index // n] = w.prompt_logprobs or []
@@ -471,8 +470,7 @@ async def _complete(request: Request, batch: CallBatch, shape: _Shape,
             return [shape.choice(w.index, w.text, w, True, True) for w in wholes]
 
         # an echoed prompt's logprobs are work in proportion to the input: off the event loop
-        choices = await asyncio.to_thread(choices_of) if shape.echo and shape.logprobs \
-            else choices_of()
+        choices = await _off_loop_if(bool(shape.echo and shape.logprobs), choices_of)
         if not shape.chat:  # vLLM's places: on each completions choice, on the chat response
             choices = [c | shape.prompt_logprobs(prompts[i // n], wholes[i // n * n])
                        for i, c in enumerate(choices)]
