@@ -18,6 +18,8 @@ apt_install() {  # COMMAND PACKAGE...: install the packages unless COMMAND exist
 apt_install docker-compose docker-compose
 apt_install prometheus prometheus
 apt_install node nodejs npm
+# Commit subjects of at most 72 characters (.githooks/commit-msg), in a git checkout only.
+git rev-parse --git-dir >/dev/null 2>&1 && git config core.hooksPath .githooks
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
