@@ -136,8 +136,24 @@ def append(path: Path, records: list[dict]) -> Path:
     return path
 
 
+class AboveTheBound(ValueError):
+    """A throughput above the run's own lower bound on time: a measurement that skipped work
+    (a prefix cached by the warm-up, a bound for the wrong dtype), never a record."""
+
+
+def check_bound(record: dict) -> None:
+    tok_s, bound = record.get("output_tok_s"), record.get("bound_output_tok_s")
+    if tok_s is not None and bound and tok_s > bound:
+        basis = {k: v for k, v in record.items() if k.startswith("bound_")}
+        raise AboveTheBound(f"{record.get('engine')} {record.get('workload')}: {tok_s:.0f} out "
+                            f"tok/s is above its bound ({basis}): not recorded")
+
+
 def write_records(family: str, records: list[dict]) -> Path:
-    """Append this run's records to the family's file (results_dir()/<family>.jsonl)."""
+    """Append this run's records to the family's file (results_dir()/<family>.jsonl); a
+    throughput above its bound refuses the whole run (check_bound)."""
+    for r in records:
+        check_bound(r)
     now = time.gmtime()
     stamp = {"recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", now),
              "run": f"{family}_{time.strftime('%Y-%m-%dT%H%M%S', now)}"}

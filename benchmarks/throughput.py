@@ -2,7 +2,9 @@
 
 All requests are sent at once through gRPC to `pagedserve serve` (both processes), random
 prompt token ids (fixed seed), greedy, EOS ignored so every request makes exactly its output
-length; wall time from the first send to the last token. Peers on the same device and
+length; wall time from the first send to the last token. Every engine first gets the same
+warm-up: one call at the measured shape with prompts of the same lengths and other ids, so no
+measured prompt is in a prefix cache when the clock starts. Peers on the same device and
 (random) weights in the same run: HF `generate` in static batches (arrival order, left-padded,
 each batch runs to its longest output) and HF `generate_batch` (continuous batching).
 
@@ -12,6 +14,8 @@ output lengths uniform in [100, 1024] (seed 0); or --requests/--prompt/--output.
 The roofline: a lower bound on the workload's time from the ceilings measured in this run
 (copy bandwidth, bf16 GEMM rate): prefill at the GEMM rate, then each decode step of all the
 sequences still running at once, max(bytes of weights + KV read / bandwidth, FLOPs / rate).
+Weights and KV count at the sizes the run loaded them (an FP8 run gets an FP8 bound; the
+record's bound_* fields say which), and a throughput above the bound is refused, not recorded.
 
     python -m benchmarks.throughput --requests 16 --prompt 128 --output 64            # CPU
     python -m benchmarks.throughput --workload W1 --model benchmarks/models/llama3.1-8b \\
@@ -48,6 +52,17 @@ def workload(name: str, requests: int, prompt: int, output: int,
         p_lens, outs = np.full(requests, prompt), np.full(requests, output)
     prompts = [rng.integers(100, PROMPT_VOCAB, n).tolist() for n in p_lens.tolist()]
     return prompts, outs.tolist()
+
+
+def warmup_prompts(prompts: list[list[int]], seed: int = 0) -> list[list[int]]:
+    """Prompts of the measured lengths with other ids: a warm-up with a measured prompt left
+    its blocks in the prefix cache, and the timed run skipped that prompt's prefill (one
+    130k-token request read 12.9x its bound)."""
+    rng = np.random.default_rng(seed + 1_000_003)
+    return [rng.integers(100, PROMPT_VOCAB, len(p)).tolist() for p in prompts]
+
+
+WARMUP_TOKENS = 4  # output tokens of each warm-up request: a prefill and a few decode steps
 
 
 # what `--sampling-extras` asks of every request: issue 18's cost check of the sampler extras
@@ -94,7 +109,9 @@ def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str
     try:
         svc.wait_serving(timeout=900)
         info = svc.client.model_info()
-        svc.client.complete(token_ids=prompts[0], max_tokens=4, temperature=0)  # warm-up
+        # the same warm-up as the peers: one full-size call of unmeasured prompts
+        warm = warmup_prompts(prompts)
+        asyncio.run(_send_all(svc.address, warm, [WARMUP_TOKENS] * len(warm), extras))
         before = scrape(svc.metrics_port, info.model)
 
         lat, wall = asyncio.run(_send_all(svc.address, prompts, outputs, extras))
@@ -119,6 +136,10 @@ def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str
             "jit_compiles_mid_run": len(compiles),
             "kv_capacity_tokens": after.get("pagedserve_kv_cache_capacity_tokens"),
             "weight_gib": after.get("pagedserve_model_weight_bytes", 0) / 2**30,
+            "prefix_cache_hit_tokens": after.get("pagedserve_prefix_cache_hits_total", 0)
+                - before.get("pagedserve_prefix_cache_hits_total", 0),
+            "kv_cache_dtype": next((k.split('cache_dtype="')[1].split('"')[0] for k in after
+                                    if 'cache_dtype="' in k), None),
             "device": info.device, "dtype": info.dtype, "attention_backend": info.attention_backend}
 
 
@@ -144,24 +165,23 @@ def run_hf_generate(model, prompts: list[list[int]], outputs: list[int], batch: 
                     device: str) -> float:
     """Static batches in arrival order, left-padded; min = max new tokens = the batch's longest
     output (the shorter requests' extra tokens are not counted)."""
+    def call(chunk: list[list[int]], n: int) -> None:
+        width = max(map(len, chunk))
+        ids = torch.zeros((len(chunk), width), dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(chunk):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == width + n
+
     with torch.no_grad():
-        model.generate(torch.tensor([prompts[0][:8]], device=device), max_new_tokens=4,
-                       do_sample=False, pad_token_id=0)
+        call(warmup_prompts(prompts)[:batch], WARMUP_TOKENS)  # the measured batch's shape
         _sync(device)
         start = time.perf_counter()
         for i in range(0, len(prompts), batch):
-            chunk, outs = prompts[i:i + batch], outputs[i:i + batch]
-            width = max(map(len, chunk))
-            ids = torch.zeros((len(chunk), width), dtype=torch.int64)
-            mask = torch.zeros_like(ids)
-            for r, p in enumerate(chunk):
-                ids[r, width - len(p):] = torch.tensor(p)
-                mask[r, width - len(p):] = 1
-            n = max(outs)
-            out = model.generate(ids.to(device), attention_mask=mask.to(device),
-                                 max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 pad_token_id=0)
-            assert out.shape[1] == width + n
+            call(prompts[i:i + batch], max(outputs[i:i + batch]))
         _sync(device)
     return sum(outputs) / (time.perf_counter() - start)
 
@@ -176,7 +196,9 @@ def run_hf_continuous(model, prompts: list[list[int]], outputs: list[int],
         raise ValueError("generate_batch takes one max_new_tokens: equal outputs only")
     cfg = GenerationConfig(max_new_tokens=outputs[0], do_sample=False, eos_token_id=None,
                            pad_token_id=0)
-    model.generate_batch(prompts[:4], generation_config=cfg)  # warm-up
+    warm = GenerationConfig(max_new_tokens=WARMUP_TOKENS, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)
+    model.generate_batch(warmup_prompts(prompts), generation_config=warm)
     _sync(device)
     start = time.perf_counter()
     res = model.generate_batch(prompts, generation_config=cfg)
@@ -199,14 +221,33 @@ def ceilings(device: str) -> dict:
     return {"copy_tbps": 2 * a.numel() / ms / 1e9, "gemm_tflops": 2 * 8192**3 / gemm_ms / 1e9}
 
 
-def roofline_seconds(cfg, prompt_lens: list[int], outputs: list[int], tbps: float,
-                     tflops: float) -> float:
-    """Lower bound on the workload's time on a device with these ceilings (module doc)."""
-    h, layers, d = cfg.hidden_size, cfg.num_layers, cfg.head_dim
+def weight_params(cfg) -> tuple[int, int]:
+    """(body, head): the parameters of the decoder layers and of the LM head, which every
+    step reads once (the embedding lookup reads a row a token: not counted)."""
+    h, d = cfg.hidden_size, cfg.head_dim
     per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h \
         + 3 * h * cfg.intermediate_size
-    body, head = layers * per_layer, cfg.vocab_size * h
-    kv_tok = cfg.kv_bytes_per_token(2)
+    return cfg.num_layers * per_layer, cfg.vocab_size * cfg.hidden_size
+
+
+def bound_basis(cfg, weight_bytes: float, kv_cache_dtype: str | None) -> dict:
+    """The bytes the bound reads: each weight at the size the run loaded it (from the
+    executor's weight bytes, so an FP8 run is held to an FP8 bound, not a bf16 one) and each
+    KV element at the cache's size."""
+    body, head = weight_params(cfg)
+    loaded = body + head + (0 if cfg.tie_word_embeddings else head)
+    per_weight = weight_bytes / loaded if weight_bytes else 2.0
+    kv = 1 if kv_cache_dtype and kv_cache_dtype.startswith("fp8") else 2
+    return {"bound_weight_bytes_per_param": round(per_weight, 3), "bound_kv_bytes": kv}
+
+
+def roofline_seconds(cfg, prompt_lens: list[int], outputs: list[int], tbps: float,
+                     tflops: float, weight_bytes_per_param: float = 2.0,
+                     kv_bytes: int = 2) -> float:
+    """Lower bound on the workload's time on a device with these ceilings (module doc)."""
+    layers, d = cfg.num_layers, cfg.head_dim
+    body, head = weight_params(cfg)
+    kv_tok = cfg.kv_bytes_per_token(kv_bytes)
     attn = 4 * layers * cfg.num_heads * d  # FLOPs per (query, key) pair: QK^T and PV
     bw, rate = tbps * 1e12, tflops * 1e12
     p = np.asarray(prompt_lens, np.float64)
@@ -217,7 +258,7 @@ def roofline_seconds(cfg, prompt_lens: list[int], outputs: list[int], tbps: floa
         live = o > i
         ctx = p[live] + i
         n = int(live.sum())
-        read = 2 * (body + head) + kv_tok * ctx.sum()
+        read = weight_bytes_per_param * (body + head) + kv_tok * ctx.sum()
         flops = 2 * (body + head) * n + attn * ctx.sum()
         t += max(read / bw, flops / rate)
     return t
@@ -274,9 +315,12 @@ def main() -> None:
         common["tensor_parallel_size"] = tp
     if on_gpu:  # N ranks: N cards' bandwidth and GEMM rate (the all-reduces are not in it)
         ceil = ceilings("cuda")
-        bound = sum(outputs) / roofline_seconds(cfg, list(map(len, prompts)), outputs,
-                                                tp * ceil["copy_tbps"], tp * ceil["gemm_tflops"])
-        common.update(ceil, bound_output_tok_s=bound)
+        basis = bound_basis(cfg, tp * ours["weight_gib"] * 2**30, ours["kv_cache_dtype"])
+        bound = sum(outputs) / roofline_seconds(
+            cfg, list(map(len, prompts)), outputs, tp * ceil["copy_tbps"],
+            tp * ceil["gemm_tflops"], basis["bound_weight_bytes_per_param"],
+            basis["bound_kv_bytes"])
+        common.update(ceil, **basis, bound_output_tok_s=bound)
     records = [{**common, "engine": "pagedserve", "server_flags": " ".join(args.server_flag),
                 **({"sampling": extras} if extras else {}), **ours}]
     line = f"{name} {common['model']} on {ours['device']}: pagedserve" \

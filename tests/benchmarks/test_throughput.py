@@ -1,0 +1,56 @@
+"""benchmarks/throughput.py measures what it claims: a run of one request prefills all of it
+(the warm-up leaves nothing of the measured prompts in the prefix cache), and a throughput
+above the run's bound is never recorded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import throughput
+from benchmarks.common import AboveTheBound, write_records
+
+
+def test_a_one_request_run_prefills_its_whole_prompt(tmp_path) -> None:
+    prompts, outputs = throughput.workload("", 1, 48, 3)
+    ours = throughput.run_pagedserve(prompts, outputs, ["--max-num-batched-tokens", "256"])
+    assert ours["prefix_cache_hit_tokens"] == 0
+    assert ours["kv_cache_dtype"] == "float32"  # the CPU default's cache: the bound reads it
+
+
+def test_warmup_prompts_share_lengths_not_ids() -> None:
+    prompts, _ = throughput.workload("W2", 0, 0, 0)
+    warm = throughput.warmup_prompts(prompts)
+    assert [len(p) for p in warm] == [len(p) for p in prompts]
+    assert all(w[:16] != p[:16] for w, p in zip(warm, prompts, strict=True))  # no shared block
+
+
+def test_a_throughput_above_its_bound_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_RESULTS", str(tmp_path))
+    fine = {"engine": "pagedserve", "workload": "W1", "output_tok_s": 90.0,
+            "bound_output_tok_s": 100.0, "bound_weight_bytes_per_param": 2.0}
+    write_records("throughput", [fine])
+    with pytest.raises(AboveTheBound, match=r"130 out tok/s is above its bound .*'bound_weight"):
+        write_records("throughput", [fine, {**fine, "output_tok_s": 130.0}])
+    lines = (tmp_path / "throughput.jsonl").read_text().splitlines()
+    assert [json.loads(x)["output_tok_s"] for x in lines] == [90.0]  # the refused run: nothing
+
+
+def test_the_bound_reads_weights_at_their_loaded_size() -> None:
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(hidden_size=64, head_dim=16, num_heads=4, num_kv_heads=2,
+                          intermediate_size=128, num_layers=2, vocab_size=1000,
+                          tie_word_embeddings=False,
+                          kv_bytes_per_token=lambda b: 2 * 2 * 2 * 16 * b)
+    body, head = throughput.weight_params(cfg)
+    bf16 = throughput.bound_basis(cfg, 2.0 * (body + 2 * head), "bfloat16")
+    fp8 = throughput.bound_basis(cfg, 1.0 * (body + 2 * head), "fp8_e4m3")
+    assert bf16 == {"bound_weight_bytes_per_param": 2.0, "bound_kv_bytes": 2}
+    assert fp8 == {"bound_weight_bytes_per_param": 1.0, "bound_kv_bytes": 1}
+    args = (cfg, [8], [64], 1.0, 1000.0)  # bandwidth-bound: half the bytes, half the time
+    t2 = throughput.roofline_seconds(*args, **dict(zip(("weight_bytes_per_param", "kv_bytes"),
+                                                       bf16.values(), strict=True)))
+    t1 = throughput.roofline_seconds(*args, 1.0, 1)
+    assert t1 == pytest.approx(t2 / 2, rel=1e-3)
