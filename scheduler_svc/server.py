@@ -55,6 +55,18 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+class HealthServicer(health.aio.HealthServicer):
+    """grpc's health service with List, which grpcio-health-checking's servicer leaves
+    UNIMPLEMENTED (reflection lists it, so clients call it): every service's status, as
+    Check would answer it."""
+
+    async def List(self, request: health_pb2.HealthListRequest,
+                   context: grpc.aio.ServicerContext) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status)
+            for name, status in self._server_status.items()})  # what Check reads
+
+
 async def serve(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
@@ -79,7 +91,7 @@ async def serve(args: argparse.Namespace) -> None:
     tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
     model_len = await asyncio.to_thread(read_max_position_embeddings, model_dir)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     loop = asyncio.get_running_loop()
 
     pending: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks

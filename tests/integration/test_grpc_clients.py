@@ -121,7 +121,18 @@ def test_without_an_executor_generate_and_model_info_fail_at_once(alone):
     assert alone.client.tokenize("Hello world")
 
 
+def health_list(channel: grpc.Channel) -> dict[str, str]:
+    """Health/List (grpc's health.proto: every service's status), as {service: status name}."""
+    statuses = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(),
+                                                        timeout=10).statuses
+    return {name: health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+            for name, r in statuses.items()}
+
+
 def test_health_watch_sees_the_executor_join_and_leave(alone, node_modules):
+    """Watch streams each change; List (listed by reflection) answers every status: liveness
+    ("") and readiness (the API's service name)."""
+    assert health_list(alone.client.channel) == {"": "SERVING", READINESS: "NOT_SERVING"}
     watchers = {"python": Watch(alone.client.channel, READINESS)}
     liveness = Watch(alone.client.channel, "")
     if node_modules is not None:
@@ -133,12 +144,14 @@ def test_health_watch_sees_the_executor_join_and_leave(alone, node_modules):
         alone.executor = alone.start_executor()
         for name, w in watchers.items():
             assert w.next(timeout=180) == "SERVING", (name, alone.logs())
+        assert health_list(alone.client.channel) == {"": "SERVING", READINESS: "SERVING"}
         alone.executor.kill()
         alone.executor.wait()
         killed = time.monotonic()
         for name, w in watchers.items():
             assert w.next(timeout=10) == "NOT_SERVING", name
         assert time.monotonic() - killed < 3  # its connection closed: noticed at once
+        assert health_list(alone.client.channel) == {"": "SERVING", READINESS: "NOT_SERVING"}
         time.sleep(0.5)
         for name, w in [*watchers.items(), ("liveness", liveness)]:
             assert w.seen.empty(), (name, w.seen.get())  # no more changes, no error
