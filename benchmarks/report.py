@@ -1,23 +1,24 @@
-"""REPORT.md and its plots from the family records in benchmarks/results/ alone (plots need
-matplotlib: `pip install -e ".[bench]"`; without it the tables are still written).
+"""REPORT.md and its plots from the family records in benchmarks/results/ alone.
 
-    python -m benchmarks.report            # writes results/REPORT.md and results/*.png
+    python -m benchmarks.report                      # writes results/REPORT.md and results/*.png
     python -m benchmarks.report --summarise-sweeps   # first: raw sweeps -> best per shape
 
-History tables list every GPU run, oldest first; kernel and W4A16 GEMM tables show the newest
-run (the older ones stay in their JSONL). Before/after pairs come from `gpu.sh`'s ab part.
+Each table shows the newest record of every target: a workload, model and settings; a peer;
+a kernel shape. The records before it stay in their JSONL (the history), and the plots draw
+that history: throughput and fraction of the bound over commits. Plots need matplotlib
+(`pip install -e ".[bench]"`); without it the tables are still written and the PNGs stay.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import lzma
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable
-from datetime import datetime
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from statistics import fmean
 
@@ -28,12 +29,20 @@ ANCHORS = {("W1", "llama3.1-8b"): "HF generate bs256 4,469; HF CB 535",
            ("W1", "llama3.2-1b"): "HF generate bs256 10,840; HF CB 1,054",
            ("W2", "llama3.1-8b"): "HF CB 483; HF static did not finish in 400 s",
            ("W2", "llama3.2-1b"): "HF static 1,163; HF CB 1,040 (1,457 tuned)"}
-TARGETS = {("W1", "llama3.1-8b"): 0.8, ("W1", "llama3.2-1b"): 0.6,
-           ("W2", "llama3.1-8b"): 0.7, ("W2", "llama3.2-1b"): 0.5}
+# fraction of the bound at the default flags (issue 19)
+TARGETS = {("W1", "llama3.1-8b"): 0.82, ("W2", "llama3.1-8b"): 0.78,
+           ("W1", "llama3.2-1b"): 0.65, ("W2", "llama3.2-1b"): 0.60}
+PLOTS = {"throughput_history.png": "pagedserve output tok/s over commits (H200)",
+         "fraction_history.png": "fraction of the bound over commits (H200, bf16 weights)",
+         "w3_history.png": "W3 on Llama-3.1-8B over commits",
+         "load_memory.png": "resident memory over the last load run (benchmarks/load.py)"}
+# async scheduling is serve's default from b03d9f2 on: records after it without
+# --no-async-scheduling ran with two steps in flight too
+ASYNC_DEFAULT_SINCE = "2026-12-01T02:55:14Z"
 
 
-def load(family: str) -> list[dict]:
-    path = RESULTS / f"{family}.jsonl"
+def load(family: str, folder: Path = RESULTS) -> list[dict]:
+    path = folder / f"{family}.jsonl"
     return read(path) if path.exists() else []
 
 
@@ -43,6 +52,16 @@ def runs(records: Iterable[dict]) -> dict[str, list[dict]]:
     for r in records:
         out[r["run"]].append(r)
     return out
+
+
+def newest(records: Iterable[dict], key: Callable[[dict], tuple]) -> list[dict]:
+    """The newest record of each key, in the order the keys first appear."""
+    out: dict[tuple, dict] = {}
+    for r in records:
+        k = key(r)
+        if k not in out or r["recorded_at"] >= out[k]["recorded_at"]:
+            out[k] = r
+    return list(out.values())
 
 
 def num(x, fmt: str = ",.0f") -> str:
@@ -55,9 +74,20 @@ def when(rec: dict) -> str:
     return rec["recorded_at"].removesuffix("Z").replace("T", " ")[:16]
 
 
-def table(header: list[str], rows: list[list[str]]) -> list[str]:
+def machine(rec: dict) -> str:
+    return (rec.get("gpu") or "CPU").removeprefix("NVIDIA ")
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|",
-            *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
+            *("| " + " | ".join(map(str, row)) + " |" for row in rows), ""]
+
+
+def section(title: str, *parts: list[str] | str) -> list[str]:
+    out = [f"## {title}", ""]
+    for part in parts:
+        out += [part, ""] if isinstance(part, str) else part
+    return out
 
 
 def _flag(command: str, name: str, default: str) -> str:
@@ -65,128 +95,59 @@ def _flag(command: str, name: str, default: str) -> str:
     return m.group(1) if m else default
 
 
-# async scheduling is serve's default from b03d9f2 on: records after it without
-# --no-async-scheduling ran with two steps in flight too
-ASYNC_DEFAULT_SINCE = "2026-12-01T02:55:14Z"
-
-
 def _overlapped(r: dict) -> bool:
-    flags = r.get("server_flags", "")
+    flags = r.get("server_flags") or ""
     return "--async-scheduling" in flags or (
         "--no-async-scheduling" not in flags and r.get("recorded_at", "") >= ASYNC_DEFAULT_SINCE)
 
 
-def _step(r: dict) -> str:
+def settings(r: dict) -> str:
+    """What a throughput run asked beyond the defaults, in a few words."""
+    words = []
+    seqs = _flag(r["command"], "--max-num-seqs", "256")
+    tokens = _flag(r["command"], "--max-num-batched-tokens", "2048")
+    if (seqs, tokens) != ("0", "0"):
+        words.append(f"{seqs} seqs x {tokens} tokens")
+    flags = r.get("server_flags") or ""
+    if "--torch-profile-dir" in flags:
+        words.append("torch profile")
+    if "--scheduler-key" in flags:
+        words.append("CurveZMQ keys")
+    flags = re.sub(r"--(torch-profile-\S+|\S+-keys?) \S+|--(no-)?async-scheduling", "", flags)
+    words += [" ".join(flags.split())] if flags.strip() else []
+    words += [] if _overlapped(r) else ["sync"]
+    words += [f"{k}={v}" for k, v in r.get("sampling", {}).items()]
+    return ", ".join(words) or "defaults"
+
+
+def step_short(r: dict) -> str:
+    """A run's step clocks in one short cell: wall time per step, the device's busy time and
+    gaps, each process's CPU (common.step_split has every phase)."""
     if "step_ms" not in r:
         return "-"
-    if _overlapped(r):
-        # two steps in flight: their times overlap, so they do not add up to the step
-        return f"{r['step_ms']:.1f} (overlapped: plan {r['plan_ms']:.1f}, executor " \
-               f"{r['execute_ms']:.1f})"
-    rest = r["step_ms"] - r["plan_ms"] - r["execute_ms"]
-    return f"{r['step_ms']:.1f} = {r['plan_ms']:.1f} + {r['execute_ms']:.1f} + {rest:.1f}"
-
-
-def throughput_section(records: list[dict]) -> list[str]:
-    rows = []
-    for recs in runs(r for r in records if r.get("gpu") and "ab" not in r).values():
-        ours = next((r for r in recs if r["engine"] == "pagedserve"), None)
-        if ours is None or not str(ours.get("model", "")).startswith("llama"):
-            continue
-        key = (ours["workload"], ours["model"])
-        flags = ours.get("server_flags", "")
-        peers = [next((r for r in recs if r["engine"] == e), None)
-                 for e in ("hf_generate", "hf_continuous_batching")]
-        rows.append([
-            when(ours), ours["commit"], *key,
-            _flag(ours["command"], "--max-num-batched-tokens", "2048"),
-            _flag(flags, "--stream-interval", "1"),
-            " ".join([*re.sub(r"--stream-interval \S+", "", flags).split(),
-                      *(f"{k}={v}" for k, v in ours.get("sampling", {}).items())]) or "-",
-            num(ours["output_tok_s"]), num(ours.get("bound_output_tok_s")),
-            f"{num(ours.get('roofline_fraction'), '.2f')} ({TARGETS.get(key, '-')})",
-            " / ".join(num(r and r["output_tok_s"]) for r in peers), _step(ours),
-            num(ours.get("kv_token_utilization_at_peak"), ".3f"),
-            num(ours.get("weight_gib"), ".2f"), num(ours.get("kv_capacity_tokens"))])
-    header = ["recorded (UTC)", "commit", "workload", "model", "step budget", "stream interval",
-              "other flags", "pagedserve out tok/s", "bound", "fraction (target)",
-              "HF generate bs256 / HF CB, same run",
-              "per step: total = plan + executor + rest (ms)", "KV token use at peak",
-              "weights GiB", "KV tokens"]
-    return ["## Offline throughput (W1, W2, decode shapes), through the gRPC service", "",
-            *table(header, rows), "",
-            "Peers measured on this H200 by the issue's author (output tok/s): " + "; ".join(
-                f"{w} {m}: {a}" for (w, m), a in ANCHORS.items()) + ".", ""]
-
-
-def ab_section(records: list[dict]) -> list[str]:
-    """Baseline and current runs of one `gpu.sh ab` session, alternated, side by side."""
-    pairs: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    for r in records:
-        if "ab" in r and r["engine"] == "pagedserve":
-            pairs[(r.get("ab_session", "-"), r["workload"], r["model"])][r["ab"]].append(r)
-    rows = []
-    for (session, workload, model), sides in pairs.items():
-        base, cur = sides.get("baseline", []), sides.get("current", [])
-
-        def cell(rs: list[dict]) -> str:
-            commits = ", ".join(sorted({r["commit"] for r in rs})) or "-"
-            return f"{' / '.join(num(r['output_tok_s']) for r in rs) or '-'} ({commits})"
-
-        ratio = fmean(r["output_tok_s"] for r in cur) / fmean(
-            r["output_tok_s"] for r in base) if base and cur else None
-        rows.append([session, workload, model, cell(base), cell(cur), num(ratio, ".3f")])
-    if not rows:
-        return []
-    return ["## Before / after (same session, runs alternated)", "",
-            *table(["session", "workload", "model", "baseline out tok/s per round (commit)",
-                    "current out tok/s per round (commit)", "current / baseline (means)"],
-                   rows), ""]
-
-
-def serve_section(records: list[dict]) -> list[str]:
-    gpu = [r for r in records if r.get("gpu")]
-    w3 = [[when(r), r["commit"], r["model"], r["rate"], num(r["request_rps"], ".1f"),
-           num(r["output_tok_s"]), f"{num(r['ttft_p50_ms'])} / {num(r['ttft_p99_ms'])}",
-           f"{num(r['tpot_p50_ms'], '.1f')} / {num(r['tpot_p99_ms'], '.1f')}",
-           num(r["itl_p99_ms"], ".1f"), num(r["goodput_rps"], ".1f")]
-          for r in gpu if r["workload"] == "W3"]
-    prefix = [[when(r), r["commit"], r["model"], r["shared_prefix"], r.get("prefix_caching"),
-               r["rate"], r["completed"], num(r["output_tok_s"]),
-               f"{num(r['ttft_p50_ms'])} / {num(r['ttft_p99_ms'])}"]
-              for r in gpu if r["workload"] == "W3-shared-prefix"]
-    overload = [[when(r), r["commit"], r["model"], r["rate"], r.get("priority", "all"),
-                 r["completed"], r["refused"], f"{num(r['ttft_p50_ms'])} / "
-                 f"{num(r['ttft_p99_ms'])}", r["server_flags"] or "-"]
-                for r in gpu if r["workload"] == "overload-priority"]
-    return ["## Serving (W3), Poisson arrivals through gRPC", "",
-            *table(["recorded (UTC)", "commit", "model", "rate (req/s)", "completed req/s",
-                    "out tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "ITL p99 ms",
-                    "goodput req/s (TTFT 250 ms, TPOT 30 ms)"], w3), "",
-            "### W3 with a shared system prompt, prefix caching on and off", "",
-            *table(["recorded (UTC)", "commit", "model", "shared prefix tokens",
-                    "prefix caching", "rate", "completed", "out tok/s", "TTFT p50 / p99 ms"],
-                   prefix), "",
-            "### Overload with priorities (10 % high) and a bounded queue", "",
-            *table(["recorded (UTC)", "commit", "model", "rate", "class", "completed",
-                    "refused", "TTFT p50 / p99 ms", "server flags"], overload), ""]
+    out = f"{r['step_ms']:.1f}"
+    if any(r.get("device_ms", {}).values()):
+        out += f": device {r['device_ms']['busy']:.2f} busy / {r['device_ms']['gap']:.2f} gap"
+    if "cpu_ms" in r:
+        out += f"; CPU scheduler {r['cpu_ms']['scheduler']:.2f}, executor " \
+               f"{r['cpu_ms']['executor']:.2f}"
+    if "device_ms" not in r:
+        out += f": plan {r['plan_ms']:.2f}, executor {r['execute_ms']:.1f}"
+    return out
 
 
 def _at_defaults(r: dict) -> bool:
     """A run with the flags a user gets: serve's own step bounds, nothing else asked."""
-    return (r.get("gpu") and "--max-num-seqs 0" in r.get("command", "")
-            and "--max-num-batched-tokens 0" in r["command"] and not r.get("server_flags")
-            and not r.get("sampling") and "ab" not in r)
+    return bool(r.get("gpu")) and settings(r) == "defaults" and "ab" not in r
 
 
 def defaults_section(throughput: list[dict], serve: list[dict]) -> list[str]:
     """The default-flag targets beside the newest run that measures each (H200, 8B and 1B
     random weights, through gRPC)."""
     rows = []
-    for w, m, target in (("W1", "llama3.1-8b", 0.82), ("W2", "llama3.1-8b", 0.78),
-                         ("W1", "llama3.2-1b", 0.65), ("W2", "llama3.2-1b", 0.60)):
+    for (w, m), target in TARGETS.items():
         r = next((r for r in reversed(throughput) if r["workload"] == w and r["model"] == m
-                  and _at_defaults(r)), None)
+                  and r["engine"] == "pagedserve" and _at_defaults(r)), None)
         got = r and r.get("roofline_fraction")
         rows.append([f"{w} {m}: fraction of the bound", f">= {target}",
                      f"{num(got, '.2f')} ({num(r and r['output_tok_s'])} out tok/s)",
@@ -218,211 +179,408 @@ def defaults_section(throughput: list[dict], serve: list[dict]) -> list[str]:
         row[3] = row[3] or "-"
         row[2] = row[2] or "not measured"
         row[4] = "met" if row[4] else "missed"
-    return ["## Targets at the default flags (H200, through gRPC)", "",
-            "Per step, ms: the wall time per step, then (runs since the phase counters) the "
-            "device's busy time and gaps, the scheduler loop's phases and the executor's host "
-            "phases (docs/performance.md, \"Where a step's time goes\"); older runs: plan, "
-            "round trip and executor time.", "",
-            *table(["what", "target", "newest run", "commit", "", "per step (ms)"], rows), ""]
+    return section(
+        "Targets at the default flags (H200, through gRPC)",
+        "Per step, ms: the wall time per step, then the device's busy time and gaps, each "
+        "process's CPU, the scheduler loop's phases and the executor's host phases "
+        "(docs/performance.md, \"Where a step's time goes\"); runs before the phase counters: "
+        "plan, round trip and executor time.",
+        table(["what", "target", "newest run", "commit", "", "per step (ms)"], rows))
+
+
+def throughput_section(records: list[dict]) -> list[str]:
+    ours = [r for r in records if r["engine"] == "pagedserve" and r.get("ab") != "baseline"]
+    rows = [[r["workload"], r["model"], machine(r), settings(r), num(r["output_tok_s"]),
+             num(r.get("bound_output_tok_s")),
+             f"{num(r.get('roofline_fraction'), '.2f')}"
+             + (f" ({TARGETS[r['workload'], r['model']]})" if settings(r) == "defaults"
+                and (r["workload"], r["model"]) in TARGETS else ""),
+             step_short(r), r["commit"], when(r)]
+            for r in sorted(newest(ours, lambda r: (r["workload"], r["model"], machine(r),
+                                                     settings(r))),
+                            key=lambda r: (r["workload"], r["model"], settings(r) != "defaults",
+                                           r["recorded_at"]))]
+    by_run = runs(records)
+    peers = []
+    for r in newest((r for r in records if r["engine"] != "pagedserve"),
+                    lambda r: (r["workload"], r["model"], machine(r), r["engine"],
+                               r.get("batch"))):
+        ps = next((p for p in by_run[r["run"]] if p["engine"] == "pagedserve"), None)
+        peers.append([r["workload"], r["model"], machine(r),
+                      f"{r['engine']}" + (f" bs{r['batch']}" if r.get("batch") else ""),
+                      num(r["output_tok_s"]), ps and f"{num(ps['output_tok_s'])} ({settings(ps)})",
+                      num(ps and ps["output_tok_s"] / r["output_tok_s"], ".2f"), r["commit"],
+                      when(r)])
+    return section(
+        "Offline throughput: newest run of each workload, model and settings",
+        "Through the gRPC service, all requests at once. Settings: what the run asked beyond "
+        "the defaults (step bounds `seqs x tokens` where not by device; `sync`: without async "
+        "scheduling). Fraction: of the run's bound (FP8 and AWQ runs: against a bf16 bound); "
+        "the target in brackets. Per step, ms: wall time, device busy / gap, CPU per process (runs "
+        "before the phase counters: plan and executor time, which overlap under async "
+        "scheduling).",
+        table(["workload", "model", "machine", "settings", "out tok/s", "bound", "fraction",
+               "per step (ms)", "commit", "recorded (UTC)"], rows),
+        "### Peers, newest run of each (pagedserve in the same run beside it)",
+        table(["workload", "model", "machine", "peer", "peer out tok/s",
+               "pagedserve, same run (settings)", "pagedserve / peer", "commit",
+               "recorded (UTC)"], peers),
+        "Peers measured on this H200 by the issue's author (output tok/s, warm): " + "; ".join(
+            f"{w} {m}: {a}" for (w, m), a in ANCHORS.items()) + ".")
+
+
+def ab_section(records: list[dict]) -> list[str]:
+    """The newest `gpu.sh ab` session: baseline and current runs, alternated, side by side."""
+    ab = [r for r in records if "ab" in r and r["engine"] == "pagedserve"]
+    if not ab:
+        return []
+    session = max(ab, key=lambda r: r["recorded_at"]).get("ab_session", "-")
+    pairs: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in ab:
+        if r.get("ab_session", "-") == session:
+            pairs[(r["workload"], r["model"])][r["ab"]].append(r)
+    rows = []
+    for (workload, model), sides in pairs.items():
+        base, cur = sides.get("baseline", []), sides.get("current", [])
+
+        def cell(rs: list[dict]) -> str:
+            commits = ", ".join(sorted({r["commit"] for r in rs})) or "-"
+            return f"{' / '.join(num(r['output_tok_s']) for r in rs) or '-'} ({commits})"
+
+        ratio = fmean(r["output_tok_s"] for r in cur) / fmean(
+            r["output_tok_s"] for r in base) if base and cur else None
+        rows.append([workload, model, cell(base), cell(cur), num(ratio, ".3f")])
+    return section(f"Newest before / after session ({session}, runs alternated)",
+                   table(["workload", "model", "baseline out tok/s per round (commit)",
+                          "current out tok/s per round (commit)", "current / baseline"], rows))
+
+
+def _rate(r: dict) -> str:
+    return "0.8 x inf's" if r["rate"] != "inf" and "--overload" in r["command"] else r["rate"]
+
+
+def serve_section(records: list[dict]) -> list[str]:
+    gpu = [r for r in records if r.get("gpu")]
+    w3 = [[r["model"], r["rate"], r["num_requests"], r["server_flags"] or "defaults",
+           "on" if _overlapped(r) else "off", num(r["request_rps"], ".1f"),
+           num(r["output_tok_s"]), f"{num(r['ttft_p50_ms'])} / {num(r['ttft_p99_ms'])}",
+           f"{num(r['tpot_p50_ms'], '.1f')} / {num(r['tpot_p99_ms'], '.1f')}",
+           num(r["itl_p99_ms"], ".1f"), num(r["goodput_rps"], ".1f"), step_short(r),
+           r["commit"], when(r)]
+          for r in newest((r for r in gpu if r["workload"] == "W3"),
+                          lambda r: (r["model"], _rate(r), r["server_flags"]))]
+    prefix = [[r["model"], r["shared_prefix"], r.get("prefix_caching"), r["rate"],
+               r["completed"], num(r["output_tok_s"]),
+               f"{num(r['ttft_p50_ms'])} / {num(r['ttft_p99_ms'])}", r["commit"], when(r)]
+              for r in newest((r for r in gpu if r["workload"] == "W3-shared-prefix"),
+                              lambda r: (r["model"], r["shared_prefix"],
+                                         r.get("prefix_caching")))]
+    overload = list(runs(r for r in gpu if r["workload"] == "overload-priority").values())
+    last = [[r["rate"], r.get("priority") or "all", r["completed"], r["refused"],
+             f"{num(r['ttft_p50_ms'])} / {num(r['ttft_p99_ms'])}"] for r in overload[-1]]
+    return section(
+        "Serving (W3): newest run of each model, rate and server flags, through gRPC",
+        table(["model", "rate (req/s)", "requests", "server flags", "async", "completed req/s",
+               "out tok/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "ITL p99 ms",
+               "goodput req/s (TTFT 250, TPOT 30 ms)", "per step (ms)", "commit",
+               "recorded (UTC)"], w3),
+        "### W3 with a shared system prompt, prefix caching on and off",
+        table(["model", "shared prefix tokens", "prefix caching", "rate", "completed",
+               "out tok/s", "TTFT p50 / p99 ms", "commit", "recorded (UTC)"], prefix),
+        f"### Overload with priorities (10 % high), bounded queue: newest run "
+        f"({overload[-1][0]['model']}, {overload[-1][0]['server_flags']}, commit "
+        f"{overload[-1][0]['commit']}, {when(overload[-1][0])})",
+        table(["rate", "class", "completed", "refused", "TTFT p50 / p99 ms"], last))
+
+
+def _tokenizer(r: dict) -> str:
+    return Path(r["tokenizer"]).name if r.get("tokenizer") else "-"
 
 
 def step_overhead_section(records: list[dict]) -> list[str]:
-    loops = [r for r in records if r.get("kind", "step_overhead") == "step_overhead"]
-    rows = [[when(r), r["commit"], r["gpu"] or "CPU", r["running"], r.get("tokenizer", "-"),
-             r.get("async_scheduling", "-"), num(r["plan_us_p50"]),
+    loops = [r for r in records if r["kind"] == "step_overhead" and r.get("ab") != "baseline"]
+    rows = [[machine(r), r["running"], _tokenizer(r), r.get("async_scheduling", "-"),
+             r.get("stream_interval") or 1, bool(r.get("curve")), num(r["plan_us_p50"]),
              num(r["round_trip_us_p50"]), num(r["executor_us_p50"]),
-             num(r.get("step_period_us"))] for r in loops]
-    grpc = [[when(r), r["commit"], r["gpu"] or "CPU", r["streams"],
-             num(r["server_wall_us_per_message"], ".1f"),
-             num(r["server_cpu_us_per_message"], ".1f")]
-            for r in records if r.get("kind") == "grpc_stream"]
-    out = ["## Step overhead (stub model: host work per step)", "",
-           *table(["recorded (UTC)", "commit", "machine (GPU)", "running", "tokenizer",
-                   "async", "plan p50 us", "round trip p50 us", "executor p50 us",
-                   "step period us"], rows), ""]
-    if grpc:
-        out += ["## One streamed gRPC message (benchmarks/grpc_stream.py: the server's cost)", "",
-                *table(["recorded (UTC)", "commit", "machine (GPU)", "streams",
-                        "server wall us / message", "server CPU us / message"], grpc), ""]
-    return out
+             num(r.get("step_period_us")), r["commit"], when(r)]
+            for r in sorted(newest(loops, lambda r: (
+                machine(r), r["running"], _tokenizer(r), r.get("async_scheduling"),
+                r.get("stream_interval") or 1, bool(r.get("curve")))),
+                key=lambda r: (machine(r), _tokenizer(r), r["running"], str(r.get(
+                    "async_scheduling")), r.get("stream_interval") or 1))]
+    grpc = [[machine(r), r["streams"], num(r["server_wall_us_per_message"], ".1f"),
+             num(r["server_cpu_us_per_message"], ".1f"), r["commit"], when(r)]
+            for r in newest((r for r in records if r["kind"] == "grpc_stream"),
+                            lambda r: (machine(r), r["streams"]))]
+    return section(
+        "Step overhead (stub model: the host's work per step), newest of each setting",
+        table(["machine", "running", "tokenizer", "async", "stream interval", "CurveZMQ",
+               "plan p50 us", "round trip p50 us", "executor p50 us", "step period us",
+               "commit", "recorded (UTC)"], rows),
+        "### One streamed gRPC message (benchmarks/grpc_stream.py: the server's cost)",
+        table(["machine", "streams", "server wall us / message", "server CPU us / message",
+               "commit", "recorded (UTC)"], grpc))
+
+
+def http_section(records: list[dict]) -> list[str]:
+    rows = [[machine(r), r.get("cpu_count"), r["streams"], r["max_tokens"],
+             num(r["output_tok_s_mean"]["grpc"], ".1f"), num(r["output_tok_s_mean"]["http"], ".1f"),
+             num(r["http_over_grpc"], ".2f"), f"{num(r['grpc'][0]['ttft_p50_ms'])} / "
+             f"{num(r['http'][0]['ttft_p50_ms'])}", r["commit"], when(r)]
+            for r in newest(records, lambda r: (machine(r), r["streams"], r["max_tokens"]))]
+    return section("HTTP (OpenAI API) against gRPC, same server and load, newest of each",
+                   table(["machine", "cores", "streams", "max tokens", "gRPC out tok/s",
+                          "HTTP out tok/s", "HTTP / gRPC", "TTFT p50 ms gRPC / HTTP",
+                          "commit", "recorded (UTC)"], rows)) if rows else []
 
 
 def load_section(records: list[dict]) -> list[str]:
-    """benchmarks/load.py: completions by status, latency and memory, per phase of each run."""
+    """benchmarks/load.py's newest run: completions by status, latency and memory by phase."""
     if not records:
         return []
-    rows = []
-    for r in records:
-        for phase in ("burst", "stall", "soak"):
-            ph = r.get(phase) or {}
-            statuses = ph.get("by_status") or {**{f"under {k}": v for k, v in ph.get(
-                "under_by_status", {}).items()}, **{f"over {k}": v for k, v in ph.get(
-                    "over_by_status", {}).items()}}
-            latency = (f"{num(ph.get('ttft_p50_ms'))} / {num(ph.get('ttft_p99_ms'))}"
-                       if "ttft_p50_ms" in ph else
-                       f"probe {ph.get('probe_alone_s')} s alone, {ph.get('probe_beside_s')} s "
-                       f"beside (max gap {ph.get('probe_beside_max_gap_ms')} ms)")
-            rows.append([when(r), r["commit"], phase, ph.get("requests", ph.get("big_prompts")),
-                         ", ".join(f"{k} {v}" for k, v in statuses.items()), latency,
-                         num(ph.get("e2el_p50_ms")), num(ph.get("e2el_p99_ms")),
-                         ph.get("kv_blocks_in_use_after"), ph.get("load_avg_1m_before")])
     last = records[-1]
+    rows = []
+    for phase in ("burst", "stall", "soak"):
+        ph = last.get(phase) or {}
+        statuses = ph.get("by_status") or {**{f"under {k}": v for k, v in ph.get(
+            "under_by_status", {}).items()}, **{f"over {k}": v for k, v in ph.get(
+                "over_by_status", {}).items()}}
+        latency = (f"{num(ph.get('ttft_p50_ms'))} / {num(ph.get('ttft_p99_ms'))}"
+                   if "ttft_p50_ms" in ph else
+                   f"probe {ph.get('probe_alone_s')} s alone, {ph.get('probe_beside_s')} s "
+                   f"beside (max gap {ph.get('probe_beside_max_gap_ms')} ms)")
+        rows.append([phase, ph.get("requests", ph.get("big_prompts")),
+                     ", ".join(f"{k} {v}" for k, v in statuses.items()), latency,
+                     num(ph.get("e2el_p50_ms")), num(ph.get("e2el_p99_ms")),
+                     ph.get("kv_blocks_in_use_after"), ph.get("load_avg_1m_before")])
     mem = ", ".join(f"{k}: scheduler {v['scheduler']}, executor {v['executor']}"
                     for k, v in last["rss_mib"].items())
-    return ["## Load and soak (CPU default model, `benchmarks/load.py`)", "",
-            *table(["recorded (UTC)", "commit", "phase", "requests", "by status",
-                    "TTFT p50 / p99 ms", "E2E p50 ms", "E2E p99 ms", "KV blocks in use after",
-                    "load avg before"], rows), "",
-            f"Resident memory of the last run, MiB: {mem}; peak {last['rss_peak_mib']}.", "",
-            "![resident memory over the last load run](load_memory.png)", ""]
+    return section(
+        f"Load and soak (`benchmarks/load.py`, {machine(last)}, {last['model']} model, "
+        f"commit {last['commit']}, {when(last)})",
+        table(["phase", "requests", "by status", "TTFT p50 / p99 ms", "E2E p50 ms",
+               "E2E p99 ms", "KV blocks in use after", "load avg before"], rows),
+        f"Resident memory, MiB: {mem}; peak " + ", ".join(
+            f"{k} {v}" for k, v in last["rss_peak_mib"].items()) + ".")
+
+
+def _shape(r: dict) -> str:
+    if "bytes" in r:
+        return f"{r['bytes'] / 2**30:.0f} GiB"
+    parts = [f"{k} {r[k]}" for k in ("batch", "ctx", "q_len", "rows") if r.get(k) is not None]
+    return ", ".join(parts) or f"{r.get('m')}x{r.get('n')}x{r.get('k')}"
 
 
 def kernels_section(records: list[dict]) -> list[str]:
-    records = [r for r in records if r["kind"] in ("decode", "prefill")]
-    if not records:
-        return []
-    name, recs = list(runs(records).items())[-1]
-    by = defaultdict(dict)
-    for r in recs:
-        if r["kind"] in ("decode", "prefill"):
-            by[(r["kind"], r["batch"], r["ctx"], r.get("q_len", "-"))][r["impl"]] = r
+    plain = [r for r in records if "sweep" not in r["kind"] and r["kind"] != "decode_fp8kv"]
+    by: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in newest(plain, lambda r: (r["kind"], _shape(r), r["impl"])):
+        by[(r["kind"], _shape(r))][r["impl"]] = r
     rows = []
-    for (kind, batch, ctx, q_len), impls in by.items():
-        unit = "tbps" if kind == "decode" else "tflops"
-        ours, ref = impls.get("pagedserve", {}), impls.get("torch_sdpa", {})
-        rows.append([kind, batch, ctx, q_len, num(ours.get("ms"), ".4f"),
-                     num(ours.get(unit), ".2f"), num(ref.get("ms"), ".4f"),
-                     num(ref.get(unit), ".2f")])
-    return [f"## Attention kernels (newest run: {name}, commit {recs[0]['commit']})", "",
-            *table(["kind", "batch", "ctx", "q len", "pagedserve ms", "TB/s or TFLOP/s",
-                    "torch SDPA ms", "TB/s or TFLOP/s"], rows), ""]
+    for (kind, shape), impls in by.items():
+        ours = impls.pop("pagedserve", None)
+        ref_name, ref = next(iter(impls.items()), ("-", None))
+
+        def rate(r: dict | None) -> str:
+            return "-" if r is None else " / ".join(
+                f"{r[u]:.2f} {n}" for u, n in (("tbps", "TB/s"), ("tflops", "TFLOP/s")) if u in r)
+        rows.append([kind, shape, num(ours and ours["ms"], ".4f"), rate(ours), ref_name,
+                     num(ref and ref["ms"], ".4f"), rate(ref), (ours or ref)["commit"]])
+    sweeps = [[r["kind"], r.get("kv_cache_dtype", "bf16"), _shape(r),
+               json.dumps(r["config"]) if "config" in r else
+               ", ".join(f"{k} {r[k]}" for k in ("widen_to", "tile_n", "num_warps", "num_stages")),
+               num(r["ms"], ".4f"), r["sweep_configs"], r["commit"], when(r)]
+              for r in newest((r for r in records if "sweep" in r["kind"]),
+                              lambda r: (r["kind"], r.get("kv_cache_dtype"), r.get("widen_to"),
+                                         _shape(r)))]
+    fp8 = [[f"{r['batch']} x {r['ctx']}", r["kv_cache_dtype"], num(r["ms"], ".4f"),
+            num(r["tbps"], ".2f"), f"{r['speedup_vs_bf16']:.2f}x", r["commit"], when(r)]
+           for r in newest((r for r in records if r["kind"] == "decode_fp8kv"
+                            and not r.get("smoke")),
+                           lambda r: (r["batch"], r["ctx"], r["kv_cache_dtype"]))]
+    return section(
+        "Kernels: newest record of each shape",
+        table(["kind", "shape", "pagedserve ms", "pagedserve rate", "reference", "ms", "rate",
+               "commit"], rows),
+        "### Decode attention on an FP8 KV cache (`bench_fp8_kv.py`)",
+        table(["batch x ctx", "kv cache", "ms", "TB/s", "vs bf16", "commit", "recorded (UTC)"],
+              fp8),
+        "### Config sweeps: the fastest config per shape of the newest sweep (raw grids in "
+        "archive/)",
+        table(["sweep", "kv cache", "shape", "best config", "ms", "configs timed", "commit",
+               "recorded (UTC)"], sweeps))
 
 
 def w4a16_section(records: list[dict]) -> list[str]:
     if not records:
         return []
-    name, recs = list(runs(records).items())[-1]
-    by = defaultdict(dict)
-    for r in recs:
+    by: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in newest(records, lambda r: (r["rows"], r["n"], r["k"], r["impl"])):
         by[(r["rows"], r["n"], r["k"])][r["impl"]] = r
-    rows = [[m, n, k, num(i.get("torch_matmul", {}).get("ms", math.nan) * 1e3, ".1f"),
-             *(f"{num(i[impl]['ms'] * 1e3, '.1f')} ({i[impl]['speedup_vs_bf16']:.2f}x)"
-               if impl in i else "-"
-               for impl in ("default", "default+act_order", "stream_floor"))]
-            for (m, n, k), i in by.items()]
-    return [f"## W4A16 GEMM (newest run: {name}, commit {recs[0]['commit']})", "",
-            *table(["rows", "n", "k", "bf16 us", "AWQ us (vs bf16)", "GPTQ act-order us",
-                    "int4 read floor us"], rows), ""]
 
-
-def fp8_kv_section(records: list[dict]) -> list[str]:
-    recs = [r for r in records if r["kind"] == "decode_fp8kv"]
-    rows = [[when(r), r["commit"], r.get("gpu") or "cpu", f"{r['batch']} x {r['ctx']}",
-             r["kv_cache_dtype"], num(r["ms"], ".4f"), num(r["tbps"], ".2f"),
-             f"{r['speedup_vs_bf16']:.2f}x"] for r in recs if not r.get("smoke")]
-    if not rows:
-        return []
-    return ["## Decode attention on an FP8 KV cache (`bench_fp8_kv.py`; configs: "
-            "`decode_fp8kv_sweep` in kernels.jsonl)", "",
-            *table(["recorded (UTC)", "commit", "gpu", "batch x ctx", "kv cache", "ms",
-                    "TB/s", "vs bf16"], rows), ""]
+    def us(i: dict, impl: str, vs: bool = True) -> str:
+        r = i.get(impl)
+        return "-" if r is None else f"{r['ms'] * 1e3:.1f}" + (
+            f" ({r['speedup_vs_bf16']:.2f}x)" if vs else "")
+    rows = [[m, f"{n} x {k}", us(i, "torch_matmul", False), us(i, "default"),
+             us(i, "default+act_order"), us(i, "stream_floor", False),
+             us(i, "sweep") + (f" of {i['sweep']['sweep_configs']}, {i['sweep']['commit']}"
+                               if "sweep" in i else ""),
+             i.get("default", next(iter(i.values())))["commit"]]
+            for (m, n, k), i in sorted(by.items())]
+    return section(
+        "W4A16 GEMM (AWQ/GPTQ int4, group 128, Llama-3.1-8B shapes): newest of each shape",
+        "Microseconds, CUDA-graph replay; speed-up over bf16 `torch.matmul` of the same run.",
+        table(["rows", "n x k", "bf16 us", "AWQ default us", "GPTQ act-order us",
+               "int4 read floor us", "best swept config us (configs, commit)", "commit"], rows))
 
 
 def fp8_gemm_section(records: list[dict]) -> list[str]:
     if not records:
         return []
-    name, recs = list(runs(records).items())[-1]
-    by = defaultdict(dict)
-    for r in recs:
-        by[(r["shape"], r["n"], r["k"], r["rows"])][r["impl"]] = r
-    rows = [[shape, n, k, m, num(i.get("bf16", {}).get("ms", math.nan) * 1e3, ".1f"),
-             num(i.get("fp8", {}).get("ms", math.nan) * 1e3, ".1f"),
-             f"{i['bf16']['ms'] / i['fp8']['ms']:.2f}x" if "bf16" in i and "fp8" in i else "-",
-             num(i.get("gemm_only", {}).get("ms", math.nan) * 1e3, ".1f")]
-            for (shape, n, k, m), i in by.items()]
-    return [f"## FP8 GEMM (newest run: {name}, commit {recs[0]['commit']}, "
-            f"{recs[0].get('gpu') or 'cpu'})", "",
-            *table(["shape", "n", "k", "rows", "bf16 us", "fp8 us (quant + GEMM)", "vs bf16",
-                    "GEMM alone us"], rows), ""]
+    by: dict[str, dict[int, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
+    for r in newest(records, lambda r: (r["shape"], r["rows"], r["impl"])):
+        by[f"{r['shape']} {r['n']} x {r['k']}"][r["rows"]][r["impl"]] = r
+    counts = sorted({m for shapes in by.values() for m in shapes})
+
+    def speedups(impl: str) -> list[list[str]]:
+        return [[f"{shape} ({impl})", *(f"{c['bf16']['ms'] / c[impl]['ms']:.2f}x"
+                                        if impl in c and "bf16" in c else "-"
+                                        for c in (rows.get(m, {}) for m in counts))]
+                for shape, rows in by.items()]
+    first = records[-1]
+    return section(
+        f"FP8 GEMM: speed-up over bf16 by rows (newest of each shape; {first['commit']}, "
+        f"{machine(first)})",
+        "fp8: per-token activation quantization plus row-wise `torch._scaled_mm`; gemm_only: "
+        "the GEMM alone.",
+        table(["shape (N x K)", *map(str, counts)], speedups("fp8") + speedups("gemm_only")))
 
 
 def structured_section(records: list[dict]) -> list[str]:
     rows = []
-    for recs in runs(records).values():
-        by = {(r["concurrency"], r["constrained"]): r for r in recs}
-        for (conc, constrained), r in sorted(by.items()):
-            if not constrained or (conc, False) not in by:
-                continue
-            plain = by[(conc, False)]["tpot_p50_ms"]
-            rows.append([when(r), r["commit"], r.get("gpu") or "cpu", r["model"], conc,
-                         num(plain, ".2f"), num(r["tpot_p50_ms"], ".2f"),
-                         f"{(r['tpot_p50_ms'] / plain - 1) * 100:+.1f} %",
-                         num(r["bitmask_ms_per_step"], ".2f"),
-                         num(r["plan_ms_per_step"], ".2f")])
-    if not rows:
-        return []
-    return ["## Structured outputs: JSON-schema requests against the same run unconstrained", "",
-            *table(["recorded (UTC)", "commit", "gpu", "model", "running", "TPOT plain ms",
-                    "TPOT JSON ms", "vs plain", "bitmask ms/step", "plan ms/step"], rows), ""]
+    for r in newest((r for r in records if r["constrained"]),
+                    lambda r: (machine(r), r["model"], r["concurrency"])):
+        plain = next((p for p in runs(records)[r["run"]] if not p["constrained"]
+                      and p["concurrency"] == r["concurrency"]), None)
+        if plain is None:
+            continue
+        rows.append([machine(r), r["model"], r["concurrency"], num(plain["tpot_p50_ms"], ".2f"),
+                     num(r["tpot_p50_ms"], ".2f"),
+                     f"{(r['tpot_p50_ms'] / plain['tpot_p50_ms'] - 1) * 100:+.1f} %",
+                     num(r["bitmask_ms_per_step"], ".2f"), num(r["plan_ms_per_step"], ".2f"),
+                     r["commit"], when(r)])
+    return section(
+        "Structured outputs: JSON-schema requests against the same run unconstrained",
+        table(["machine", "model", "running", "TPOT plain ms", "TPOT JSON ms", "vs plain",
+               "bitmask ms/step", "plan ms/step", "commit", "recorded (UTC)"], rows)) \
+        if rows else []
 
 
 def perplexity_section(records: list[dict]) -> list[str]:
     # records before the FP8 KV cache ran over a float cache ("auto")
-    rows = [[when(r), r["commit"], r["model"], r["method"], num(r["group_size"], "d")
-             if r["group_size"] else "-", r.get("kv_cache_dtype", "auto"), num(r["ppl"], ".3f"),
-             r["tokens"]] for r in records]
-    return ["## Perplexity of quantized weights and KV cache", "",
-            *table(["recorded (UTC)", "commit", "model", "method", "group", "kv cache", "ppl",
-                    "tokens"], rows), ""]
+    rows = [[r["model"], r["method"], num(r["group_size"], "d") if r["group_size"] else "-",
+             r.get("kv_cache_dtype", "auto"), num(r["ppl"], ".3f"), r["tokens"], r["commit"],
+             when(r)]
+            for r in newest(records, lambda r: (r["model"], r["method"], r["group_size"],
+                                                r.get("kv_cache_dtype", "auto")))]
+    return section("Perplexity of quantized weights and KV cache (`data/perplexity.txt`)",
+                   table(["model", "method", "group", "kv cache", "ppl", "tokens", "commit",
+                          "recorded (UTC)"], rows))
 
 
-def plots(throughput: list[dict], serve: list[dict]) -> list[str]:
+def _history(ax, series: dict[str, list[dict]], y: Callable[[dict], float]) -> None:
+    """Each series' records at their commit, commits in the order first recorded."""
+    seen = sorted({r["commit"]: r["recorded_at"] for rs in series.values()
+                   for r in reversed(rs)}.items(), key=lambda kv: kv[1])
+    at = {c: i for i, (c, _) in enumerate(seen)}
+    for label, rs in series.items():
+        if not rs:
+            continue
+        ax.plot([at[r["commit"]] for r in rs], [y(r) for r in rs], "o-", ms=3, label=label)
+    ax.set_xticks(range(len(seen)), [c for c, _ in seen], rotation=90, fontsize=6)
+    ax.legend(fontsize=6)
+
+
+def _save(fig, path: Path) -> None:
+    """A 64-colour PNG: a quarter of matplotlib's own size for line plots."""
+    import matplotlib.pyplot as plt
+    from PIL import Image  # matplotlib's own dependency
+
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=80)
+    plt.close(fig)
+    Image.open(buf).convert("RGB").quantize(colors=64).save(path, optimize=True)
+
+
+def plots(throughput: list[dict], serve: list[dict], out: Path) -> None:
+    """PNGs of the history (PLOTS); none without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return ["(plots skipped: matplotlib is not installed)"]
-    out = []
-    series = defaultdict(list)  # pagedserve W1/W2 runs on the GPU, by workload and model
+        print("plots skipped: matplotlib is not installed")
+        return
+    series: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in throughput:
         if r.get("gpu") and r["engine"] == "pagedserve" and r["workload"] in ("W1", "W2") \
-                and "ab" not in r:
-            series[(r["workload"], r["model"])].append(r)
-    if series:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for (w, m), rs in sorted(series.items()):
-            ax.plot([datetime.fromisoformat(r["recorded_at"]) for r in rs],
-                    [r["output_tok_s"] for r in rs], "o-", label=f"{w} {m}")
-        ax.set_xlabel("recorded (UTC; every flag set)")
-        fig.autofmt_xdate()
-        ax.set_ylabel("output tok/s")
-        ax.set_title("pagedserve offline throughput, history")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(RESULTS / "throughput_history.png", dpi=100)
-        plt.close(fig)
-        out.append("![throughput history](throughput_history.png)")
-    w3 = runs(r for r in serve if r.get("gpu") and r["workload"] == "W3")
-    if w3:
-        name, recs = list(w3.items())[-1]
-        paced = [r for r in recs if r["rate"] != "inf"]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([float(r["rate"]) for r in paced], [r["output_tok_s"] for r in paced], "o-",
-                label="output tok/s")
-        ax.set_xlabel("offered rate (req/s)")
-        ax.set_ylabel("output tok/s")
-        ax2 = ax.twinx()
-        ax2.plot([float(r["rate"]) for r in paced], [r["ttft_p99_ms"] for r in paced], "s--",
-                 color="tab:red", label="TTFT p99 ms")
-        ax2.set_ylabel("TTFT p99 (ms)")
-        ax.set_title(f"W3 {recs[0]['model']}: throughput vs rate ({when(recs[0])})")
-        fig.tight_layout()
-        fig.savefig(RESULTS / "w3_throughput_vs_rate.png", dpi=100)
-        plt.close(fig)
-        out.append("![W3 throughput vs rate](w3_throughput_vs_rate.png)")
-    return out
+                and r.get("ab") != "baseline" and r["model"].startswith("llama"):
+            series[r["model"]][f"{r['workload']} {settings(r)}"].append(r)
+    models = sorted(series)
+    for name, y, label in (("throughput_history.png", lambda r: r["output_tok_s"],
+                            "output tok/s"),
+                           ("fraction_history.png", lambda r: r["roofline_fraction"],
+                            "fraction of the bound")):
+        fig, axes = plt.subplots(len(models), 1, figsize=(10, 4.5 * len(models)))
+        for ax, model in zip(axes, models, strict=True):
+            kept = {k: rs for k, rs in series[model].items() if len(rs) >= 3 and (
+                "throughput" in name or not re.search(r"--quantization (?!none)", k))}
+            _history(ax, kept, y)
+            for (w, m), target in TARGETS.items():
+                if m == model and "fraction" in name:
+                    ax.axhline(target, ls=":", lw=1, color="gray")
+                    ax.annotate(f"{w} target", (0, target), fontsize=6, color="gray")
+            ax.set_title(f"{model}: {PLOTS[name]}", fontsize=9)
+            ax.set_ylabel(label)
+        _save(fig, out / name)
+    w3 = [r for r in serve if r.get("gpu") and r["workload"] == "W3"
+          and r["model"] == "llama3.1-8b" and not r["server_flags"]]
+    fig, (top, low) = plt.subplots(2, 1, figsize=(8, 6))
+    _history(top, {f"rate=inf, {n} requests": [r for r in w3 if r["rate"] == "inf"
+                                                and r["num_requests"] == n]
+                   for n in sorted({r["num_requests"] for r in w3})}, lambda r: r["output_tok_s"])
+    top.axhline(12500, ls=":", lw=1, color="gray")  # the targets at the default flags
+    top.set_ylabel("output tok/s")
+    top.set_title(PLOTS["w3_history.png"], fontsize=9)
+    paced = [r for r in w3 if _rate(r) == "0.8 x inf's"]
+    _history(low, {"TTFT p99 ms at 0.8 x inf's rate": paced}, lambda r: r["ttft_p99_ms"])
+    low.axhline(150, ls=":", lw=1, color="gray")
+    low.set_ylabel("TTFT p99 (ms)")
+    _save(fig, out / "w3_history.png")
+
+
+def report(folder: Path = RESULTS) -> str:
+    """REPORT.md's text from the family files in `folder`."""
+    throughput, serve, kernels = load("throughput", folder), load("serve", folder), \
+        load("kernels", folder)
+    lines = ["# Results", "",
+             "Generated by `python -m benchmarks.report` from the JSONL files here; do not edit. "
+             "Each table holds the newest record of each target; the older ones stay in the "
+             "files (the history) and in the plots at the end. Raw sweeps are summarised to "
+             "their best config per shape (their grids: `archive/`).", "",
+             *defaults_section(throughput, serve), *throughput_section(throughput),
+             *ab_section(throughput), *serve_section(serve),
+             *step_overhead_section(load("step_overhead", folder)),
+             *http_section(load("http", folder)), *load_section(load("load", folder)),
+             *kernels_section(kernels), *w4a16_section(load("w4a16_gemm", folder)),
+             *fp8_gemm_section(load("fp8_gemm", folder)),
+             *structured_section(load("structured", folder)),
+             *perplexity_section(load("perplexity", folder)),
+             "## History", "", *(f"![{title}]({name})" for name, title in PLOTS.items())]
+    return "\n".join(lines) + "\n"
 
 
 # Raw sweeps (a grid of kernel configs per shape) stay out of the family files: each shape's
@@ -481,23 +639,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--summarise-sweeps", action="store_true",
                    help="collapse raw sweeps to their best config per shape first (SWEEPS)")
+    p.add_argument("--no-plots", action="store_true", help="write REPORT.md only")
     args = p.parse_args()
     for family in SWEEPS if args.summarise_sweeps else ():
         if (RESULTS / f"{family}.jsonl").exists():
             print(f"{family}: {summarise_sweeps(family)} raw sweep records archived")
-    throughput, serve = load("throughput"), load("serve")
-    lines = ["# Results (generated by `python -m benchmarks.report` from the JSONL files here; "
-             "do not edit)", "",
-             *ab_section(throughput), *throughput_section(throughput),
-             *defaults_section(throughput, serve), *serve_section(serve),
-             *step_overhead_section(load("step_overhead")), *load_section(load("load")),
-             *kernels_section(load("kernels")), *fp8_kv_section(load("kernels")),
-             *w4a16_section(load("w4a16_gemm")), *fp8_gemm_section(load("fp8_gemm")),
-             *structured_section(load("structured")), *perplexity_section(load("perplexity")),
-             *plots(throughput, serve), ""]
     path = RESULTS / "REPORT.md"
-    path.write_text("\n".join(lines))
+    path.write_text(report())
     print("wrote", path)
+    if not args.no_plots:
+        plots(load("throughput"), load("serve"), RESULTS)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,83 @@
+"""benchmarks/results/ stays an archive: few small files, no raw sweeps, and a REPORT.md that is
+what `python -m benchmarks.report` makes of the records (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import subprocess
+
+from benchmarks import report
+from benchmarks.common import RESULTS
+
+MAX_FILES, MAX_BYTES, MAX_REPORT_LINES = 40, 2 * 2**20, 320
+
+
+def _files() -> set:
+    """Every file under results/ that git tracks or that is there (a run's new records)."""
+    root = RESULTS.parents[1]
+    listed = subprocess.run(["git", "ls-files", "-z", "--", str(RESULTS)], cwd=root,
+                            capture_output=True, text=True).stdout
+    return {root / p for p in listed.split("\0") if p} | {
+        p for p in RESULTS.rglob("*") if p.is_file()}
+
+
+def test_results_hold_at_most_40_files_and_2_mib():
+    files = _files()
+    size = sum(p.stat().st_size for p in files if p.exists())
+    assert len(files) <= MAX_FILES, sorted(str(p.relative_to(RESULTS)) for p in files)
+    assert size <= MAX_BYTES, f"{size:,} bytes: summarise sweeps, archive raw data (xz)"
+
+
+def test_report_is_short_and_what_the_records_make():
+    text = report.report()
+    assert len(text.splitlines()) <= MAX_REPORT_LINES
+    assert text == (RESULTS / "REPORT.md").read_text(), "run `python -m benchmarks.report`"
+    for name in report.PLOTS:
+        assert (RESULTS / name).exists(), name
+
+
+def test_no_raw_sweep_is_kept_in_the_records():
+    for family in report.SWEEPS:
+        raw = [r for r in report.load(family) if report.raw_sweep(family, r)]
+        assert not raw, f"{family}: `python -m benchmarks.report --summarise-sweeps`"
+
+
+def _sweep(run: str, rows: int, ms: float, cfg: str, impl: str = "sweep") -> dict:
+    return {"recorded_at": f"{run}:00Z", "run": run, "commit": "c0ffee", "kind": "w4a16_gemm",
+            "method": "awq", "impl": impl, "config": cfg, "group_size": 128, "rows": rows,
+            "n": 4096, "k": 4096, "ms": ms}
+
+
+def test_a_sweep_becomes_its_fastest_correct_config_per_shape_and_run(tmp_path):
+    day1, day2 = "2026-11-29T10:00", "2026-11-30T10:00"
+    recs = [{**_sweep(day1, 1, 0.02, "-", "default")},
+            _sweep(day1, 1, 0.03, "a"), _sweep(day1, 1, 0.01, "b", "sweep_wrong"),
+            _sweep(day1, 1, float("inf"), "c"), _sweep(day1, 16, 0.05, "a"),
+            _sweep(day1, 1, 0.025, "d"), _sweep(day2, 1, 0.04, "a")]
+    lines = [json.dumps(r) for r in recs]
+    path = tmp_path / "w4a16_gemm.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+
+    assert report.summarise_sweeps("w4a16_gemm", tmp_path) == 3
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["run"], r["rows"], r["impl"], r["config"]) for r in kept] == [
+        (day1, 1, "default", "-"), (day1, 1, "sweep", "d"), (day1, 16, "sweep", "a"),
+        (day2, 1, "sweep", "a")]
+    assert [(r.get("sweep_configs"), r.get("sweep_wrong")) for r in kept] == [
+        (None, None), (4, 2), (1, 0), (1, 0)]
+    assert kept[1]["sweep_archive"] == "archive/2026-11-29_w4a16_gemm_sweeps.jsonl.xz"
+    archived = {day: lzma.decompress((tmp_path / "archive" / f"{day[:10]}_w4a16_gemm_sweeps"
+                                      ".jsonl.xz").read_bytes()).decode().splitlines()
+                for day in (day1, day2)}
+    assert archived == {day1: lines[1:6], day2: lines[6:]}
+
+    before = path.read_text()
+    assert report.summarise_sweeps("w4a16_gemm", tmp_path) == 0  # nothing raw is left
+    assert path.read_text() == before
+
+
+def test_newest_keeps_the_latest_record_of_each_key_where_the_key_first_appeared():
+    recs = [{"k": "a", "recorded_at": "1", "v": 1}, {"k": "b", "recorded_at": "2", "v": 2},
+            {"k": "a", "recorded_at": "3", "v": 3}, {"k": "b", "recorded_at": "0", "v": 4}]
+    assert [r["v"] for r in report.newest(recs, lambda r: r["k"])] == [3, 2]
