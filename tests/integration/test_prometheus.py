@@ -1,7 +1,8 @@
 """A real Prometheus (Debian's package; scripts/setup.sh installs it) scrapes a running `serve`
-under load, and every PromQL expression of the shipped Grafana dashboard returns data, with
-`$model` resolved from a label query as Grafana does. What Prometheus stores, not our registry,
-is what the dashboard reads."""
+under load, and every PromQL expression of the shipped Grafana dashboard returns data, as
+Grafana sends it both with a model picked and with All: `$model` resolved from its label query
+and escaped as Grafana does, All its allValue. What Prometheus stores, not our registry, is what
+the dashboard reads."""
 
 from __future__ import annotations
 
@@ -146,18 +147,28 @@ def drive_load(svc: Service) -> dict[str, str]:
     return seen
 
 
-def grafana_regex(values: list[str]) -> str:
-    """A multi-value variable in a regex matcher, as Grafana's Prometheus data source writes it."""
-    escaped = [re.sub(r"([\\^$*+?.()|{}\[\]])", r"\\\\\1", v) for v in values]
+def grafana_value(variable: dict, picked: list[str] | None, options: list[str]) -> str:
+    """A query variable in a regex matcher as Grafana writes it: the values picked (None: All)
+    escaped by its Prometheus data source (prometheusSpecialRegexEscape for a multi-value or
+    include-All variable, one value bare, several as (a|b)); All is the variable's allValue as
+    it stands (Grafana leaves a custom all value unformatted), else every option."""
+    if picked is None and variable.get("allValue"):
+        return variable["allValue"]
+    values = options if picked is None else picked
+    if not (variable.get("multi") or variable.get("includeAll")):
+        [value] = values
+        return value.replace("\\", "\\\\").replace("'", "\\\\'")
+    escaped = [re.sub(r"([$^*{}\[\]'+?.()|])", r"\\\\\1", v.replace("\\", "\\\\\\\\"))
+               for v in values]
     return escaped[0] if len(escaped) == 1 else "(" + "|".join(escaped) + ")"
 
 
-def dashboard_queries() -> tuple[str, list[tuple[str, str]]]:
+def dashboard() -> tuple[list[dict], list[tuple[str, str]]]:
+    """The template variables, and every panel query as (panel title / refId, expr)."""
     dash = json.loads(DASHBOARD.read_text())
-    [variable] = dash["templating"]["list"]
     queries = [(f'{p["title"]} / {t["refId"]}', t["expr"]) for p in dash["panels"]
                for t in p["targets"]]
-    return variable["definition"], queries
+    return dash["templating"]["list"], queries
 
 
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(stack):
@@ -184,26 +195,36 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(stack):
                   f'status="{status}"}}', 1)
     prom.wait(f'sum(pagedserve_request_prompt_tokens_count{{{sel}}})', 9)  # all that ran
 
+    # every series the dashboard filters by model carries the label: one without it shows
+    # under All (.*) and goes empty with a model picked
+    assert prom.query('count by (__name__) ({__name__=~"pagedserve_.+", model_name=""})') == []
+
     # $model: label_values(metric, label) -> the label's values among that metric's series
-    definition, queries = dashboard_queries()
-    metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)", definition).groups()
+    [variable], queries = dashboard()
+    assert (variable["name"], variable["type"]) == ("model", "query")
+    metric, label = re.fullmatch(r"label_values\((\w+), (\w+)\)",
+                                 variable["definition"]).groups()
     models = prom.get(f"/api/v1/label/{label}/values", **{"match[]": metric})
     assert models == [MODEL]
     window = f"{max(RATE_INTERVAL_S, math.ceil(time.monotonic() - started) + 15)}s"
-    variables = {"$model": grafana_regex(models), "$__rate_interval": window,
-                 "$__interval": "15s", "$__range": window}
+    builtin = {"$__rate_interval": window, "$__interval": "15s", "$__range": window}
+    picks = {"picked": grafana_value(variable, models, models),
+             "All": grafana_value(variable, None, models)}
+    assert picks == {"picked": r"smollm2-135m\\.instruct", "All": ".*"}
     empty, not_finite = [], []
-    for name, expr in queries:
-        for var, value in sorted(variables.items(), key=lambda kv: -len(kv[0])):
-            expr = expr.replace(var, value)
-        assert "$" not in expr, (name, expr)
-        result = prom.query(expr)
-        if not result:
-            empty.append(name)
-        elif not any(math.isfinite(float(s["value"][1])) for s in result):
-            not_finite.append(name)
-    assert (empty, not_finite) == ([], [])
-    assert len(queries) >= 40
+    for pick, value in picks.items():
+        for name, expr in queries:
+            for var, sub in sorted({**builtin, "$model": value}.items(),
+                                   key=lambda kv: -len(kv[0])):  # a longer name first
+                expr = expr.replace(var, sub)
+            assert "$" not in expr, (name, expr)  # a variable this test does not know
+            result = prom.query(expr)
+            if not result:
+                empty.append((pick, name))
+            elif not any(math.isfinite(float(s["value"][1])) for s in result):
+                not_finite.append((pick, name))
+    assert (empty, not_finite) == ([], [])  # no exceptions: the load feeds every panel
+    assert len(queries) >= 52
 
     # a block shared through the prefix cache holds its tokens once: utilization stays <= 1
     assert prom.value(f'pagedserve_prefix_cache_hits_total{{{sel}}}') > 0
