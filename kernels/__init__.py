@@ -19,9 +19,14 @@ _OP_MODULES = {
     "silu_and_mul": "fused",
     "w4a16_gemm": "w4a16",
     "fp8_gemm": "fp8",
+    # mixture of experts (layout: moe_reference); the routing is one torch function for both
+    "moe_route": "moe_reference",
+    "fused_moe": "fused_moe",
 }
 _TORCH_MODULES = {"w4a16_gemm": "w4a16_reference",  # default: reference
-                  "fp8_gemm": "fp8_reference"}
+                  "fp8_gemm": "fp8_reference",
+                  "moe_route": "moe_reference",
+                  "fused_moe": "moe_reference"}
 
 
 def get_ops(backend: str) -> SimpleNamespace:

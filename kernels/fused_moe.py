@@ -1,0 +1,305 @@
+"""Fused mixture-of-experts, vLLM's way (layout and math: kernels/moe_reference.py).
+
+    moe_align_block_size   the T*k (token, slot) pairs sorted by expert, each expert's run
+                           padded to a multiple of BLOCK_M; one Triton program up to
+                           ALIGN_ONE_PROGRAM pairs (decode), torch ops beyond (prefill)
+    GEMM 1 (_moe_gemm)     cache1[p] = w13[e] @ x[p // k]                 [T*k, 2I]
+    silu_and_mul           cache2 = silu(gate) * up (kernels/fused.py)    [T*k, I]
+    GEMM 2 (_moe_gemm)     cache3[p] = topk_weights[p] * (w2[e] @ cache2[p])   [T*k, H]
+    _moe_sum               out[t] = sum_j cache3[t*k + j], in float32     [T, H]
+
+One GEMM program per (M-block, N-block): the M-block's rows are gathered through
+sorted_token_ids and all belong to one expert, whose weight tile is loaded once per K step.
+The grid is the worst-case padded size (moe_reference.align_block_size_capacity), a function of
+shapes only, so CUDA graphs capture a step; programs past num_tokens_post_padded (a device
+value) exit at once. No host sync on the way. FP8 (e4m3) weights are widened to the
+activation dtype in the K loop and their per-channel scales applied in the epilogue
+(weight-only: activations are not quantized). Tiles per shape come from moe_configs.json
+(benchmarks/kernels/bench_moe.py --tune writes it), else from default_config.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.fused import silu_and_mul
+from pagedserve.kernels.moe_reference import align_block_size_capacity, check_moe_args
+from pagedserve.kernels.moe_reference import moe_align_block_size as moe_align_torch
+
+ALIGN_ONE_PROGRAM = 4096  # pairs the one-program alignment sorts in registers (T*k, decode)
+CHUNK_TOKENS = 16 * 1024  # tokens per pass (vLLM's VLLM_FUSED_MOE_CHUNK_SIZE): caches stay bounded
+CONFIG_FILE = Path(__file__).with_name("moe_configs.json")
+# Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw 16-bit patterns in tl.dot
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def from_json(cls, d: dict) -> MoeConfig:
+        return cls(d["BLOCK_M"], d["BLOCK_N"], d["BLOCK_K"], d["GROUP_M"], d["num_warps"],
+                   d["num_stages"])
+
+    def to_json(self) -> dict:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
+                "GROUP_M": self.group_m, "num_warps": self.num_warps,
+                "num_stages": self.num_stages}
+
+
+def config_key(num_experts: int, n: int, k: int, dtype: torch.dtype, weight_dtype: torch.dtype,
+               device: torch.device) -> str:
+    """moe_configs.json's key of one GEMM: [E, N, K] weights, activation and weight dtypes,
+    the device's name (spaces as underscores, as vLLM names its files)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    dt, wdt = (str(d).removeprefix("torch.") for d in (dtype, weight_dtype))
+    weight = "" if wdt == dt else f",weight={wdt}"
+    return f"E={num_experts},N={n},K={k},dtype={dt}{weight},device={name.replace(' ', '_')}"
+
+
+@functools.cache
+def load_configs(path: Path = CONFIG_FILE) -> dict[str, dict[int, MoeConfig]]:
+    """{key: {tokens: config}}; keys starting with '_' are comments."""
+    raw = json.loads(path.read_text()) if path.exists() else {}
+    return {key: {int(t): MoeConfig.from_json(c) for t, c in buckets.items()}
+            for key, buckets in raw.items() if not key.startswith("_")}
+
+
+def default_config(tokens: int, top_k: int, num_experts: int, n: int, k: int) -> MoeConfig:
+    """Tiles by the rows an expert gets on average: decode gives an expert a few rows, so a
+    16-row M-block and wide K steps over the weight (the read is the work); prefill fills
+    64-128-row blocks (vLLM's default_config and its H200 tables go the same way)."""
+    rows = tokens * top_k / num_experts
+    if rows <= 16:
+        cfg = MoeConfig(16, 64, 128, 1, 4, 4)
+    elif rows <= 64:
+        cfg = MoeConfig(32, 64, 64, 8, 4, 3)
+    elif rows <= 256:
+        cfg = MoeConfig(64, 128, 64, 8, 4, 3)
+    else:
+        cfg = MoeConfig(128, 128, 64, 8, 8, 3)
+    # tl.dot takes 16 and up; no wider than the (power-of-two) size itself
+    return MoeConfig(cfg.block_m, max(16, min(cfg.block_n, triton.next_power_of_2(n))),
+                     max(16, min(cfg.block_k, triton.next_power_of_2(k))), cfg.group_m,
+                     cfg.num_warps, cfg.num_stages)
+
+
+def pick_config(tokens: int, top_k: int, w: torch.Tensor, dtype: torch.dtype) -> MoeConfig:
+    """The tuned entry nearest in tokens for this GEMM's weight w [E, N, K], else the default."""
+    e, n, k = w.shape
+    table = load_configs().get(config_key(e, n, k, dtype, w.dtype, w.device))
+    if table:
+        return table[min(table, key=lambda t: abs(t - tokens))]
+    return default_config(tokens, top_k, e, n, k)
+
+
+@triton.jit(do_not_specialize=["numel", "num_blocks"])
+def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, numel, num_blocks,
+                  NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, N_PAD: tl.constexpr,
+                  E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """moe_reference.moe_align_block_size in one program: a histogram, the padded prefix sums,
+    one register sort of key (expert, pair), sorted position p stored at p + the expert's
+    padding before it."""
+    i = tl.arange(0, N_PAD)
+    ok = i < numel
+    e = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
+    counts = tl.histogram(e, E_PAD, mask=ok)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(post_pad_ptr, tl.sum(padded, 0))
+    delta = ends - padded - (tl.cumsum(counts, 0) - counts)
+    key = tl.sort(tl.where(ok, e, E_PAD) * N_PAD + i)  # pairs past numel sort last
+    dest = i + tl.gather(delta, tl.minimum(key // N_PAD, E_PAD - 1), 0)
+    offs = tl.arange(0, CHUNK)
+    for p in range(0, num_blocks * BLOCK_M, CHUNK):
+        tl.store(sorted_ptr + p + offs, numel, mask=p + offs < num_blocks * BLOCK_M)
+    for b in range(0, num_blocks, CHUNK // E_PAD):
+        blk = b + tl.arange(0, CHUNK // E_PAD)
+        eid = tl.sum((ends[None, :] <= blk[:, None] * BLOCK_M).to(tl.int32), 1)
+        tl.store(expert_ids_ptr + blk, tl.minimum(eid, NUM_EXPERTS - 1), mask=blk < num_blocks)
+    tl.debug_barrier()  # the padding fill lands before the pairs overwrite it
+    tl.store(sorted_ptr + dest, key % N_PAD, mask=ok)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_token_ids, expert_ids, num_tokens_post_padded), equal to the torch version's."""
+    numel = topk_ids.numel()
+    if numel > ALIGN_ONE_PROGRAM or numel == 0 or num_experts > 1024:
+        return moe_align_torch(topk_ids, block_m, num_experts)
+    dev = topk_ids.device
+    cap = align_block_size_capacity(numel, block_m, num_experts)
+    sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
+    post_pad = torch.empty(1, dtype=torch.int32, device=dev)
+    e_pad = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](topk_ids.contiguous(), sorted_ids, expert_ids, post_pad, numel,
+                        cap // block_m, NUM_EXPERTS=num_experts, BLOCK_M=block_m,
+                        N_PAD=max(16, triton.next_power_of_2(numel)), E_PAD=e_pad,
+                        CHUNK=max(1024, e_pad), num_warps=4)
+    return sorted_ids, expert_ids, post_pad
+
+
+@triton.jit(do_not_specialize=["EM", "num_valid"])
+def _moe_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, scale_ptr, weight_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
+    N, K, EM, num_valid, stride_am, stride_be, stride_bn, stride_cm, stride_se,
+    TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """c[p] = a[p // TOP_K] @ b[e].T for the pairs p of one M-block (expert e); b [E, N, K]."""
+    pid = tl.program_id(0)
+    num_pid_m = EM // BLOCK_M
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_pid_n)  # GROUP_M M-blocks share each weight tile in L2
+    first_m = group * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_m
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_m
+    if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_valid
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        b = b.to(a.dtype)
+        if DOT_FP32:  # exact products summed in fp32: what the bf16 MMA computes
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
+    if MUL_ROUTED_WEIGHT:
+        acc *= tl.load(weight_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def moe_gemm(a, w, c, align, top_k: int, cfg: MoeConfig, *, scale=None, routed_weights=None):
+    """c [P, N] rows p = a [., K] row p // top_k times w[expert of p] [N, K]^T (* scale [E, N])
+    (* routed_weights [P]), for every pair p of align = moe_align_block_size(...)."""
+    sorted_ids, expert_ids, post_pad = align
+    e, n, k = w.shape
+    grid = (expert_ids.numel() * triton.cdiv(n, cfg.block_n),)
+    _moe_gemm_kernel[grid](
+        a, w, c, scale if scale is not None else c, routed_weights if routed_weights is not None
+        else c, sorted_ids, expert_ids, post_pad, n, k, sorted_ids.numel(), c.shape[0],
+        a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        scale.stride(0) if scale is not None else 0,
+        TOP_K=top_k, MUL_ROUTED_WEIGHT=routed_weights is not None, HAS_SCALE=scale is not None,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        DOT_FP32=INTERPRETED and a.dtype == torch.bfloat16, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _moe_sum_kernel(c_ptr, out_ptr, T, H, stride_ot, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (rows < T)[:, None] & (offs < H)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        c = c_ptr + (rows * TOP_K + j).to(tl.int64)[:, None] * H + offs[None, :]
+        acc += tl.load(c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + offs[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_sum(cache3: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:
+    """out [T, H] = cache3 [T*k, H] (contiguous) summed over each token's k rows."""
+    t, h = out.shape
+    block_h = min(1024, triton.next_power_of_2(h))
+    block_t = max(1, 2048 // block_h)
+    _moe_sum_kernel[(triton.cdiv(t, block_t), triton.cdiv(h, block_h))](
+        cache3, out, t, h, out.stride(0), TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h,
+        num_warps=4)
+    return out
+
+
+def workspace_size(num_tokens: int, top_k: int, hidden: int, inter: int) -> int:
+    """Elements (x's dtype) of the caches of one pass: cache1 and cache3 share a region (cache1
+    is dead once silu_and_mul has read it), cache2 its own."""
+    pairs = min(num_tokens, CHUNK_TOKENS) * top_k
+    return pairs * (max(2 * inter, hidden) + inter)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H] (a TP rank's slice: I = its share)
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k] float
+    topk_ids: torch.Tensor,  # [T, k] int32/int64, each in [0, E)
+    *,
+    activation: str = "silu",
+    w13_scale: torch.Tensor | None = None,  # [E, 2I] float32, FP8 w13
+    w2_scale: torch.Tensor | None = None,  # [E, H] float32, FP8 w2
+    out: torch.Tensor | None = None,  # [T, H] x.dtype
+    workspace: torch.Tensor | None = None,  # >= workspace_size(...) elements of x.dtype
+) -> torch.Tensor:  # [T, H]
+    t, h, _, inter, k = check_moe_args(x, w13, w2, topk_weights, topk_ids, activation,
+                                       w13_scale, w2_scale, out)
+    for name, w in (("x", x), ("w13", w13), ("w2", w2)):
+        if w.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in its last dim, got {w.stride()}")
+    if out is None:
+        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    need = workspace_size(t, k, h, inter)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=x.dtype, device=x.device)
+    elif workspace.dtype != x.dtype or workspace.numel() < need or not workspace.is_contiguous():
+        raise ValueError(f"workspace must be a contiguous {x.dtype} buffer of >= {need} elements")
+    weights = topk_weights.contiguous()
+    ids = topk_ids.contiguous()
+    for s in range(0, t, CHUNK_TOKENS):
+        e = min(t, s + CHUNK_TOKENS)
+        _fused_pass(x[s:e], w13, w2, weights[s:e], ids[s:e], w13_scale, w2_scale, out[s:e],
+                    workspace)
+    return out
+
+
+def _fused_pass(x, w13, w2, weights, ids, w13_scale, w2_scale, out, workspace) -> None:
+    t, k = ids.shape
+    num_experts, two_i, h = w13.shape
+    pairs = t * k
+    shared = max(two_i, h) * pairs
+    cache1 = workspace[:pairs * two_i].view(pairs, two_i)
+    cache2 = workspace[shared:shared + pairs * two_i // 2].view(pairs, two_i // 2)
+    cache3 = workspace[:pairs * h].view(pairs, h)
+    cfg1 = pick_config(t, k, w13, x.dtype)
+    cfg2 = pick_config(t, k, w2, x.dtype)
+    align = moe_align_block_size(ids, cfg1.block_m, num_experts)
+    moe_gemm(x, w13, cache1, align, k, cfg1, scale=w13_scale)
+    silu_and_mul(cache1, out=cache2)
+    if cfg2.block_m != cfg1.block_m:
+        align = moe_align_block_size(ids, cfg2.block_m, num_experts)
+    moe_gemm(cache2, w2, cache3, align, 1, cfg2, scale=w2_scale,
+             routed_weights=weights.view(-1))
+    moe_sum(cache3, out, k)
