@@ -117,7 +117,9 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, numel, num_
     i = tl.arange(0, N_PAD)
     ok = i < numel
     e = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
-    counts = tl.histogram(e, E_PAD, mask=ok)
+    experts = tl.arange(0, E_PAD)
+    # the N_PAD - numel lanes past the end read expert 0 (histogram's mask is newer than 3.6)
+    counts = tl.histogram(e, E_PAD) - tl.where(experts == 0, N_PAD - numel, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     tl.store(post_pad_ptr, tl.sum(padded, 0))

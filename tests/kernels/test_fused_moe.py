@@ -151,8 +151,8 @@ def align_by_definition(ids: torch.Tensor, block_m: int, e: int):
 @pytest.mark.parametrize("t,e,k", [(1, 8, 2), (5, 128, 8), (16, 8, 1), (200, 4, 2),
                                    (64, 60, 4)])
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_align_equals_its_definition(t, e, k, block_m):
-    _, _, ids = batch(t, e, k, seed=t + e)
+def test_align_equals_its_definition(t, e, k, block_m, device):
+    _, _, ids = batch(t, e, k, seed=t + e, device=device)
     want = align_by_definition(ids, block_m, e)
     for fn in (fm.moe_align_block_size, ref.moe_align_block_size):
         sorted_ids, expert_ids, total = fn(ids, block_m, e)
@@ -161,8 +161,8 @@ def test_align_equals_its_definition(t, e, k, block_m):
 
 
 @pytest.mark.slow
-def test_align_one_program_at_its_largest():
-    _, _, ids = batch(fm.ALIGN_ONE_PROGRAM // 8, 128, 8)
+def test_align_one_program_at_its_largest(device):
+    _, _, ids = batch(fm.ALIGN_ONE_PROGRAM // 8, 128, 8, device=device)
     got, want = fm.moe_align_block_size(ids, 16, 128), ref.moe_align_block_size(ids, 16, 128)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
@@ -305,3 +305,24 @@ def test_bad_arguments_raise(impl):
             impl(*args, **kw)
     with pytest.raises(ValueError, match="top_k"):
         ref.moe_route(torch.randn(3, 4), 5, True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="model sizes: CUDA")
+@pytest.mark.parametrize("t", [1, 64, 1024])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_qwen3_moe_shape(t, fp8):
+    """Qwen3-30B-A3B's experts (H 2048, I 768, E 128, top-8) in bf16 at decode and prefill."""
+    g = torch.Generator(device="cuda").manual_seed(t)
+    e, k, h, inter = 128, 8, 2048, 768
+    w13 = torch.randn(e, 2 * inter, h, device="cuda", generator=g) * h**-0.5
+    w2 = torch.randn(e, h, inter, device="cuda", generator=g) * inter**-0.5
+    scales = {}
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_experts(w13), quantize_experts(w2)
+        scales = {"w13_scale": s13, "w2_scale": s2}
+    else:
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
+    x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    weights, ids = ref.moe_route(torch.randn(t, e, device="cuda", generator=g), k, True)
+    got = fm.fused_moe(x, w13, w2, weights, ids, **scales)
+    check_close(got, ref.fused_moe(x, w13, w2, weights, ids, **scales), torch.bfloat16)
