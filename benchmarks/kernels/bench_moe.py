@@ -1,0 +1,264 @@
+"""Fused MoE (kernels/fused_moe.py) against the torch expert loop (kernels/moe_reference.py).
+
+    python3 benchmarks/kernels/bench_moe.py                 # GPU: both shapes, bf16
+    python3 benchmarks/kernels/bench_moe.py --smoke         # CPU interpreter, tiny shapes
+    python3 benchmarks/kernels/bench_moe.py --tune [--shapes qwen3_30b_a3b] [--tokens 1 16]
+                                                            # tiles per shape and token count,
+                                                            # the best into kernels/moe_configs.json
+
+Shapes: Qwen3-30B-A3B (H 2048, I 768, E 128, top-8) and Mixtral-8x7B (H 4096, I 14336, E 8,
+top-2), TP 1. Decode at 1, 16, 64, 256 tokens, prefill at 4096 and 16384; fresh N(0, 0.02)
+weights, random router logits routed with renormalisation. Timing: triton.testing.do_bench
+(median; it clears L2 before each run). Records (family `kernels`, kind `fused_moe`): ms, TB/s
+of the bytes touched (the distinct experts' weights + x read + out written), TFLOP/s
+(2 T k 3 H I), the fraction of the copy and bf16 GEMM ceilings measured in the same run, and
+the relative error against the torch loop; kind `moe_align` times the alignment alone (the
+one-program kernel against torch ops), kind `moe_tune` each swept config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+
+
+SHAPES = {"qwen3_30b_a3b": Shape(2048, 768, 128, 8), "mixtral_8x7b": Shape(4096, 14336, 8, 2)}
+SMOKE_SHAPES = {"tiny": Shape(64, 32, 8, 2)}
+DECODE, PREFILL = (1, 16, 64, 256), (4096, 16384)
+TUNE_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
+    p.add_argument("--tune", action="store_true", help="sweep tiles, write the best")
+    p.add_argument("--shapes", nargs="*", default=None, help="names of SHAPES (default: all)")
+    p.add_argument("--tokens", nargs="*", type=int, default=None)
+    p.add_argument("--configs", type=Path, default=None,
+                   help="file --tune merges into (default kernels/moe_configs.json; a scratch "
+                        "file with --smoke)")
+    return p.parse_args()
+
+
+ARGS = parse()
+if ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"
+    from pagedserve.kernels._interpreter import fix_interpreter_index
+
+    fix_interpreter_index()
+    # the smoke run checks the script, its records go to a scratch folder
+    os.environ.setdefault("PAGEDSERVE_RESULTS", tempfile.mkdtemp(prefix="bench_moe_"))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+from benchmarks.common import write_records  # noqa: E402
+from pagedserve.kernels import fused_moe as fm  # noqa: E402
+from pagedserve.kernels import moe_reference as ref  # noqa: E402
+
+DEV = torch.device("cpu" if ARGS.smoke else "cuda")
+DT = torch.float32 if ARGS.smoke else torch.bfloat16
+
+
+def bench(fn) -> float:
+    if ARGS.smoke:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def ceilings() -> tuple[list[dict], float, float]:
+    """A 1 GiB device copy (bytes read + written) and an 8192^3 bf16 GEMM, this run's bounds."""
+    n = (1 << 20) if ARGS.smoke else (1 << 30)
+    src = torch.empty(n // 2, dtype=torch.bfloat16, device=DEV).normal_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    tbps = 2 * n / ms / 1e9
+    m = 256 if ARGS.smoke else 8192
+    a, b = (torch.randn(m, m, device=DEV, dtype=DT) for _ in range(2))
+    ms_mm = bench(lambda: a @ b)
+    tflops = 2 * m**3 / ms_mm / 1e9
+    print(f"ceilings: copy {tbps:.2f} TB/s, {DT} GEMM {tflops:.0f} TFLOP/s", flush=True)
+    return [{"kind": "ceiling_copy", "impl": "torch", "ms": ms, "tbps": tbps, "bytes": 2 * n},
+            {"kind": "ceiling_gemm_bf16", "impl": "torch", "ms": ms_mm, "tflops": tflops,
+             "m": m, "n": m, "k": m}], tbps, tflops
+
+
+def make_experts(s: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    w13 = torch.empty(s.experts, 2 * s.inter, s.hidden, device=DEV, dtype=DT).normal_(0, 0.02)
+    w2 = torch.empty(s.experts, s.hidden, s.inter, device=DEV, dtype=DT).normal_(0, 0.02)
+    return w13, w2
+
+
+def make_batch(s: Shape, tokens: int):
+    x = torch.randn(tokens, s.hidden, device=DEV, dtype=DT)
+    logits = torch.randn(tokens, s.experts, device=DEV)
+    weights, ids = ref.moe_route(logits, s.top_k, True)
+    return x, weights, ids
+
+
+def run_shape(name: str, s: Shape, tokens: list[int], copy_tbps: float, gemm_tflops: float):
+    records = []
+    w13, w2 = make_experts(s)
+    elt = w13.element_size()
+    for t in tokens:
+        x, weights, ids = make_batch(s, t)
+        out = torch.empty_like(x)
+        ws = torch.empty(fm.workspace_size(t, s.top_k, s.hidden, s.inter), device=DEV, dtype=DT)
+        args = (x, w13, w2, weights, ids)
+        fns = {"triton": functools.partial(fm.fused_moe, *args, out=out, workspace=ws),
+               "torch": functools.partial(ref.fused_moe, *args)}
+        err = rel_err(fns["triton"](), fns["torch"]())
+        hit = int(ids.unique().numel())
+        nbytes = hit * 3 * s.hidden * s.inter * elt + 2 * t * s.hidden * x.element_size()
+        flops = 2 * t * s.top_k * 3 * s.hidden * s.inter
+        phase = "decode" if t <= max(DECODE) else "prefill"
+        for impl, fn in fns.items():
+            ms = bench(fn)
+            tbps, tflops = nbytes / ms / 1e9, flops / ms / 1e9
+            records.append({"kind": "fused_moe", "shape": name, "tokens": t, "impl": impl,
+                            "phase": phase, "dtype": str(DT).removeprefix("torch."), "ms": ms,
+                            "tbps": tbps, "tflops": tflops, "experts_hit": hit, "bytes": nbytes,
+                            "flops": flops, "of_copy": tbps / copy_tbps,
+                            "of_gemm": tflops / gemm_tflops, "rel_err_vs_torch": err,
+                            "hidden": s.hidden, "inter": s.inter, "experts": s.experts,
+                            "top_k": s.top_k, "smoke": ARGS.smoke})
+            rate = f"{tbps:6.2f} TB/s" if phase == "decode" else f"{tflops:6.1f} TFLOP/s"
+            print(f"{name} T={t:5d} {impl:6s} {ms:9.4f} ms {rate}  err {err:.1e}", flush=True)
+        if err > 2e-2:
+            raise SystemExit(f"{name} T={t}: Triton disagrees with the torch loop ({err:.1e})")
+        if t * s.top_k <= fm.ALIGN_ONE_PROGRAM:
+            records += time_align(name, s, w13, ids)
+    return records
+
+
+def time_align(name: str, s: Shape, w13: torch.Tensor, ids: torch.Tensor) -> list[dict]:
+    bm = fm.pick_config(ids.shape[0], s.top_k, w13, DT).block_m
+    out = []
+    for impl, fn in (("triton_one_program", fm.moe_align_block_size),
+                     ("torch", ref.moe_align_block_size)):
+        ms = bench(lambda fn=fn: fn(ids, bm, s.experts))
+        out.append({"kind": "moe_align", "shape": name, "tokens": ids.shape[0], "impl": impl,
+                    "block_m": bm, "ms": ms, "smoke": ARGS.smoke})
+        print(f"{name} T={ids.shape[0]:5d} align {impl:18s} {ms * 1e3:8.1f} us", flush=True)
+    return out
+
+
+def tune_grid(rows_per_expert: float) -> list[fm.MoeConfig]:
+    if ARGS.smoke:
+        return [fm.MoeConfig(16, 32, 32, 1, 4, 2), fm.MoeConfig(32, 64, 64, 8, 4, 3)]
+    bms = (16, 32) if rows_per_expert <= 16 else (32, 64) if rows_per_expert <= 64 else (64, 128)
+    group = 1 if rows_per_expert <= 16 else 8
+    return [fm.MoeConfig(bm, bn, bk, group, w, st) for bm, bn, bk, w, st in itertools.product(
+        bms, (64, 128, 256), (64, 128), (4, 8), (3, 4))]
+
+
+def tune_shape(name: str, s: Shape, tokens: list[int]) -> tuple[dict, list[dict]]:
+    """Each GEMM timed alone per config; for each BLOCK_M the best of each GEMM, then the
+    BLOCK_M whose two bests add up least (one alignment serves both)."""
+    w13, w2 = make_experts(s)
+    entries: dict[str, dict[str, dict]] = {}
+    records = []
+    for t in tokens:
+        x, weights, ids = make_batch(s, t)
+        pairs = t * s.top_k
+        c1 = torch.empty(pairs, 2 * s.inter, device=DEV, dtype=DT)
+        c2 = torch.randn(pairs, s.inter, device=DEV, dtype=DT)
+        c3 = torch.empty(pairs, s.hidden, device=DEV, dtype=DT)
+        flat_w = weights.reshape(-1)
+        best: dict[int, dict[str, tuple[float, fm.MoeConfig]]] = {}
+        for cfg in tune_grid(pairs / s.experts):
+            align = fm.moe_align_block_size(ids, cfg.block_m, s.experts)
+            gemms = {"up": functools.partial(fm.moe_gemm, x, w13, c1, align, s.top_k, cfg),
+                     "down": functools.partial(fm.moe_gemm, c2, w2, c3, align, 1, cfg,
+                                               routed_weights=flat_w)}
+            for gemm, fn in gemms.items():
+                try:
+                    ms = bench(fn)
+                except Exception as e:  # noqa: BLE001  (a config the compiler refuses)
+                    print(f"{name} T={t} {gemm} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                records.append({"kind": "moe_tune", "shape": name, "tokens": t, "gemm": gemm,
+                                **cfg.to_json(), "ms": ms, "smoke": ARGS.smoke})
+                slot = best.setdefault(cfg.block_m, {})
+                if gemm not in slot or ms < slot[gemm][0]:
+                    slot[gemm] = (ms, cfg)
+        bm = min((b for b in best if len(best[b]) == 2),
+                 key=lambda b: best[b]["up"][0] + best[b]["down"][0])
+        for gemm, w in (("up", w13), ("down", w2)):
+            e, n, k = w.shape
+            key = fm.config_key(e, n, k, DT, w.dtype, DEV)
+            entries.setdefault(key, {})[str(t)] = best[bm][gemm][1].to_json()
+        ms = best[bm]["up"][0] + best[bm]["down"][0]
+        print(f"{name} T={t}: BLOCK_M {bm}, up {best[bm]['up'][1]}, down "
+              f"{best[bm]['down'][1]}: {ms:.4f} ms", flush=True)
+    return entries, records
+
+
+def free_cache() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def merge_configs(path: Path, entries: dict) -> None:
+    data = json.loads(path.read_text()) if path.exists() else {}
+    for key, buckets in entries.items():
+        data.setdefault(key, {}).update(buckets)
+        data[key] = dict(sorted(data[key].items(), key=lambda kv: int(kv[0])))
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print("configs written to", path)
+
+
+def main() -> None:
+    shapes = SMOKE_SHAPES if ARGS.smoke else SHAPES
+    if ARGS.shapes:
+        shapes = {n: shapes[n] for n in ARGS.shapes}
+    torch.manual_seed(0)
+    if ARGS.tune:
+        tokens = ARGS.tokens or ([1, 16] if ARGS.smoke else list(TUNE_TOKENS))
+        path = ARGS.configs or (Path(tempfile.mkdtemp()) / "moe_configs.json" if ARGS.smoke
+                                else fm.CONFIG_FILE)
+        if ARGS.smoke and ARGS.configs is None:
+            path.write_text(fm.CONFIG_FILE.read_text())
+        entries, records = {}, []
+        for name, s in shapes.items():
+            e, r = tune_shape(name, s, tokens)
+            entries.update(e)
+            records += r
+            free_cache()
+        merge_configs(path, entries)
+    else:
+        tokens = ARGS.tokens or ([1, 16, 256] if ARGS.smoke else [*DECODE, *PREFILL])
+        records, copy_tbps, gemm_tflops = ceilings()
+        for name, s in shapes.items():
+            records += run_shape(name, s, tokens, copy_tbps, gemm_tflops)
+            free_cache()
+    print("wrote", write_records("kernels", records))
+
+
+if __name__ == "__main__":
+    main()
