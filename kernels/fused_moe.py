@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,11 +100,15 @@ def default_config(tokens: int, top_k: int, num_experts: int, n: int, k: int) ->
 
 
 def pick_config(tokens: int, top_k: int, w: torch.Tensor, dtype: torch.dtype) -> MoeConfig:
-    """The tuned entry nearest in tokens for this GEMM's weight w [E, N, K], else the default."""
+    """The tuned entry nearest in log2(tokens) for this GEMM's weight w [E, N, K], if within a
+    factor of 4 (a table tuned at decode sizes only says nothing of prefill), else the
+    default."""
     e, n, k = w.shape
     table = load_configs().get(config_key(e, n, k, dtype, w.dtype, w.device))
     if table:
-        return table[min(table, key=lambda t: abs(t - tokens))]
+        near = min(table, key=lambda t: abs(math.log2(t / max(tokens, 1))))
+        if abs(math.log2(near / max(tokens, 1))) <= 2:
+            return table[near]
     return default_config(tokens, top_k, e, n, k)
 
 

@@ -8,8 +8,10 @@
 
 Shapes: Qwen3-30B-A3B (H 2048, I 768, E 128, top-8) and Mixtral-8x7B (H 4096, I 14336, E 8,
 top-2), TP 1. Decode at 1, 16, 64, 256 tokens, prefill at 4096 and 16384; fresh N(0, 0.02)
-weights, random router logits routed with renormalisation. Timing: triton.testing.do_bench
-(median; it clears L2 before each run). Records (family `kernels`, kind `fused_moe`): ms, TB/s
+weights, random router logits routed with renormalisation. Timing: medians of
+triton.testing.do_bench (it clears L2 before each run): impl `triton_eager` and `torch` (the
+loop syncs on the host), and of CUDA-graph replays (do_bench_cudagraph) for impl `triton`, as
+the executor runs decode steps. Records (family `kernels`, kind `fused_moe`): ms, TB/s
 of the bytes touched (the distinct experts' weights + x read + out written), TFLOP/s
 (2 T k 3 H I), the fraction of the copy and bf16 GEMM ceilings measured in the same run, and
 the relative error against the torch loop; kind `moe_align` times the alignment alone (the
@@ -79,11 +81,15 @@ DEV = torch.device("cpu" if ARGS.smoke else "cuda")
 DT = torch.float32 if ARGS.smoke else torch.bfloat16
 
 
-def bench(fn) -> float:
+def bench(fn, graph: bool = False) -> float:
+    """Median ms: do_bench, or CUDA-graph replays (graph: the executor captures decode steps,
+    which removes the launches' host time; the torch loop syncs, it cannot be captured)."""
     if ARGS.smoke:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -130,15 +136,16 @@ def run_shape(name: str, s: Shape, tokens: list[int], copy_tbps: float, gemm_tfl
         out = torch.empty_like(x)
         ws = torch.empty(fm.workspace_size(t, s.top_k, s.hidden, s.inter), device=DEV, dtype=DT)
         args = (x, w13, w2, weights, ids)
-        fns = {"triton": functools.partial(fm.fused_moe, *args, out=out, workspace=ws),
-               "torch": functools.partial(ref.fused_moe, *args)}
+        ours = functools.partial(fm.fused_moe, *args, out=out, workspace=ws)
+        fns = {"triton": ours, "triton_eager": ours, "torch": functools.partial(ref.fused_moe,
+                                                                                *args)}
         err = rel_err(fns["triton"](), fns["torch"]())
         hit = int(ids.unique().numel())
         nbytes = hit * 3 * s.hidden * s.inter * elt + 2 * t * s.hidden * x.element_size()
         flops = 2 * t * s.top_k * 3 * s.hidden * s.inter
         phase = "decode" if t <= max(DECODE) else "prefill"
         for impl, fn in fns.items():
-            ms = bench(fn)
+            ms = bench(fn, graph=impl == "triton")
             tbps, tflops = nbytes / ms / 1e9, flops / ms / 1e9
             records.append({"kind": "fused_moe", "shape": name, "tokens": t, "impl": impl,
                             "phase": phase, "dtype": str(DT).removeprefix("torch."), "ms": ms,
@@ -148,7 +155,7 @@ def run_shape(name: str, s: Shape, tokens: list[int], copy_tbps: float, gemm_tfl
                             "hidden": s.hidden, "inter": s.inter, "experts": s.experts,
                             "top_k": s.top_k, "smoke": ARGS.smoke})
             rate = f"{tbps:6.2f} TB/s" if phase == "decode" else f"{tflops:6.1f} TFLOP/s"
-            print(f"{name} T={t:5d} {impl:6s} {ms:9.4f} ms {rate}  err {err:.1e}", flush=True)
+            print(f"{name} T={t:5d} {impl:12s} {ms:9.4f} ms {rate}  err {err:.1e}", flush=True)
         if err > 2e-2:
             raise SystemExit(f"{name} T={t}: Triton disagrees with the torch loop ({err:.1e})")
         if t * s.top_k <= fm.ALIGN_ONE_PROGRAM:

@@ -261,8 +261,9 @@ def test_tuned_configs_are_used_and_their_block_m_may_differ(monkeypatch, device
     table = {up: {1: fm.MoeConfig(64, 32, 16, 1, 4, 2), 64: fm.MoeConfig(32, 16, 32)},
              down: {16: fm.MoeConfig(16, 64, 16, 2, 2, 2)}}
     monkeypatch.setattr(fm, "load_configs", lambda: table)
-    assert fm.pick_config(20, 2, w13, x.dtype) == table[up][1]  # the nearest bucket
-    assert fm.pick_config(50, 2, w13, x.dtype) == table[up][64]
+    assert fm.pick_config(3, 2, w13, x.dtype) == table[up][1]  # the nearest bucket (log2)
+    assert fm.pick_config(20, 2, w13, x.dtype) == table[up][64]
+    assert fm.pick_config(1000, 2, w13, x.dtype) == fm.default_config(1000, 2, 8, 2 * INTER, HID)
     assert fm.pick_config(16, 2, w2, x.dtype).block_m == 16
     check_close(fm.fused_moe(x, w13, w2, weights, ids),
                 ref.fused_moe(x, w13, w2, weights, ids), torch.float32)
@@ -326,3 +327,26 @@ def test_cuda_qwen3_moe_shape(t, fp8):
     weights, ids = ref.moe_route(torch.randn(t, e, device="cuda", generator=g), k, True)
     got = fm.fused_moe(x, w13, w2, weights, ids, **scales)
     check_close(got, ref.fused_moe(x, w13, w2, weights, ids, **scales), torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+@pytest.mark.parametrize("t", [4, 600])  # the one-program alignment, then the torch one
+def test_cuda_graph_replays_new_routings(t):
+    """No host sync and a grid of shapes only: a captured call replays right for routings it
+    was not captured with (the executor captures decode steps)."""
+    w13, w2 = experts(16, torch.bfloat16, device="cuda")
+    x, weights, ids = batch(t, 16, 2, torch.bfloat16, device="cuda")
+    out = torch.empty_like(x)
+    ws = torch.empty(fm.workspace_size(t, 2, HID, INTER), dtype=x.dtype, device="cuda")
+    fm.fused_moe(x, w13, w2, weights, ids, out=out, workspace=ws)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fm.fused_moe(x, w13, w2, weights, ids, out=out, workspace=ws)
+    for seed in (5, 6):
+        x2, w2_, ids2 = batch(t, 16, 2, torch.bfloat16, seed=seed, device="cuda")
+        ids2[: t // 2] = 3  # one expert crowded, others empty
+        x.copy_(x2)
+        weights.copy_(w2_)
+        ids.copy_(ids2)
+        graph.replay()
+        check_close(out, ref.fused_moe(x, w13, w2, weights, ids), torch.bfloat16)
