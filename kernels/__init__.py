@@ -1,9 +1,10 @@
 """Model kernels: torch reference ops (CPU path, test oracle) and their Triton versions.
 
 ``get_ops("torch" | "triton")`` returns a namespace with write_kv_cache, paged_attention,
-rms_norm, rotary_embedding, silu_and_mul and w4a16_gemm (4-bit weights; its torch version lives
-in w4a16_reference). Submodules import lazily, so importing the package costs nothing until
-an op is asked for. fp8_gemm (FP8 weights and activations) has its torch version in fp8_reference.
+rms_norm, rotary_embedding, silu_and_mul, gelu_tanh_and_mul and w4a16_gemm (4-bit weights; its
+torch version lives in w4a16_reference). Submodules import lazily, so importing the package
+costs nothing until an op is asked for. fp8_gemm (FP8 weights and activations) has its torch
+version in fp8_reference.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ _OP_MODULES = {
     "rms_norm": "fused",
     "rotary_embedding": "fused",
     "silu_and_mul": "fused",
+    "gelu_tanh_and_mul": "fused",
     "w4a16_gemm": "w4a16",
     "fp8_gemm": "fp8",
     # mixture of experts (layout: moe_reference); the routing is one torch function for both

@@ -1,5 +1,7 @@
 """Elementwise/row kernels that fuse what torch does in several passes: RMSNorm (+ residual add),
-neox rotary embedding for q and k in one launch, and SiLU-and-mul.
+neox rotary embedding for q and k in one launch, SiLU-and-mul and GELU(tanh)-and-mul (GeGLU).
+Head and hidden sizes need not be powers of two (Phi-3's head_dim 96): blocks are padded to the
+next one and masked.
 
 Rounding follows kernels.reference step by step (round to the activation dtype where torch
 would), so results match the torch path to within an ulp or so.
@@ -82,10 +84,11 @@ def rms_norm(
 
 @triton.jit
 def _rope_heads(src, dst, num_heads, stride_sh, stride_dh, cos, sin,
-                HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     offs_h = tl.arange(0, BLOCK_H)[:, None]
-    offs_d = tl.arange(0, HALF)[None, :]
-    mask = offs_h < num_heads
+    offs_d = tl.arange(0, BLOCK_HALF)[None, :]
+    head_ok = offs_h < num_heads  # and when HALF is padded to a power of two, the lanes in HALF
+    mask = head_ok if BLOCK_HALF == HALF else head_ok & (offs_d < HALF)
     x1 = tl.load(src + offs_h * stride_sh + offs_d, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + offs_h * stride_sh + HALF + offs_d, mask=mask, other=0.0).to(tl.float32)
     ty = dst.dtype.element_ty
@@ -98,17 +101,19 @@ def _rope_kernel(
     pos_ptr, q_ptr, k_ptr, cs_ptr, qo_ptr, ko_ptr, num_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
-    offs = tl.arange(0, HALF)[None, :]
-    cos = tl.load(cs_ptr + pos * stride_cs + offs).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs).to(tl.float32)
+    offs = tl.arange(0, BLOCK_HALF)[None, :]
+    d_ok = offs < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + offs, mask=d_ok, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs, mask=d_ok, other=0.0).to(tl.float32)
     _rope_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, num_heads, stride_qh,
-                stride_qoh, cos, sin, HALF, BLOCK_H)
+                stride_qoh, cos, sin, HALF, BLOCK_HALF, BLOCK_H)
     _rope_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, num_kv_heads, stride_kh,
-                stride_koh, cos, sin, HALF, BLOCK_HK)
+                stride_koh, cos, sin, HALF, BLOCK_HALF, BLOCK_HK)
 
 
 def rotary_embedding(
@@ -129,9 +134,9 @@ def rotary_embedding(
     if k.shape[0] != num_tokens or k.shape[2] != d or positions.shape[0] != num_tokens:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
                          f"{tuple(positions.shape)} disagree on tokens or head_dim")
-    if cos_sin_cache.shape[1] != d or d < 4 or d & (d - 1):
+    if cos_sin_cache.shape[1] != d or d < 2 or d % 2:
         raise ValueError(f"cos_sin_cache width {cos_sin_cache.shape[1]} must equal head_dim {d}, "
-                         "a power of two")
+                         "an even number")
     for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
         check_inner_contiguous(name, t)
     if q_out is None:
@@ -147,7 +152,8 @@ def rotary_embedding(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos_sin_cache.stride(0),
-        HALF=d // 2, BLOCK_H=triton.next_power_of_2(num_heads),
+        HALF=d // 2, BLOCK_HALF=triton.next_power_of_2(d // 2),
+        BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_HK=triton.next_power_of_2(k.shape[1]), num_warps=4,
     )
     return q_out, k_out
@@ -165,11 +171,41 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.co
     tl.store(out_ptr + row * stride_o + offs, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    act = x_ptr.dtype.element_ty
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    # 0.5 g (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2 / pi) (g + 0.044715 g^3): torch's
+    # approximate="tanh" (the interpreter has no libdevice tanh; this needs none). The sigmoid
+    # from exp(-|2z|), which cannot overflow.
+    z2 = 1.5957691216057308 * (g + 0.044715 * g * g * g)  # 2z
+    e = tl.exp(-tl.abs(z2))
+    s = (g * tl.where(z2 >= 0, 1.0, e) / (1.0 + e)).to(act).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def silu_and_mul(
     x: torch.Tensor,  # [T, 2I]
     *,
     out: torch.Tensor | None = None,  # [T, I]
 ) -> torch.Tensor:
+    return _gated(_silu_and_mul_kernel, x, out)
+
+
+def gelu_tanh_and_mul(
+    x: torch.Tensor,  # [T, 2I]
+    *,
+    out: torch.Tensor | None = None,  # [T, I]
+) -> torch.Tensor:
+    """GeGLU (Gemma): gelu(gate, approximate="tanh") * up, gate the first half of each row."""
+    return _gated(_gelu_tanh_and_mul_kernel, x, out)
+
+
+def _gated(kernel, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     check_tensor("x", x, 2, FLOAT_DTYPES)
     check_inner_contiguous("x", x)
     num_tokens, two_i = x.shape
@@ -182,7 +218,7 @@ def silu_and_mul(
     if num_tokens == 0 or inter == 0:
         return out
     block = min(2048, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+    kernel[(num_tokens, triton.cdiv(inter, block))](
         x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=4,
     )
     return out

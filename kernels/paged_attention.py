@@ -17,6 +17,15 @@ An FP8 cache (float8_e4m3fn) is read as stored * scale: K and V tiles are widene
 fp16 when q is bf16 (exact: every e4m3 value is an fp16 value), and the dots run as for a
 16-bit cache; k_scale folds into the softmax scale and v_scale into the output, so no tile is
 multiplied.
+
+Options (both 0 = off, and compiled out then; same contract as the reference):
+
+- sliding_window W: the query at position i sees keys i - W < j <= i. A block's tile loop
+  starts at the first tile any of its rows can see, so tiles wholly before the window are
+  never read; only the tiles holding the window's lower edge are masked for it. With context
+  splits, the splits share out the visible tiles, not the whole context.
+- logits_soft_cap c: scores become c * tanh(score / c) before the mask and the softmax.
+- head_dim need not be a power of two (Phi-3's 96, 80): it is padded to the next one, masked.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from pagedserve.kernels._checks import (
     check_out,
     check_tensor,
 )
+from pagedserve.kernels.reference import check_attention_options
 
 _LOG2E = 1.4426950408889634
 
@@ -55,24 +65,44 @@ def _find_seq(cu_q_ptr, num_seqs, qb, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(ptrs, k_ok, d_ok, MASK: tl.constexpr, PAD_D: tl.constexpr):
+    if MASK:
+        if PAD_D:
+            return tl.load(ptrs, mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        return tl.load(ptrs, mask=k_ok[:, None], other=0.0)
+    if PAD_D:
+        return tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d,
-    stride_kb, stride_ks, stride_vb, stride_vs, qk_scale,
+    q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d, d_ok,
+    stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASK: tl.constexpr,
+    WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, PAD_D: tl.constexpr,
 ):
     k_pos = tile * TILE_N + tl.arange(0, TILE_N)
+    k_ok = k_pos < kv_end
     if MASK:
-        k_ok = k_pos < kv_end
         blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
     else:
         blk = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
     slot_in = k_pos % BLOCK_SIZE
     k_ptrs = k_base + (blk * stride_kb + slot_in * stride_ks)[:, None] + offs_d[None, :]
     v_ptrs = v_base + (blk * stride_vb + slot_in * stride_vs)[:, None] + offs_d[None, :]
-    k = tl.load(k_ptrs, mask=k_ok[:, None], other=0.0) if MASK else tl.load(k_ptrs)
+    k = _load_kv(k_ptrs, k_ok, d_ok, MASK, PAD_D)
     s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale  # [BLOCK_M, TILE_N], log2 domain
+    if SOFT_CAP:
+        # s is log2(e) * x for the natural score x; c * tanh(x / c) in the same domain is
+        # log2(e) * c * (2 / (1 + exp(-2x / c)) - 1), and exp(-2x / c) = exp2(-2s / c).
+        # (tanh as 2 * sigmoid(2u) - 1: the interpreter has no libdevice tanh.)
+        u = tl.exp2(s * (-2.0 / soft_cap))  # exp(-2x / c)
+        s = (soft_cap * 1.4426950408889634) * (2.0 / (1.0 + u) - 1.0)
     if MASK:
         keep = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if WINDOW:
+            keep = keep & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row can see no key in this tile (causal, or a split past its position): keep it finite.
@@ -80,7 +110,7 @@ def _attend_tile(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0) if MASK else tl.load(v_ptrs)
+    v = _load_kv(v_ptrs, k_ok, d_ok, MASK, PAD_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i, acc
 
@@ -89,17 +119,20 @@ def _attend_tile(
 # for each of value == 1 / divisible by 16 / other, and a compile met while serving stalls the
 # step for seconds. stride_bt is one of them: an eager step's block table is as wide as its
 # longest sequence needs (a CUDA graph's is fixed), so its divisibility by 16 changes as
-# contexts grow. The executor logs any compile after start (jit_watch.py).
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_q_len", "stride_bt"])
+# contexts grow. The executor logs any compile after start (jit_watch.py). The window is
+# fixed per layer, but a test of its value class would only buy variants; HAS_WINDOW and
+# SOFT_CAP are constexpr, so layers without either compile the plain kernel.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_q_len", "stride_bt", "window"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    qk_scale, v_scale, num_seqs, num_heads, num_splits, min_q_len,
+    qk_scale, v_scale, num_seqs, num_heads, num_splits, min_q_len, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, WIDEN_F16: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, WIDEN_F16: tl.constexpr,
+    PAD_D: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -121,13 +154,16 @@ def _paged_attn_kernel(
     ctx = tl.load(seq_lens_ptr + seq)
 
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
     tok = q_tok0 + offs_m // GROUP  # token index within the sequence's queries
     head = kvh * GROUP + offs_m % GROUP
     row_ok = (tok < q_len) & (offs_m < BLOCK_Q * GROUP)
     row_t = (q_start + tok).to(tl.int64)
+    # PAD_D: head_dim padded to BLOCK_D, a power of two; the lanes past it are masked
+    q_mask = row_ok[:, None] & d_ok[None, :] if PAD_D else row_ok[:, None]
     q = tl.load(q_ptr + (row_t * stride_qt + head * stride_qh)[:, None] + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=q_mask, other=0.0)
     if WIDEN_F16:  # an FP8 cache: its tiles widen to q's dtype, and e4m3 -> fp16 is one
         # conversion per two values on sm89+ where e4m3 -> bf16 goes through fp32; fp16 q
         # (clamped to its range) also keeps 3 more mantissa bits than bf16
@@ -137,12 +173,20 @@ def _paged_attn_kernel(
     first_pos = ctx - q_len + q_tok0
     kv_end = tl.minimum(ctx, first_pos + BLOCK_Q)  # keys any row of this block may see
     num_tiles = tl.cdiv(kv_end, TILE_N)
-    if SPLIT:
-        per_split = tl.cdiv(num_tiles, num_splits)
-        t_lo = split * per_split
+    if HAS_WINDOW:
+        # first tile any row sees (the first row's window starts lowest); tiles from t_win on
+        # hold only keys inside every row's window (the last row's starts at kv_end - window)
+        t_first = tl.maximum(first_pos - window + 1, 0) // TILE_N
+        t_win = tl.cdiv(tl.maximum(kv_end - window, 0), TILE_N)
+    else:
+        t_first = 0
+        t_win = 0
+    if SPLIT:  # the splits share out the tiles the block sees
+        per_split = tl.cdiv(num_tiles - t_first, num_splits)
+        t_lo = t_first + split * per_split
         t_hi = tl.minimum(t_lo + per_split, num_tiles)
     else:
-        t_lo = 0
+        t_lo = t_first
         t_hi = num_tiles
     t_full = (first_pos + 1) // TILE_N  # tiles below t_full need no causal/length mask
 
@@ -151,15 +195,24 @@ def _paged_attn_kernel(
     v_base = v_cache_ptr + kvh * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if HAS_WINDOW:  # the window's lower edge: fully masked (it may also hold the causal edge)
+        for tile in range(t_lo, tl.minimum(t_hi, t_win)):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d, d_ok,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
+                BLOCK_SIZE, TILE_N, True, True, SOFT_CAP, PAD_D)
+        t_lo = tl.maximum(t_lo, t_win)
     for tile in range(t_lo, tl.minimum(t_hi, t_full)):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, BLOCK_SIZE, TILE_N, False)
+            q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d, d_ok,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
+            BLOCK_SIZE, TILE_N, False, False, SOFT_CAP, PAD_D)
     for tile in range(tl.maximum(t_lo, t_full), t_hi):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, BLOCK_SIZE, TILE_N, True)
+            q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d, d_ok,
+            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
+            BLOCK_SIZE, TILE_N, True, False, SOFT_CAP, PAD_D)
 
     acc = acc * v_scale  # 1.0 unless the cache is FP8
     if SPLIT:  # partial rows are seq * BLOCK_Q + tok (PER_SEQ only), not token rows
@@ -167,19 +220,19 @@ def _paged_attn_kernel(
         idx = (part_row * num_heads + head) * num_splits + split
         tl.store(part_m_ptr + idx, m_i, mask=row_ok)
         tl.store(part_l_ptr + idx, l_i, mask=row_ok)
-        tl.store(part_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                 mask=row_ok[:, None])
+        tl.store(part_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
     else:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (row_t * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                 o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, cu_q_ptr, num_heads, num_splits,
     stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     row = tl.program_id(0)  # seq * BLOCK_Q + tok
     h = tl.program_id(1)
@@ -192,16 +245,18 @@ def _merge_splits_kernel(
     t = (q_start + tok).to(tl.int64)
     base = (row.to(tl.int64) * num_heads + h) * num_splits
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
     s_ok = offs_s < num_splits
     m = tl.load(part_m_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
     l_s = tl.load(part_l_ptr + base + offs_s, mask=s_ok, other=0.0)
     m_max = tl.max(m, 0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
     acc = tl.load(part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                  mask=s_ok[:, None], other=0.0)
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=d_ok)
 
 
 @functools.lru_cache(maxsize=8)
@@ -228,7 +283,11 @@ def short_config(group: int, fp8: bool = False) -> Config:
     return Config(max(16, triton.next_power_of_2(group)), 64, 4, 2)
 
 
-def long_config(max_query_len: int, group: int, dtype: torch.dtype) -> Config:
+def long_config(max_query_len: int, group: int, dtype: torch.dtype, head_dim: int = 128) -> Config:
+    if dtype == torch.float32 and head_dim > 128:
+        # fp32 tiles 256 lanes wide: of the 64/128-row configs only 64 rows x 32 keys fit in
+        # H200's 227 KB of shared memory (64 x 64 keys needs 320 KB)
+        return Config(max(64, triton.next_power_of_2(group)), 32, 4, 2)
     block_m = max(64 if max_query_len * group <= 64 else 128, triton.next_power_of_2(group))
     return Config(block_m, 64, 8 if block_m >= 128 else 4, 2 if dtype == torch.float32 else 3)
 
@@ -254,8 +313,8 @@ def _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> No
     _, _, hkv, d = k_cache.shape
     if q.shape[2] != d:
         raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {d}")
-    if d < 16 or d & (d - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
+    if not 16 <= d <= 256 or d % 8:
+        raise ValueError(f"head_dim must be a multiple of 8 in 16..256, got {d}")
     if q.shape[1] % hkv:
         raise ValueError(f"num_heads {q.shape[1]} not a multiple of num_kv_heads {hkv}")
     check_tensor("block_tables", block_tables, 2, (torch.int32,), dev)
@@ -286,12 +345,15 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, H, D], q's dtype
     k_scale: float = 1.0,  # FP8 caches only: keys read as stored * k_scale
     v_scale: float = 1.0,
+    sliding_window: int = 0,  # > 0: the query at position i sees keys i - W < j <= i only
+    logits_soft_cap: float = 0.0,  # > 0: scores become cap * tanh(score / cap)
 ) -> torch.Tensor:
     """Same contract as kernels.reference.paged_attention.
 
     Rows of q past cu_seqlens_q[-1] (padding) are left unspecified in the output.
     """
     _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
+    check_attention_options(sliding_window, logits_soft_cap)
     num_tokens, num_heads, _ = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -311,8 +373,10 @@ def paged_attention(
         else:
             if max_seq_len is None:
                 max_seq_len = int(seq_lens.max())
-            num_splits = _pick_num_splits(num_seqs * num_kv_heads, q.device, max_seq_len,
-                                          short.tile_n)
+            seen = max_seq_len  # keys a short row reads: a window's worth at most
+            if sliding_window:
+                seen = min(seen, sliding_window + short.block_m // group + short.tile_n)
+            num_splits = _pick_num_splits(num_seqs * num_kv_heads, q.device, seen, short.tile_n)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if k_cache.dtype != FP8_KV_DTYPE:
@@ -320,28 +384,32 @@ def paged_attention(
     elif not (k_scale > 0 and v_scale > 0):
         raise ValueError(f"FP8 KV scales must be > 0, got k_scale {k_scale}, v_scale {v_scale}")
     args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
-    scales = {"k_scale": k_scale, "v_scale": v_scale}
-    launch(*args, short, per_seq=True, num_splits=num_splits, **scales)
+    opts = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": int(sliding_window),
+            "logits_soft_cap": float(logits_soft_cap)}
+    launch(*args, short, per_seq=True, num_splits=num_splits, **opts)
     short_q = short.block_m // group
     if max_query_len > short_q:
-        launch(*args, long_config(max_query_len, group, q.dtype), per_seq=False,
-               min_q_len=short_q + 1, **scales)
+        launch(*args, long_config(max_query_len, group, q.dtype, q.shape[2]), per_seq=False,
+               min_q_len=short_q + 1, **opts)
     return out
 
 
 def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float,
            out: torch.Tensor, cfg: Config, *, per_seq: bool, num_splits: int = 1,
-           min_q_len: int = 0, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+           min_q_len: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
+           sliding_window: int = 0, logits_soft_cap: float = 0.0) -> None:
     """One launch with an explicit config over checked arguments (benchmarks sweep this).
 
     per_seq=True handles only sequences with q_len <= cfg.block_m // group (and may split the
-    context); per_seq=False handles only sequences with q_len >= min_q_len.
+    context); per_seq=False handles only sequences with q_len >= min_q_len. sliding_window and
+    logits_soft_cap as paged_attention's (0: off).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     block_q = cfg.block_m // group
+    block_d = triton.next_power_of_2(head_dim)
     split = num_splits > 1
     if split and not per_seq:
         raise ValueError("context splits are only supported with per_seq=True")
@@ -358,17 +426,20 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: flo
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
         out, part_m, part_l, part_acc,
         scale * _LOG2E * k_scale, float(v_scale), num_seqs, num_heads, num_splits, min_q_len,
+        int(sliding_window), float(logits_soft_cap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, PER_SEQ=per_seq, SPLIT=split,
-        WIDEN_F16=k_cache.dtype == FP8_KV_DTYPE and q.dtype == torch.bfloat16,
+        BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, PER_SEQ=per_seq,
+        SPLIT=split, WIDEN_F16=k_cache.dtype == FP8_KV_DTYPE and q.dtype == torch.bfloat16,
+        PAD_D=block_d != head_dim, HAS_WINDOW=sliding_window > 0, SOFT_CAP=logits_soft_cap > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
         _merge_splits_kernel[(num_seqs * block_q, num_heads)](
             part_m, part_l, part_acc, out, cu_seqlens_q, num_heads, num_splits,
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_Q=block_q,
+            BLOCK_S=triton.next_power_of_2(num_splits),
         )

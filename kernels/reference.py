@@ -11,11 +11,19 @@ cu_seqlens_q[b]:cu_seqlens_q[b+1]; its context (cached tokens plus the new ones,
 already been written) is seq_lens[b] tokens long, so its j-th new token sits at absolute position
 seq_lens[b] - q_len_b + j and attends causally to keys 0..that position.
 
+paged_attention takes two options of newer model families, the same in the Triton version:
+sliding_window W > 0 lets the query at position i see only keys i - W < j <= i (W keys, itself
+included: HF transformers' sliding_window_overlay, Mistral, Gemma 2/3's local layers), and
+logits_soft_cap c > 0 replaces each score s = q.k * scale by c * tanh(s / c) before the mask
+and the softmax (Gemma 2's attn_logit_softcapping). 0 turns either off.
+
 An FP8 cache (float8_e4m3fn) holds saturate(x / scale), one scale for K and one for V; reads
 give stored * scale in float32. Caches of other dtypes ignore the scales.
 """
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 
@@ -52,6 +60,18 @@ def write_kv_cache(
     v_cache.view(num_blocks * block_size, hkv, d)[slots] = value[valid].to(v_cache.dtype)
 
 
+def check_attention_options(sliding_window: int, logits_soft_cap: float) -> None:
+    """sliding_window an int >= 0 and logits_soft_cap a finite number >= 0 (0: off), else
+    ValueError. The Triton paged_attention checks its options with this too."""
+    if (isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral)
+            or sliding_window < 0):
+        raise ValueError(f"sliding_window must be an int >= 0 (0: off), got {sliding_window!r}")
+    if (isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real)
+            or not 0 <= logits_soft_cap < float("inf")):
+        raise ValueError("logits_soft_cap must be a finite number >= 0 (0: off), "
+                         f"got {logits_soft_cap!r}")
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [N, BS, Hkv, D]
@@ -65,21 +85,25 @@ def paged_attention(
     max_seq_len: int | None = None,
     k_scale: float = 1.0,  # FP8 caches only: keys read as stored * k_scale
     v_scale: float = 1.0,
+    sliding_window: int = 0,  # > 0: the query at position i sees keys i - W < j <= i only
+    logits_soft_cap: float = 0.0,  # > 0: scores become cap * tanh(score / cap)
 ) -> torch.Tensor:  # [T, H, D]
+    check_attention_options(sliding_window, logits_soft_cap)
     out = torch.empty_like(q)
     scales = (k_scale, v_scale)
+    opts = (int(sliding_window), float(logits_soft_cap))
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     decode = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
     if decode:  # all single-token rows in one batched product: the CPU decode hot path
         rows = [cu[b] for b in decode]
         out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[decode],
-                                      seq_lens[decode], scale, scales)
+                                      seq_lens[decode], scale, scales, *opts)
     for b, ctx in enumerate(lens):
         start, end = cu[b], cu[b + 1]
         if end - start > 1:
             out[start:end] = _sequence_attention(q[start:end], k_cache, v_cache,
-                                                 block_tables[b], ctx, scale, scales)
+                                                 block_tables[b], ctx, scale, scales, *opts)
     return out
 
 
@@ -89,40 +113,61 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, ctx: int) -> torch.Tensor
     return g.flatten(-4, -3)[..., :ctx, :, :]
 
 
-def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_scales):
+def _soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    return scores if cap == 0 else cap * torch.tanh(scores / cap)
+
+
+def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_scales, window, cap):
     # q: [B, H, D]; one query per sequence, at the last position of its context
     bsz, h, d = q.shape
     hkv = k_cache.shape[2]
-    max_ctx = int(seq_lens.max())
     block_size = k_cache.shape[1]
+    lens = seq_lens.long()
+    max_ctx = int(lens.max())
+    lo = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)  # first key seen
+    first = int(lo.min()) // block_size  # blocks wholly before every window are not gathered
     nblocks = -(-max_ctx // block_size)
+    pos = torch.arange(first * block_size, nblocks * block_size, device=q.device)  # [S]
     # table entries past a sequence's own blocks may be anything (padding): point them at block 0
-    used = torch.arange(nblocks, device=q.device)[None, :] * block_size < seq_lens[:, None]
-    tables = torch.where(used, block_tables[:, :nblocks], 0)
-    k = _load(_gather(k_cache, tables, max_ctx), kv_scales[0])  # [B, S, Hkv, D]
-    v = _load(_gather(v_cache, tables, max_ctx), kv_scales[1])
+    used = torch.arange(first, nblocks, device=q.device)[None, :] * block_size < lens[:, None]
+    tables = torch.where(used, block_tables[:, first:nblocks], 0)
+    k = _load(_gather(k_cache, tables, pos.numel()), kv_scales[0])  # [B, S, Hkv, D]
+    v = _load(_gather(v_cache, tables, pos.numel()), kv_scales[1])
     qg = q.float().view(bsz, hkv, h // hkv, d)  # query heads grouped by their KV head
-    scores = torch.einsum("bkgd,bskd->bkgs", qg, k) * scale  # [B, Hkv, G, S]
-    valid = torch.arange(max_ctx, device=q.device)[None, :] < seq_lens[:, None].long()
+    scores = _soft_cap(torch.einsum("bkgd,bskd->bkgs", qg, k) * scale, cap)  # [B, Hkv, G, S]
+    valid = (pos[None, :] < lens[:, None]) & (pos[None, :] >= lo[:, None])
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     v = v.masked_fill(~valid[:, :, None, None], 0.0)  # stale or NaN slots must not leak in
     o = torch.einsum("bkgs,bskd->bkgd", scores.softmax(dim=-1), v)
     return o.reshape(bsz, h, d).to(q.dtype)
 
 
-def _sequence_attention(q, k_cache, v_cache, block_table, ctx, scale, kv_scales):
+def _sequence_attention(q, k_cache, v_cache, block_table, ctx, scale, kv_scales, window, cap):
     # q: [q_len, H, D], the last q_len positions of a ctx-token context, causal
     q_len, h, _ = q.shape
+    block_size = k_cache.shape[1]
     group = h // k_cache.shape[2]
-    nblocks = -(-ctx // k_cache.shape[1])
-    k = _load(_gather(k_cache, block_table[:nblocks], ctx), kv_scales[0])  # [ctx, Hkv, D]
-    v = _load(_gather(v_cache, block_table[:nblocks], ctx), kv_scales[1])
+    lo = max(0, ctx - q_len + 1 - window) if window else 0  # first key any query sees
+    first = lo // block_size  # gather from the block holding it
+    nblocks = -(-ctx // block_size)
+    n = ctx - first * block_size
+    k = _load(_gather(k_cache, block_table[first:nblocks], n), kv_scales[0])  # [n, Hkv, D]
+    v = _load(_gather(v_cache, block_table[first:nblocks], n), kv_scales[1])
     qb = q.transpose(0, 1).float()  # [H, q_len, D]
-    kb = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, ctx, D]
+    kb = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, n, D]
     vb = v.transpose(0, 1).repeat_interleave(group, dim=0)
     q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-    mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [q_len, ctx]
-    o = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+    k_pos = torch.arange(first * block_size, ctx, device=q.device)[None, :]
+    mask = k_pos <= q_pos  # [q_len, n]
+    if window:
+        mask &= k_pos > q_pos - window
+    if cap:  # SDPA has no soft cap: the scores by hand
+        scores = _soft_cap(torch.einsum("hqd,hkd->hqk", qb, kb) * scale, cap)
+        p = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        o = torch.einsum("hqk,hkd->hqd", p, vb)
+    else:
+        o = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask,
+                                                             scale=scale)
     return o.transpose(0, 1).to(q.dtype)
 
 
@@ -163,3 +208,9 @@ def rotary_embedding(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """GeGLU (Gemma): gelu(gate, approximate="tanh") * up, gate the first half."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up

@@ -5,7 +5,7 @@ import torch
 from kernel_utils import rel_err
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.fused import rms_norm, rotary_embedding, silu_and_mul
+from pagedserve.kernels.fused import gelu_tanh_and_mul, rms_norm, rotary_embedding, silu_and_mul
 
 CUDA = torch.cuda.is_available()
 # (tokens, dtype, tolerance): interpreter fp32 small; CUDA bf16 at model sizes.
@@ -43,7 +43,7 @@ def test_rms_norm(device, tokens, dtype, tol, with_residual):
 
 
 @pytest.mark.parametrize("tokens,dtype,tol", CASES)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])  # 96: Phi-3, half of it padded
 def test_rotary(device, tokens, dtype, tol, head_dim):
     device = _dev(device, dtype)
     h, hkv, max_pos = (32, 8, 8192) if CUDA else (4, 2, 64)
@@ -71,6 +71,20 @@ def test_silu_and_mul(device, tokens, dtype, tol):
     assert rel_err(out, reference.silu_and_mul(x)) < tol
 
 
+@pytest.mark.parametrize("tokens,dtype,tol", CASES)
+def test_gelu_tanh_and_mul(device, tokens, dtype, tol):
+    device = _dev(device, dtype)
+    inter = 16384 if CUDA else 2500  # 16384: Gemma-2-2B's MLP; 2500: a ragged second block
+    big = 3 * torch.randn(tokens, 2 * inter + 8, device=device, dtype=dtype)
+    x = big[:, :2 * inter]  # strided rows; |x| up to ~12 reaches both tails of the GELU
+    out = gelu_tanh_and_mul(x, out=_nan((tokens, inter), dtype, device))
+    gate, up = x.float().chunk(2, dim=-1)
+    assert rel_err(out, reference.gelu_tanh_and_mul(x)) < tol
+    # the reference is torch's tanh GELU: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
+    by_hand = 0.5 * gate * (1 + torch.tanh(0.7978845608028654 * (gate + 0.044715 * gate**3)))
+    assert rel_err(reference.gelu_tanh_and_mul(x), by_hand * up) < max(tol, 1e-6)
+
+
 def test_fused_reject_misuse(device):
     x = torch.randn(4, 8, device=device)
     with pytest.raises(ValueError):
@@ -79,6 +93,8 @@ def test_fused_reject_misuse(device):
         rms_norm(x.t(), torch.ones(4, device=device), 1e-6)
     with pytest.raises(ValueError):
         silu_and_mul(torch.randn(4, 7, device=device))
+    with pytest.raises(ValueError):
+        gelu_tanh_and_mul(torch.randn(4, 7, device=device))
     q = torch.randn(4, 2, 8, device=device)
     with pytest.raises(ValueError):
         rotary_embedding(torch.arange(4, device=device), q, q, torch.randn(10, 6, device=device))

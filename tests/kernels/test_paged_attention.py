@@ -25,16 +25,21 @@ def _run(batch, scale: float, **kw) -> torch.Tensor:
     return paged_attention(*batch.args(), scale, out=out, **kw)
 
 
-def _ref(batch, scale: float) -> torch.Tensor:
+def _ref(batch, scale: float, **opts) -> torch.Tensor:
+    """opts: sliding_window, logits_soft_cap."""
     b = batch
     return reference.paged_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(),
-                                     b.block_tables, b.seq_lens, b.cu_seqlens_q, scale)
+                                     b.block_tables, b.seq_lens, b.cu_seqlens_q, scale, **opts)
 
 
-def _check(batch, scale: float, tol: float, **kw) -> None:
-    out = _run(batch, scale, **kw)
+def _check(batch, scale: float, tol: float, opts: dict | None = None, ref_batch=None,
+           **kw) -> None:
+    """Kernel against the reference, both with the attention options opts; kw go to the
+    kernel alone. ref_batch: the reference's input, when the kernel's differs (poisoned)."""
+    opts = opts or {}
+    out = _run(batch, scale, **opts, **kw)
     assert not out.isnan().any(), "unwritten or NaN-polluted output rows"
-    err = rel_err(out, _ref(batch, scale))
+    err = rel_err(out, _ref(ref_batch or batch, scale, **opts))
     assert err < tol, err
 
 
@@ -106,21 +111,23 @@ def _to_fp8(batch, k_scale: float, v_scale: float):
                    v_cache=reference.quantize_fp8(batch.v_cache, v_scale))
 
 
-def _check_fp8(batch, scale: float, k_scale: float, v_scale: float, tol: float, **kw) -> None:
+def _check_fp8(batch, scale: float, k_scale: float, v_scale: float, tol: float,
+               opts: dict | None = None, **kw) -> None:
     """Kernel on an FP8 cache against the reference on the same cache; and the reference's
     FP8 read against attention over the dequantized values in float32 (its definition)."""
+    opts = opts or {}
     b8 = _to_fp8(batch, k_scale, v_scale)
     scales = {"k_scale": k_scale, "v_scale": v_scale}
-    out = _run(b8, scale, **kw, **scales)
+    out = _run(b8, scale, **kw, **scales, **opts)
     assert not out.isnan().any(), "unwritten or NaN-polluted output rows"
-    ref = reference.paged_attention(b8.q.float(), *b8.args()[1:], scale, **scales)
+    ref = reference.paged_attention(b8.q.float(), *b8.args()[1:], scale, **scales, **opts)
     err = rel_err(out, ref)
     assert err < tol, err
     deq = replace(b8, q=b8.q.float(), k_cache=b8.k_cache.float() * k_scale,
                   v_cache=b8.v_cache.float() * v_scale)
-    assert rel_err(ref, _ref(deq, scale)) < 1e-6
+    assert rel_err(ref, _ref(deq, scale, **opts)) < 1e-6
     # FP8 storage moved the result, but only by e4m3's rounding (3 mantissa bits)
-    exact = _ref(batch, scale)
+    exact = _ref(batch, scale, **opts)
     assert 1e-4 < rel_err(ref, exact) < 0.1
 
 
@@ -159,6 +166,117 @@ def test_fp8_scales_ignored_for_float_cache(device):
         _run(_to_fp8(batch, 1.0, 1.0), 0.125, k_scale=-1.0)
 
 
+# Sliding window and soft cap. Contexts equal to some windows below (7, 16, 37, 100), shorter
+# and longer than others; decodes, a prefill from scratch, chunks over a cached prefix.
+WIN_Q = [1, 7, 1, 33, 1, 20, 1, 5]
+WIN_CTX = [45, 7, 16, 70, 1, 37, 200, 100]
+
+
+def test_reference_window_and_cap_by_hand():
+    """The reference against the masked softmax written out, the mask from transformers'
+    sliding_window_causal_mask_function (kv_idx > q_idx - W, and causal): one decode, one
+    chunk over a cached prefix, one prefill from scratch, GQA, a window cutting each."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    b = make_paged_batch([1, 6, 9], [23, 30, 9], 4, 2, 16, 8, DTYPE, torch.device("cpu"),
+                         seed=31)
+    scale, window, cap = 0.4, 5, 1.5
+    hf_mask = sliding_window_causal_mask_function(window)
+    want = torch.empty_like(b.q, dtype=torch.float64)
+    cu, lens = b.cu_seqlens_q.tolist(), b.seq_lens.tolist()
+    for s, ctx in enumerate(lens):
+        n_blocks = -(-ctx // 8)
+        slots = (b.block_tables[s, :n_blocks].long()[:, None] * 8 + torch.arange(8)).flatten()
+        k = b.k_cache.flatten(0, 1)[slots[:ctx]].double()  # [ctx, Hkv, D]
+        v = b.v_cache.flatten(0, 1)[slots[:ctx]].double()
+        q_len = cu[s + 1] - cu[s]
+        q_idx = torch.arange(ctx - q_len, ctx)[:, None]
+        mask = hf_mask(0, 0, q_idx, torch.arange(ctx)[None, :])  # [q_len, ctx]
+        for h in range(4):
+            q = b.q[cu[s]:cu[s + 1], h].double()
+            x = q @ k[:, h // 2].T * scale
+            x = cap * torch.tanh(x / cap)
+            p = torch.where(mask, x.exp(), 0.0)
+            want[cu[s]:cu[s + 1], h] = (p / p.sum(1, keepdim=True)) @ v[:, h // 2]
+    got = reference.paged_attention(*b.args(), scale, sliding_window=window,
+                                    logits_soft_cap=cap)
+    assert rel_err(got, want) < 1e-6
+    # and the options do something: neither alone gives the same
+    for opts in ({"sliding_window": window}, {"logits_soft_cap": cap}):
+        assert rel_err(reference.paged_attention(*b.args(), scale, **opts), want) > 1e-2
+
+
+@pytest.mark.parametrize("window,cap,num_splits", [
+    (1, 0.0, 1), (7, 0.0, 3), (16, 2.5, 1), (37, 0.0, 3), (37, 2.5, 1), (64, 0.0, 1),
+    (100, 2.5, 3), (1000, 0.0, 3), (0, 2.5, 3),
+])
+def test_window_cap_mixed_batch(device, window, cap, num_splits):
+    batch = make_paged_batch(WIN_Q, WIN_CTX, 8, 2, 64, 16, DTYPE, device, seed=window + 1)
+    opts = {"sliding_window": window, "logits_soft_cap": cap}
+    _check(batch, 0.3, TOL, opts, num_splits=num_splits)
+
+
+def _poison_before_window(batch, window: int, tile: int = 64):
+    """batch with NaN K/V in every slot of the 64-key tiles wholly before each sequence's
+    window (the lowest first key of its queries); a kernel reading such a tile, even masked,
+    gives NaN (0 * NaN in p @ V)."""
+    k, v = batch.k_cache.clone(), batch.v_cache.clone()
+    cu, lens = batch.cu_seqlens_q.tolist(), batch.seq_lens.tolist()
+    bs = k.shape[1]
+    for s, ctx in enumerate(lens):
+        lo = max(0, ctx - (cu[s + 1] - cu[s]) + 1 - window) // tile * tile
+        for pos in range(0, lo, bs):
+            blk = int(batch.block_tables[s, pos // bs])
+            k[blk], v[blk] = float("nan"), float("nan")
+    return replace(batch, k_cache=k, v_cache=v)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_window_skips_tiles_before_it(device, num_splits):
+    """Decodes, a short chunk and a long-row chunk (q_len x group > 64) on long contexts."""
+    batch = make_paged_batch([1, 1, 6, 40], [300, 260, 280, 330], 4, 2, 64, 16, DTYPE, device,
+                             seed=41 + num_splits)
+    window = 45
+    _check(_poison_before_window(batch, window), 0.3, TOL, {"sliding_window": window},
+           ref_batch=batch, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("window,cap", [(50, 0.0), (21, 3.0)])
+def test_window_long_prefill(device, window, cap):
+    # q_len * group > 64: the 128-row blocks, two per long sequence, next to decodes
+    batch = make_paged_batch([1, 70, 1, 66], [9, 150, 65, 66], 4, 2, 64, 32, DTYPE, device,
+                             seed=window)
+    _check(batch, 0.2, TOL, {"sliding_window": window, "logits_soft_cap": cap})
+
+
+@pytest.mark.parametrize("head_dim", [96, 256])
+@pytest.mark.parametrize("window,cap", [(0, 0.0), (24, 3.0)])
+def test_head_dims_not_power_of_two_or_large(device, head_dim, window, cap):
+    """96 (Phi-3) pads to 128 with masked lanes; 256 (Gemma); split and long-row paths."""
+    batch = make_paged_batch([1, 9, 1, 40], [40, 30, 70, 45], 4, 2, head_dim, 16, DTYPE,
+                             device, seed=head_dim + window)
+    opts = {"sliding_window": window, "logits_soft_cap": cap}
+    _check(batch, head_dim**-0.5, TOL, opts, num_splits=3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_cache_window_cap(device, num_splits):
+    batch = make_paged_batch(WIN_Q, WIN_CTX, 8, 2, 64, 16, DTYPE, device, seed=26)
+    _check_fp8(batch, 0.125, 0.5, 2.0, TOL, {"sliding_window": 37, "logits_soft_cap": 2.0},
+               num_splits=num_splits)
+
+
+def test_rejects_bad_window_or_cap(device):
+    b = make_paged_batch([1, 3], [5, 3], 4, 2, 64, 16, DTYPE, device)
+    bad = [{"sliding_window": -1}, {"sliding_window": 2.5}, {"sliding_window": True},
+           {"logits_soft_cap": -1.0}, {"logits_soft_cap": float("inf")},
+           {"logits_soft_cap": float("nan")}]
+    for opts in bad:
+        for fn in (paged_attention, reference.paged_attention):
+            with pytest.raises(ValueError):
+                fn(*b.args(), 0.1, **opts)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -187,3 +305,27 @@ def test_cuda_fp8_llama_shapes(dtype):
                               torch.device("cuda"), seed=5)
     _check_fp8(decode, 128**-0.5, 1.0, 1.0, 1e-2)
     _check_fp8(decode, 128**-0.5, 1.0, 1.0, 1e-2, num_splits=1)
+
+
+# (heads, kv heads, head_dim, window, soft cap): Mistral-7B, Gemma-2-9B's local layers,
+# Gemma-3's, Phi-3-mini (head_dim 96, window 2047)
+CUDA_WINDOW_MODELS = [(32, 8, 128, 4096, 0.0), (16, 8, 256, 4096, 50.0), (8, 4, 256, 1024, 0.0),
+                      (32, 32, 96, 2047, 0.0)]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("model", CUDA_WINDOW_MODELS, ids=["mistral", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_window_model_shapes(model, fp8):
+    h, hkv, d, window, cap = model
+    gen = torch.Generator().manual_seed(d + window)
+    q_lens = [1] * 12 + [700, 37, 300]
+    ctxs = torch.randint(1, 9000, (12,), generator=gen).tolist() + [700, 5000, 9000]
+    opts = {"sliding_window": window, "logits_soft_cap": cap}
+    dev = torch.device("cuda")
+    for q, c in ((q_lens, ctxs), ([1, 1], [6000, 20000])):  # the second splits the context
+        batch = make_paged_batch(q, c, h, hkv, d, 16, torch.bfloat16, dev, seed=window)
+        if fp8:
+            _check_fp8(batch, d**-0.5, 0.02, 0.03, 1e-2, opts)
+        else:
+            _check(batch, d**-0.5, 1e-2, opts)
