@@ -185,8 +185,8 @@ def tune_grid(rows_per_expert: float) -> list[fm.MoeConfig]:
 
 
 def tune_shape(name: str, s: Shape, tokens: list[int]) -> tuple[dict, list[dict]]:
-    """Each GEMM timed alone per config; for each BLOCK_M the best of each GEMM, then the
-    BLOCK_M whose two bests add up least (one alignment serves both)."""
+    """Each GEMM timed alone per config (CUDA-graph replays); for each BLOCK_M the best of each
+    GEMM, then the BLOCK_M whose two bests add up least (one alignment serves both)."""
     w13, w2 = make_experts(s)
     entries: dict[str, dict[str, dict]] = {}
     records = []
@@ -205,7 +205,8 @@ def tune_shape(name: str, s: Shape, tokens: list[int]) -> tuple[dict, list[dict]
                                                routed_weights=flat_w)}
             for gemm, fn in gemms.items():
                 try:
-                    ms = bench(fn)
+                    fn()  # compiles outside the graph; a refused config raises here
+                    ms = bench(fn, graph=True)  # decode GEMMs last microseconds: no launch time
                 except Exception as e:  # noqa: BLE001  (a config the compiler refuses)
                     print(f"{name} T={t} {gemm} {cfg}: {type(e).__name__}", flush=True)
                     continue
