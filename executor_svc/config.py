@@ -6,10 +6,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pagedserve.executor.families import SUPPORTED, Moe, UnsupportedModelError, family_fields
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The parts of an HF config.json a Llama-family model needs (Llama, Mistral, Qwen2, SmolLM)."""
+    """The parts of an HF config.json the decoder needs; the family switches (qk_norm ..
+    moe) are families.family_fields'."""
 
     model_type: str
     hidden_size: int
@@ -24,6 +27,18 @@ class ModelConfig:
     max_position_embeddings: int
     attention_bias: bool
     hf_config: Any  # the transformers config object, for rope scaling functions
+    qk_norm: str = ""  # "": none, "head": RMSNorm over each head, "full": over the projection
+    norm_style: str = "pre"  # "pre" (Llama), "post" (OLMo 2), "sandwich" (Gemma: pre and post)
+    norm_offset: float = 0.0  # 1.0: norms scale by (1 + w) (Gemma)
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden))
+    attn_scale: float = 0.0  # softmax scale; 0: head_dim ** -0.5
+    attn_softcap: float = 0.0  # cap * tanh(score / cap) before the softmax; 0: off
+    final_softcap: float = 0.0  # the same on the logits
+    layer_windows: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 full
+    local_rope: bool = False  # windowed layers use the config's sliding_attention RoPE
+    moe: Moe | None = None
+    impl: str = "native"  # "native" (model.py) or "transformers" (hf_fallback.py)
     # Tensor parallelism (executor_svc/tp_layers.py): a rank's config counts its own share of
     # the heads, KV heads and MLP width; hidden_size and vocab_size stay whole.
     tp_rank: int = 0
@@ -32,10 +47,38 @@ class ModelConfig:
     head_start: int = 0  # the first of this rank's query heads
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+    def from_pretrained(cls, path: str | Path, impl: str = "native") -> ModelConfig:
+        """impl: "native" (a native module or an error naming the supported families),
+        "transformers" (HF's modeling code, hf_fallback.py), "auto" (native where one is)."""
         from transformers import AutoConfig
 
-        return cls.from_hf(AutoConfig.from_pretrained(path))
+        c = AutoConfig.from_pretrained(path)
+        if impl not in ("auto", "native", "transformers"):
+            raise ValueError(f"model impl must be auto, native or transformers, got {impl!r}")
+        if impl == "transformers" or (impl == "auto" and c.model_type not in SUPPORTED):
+            return cls.for_transformers(c)
+        return cls.from_hf(c)
+
+    @classmethod
+    def for_transformers(cls, c: Any) -> ModelConfig:
+        """The decoder's dimensions as the KV cache and scheduler need them, for a model run by
+        HF's own modeling code (hf_fallback.py)."""
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        if type(c) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise UnsupportedModelError(f"unsupported model_type {c.model_type!r}: no native "
+                                        f"module (supported are {', '.join(SUPPORTED)}) and "
+                                        f"transformers has no causal LM for it")
+        heads = c.num_attention_heads
+        return cls(
+            model_type=c.model_type, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+            num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            intermediate_size=getattr(c, "intermediate_size", 0) or 0, vocab_size=c.vocab_size,
+            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            max_position_embeddings=c.max_position_embeddings, attention_bias=False,
+            hf_config=c, impl="transformers")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
@@ -46,8 +89,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, c: Any) -> ModelConfig:
-        if c.model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported model_type {c.model_type!r} (llama, mistral, qwen2)")
+        family = family_fields(c)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return cls(
             model_type=c.model_type,
@@ -61,8 +103,8 @@ class ModelConfig:
             rms_norm_eps=c.rms_norm_eps,
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             max_position_embeddings=c.max_position_embeddings,
-            attention_bias=bool(getattr(c, "attention_bias", c.model_type == "qwen2")),
             hf_config=c,
+            **family,
         )
 
     def for_rank(self, rank: int, size: int) -> ModelConfig:
@@ -87,8 +129,17 @@ class ModelConfig:
                                  f"of the KV heads and divide the heads)")
             kv_start, kv_n = rank * hkv // size, 1
             q_start, q_n = rank * (h // size), h // size
+        moe = self.moe
+        if moe is not None:  # experts split along their width, as dense MLPs are
+            widths = (moe.intermediate_size, moe.shared_intermediate_size)
+            if any(w % size for w in widths):
+                raise ValueError(f"expert widths {widths} are not divisible by tensor parallel "
+                                 f"size {size}")
+            moe = replace(moe, intermediate_size=widths[0] // size,
+                          shared_intermediate_size=widths[1] // size)
         return replace(self, num_heads=q_n, num_kv_heads=kv_n, intermediate_size=inter // size,
-                       tp_rank=rank, tp_size=size, kv_head_start=kv_start, head_start=q_start)
+                       tp_rank=rank, tp_size=size, kv_head_start=kv_start, head_start=q_start,
+                       moe=moe)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM
+from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.transfer import to_device
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  max_batch: int, max_model_len: int, block_size: int,
                  device: torch.device) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device

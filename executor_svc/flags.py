@@ -39,6 +39,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of the GPU this process may use (CUDA)")
     p.add_argument("--load-format", choices=["auto", "random"], default="auto",
                    help="random: random weights for the model's config (benchmarks)")
+    p.add_argument("--model-impl", choices=["auto", "native", "transformers"], default="auto",
+                   help="native: pagedserve's own modules (families in docs/models.md); "
+                        "transformers: HF transformers' modeling code with the paged attention "
+                        "plugged in (any decoder-only model it has, slower); auto: native "
+                        "where a module exists")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="auto: triton on CUDA, torch on CPU")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",

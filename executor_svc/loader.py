@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from pagedserve.executor.config import ModelConfig
-from pagedserve.executor.model import LlamaForCausalLM, Ops, rope_cos_sin_cache
+from pagedserve.executor.model import CausalLM, Ops
 from pagedserve.executor.quantization import Fp8Linear, QuantConfig, convert_checkpoint
 
 RANDOM_SCALE = 0.02 / 4.6  # random 4-bit weights spread like the N(0, 0.02) float ones
@@ -34,16 +34,22 @@ def build_model(
     weights_dir: Path | None,
     seed: int = 0,
     quant: QuantConfig | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Load from `weights_dir`, or random N(0, 0.02) weights when it is None (benchmarks).
     With `quant`, decoder linears are 4-bit or FP8 (executor_svc/quantization); random 4-bit
     weights are uniform nibbles around zero point 8 with scales that give them about the same
     spread, random FP8 ones N(0, 0.02) quantized per channel."""
+    if cfg.impl == "transformers":
+        from pagedserve.executor.hf_fallback import TransformersLM
+
+        if quant is not None:
+            raise ValueError("the transformers fallback serves unquantized weights only")
+        return TransformersLM.build(cfg, ops, dtype, device, weights_dir, seed)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, ops, max_pos, quant)
+        model = CausalLM(cfg, ops, max_pos, quant)
     model = model.to_empty(device=device)
     _cast(model, dtype)
-    model.cos_sin = rope_cos_sin_cache(cfg, max_pos, device)
+    model.set_rope(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if weights_dir is None:

@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""The decoder over a paged KV cache that every supported family runs (families.py lists them
+and what each switches on; layers.py and moe.py hold the blocks).
 
 Tokens of all scheduled requests are flattened into one batch of T rows ("varlen"); the
 attention metadata says which rows belong to which sequence and where their KV lives.
@@ -8,156 +9,100 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from pagedserve.executor import tp_layers as tp
 from pagedserve.executor.config import ModelConfig
-from pagedserve.executor.quantization import Fp8Linear, QuantConfig, QuantizationError, W4Linear
+from pagedserve.executor.layers import (
+    MLP,
+    Attention,
+    AttentionMetadata,
+    Ops,
+    RMSNorm,
+    rope_cos_sin_cache,
+)
+from pagedserve.executor.moe import SparseMoe
+from pagedserve.executor.quantization import QuantConfig, QuantizationError
 
-Ops = Any  # the namespace kernels.get_ops() returns
+__all__ = ["AttentionMetadata", "CausalLM", "Ops", "rope_cos_sin_cache"]
 _PACKED_ALONG_N = (".qweight", ".scales", ".zeros")  # fused parts concatenate along dim 1
 _FP8_SCALES = (".weight_scale", ".input_scale")  # one per output row (quantization/fp8.py)
 # FP8 KV-cache scales as checkpoints name them (vLLM's loader reads the same): k_scale/v_scale,
 # an older kv_scale for both, compressed-tensors' k_proj/v_proj output_scale
 _KV_SCALE = re.compile(r"^layers\.(\d+)\.self_attn\.(k|v|kv)(?:_scale|_proj\.output_scale)$")
-
-
-def make_linear(in_features: int, out_features: int, bias: bool, quant: QuantConfig | None,
-                ops: Ops) -> nn.Module:
-    if quant is None:
-        return nn.Linear(in_features, out_features, bias=bias)
-    if quant.method == "fp8":
-        return Fp8Linear(in_features, out_features, bias, quant, ops)
-    return W4Linear(in_features, out_features, bias, quant, ops)
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    seq_lens: torch.Tensor  # [B] int32: context length after this step
-    cu_seqlens_q: torch.Tensor  # [B+1] int32
-    max_query_len: int
-    max_seq_len: int
-
-
-def rope_cos_sin_cache(cfg: ModelConfig, max_pos: int, device: torch.device) -> torch.Tensor:
-    """[max_pos, head_dim] float32: cos in the first half, sin in the second (HF's convention)."""
-    params = getattr(cfg.hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        theta = params.get("rope_theta", getattr(cfg.hf_config, "rope_theta", 10000.0))
-        exps = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
-        inv_freq, scaling = 1.0 / (theta**exps), 1.0
-    else:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg.hf_config, torch.device("cpu"))
-    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
-    return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1).to(device)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, ops: Ops) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps, self.ops = eps, ops
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ops.rms_norm(x, self.weight, self.eps, residual)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops, quant: QuantConfig | None = None) -> None:
-        super().__init__()
-        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = make_linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d,
-                                    cfg.attention_bias, quant, ops)
-        self.o_proj = make_linear(self.h * self.d, cfg.hidden_size, False, quant, ops)
-        self.scale = self.d**-0.5
-        self.ops, self.cfg = ops, cfg
-        # an FP8 cache stores K / k_scale and V / v_scale (the checkpoint's, else vLLM's 1.0);
-        # other caches ignore them. Plain floats: CUDA graphs capture them as kernel arguments.
-        self.k_scale, self.v_scale = 1.0, 1.0
-        self.kv_scales_loaded = False
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        positions: torch.Tensor,  # [T]
-        cos_sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        sizes = [self.h * self.d, self.hkv * self.d, self.hkv * self.d]
-        q, k, v = self.qkv_proj(x).split(sizes, dim=-1)
-        q, k = self.ops.rotary_embedding(
-            positions, q.view(t, self.h, self.d), k.view(t, self.hkv, self.d), cos_sin
-        )
-        k_cache, v_cache = kv_cache
-        self.ops.write_kv_cache(k, v.view(t, self.hkv, self.d), k_cache, v_cache,
-                                meta.slot_mapping, self.k_scale, self.v_scale)
-        o = self.ops.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
-            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
-            k_scale=self.k_scale, v_scale=self.v_scale,
-        )
-        return tp.all_reduce(self.o_proj(o.reshape(t, self.h * self.d)), self.cfg)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops, quant: QuantConfig | None = None) -> None:
-        super().__init__()
-        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * cfg.intermediate_size, False,
-                                        quant, ops)
-        self.down_proj = make_linear(cfg.intermediate_size, cfg.hidden_size, False, quant, ops)
-        self.ops, self.cfg = ops, cfg
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))),
-                             self.cfg)
+# one expert's tensor: Mixtral's w1 (gate) / w3 (up) / w2 (down), Qwen's gate/up/down_proj
+_EXPERT = re.compile(r"^(layers\.\d+\.)(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                     r"(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+_NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),
+          "sandwich": ("input_layernorm", "post_attention_layernorm",
+                       "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+          "post": ("post_attention_layernorm", "post_feedforward_layernorm")}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops, quant: QuantConfig | None = None) -> None:
+    """Attention then MLP (dense or experts), with the family's norm placement: "pre" (Llama),
+    "sandwich" (Gemma: pre and post each block) or "post" (OLMo 2: after each block only).
+    Layers pass (x, residual), whose sum is the hidden state, so that an RMSNorm fuses the
+    residual add."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, ops, quant)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(cfg, ops, quant)
+        self.style = cfg.norm_style
+        for name in _NORMS[self.style]:
+            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops))
+        self.self_attn = Attention(cfg, layer, ops, quant)
+        sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
+        self.mlp = SparseMoe(cfg, ops) if sparse else MLP(cfg, ops, quant)
 
     def forward(self, x, residual, positions, cos_sin, kv_cache, meta):
-        x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        attn = self.self_attn
+        if self.style == "pre":
+            x, residual = self.input_layernorm(x, residual)
+            x = attn(x, positions, cos_sin, kv_cache, meta)
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
+        if self.style == "sandwich":
+            x, residual = self.input_layernorm(x, residual)
+            x = self.post_attention_layernorm(attn(x, positions, cos_sin, kv_cache, meta))[0]
+            x, residual = self.pre_feedforward_layernorm(x, residual)
+            return self.post_feedforward_layernorm(self.mlp(x))[0], residual
+        h = x if residual is None else x + residual
+        h = h + self.post_attention_layernorm(attn(h, positions, cos_sin, kv_cache, meta))[0]
+        return self.post_feedforward_layernorm(self.mlp(h))[0], h
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops, max_pos: int,
                  quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.cfg, self.quant = cfg, quant
         tp.check_quant(cfg, quant)
+        if cfg.moe is not None and quant is not None:
+            raise QuantizationError(f"{cfg.model_type}: quantized experts are not supported "
+                                    f"yet; serve it unquantized")
         # embeddings, norms and lm_head stay in float whatever `quant` says; with tensor
         # parallelism each rank holds its slice of the vocabulary (tp_layers)
         vocab = tp.vocab_rows(cfg)[1]
         self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, quant) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, quant)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # [max_pos, head_dim] float32; filled on the model's device by the loader
-        self.cos_sin = torch.empty(0)
+        # [max_pos, head_dim] float32, filled on the model's device by the loader
+        # (set_rope); cos_sin_local is the windowed layers' own RoPE (Gemma 3), else cos_sin
+        self.cos_sin = self.cos_sin_local = torch.empty(0)
         self.max_pos = max_pos
+
+    def set_rope(self, device: torch.device) -> None:
+        self.cos_sin = rope_cos_sin_cache(self.cfg, self.max_pos, device)
+        self.cos_sin_local = rope_cos_sin_cache(self.cfg, self.max_pos, device,
+                                                "sliding_attention") \
+            if self.cfg.local_rope else self.cos_sin
 
     @torch.inference_mode()
     def forward(
@@ -177,15 +122,20 @@ class LlamaForCausalLM(nn.Module):
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]: the final norm's output
         x = tp.embed(self.embed_tokens, input_ids, self.cfg)
+        if self.cfg.embed_scale != 1.0:  # Gemma: the scale rounded to the weights' dtype, as HF
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         residual = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.cos_sin, kv, meta)
+            cos_sin = self.cos_sin_local if layer.self_attn.local_rope else self.cos_sin
+            x, residual = layer(x, residual, positions, cos_sin, kv, meta)
         x, _ = self.norm(x, residual)
         return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] fp32
-        return tp.logits(self.lm_head, hidden, self.cfg)
+        logits = tp.logits(self.lm_head, hidden, self.cfg)
+        cap = self.cfg.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     @torch.inference_mode()
     def logits_of(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -219,34 +169,42 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, fusing q/k/v and gate/up projections. Quantized modules come
-        already converted (quantization.convert_checkpoint): their parts fuse along N. With
-        tensor parallelism each tensor is cut to this rank's slice first (tp_layers.shard)."""
+        """Load HF-named tensors, fusing q/k/v and gate/up projections (a checkpoint that
+        fuses them itself, as Phi-3's, is split first) and stacking experts. Quantized modules
+        come already converted (quantization.convert_checkpoint): their parts fuse along N.
+        With tensor parallelism each tensor is cut to this rank's slice first (tp_layers.shard)."""
         params = dict(self.named_parameters())
-        h, hkv, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        cfg = self.cfg
+        h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_rows = {"q": (0, h * d), "k": (h * d, hkv * d), "v": ((h + hkv) * d, hkv * d)}
-        inter = self.cfg.intermediate_size
         loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
+        for name, tensor in _unfused(weights, cfg):
+            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
             if "rotary_emb" in name or self._load_kv_scale(name, tensor):
                 continue
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
+            if ".experts." in name:
+                loaded.update(self._load_experts(params, name, tensor))
+                continue
+            if cfg.norm_offset and name.endswith("norm.weight"):  # stored as (1 + w)
+                tensor = tensor.float() + cfg.norm_offset
+            shared = ".shared_expert." in name
             target, rows = name, None
             for part, (start, size) in qkv_rows.items():
                 if f"self_attn.{part}_proj." in name:
                     target = name.replace(f"{part}_proj", "qkv_proj")
                     rows = (start, size)
+            inter = cfg.moe.shared_intermediate_size if shared else cfg.intermediate_size
             for i, part in enumerate(("gate", "up")):
-                if f"mlp.{part}_proj." in name:
+                if f"mlp.{part}_proj." in name or f"shared_expert.{part}_proj." in name:
                     target, rows = name.replace(f"{part}_proj", "gate_up_proj"), (i * inter, inter)
             if target not in params:
                 if name.endswith(".bias") and not tensor.any():
                     continue  # GPTQ writers add zero biases to bias-free layers
                 raise KeyError(f"unexpected weight {name}")
             dst = params[target].data
-            tensor = tp.shard(name, tensor, self.cfg, self.quant)
+            tensor = self._shard(name, tensor, shared)
             if dst.shape[0] > tensor.shape[0] and name.rpartition(".")[0].endswith(
                     ("embed_tokens", "lm_head")):  # the last rank's vocabulary slice: padded
                 dst[tensor.shape[0]:].zero_()
@@ -260,10 +218,93 @@ class LlamaForCausalLM(nn.Module):
                 dst = dst.narrow(1 if target.endswith(_PACKED_ALONG_N) else 0, *rows)
             if target.endswith(_FP8_SCALES) and tensor.numel() == 1:
                 tensor = tensor.expand(dst.shape)  # per tensor: the same scale on every row
-            if dst.shape != tensor.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            _copy(name, dst, tensor)
             loaded.add(target if rows is None else f"{target}[{rows[0]}]")
-        expected = sum(3 if ".qkv_proj." in n else 2 if "gate_up" in n else 1 for n in params)
+        experts = cfg.moe.num_experts if cfg.moe else 0
+        expected = sum(3 if ".qkv_proj." in n else 2 if "gate_up" in n
+                       else 2 * experts if n.endswith(".w13") else experts if n.endswith(".w2")
+                       else 1 for n in params)
         if len(loaded) != expected:
             raise ValueError(f"checkpoint filled {len(loaded)} of {expected} weight tensors")
+
+    def _shard(self, name: str, tensor: torch.Tensor, shared: bool) -> torch.Tensor:
+        """This rank's slice of a non-expert tensor: tp_layers.shard, but for the shared
+        expert (its own width) and a norm over the whole q or k projection (its heads)."""
+        cfg = self.cfg
+        if cfg.tp_size == 1:
+            return tensor
+        if shared:
+            dim = 1 if ".down_proj." in name else 0
+            return tensor.narrow(dim, cfg.tp_rank * cfg.moe.shared_intermediate_size,
+                                 cfg.moe.shared_intermediate_size)
+        if cfg.qk_norm == "full" and name.endswith(("q_norm.weight", "k_norm.weight")):
+            d = cfg.head_dim
+            if name.endswith("q_norm.weight"):
+                return tensor.narrow(0, cfg.head_start * d, cfg.num_heads * d)
+            return tensor.narrow(0, cfg.kv_head_start * d, cfg.num_kv_heads * d)
+        return tp.shard(name, tensor, cfg, self.quant)
+
+    def _load_experts(self, params: dict[str, nn.Parameter], name: str,
+                      tensor: torch.Tensor) -> list[str]:
+        """Copies one expert's gate, up or down (as hub checkpoints hold them) or every
+        expert's stacked gate_up / down (transformers 5's own layout) into w13 / w2; returns
+        the parts filled."""
+        cfg, moe = self.cfg, self.cfg.moe
+        if moe is None:
+            raise KeyError(f"unexpected weight {name}")
+        width, start = moe.intermediate_size, self.cfg.tp_rank * moe.intermediate_size
+        m = _EXPERT.match(name)
+        if m is not None:
+            layer, e, part = m.group(1), int(m.group(2)), m.group(3)
+            experts, tensor = [e], tensor[None]
+            kind = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}.get(part,
+                                                                                       "down")
+        elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            layer = name.split(".mlp.")[0] + "."
+            experts = list(range(moe.num_experts))
+            kind = "gate_up" if name.endswith("gate_up_proj") else "down"
+        else:
+            raise KeyError(f"unexpected weight {name}")
+        if f"{layer}mlp.w13" not in params:
+            raise KeyError(f"unexpected weight {name}: layer {layer[:-1]} has no experts")
+        w13, w2 = params[f"{layer}mlp.w13"].data, params[f"{layer}mlp.w2"].data
+        whole = moe.intermediate_size * cfg.tp_size
+        filled = []
+        for i, e in enumerate(experts):
+            if kind == "down":  # [hidden, I]: this rank's columns
+                _copy(name, w2[e], tensor[i].narrow(1, start, width))
+                filled.append(f"{layer}mlp.w2[{e}]")
+                continue
+            parts = {"gate": [(0, 0)], "up": [(0, width)],
+                     "gate_up": [(0, 0), (whole, width)]}[kind]
+            for src_off, dst_off in parts:  # [I, hidden] rows: this rank's slice
+                _copy(name, w13[e].narrow(0, dst_off, width),
+                      tensor[i].narrow(0, src_off + start, width))
+                filled.append(f"{layer}mlp.w13[{e},{dst_off}]")
+        return filled
+
+
+def _copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{name}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def _unfused(weights: Iterable[tuple[str, torch.Tensor]],
+             cfg: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
+    """A checkpoint's fused qkv_proj and gate_up_proj (Phi-3) as the q/k/v and gate/up parts
+    other checkpoints hold, so that sharding and fusing treat every family alike."""
+    c = cfg.hf_config
+    d = cfg.head_dim
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    for name, tensor in weights:
+        if name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):
+            for part, t in zip("qkv", tensor.split([heads * d, kv * d, kv * d]), strict=True):
+                yield name.replace("qkv_proj", f"{part}_proj"), t
+        elif name.endswith("mlp.gate_up_proj.weight") and ".experts." not in name:
+            gate, up = tensor.chunk(2, dim=0)
+            yield name.replace("gate_up_proj", "gate_proj"), gate
+            yield name.replace("gate_up_proj", "up_proj"), up
+        else:
+            yield name, tensor

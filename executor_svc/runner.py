@@ -10,7 +10,7 @@ import torch
 
 from pagedserve.executor.block_table import BlockTableArray, RowColumns
 from pagedserve.executor.cuda_graphs import DecodeGraphs
-from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM
+from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.penalties import TokenCounts
 from pagedserve.executor.prompt_logprobs import PromptLogprobs, PromptRows, score
 from pagedserve.executor.sampler import (
@@ -76,7 +76,7 @@ def sampling_spec(s: pb.Sampling) -> SamplingSpec:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         device: torch.device,

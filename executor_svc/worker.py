@@ -18,7 +18,7 @@ from pagedserve.core.progress import phase
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.loader import build_model
-from pagedserve.executor.model import AttentionMetadata, LlamaForCausalLM
+from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.penalties import TokenCounts
 from pagedserve.executor.quantization import resolve_quantization
 from pagedserve.executor.runner import ModelRunner
@@ -55,6 +55,7 @@ class ExecutorConfig:
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3, scales per layer)
     tensor_parallel_size: int = 1  # ranks of the group (executor_svc/distributed.py)
     tensor_parallel_rank: int = 0  # this process's rank: its share of the model and KV cache
+    model_impl: str = "auto"  # "auto", "native", "transformers" (ModelConfig.from_pretrained)
 
 
 class MemoryBudgetError(RuntimeError):
@@ -120,7 +121,7 @@ class Worker:
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype, self.device, backend)
         if cfg.load_format not in ("auto", "random"):
             raise ValueError(f"load format must be auto or random, got {cfg.load_format!r}")
-        self.model_cfg = ModelConfig.from_pretrained(cfg.model).for_rank(
+        self.model_cfg = ModelConfig.from_pretrained(cfg.model, cfg.model_impl).for_rank(
             cfg.tensor_parallel_rank, cfg.tensor_parallel_size)
         weights = Path(cfg.model) if cfg.load_format == "auto" else None
         quant = resolve_quantization(cfg.model, cfg.quantization, random=weights is None)
@@ -175,7 +176,8 @@ class Worker:
         self.runner = ModelRunner(model, kv, cfg.block_size, self.device, self.sampler,
                                   self.swap, self.counts)
         self.graphs: DecodeGraphs | None = None
-        if on_cuda and backend == "triton" and not cfg.enforce_eager:
+        if on_cuda and backend == "triton" and not cfg.enforce_eager \
+                and self.model_cfg.impl == "native":  # HF's modeling code runs eagerly
             self.graphs = DecodeGraphs(model, kv, cfg.max_num_seqs, self.max_model_len,
                                        cfg.block_size, self.device)
         self.capacity = pb.Capacity(
@@ -239,7 +241,7 @@ class Worker:
             self._memory_at, self._memory = now, _memory_of(self.device)
         return self._memory
 
-    def _num_blocks(self, cfg: ExecutorConfig, model: LlamaForCausalLM, max_len: int) -> int:
+    def _num_blocks(self, cfg: ExecutorConfig, model: CausalLM, max_len: int) -> int:
         if cfg.num_kv_blocks > 0:
             return cfg.num_kv_blocks
         per_block = self.block_bytes
@@ -274,7 +276,7 @@ class Worker:
         return budget // per_block
 
     @torch.inference_mode()
-    def _profile(self, model: LlamaForCausalLM, cfg: ExecutorConfig, max_len: int,
+    def _profile(self, model: CausalLM, cfg: ExecutorConfig, max_len: int,
                  prefill: bool) -> int:
         """Peak bytes allocated beyond what is held now by the largest step the scheduler may
         plan: prefill=True runs max_num_batched_tokens tokens over as many sequences as may
@@ -373,4 +375,5 @@ def executor_config(args: argparse.Namespace, rank: int, size: int, device: str)
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager, tensor_parallel_size=size, tensor_parallel_rank=rank,
+        model_impl=args.model_impl,
     )

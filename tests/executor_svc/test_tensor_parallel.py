@@ -31,6 +31,14 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
     # one KV head for two ranks: each holds a copy; tied embeddings share the vocabulary slice
     "llama-gqa1-tied": dict(model_type="llama", tie_word_embeddings=True,
                             **{**TINY, "num_key_value_heads": 1}),
+    # experts split along their width, the shared expert along its own; q/k norms per head
+    # (Qwen3) and over the whole split projection (OLMo 2)
+    "qwen2-moe-shared": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                             **TINY),
+    "qwen3-moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, **TINY),
+    "olmo2": dict(model_type="olmo2", **TINY),
 }
 
 

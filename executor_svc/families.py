@@ -1,0 +1,105 @@
+"""What each supported model family changes in the shared decoder, read from its HF config.
+
+One decoder (model.py) serves every family; a family is the set of switches below. The loader
+maps each checkpoint's tensor names onto the decoder's (model.load_weights).
+
+    family        norms                 attention                      MLP
+    llama etc.    pre-norm              GQA, RoPE (any scaling)        SwiGLU
+    qwen3         pre-norm              + RMSNorm of q, k per head     SwiGLU
+    olmo2         post-norm             + RMSNorm of the whole q, k    SwiGLU
+    gemma2        pre+post, (1 + w)     soft-capped logits, windows    GeGLU (tanh)
+    gemma3_text   pre+post, (1 + w)     q/k norm, windows, 2 RoPEs     GeGLU (tanh)
+    phi3          pre-norm              fused qkv, LongRoPE            fused gate_up SwiGLU
+    mixtral       pre-norm              GQA (window if set)            top-k experts
+    qwen2_moe     pre-norm              qkv bias                       top-k experts + gated shared
+    qwen3_moe     pre-norm              q/k norm per head              top-k experts (normalized)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2",
+             "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+class UnsupportedModelError(ValueError):
+    """A config.json whose model_type (or one of its options) no native module serves."""
+
+
+@dataclass(frozen=True, slots=True)
+class Moe:
+    """A mixture-of-experts MLP: softmax router, top_k of num_experts, each a SwiGLU of width
+    intermediate_size; Qwen2-MoE adds an always-on shared expert scaled by sigmoid(gate(x))."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool  # top-k weights rescaled to sum 1 (Mixtral, Qwen3-MoE's norm_topk_prob)
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP (False)
+
+
+def family_fields(c: Any) -> dict[str, Any]:
+    """The decoder's switches for HF config `c` (keys of ModelConfig); raises
+    UnsupportedModelError naming what is supported."""
+    mt = c.model_type
+    if mt not in SUPPORTED:
+        raise UnsupportedModelError(f"unsupported model_type {mt!r}: supported are "
+                                    f"{', '.join(SUPPORTED)}")
+    rope = getattr(c, "rope_parameters", None) or {}
+    if any(isinstance(v, dict) and v.get("partial_rotary_factor", 1.0) != 1.0
+           for v in (rope, *rope.values())):
+        raise UnsupportedModelError(f"{mt}: partial rotary embeddings (partial_rotary_factor "
+                                    f"< 1) are not supported")
+    gemma = mt in ("gemma2", "gemma3_text")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    fields: dict[str, Any] = {
+        "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
+                    "olmo2": "full"}.get(mt, ""),
+        "norm_style": "sandwich" if gemma else "post" if mt == "olmo2" else "pre",
+        "norm_offset": 1.0 if gemma else 0.0,
+        "hidden_act": "gelu_tanh" if gemma else "silu",
+        "embed_scale": c.hidden_size**0.5 if gemma else 1.0,
+        "attn_scale": (c.query_pre_attn_scalar if gemma else head_dim) ** -0.5,
+        "attn_softcap": float(getattr(c, "attn_logit_softcapping", None) or 0.0),
+        "final_softcap": float(getattr(c, "final_logit_softcapping", None) or 0.0),
+        "layer_windows": _windows(c),
+        "local_rope": gemma and isinstance(rope.get("sliding_attention"), dict),
+        "attention_bias": bool(getattr(c, "attention_bias", mt in ("qwen2", "qwen2_moe"))),
+        "moe": _moe(c),
+    }
+    act = (getattr(c, "hidden_activation", None) or "gelu_pytorch_tanh") if gemma \
+        else getattr(c, "hidden_act", "silu")
+    if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+        raise UnsupportedModelError(f"{mt}: activation {act!r} is not supported")
+    return fields
+
+
+def _windows(c: Any) -> tuple[int, ...]:
+    """Per layer: the sliding window in tokens (0: full attention). A config with layer_types
+    windows only its sliding_attention layers; one without (Mistral, Mixtral, Phi-3) all of
+    them when sliding_window is set."""
+    window = int(getattr(c, "sliding_window", None) or 0)
+    types = getattr(c, "layer_types", None)
+    if types is None:
+        return (window,) * c.num_hidden_layers
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def _moe(c: Any) -> Moe | None:
+    mt = c.model_type
+    if mt == "mixtral":
+        n = c.num_local_experts
+        return Moe(n, c.num_experts_per_tok, c.intermediate_size, True,
+                   sparse_layers=(True,) * c.num_hidden_layers)
+    if mt not in ("qwen2_moe", "qwen3_moe"):
+        return None
+    skip = set(getattr(c, "mlp_only_layers", None) or ())
+    step = getattr(c, "decoder_sparse_step", 1) or 1
+    sparse = tuple(i not in skip and c.num_experts > 0 and (i + 1) % step == 0
+                   for i in range(c.num_hidden_layers))
+    shared = getattr(c, "shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0
+    return Moe(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+               bool(getattr(c, "norm_topk_prob", False)), shared or 0, sparse)

@@ -1,0 +1,190 @@
+"""The decoder's building blocks, shared by every family (families.py says which switches
+each sets): RMSNorm, RoPE caches, paged attention with its per-family options, the gated MLP.
+
+Tokens of all scheduled requests are flattened into one batch of T rows ("varlen"); the
+attention metadata says which rows belong to which sequence and where their KV lives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedserve.executor import tp_layers as tp
+from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.quantization import Fp8Linear, QuantConfig, W4Linear
+
+Ops = Any  # the namespace kernels.get_ops() returns
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, quant: QuantConfig | None,
+                ops: Ops) -> nn.Module:
+    if quant is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    if quant.method == "fp8":
+        return Fp8Linear(in_features, out_features, bias, quant, ops)
+    return W4Linear(in_features, out_features, bias, quant, ops)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: context length after this step
+    cu_seqlens_q: torch.Tensor  # [B+1] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+def _inv_freq(cfg: ModelConfig, params: dict, layer_type: str | None,
+              seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(cfg.hf_config, "rope_theta", 10000.0))
+        exps = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+        return 1.0 / (theta**exps), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kwargs = {"layer_type": layer_type} if layer_type else {}
+    return ROPE_INIT_FUNCTIONS[rope_type](cfg.hf_config, torch.device("cpu"), seq_len, **kwargs)
+
+
+def rope_cos_sin_cache(cfg: ModelConfig, max_pos: int, device: torch.device,
+                       layer_type: str | None = None) -> torch.Tensor:
+    """[max_pos, head_dim] float32: cos in the first half, sin in the second (HF's convention),
+    from HF's own rope_init_fn for every scaling type (llama3, linear, dynamic, yarn, longrope).
+    `layer_type` picks one of a per-layer-type config's RoPEs (Gemma 3's sliding_attention).
+
+    LongRoPE: positions below original_max_position_embeddings rotate with the short factors,
+    later ones with the long factors. HF switches the whole forward pass to the long factors
+    once any position passes that length (so its cached keys keep the short ones); per
+    position, a request's rotation does not depend on the others in its batch."""
+    params = getattr(cfg.hf_config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
+    elif isinstance(params.get("full_attention"), dict):
+        params, layer_type = params["full_attention"], "full_attention"
+    pos = torch.arange(max_pos, dtype=torch.float32)[:, None]
+    inv_freq, scaling = _inv_freq(cfg, params, layer_type)
+    freqs = pos * inv_freq.float()[None, :]
+    cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+    if params.get("rope_type") == "longrope":
+        orig = (params.get("original_max_position_embeddings")
+                or cfg.hf_config.original_max_position_embeddings)
+        if max_pos > orig:
+            inv_long, scaling = _inv_freq(cfg, params, layer_type, seq_len=orig + 1)
+            freqs = pos[orig:] * inv_long.float()[None, :]
+            cache[orig:] = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+    return cache.to(device)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight. A (1 + w) family (Gemma) stores 1 + w as the weight at load."""
+
+    def __init__(self, size: int, eps: float, ops: Ops) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps, self.ops = eps, ops
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class ShardedRMSNorm(RMSNorm):
+    """RMSNorm over a whole projection whose columns are split over the tensor-parallel ranks
+    (OLMo 2's q and k norms): the mean square is summed over every rank's slice."""
+
+    def __init__(self, size: int, whole: int, eps: float, ops: Ops, cfg: ModelConfig) -> None:
+        super().__init__(size, eps, ops)
+        self.whole, self.cfg = whole, cfg
+
+    def forward(self, x: torch.Tensor, residual: None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cfg.tp_size == 1:
+            return super().forward(x)
+        xf = x.float()
+        sq = tp.all_reduce(xf.pow(2).sum(-1, keepdim=True), self.cfg)
+        return self.weight * (xf * torch.rsqrt(sq / self.whole + self.eps)).to(x.dtype), x
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops,
+                 quant: QuantConfig | None = None) -> None:
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = make_linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d,
+                                    cfg.attention_bias, quant, ops)
+        self.o_proj = make_linear(self.h * self.d, cfg.hidden_size, False, quant, ops)
+        self.scale = cfg.attn_scale or self.d**-0.5
+        self.window = cfg.layer_windows[layer] if cfg.layer_windows else 0
+        self.local_rope = cfg.local_rope and self.window > 0
+        self.options = {}  # only what a family sets: the plain call stays as it was
+        if self.window:
+            self.options["sliding_window"] = self.window
+        if cfg.attn_softcap:
+            self.options["logits_soft_cap"] = cfg.attn_softcap
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, ops)
+        elif cfg.qk_norm == "full":
+            heads = cfg.hf_config.num_attention_heads
+            kv_heads = getattr(cfg.hf_config, "num_key_value_heads", None) or heads
+            if kv_heads < cfg.tp_size:  # ranks would hold copies: their squares count twice
+                raise ValueError(f"a norm over the whole k projection needs at least as many "
+                                 f"KV heads ({kv_heads}) as tensor parallel ranks")
+            whole_q, whole_kv = heads * self.d, kv_heads * self.d
+            self.q_norm = ShardedRMSNorm(self.h * self.d, whole_q, cfg.rms_norm_eps, ops, cfg)
+            self.k_norm = ShardedRMSNorm(self.hkv * self.d, whole_kv, cfg.rms_norm_eps, ops, cfg)
+        self.ops, self.cfg = ops, cfg
+        # an FP8 cache stores K / k_scale and V / v_scale (the checkpoint's, else vLLM's 1.0);
+        # other caches ignore them. Plain floats: CUDA graphs capture them as kernel arguments.
+        self.k_scale, self.v_scale = 1.0, 1.0
+        self.kv_scales_loaded = False
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        cos_sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t, h, hkv, d = x.shape[0], self.h, self.hkv, self.d
+        q, k, v = self.qkv_proj(x).split([h * d, hkv * d, hkv * d], dim=-1)
+        if self.cfg.qk_norm == "full":  # over the whole projection, before the heads split
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        elif self.cfg.qk_norm == "head":
+            q = self.q_norm(q.reshape(t * h, d))[0]
+            k = self.k_norm(k.reshape(t * hkv, d))[0]
+        q, k = self.ops.rotary_embedding(positions, q.reshape(t, h, d), k.reshape(t, hkv, d),
+                                         cos_sin)
+        k_cache, v_cache = kv_cache
+        self.ops.write_kv_cache(k, v.reshape(t, hkv, d), k_cache, v_cache, meta.slot_mapping,
+                                self.k_scale, self.v_scale)
+        o = self.ops.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            k_scale=self.k_scale, v_scale=self.v_scale, **self.options,
+        )
+        return tp.all_reduce(self.o_proj(o.reshape(t, h * d)), self.cfg)
+
+
+class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused into one projection (gate first)."""
+
+    def __init__(self, cfg: ModelConfig, ops: Ops, quant: QuantConfig | None = None,
+                 width: int | None = None) -> None:
+        super().__init__()
+        width = width or cfg.intermediate_size
+        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * width, False, quant, ops)
+        self.down_proj = make_linear(width, cfg.hidden_size, False, quant, ops)
+        self.act = ops.gelu_tanh_and_mul if cfg.hidden_act == "gelu_tanh" else ops.silu_and_mul
+        self.cfg = cfg
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        y = self.down_proj(self.act(self.gate_up_proj(x)))
+        return tp.all_reduce(y, self.cfg) if reduce else y

@@ -1,0 +1,115 @@
+"""Every native family against HF transformers on a tiny random config (fp32, CPU): logits
+across chunked prefill and decode, with sliding windows shorter than the sequences; the RoPE
+scalings against HF's own rotary embedding."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.families import SUPPORTED, UnsupportedModelError
+from pagedserve.executor.layers import rope_cos_sin_cache
+from pagedserve.executor.loader import build_model
+from pagedserve.kernels import get_ops
+from tests.executor_svc.test_model import TINY, run_paged
+
+WINDOW = 6  # shorter than the test sequences, not a multiple of the block size (4)
+FAMILIES = {
+    "qwen3": dict(model_type="qwen3", head_dim=16),
+    "olmo2": dict(model_type="olmo2"),
+    "phi3": dict(model_type="phi3", pad_token_id=0, sliding_window=WINDOW),
+    "phi3-longrope": dict(model_type="phi3", pad_token_id=0, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+        "long_factor": [1.0 + i / 4 for i in range(8)],
+        "short_factor": [1.0 + i / 16 for i in range(8)]}),
+    "mistral-window": dict(model_type="mistral", sliding_window=WINDOW),
+    "gemma2": dict(model_type="gemma2", head_dim=16, sliding_window=WINDOW,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=3.0),
+    "gemma3": dict(model_type="gemma3_text", head_dim=16, sliding_window=WINDOW,
+                   layer_types=["sliding_attention", "full_attention"],
+                   query_pre_attn_scalar=16),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen2-moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      mlp_only_layers=[1]),
+    "qwen3-moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, head_dim=16),
+}
+
+
+def hf_and_ours_of(d: dict, tmp_path, seed: int = 0):
+    torch.manual_seed(seed)
+    d = dict(d)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"),
+                                                               **{**TINY, **d}),
+                                          dtype=torch.float32).eval()
+    with torch.no_grad():  # norms initialise to 1 (or 0 for (1 + w)): make them count
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    ours = build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, tmp_path)
+    return hf, ours, cfg
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_hf_across_chunks_and_windows(family, tmp_path):
+    hf, ours, cfg = hf_and_ours_of(FAMILIES[family], tmp_path)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 256, (20,), generator=g).tolist(),
+            torch.randint(0, 256, (13,), generator=g).tolist()]
+    chunks = [(7, 5), (10, 5), (1, 1), (1, 1), (1, 1)]  # chunked prefill, then decode
+    outs = run_paged(ours, cfg, seqs, chunks)
+    for b, seq in enumerate(seqs):
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0]
+        ends = [sum(c[b] for c in chunks[: i + 1]) for i in range(len(chunks))]
+        for got, end in zip(outs[b], ends, strict=True):
+            torch.testing.assert_close(got, ref[end - 1], rtol=1e-4, atol=1e-4)
+
+
+def test_windows_follow_the_layer_types(tmp_path):
+    cfg = ModelConfig.from_hf(AutoConfig.for_model("gemma2", **TINY, sliding_window=WINDOW))
+    assert cfg.layer_windows == (WINDOW, 0)  # Gemma 2 alternates, the first windowed
+    cfg = ModelConfig.from_hf(AutoConfig.for_model("mistral", **TINY, sliding_window=WINDOW))
+    assert cfg.layer_windows == (WINDOW, WINDOW)
+    cfg = ModelConfig.from_hf(AutoConfig.for_model("qwen2", **TINY, sliding_window=WINDOW))
+    assert cfg.layer_windows == (0, 0)  # use_sliding_window is off
+
+
+ROPES = {
+    "linear": ("llama", {"rope_type": "linear", "factor": 4.0}),
+    "dynamic": ("llama", {"rope_type": "dynamic", "factor": 2.0}),
+    "yarn": ("llama", {"rope_type": "yarn", "factor": 4.0,
+                       "original_max_position_embeddings": 128}),
+    "llama3": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "longrope": ("phi3", {"rope_type": "longrope", "original_max_position_embeddings": 64,
+                          "long_factor": [1.0 + i / 4 for i in range(8)],
+                          "short_factor": [1.0 + i / 16 for i in range(8)]}),
+}
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_rope_scalings_equal_hf_rotary_embedding(rope):
+    model_type, params = ROPES[rope]
+    c = AutoConfig.for_model(model_type, **TINY, pad_token_id=0, rope_parameters={
+        "rope_theta": 10000.0,
+                                                                  **params})
+    cfg = ModelConfig.from_hf(c)
+    ours = rope_cos_sin_cache(cfg, 512, torch.device("cpu"))
+    hf_rope = AutoModelForCausalLM.from_config(c).model.rotary_emb
+    half = cfg.head_dim // 2
+    # below and above the original length: HF picks LongRoPE's factors per forward pass
+    for positions in (torch.arange(0, 60), torch.arange(100, 500)):
+        cos, sin = hf_rope(torch.zeros(1, dtype=torch.float32), positions[None])
+        torch.testing.assert_close(ours[positions, :half], cos[0, :, :half])
+        torch.testing.assert_close(ours[positions, half:], sin[0, :, :half])
+
+
+def test_unsupported_family_names_the_supported_ones():
+    with pytest.raises(UnsupportedModelError, match="supported are llama, .*qwen3_moe") as e:
+        ModelConfig.from_dict({"model_type": "gpt2"})
+    assert "\n" not in str(e.value) and all(f in str(e.value) for f in SUPPORTED)

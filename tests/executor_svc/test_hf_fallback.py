@@ -1,0 +1,68 @@
+"""The transformers fallback: HF's own modeling code over the paged KV cache (fp32, CPU)
+equals HF transformers itself for families with no native module, and equals the native
+module for one that has it."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.families import UnsupportedModelError
+from pagedserve.executor.loader import build_model
+from pagedserve.kernels import get_ops
+from tests.executor_svc.test_model import TINY, run_paged
+
+NO_NATIVE = {
+    "granite": dict(model_type="granite", embedding_multiplier=2.0, residual_multiplier=0.5,
+                    attention_multiplier=0.2, logits_scaling=4.0),
+    "stablelm": dict(model_type="stablelm", partial_rotary_factor=0.25),
+}
+SEQS = [list(range(3, 23)), list(range(40, 53))]
+CHUNKS = [(7, 5), (10, 5), (1, 1), (1, 1), (1, 1)]
+
+
+def saved(d: dict, path):
+    torch.manual_seed(0)
+    d = dict(d)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"),
+                                                               **{**TINY, **d}),
+                                          dtype=torch.float32).eval()
+    hf.save_pretrained(path)
+    return hf
+
+
+def paged(path, impl: str):
+    cfg = ModelConfig.from_pretrained(path, impl)
+    model = build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, path)
+    return run_paged(model, cfg, SEQS, CHUNKS), cfg
+
+
+@pytest.mark.parametrize("family", sorted(NO_NATIVE))
+def test_fallback_equals_hf_across_chunks(family, tmp_path):
+    hf = saved(NO_NATIVE[family], tmp_path)
+    outs, cfg = paged(tmp_path, "auto")
+    assert cfg.impl == "transformers"
+    for b, seq in enumerate(SEQS):
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0]
+        ends = [sum(c[b] for c in CHUNKS[: i + 1]) for i in range(len(CHUNKS))]
+        for got, end in zip(outs[b], ends, strict=True):
+            torch.testing.assert_close(got, ref[end - 1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_native_family_through_the_fallback_equals_native(tmp_path):
+    saved(dict(model_type="qwen3", head_dim=16, sliding_window=6, use_sliding_window=True,
+               max_window_layers=0), tmp_path)
+    native, cfg = paged(tmp_path, "native")
+    assert cfg.layer_windows == (6, 6)
+    fallback, cfg = paged(tmp_path, "transformers")
+    assert cfg.impl == "transformers"
+    for a, b in zip(native, fallback, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+def test_native_only_refuses_a_family_without_a_module(tmp_path):
+    saved(NO_NATIVE["granite"], tmp_path)
+    with pytest.raises(UnsupportedModelError, match="unsupported model_type 'granite'"):
+        ModelConfig.from_pretrained(tmp_path, "native")
