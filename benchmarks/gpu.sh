@@ -66,6 +66,16 @@
 #   defaults8b  W1 and W2 on 8B with the default flags (~3 min)
 #   defaultsw3  W3 at rate=inf, 1,000 requests, 8B, default flags, then at 0.8 of the request
 #             rate it completed (the sustainable rate's 80 %); ~5 min
+#   families  the model families' GPU tests: every family's bf16 logits against HF, graphed MoE
+#             decode, the fused-MoE and attention kernels (window, soft cap, head sizes) on CUDA
+#   moekernel the fused-MoE kernel at decode and prefill shapes of Qwen3-30B-A3B and Mixtral
+#             beside the torch expert loop; --tune writes kernels/moe_configs.json into $B
+#   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (random bf16) beside HF generate bs256
+#   moew2     W2 on both, no peer (HF generate's W2 batch runs 1,024 steps: minutes)
+#   moelat    Qwen3-30B-A3B single-stream decode, 128 -> 512 tokens, 1 running
+#   qwen3     W1 on Llama-3.1-8B then Qwen3-8B at the default flags (q/k norm's cost)
+#   remeasure the runs the old warm-up flattered: 8B 2 x 128 -> 512 at 1 running (bf16 and AWQ)
+#             and one 130,000-token prompt with prefix caching on (it must not hit), FP8 W1
 #   prefix8b  W3 on 8B with a shared 2,000-token system prompt at PREFIX_RATE (default 4) req/s,
 #             200 requests, prefix caching on and off, default flags; ~5 min
 # Records go to $B/records (PAGEDSERVE_RESULTS), logs, profiles and dumps to $B; all of it comes
@@ -99,6 +109,9 @@ M1=(--model benchmarks/models/llama3.2-1b --load-format random "${TOK[@]}")
 M8=(--model benchmarks/models/llama3.1-8b --load-format random "${TOK[@]}")
 M135=(--model benchmarks/models/smollm2-135m --load-format random)
 M70=(--model benchmarks/models/llama3.1-70b --load-format random "${TOK[@]}")
+MQ8=(--model benchmarks/models/qwen3-8b --load-format random "${TOK[@]}")
+MQ30=(--model benchmarks/models/qwen3-30b-a3b --load-format random "${TOK[@]}")
+MMIX=(--model benchmarks/models/mixtral-8x7b --load-format random "${TOK[@]}")
 TP2=(--server-flag=--tensor-parallel-size --server-flag=2)
 FAST=(--hf none --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8)
 DEFAULTS=(--hf none --max-num-seqs 0 --max-num-batched-tokens 0)  # 0: serve's own (by device)
@@ -291,6 +304,22 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 1000 --rate inf \
         --overload 0.8 --dump "$B/dumps/w3_defaults_8b_$(date +%H%M)" 2>&1 \
         | tee -a $B/serve.log | quiet 8 ;;
+    families)
+      python3 -m pytest -q -rs tests/executor_svc/test_families_gpu.py \
+        tests/kernels/test_fused_moe.py tests/kernels/test_paged_attention.py \
+        tests/kernels/test_fused.py 2>&1 | tee $B/pytest_families.log | tail -15 ;;
+    moekernel)
+      python3 benchmarks/kernels/bench_moe.py --tune 2>&1 | tee -a $B/moe.log | tail -40
+      cp kernels/moe_configs.json $B/ ;;
+    moew1) for m in MQ30 MMIX; do tp W1 $m --hf generate:256; done ;;
+    moew2) for m in MQ30 MMIX; do tp W2 $m --hf none; done ;;
+    moelat) tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 --max-num-seqs 1 ;;
+    qwen3) for m in M8 MQ8; do tp W1 $m "${DEFAULTS[@]}"; done ;;
+    remeasure)
+      latency 1
+      tp "" M8 --hf none --requests 1 --prompt 130000 --output 1 --max-num-batched-tokens 0 \
+        --max-num-seqs 0 --server-flag=--max-model-len --server-flag=131072
+      fast W1 M8 --server-flag=--quantization --server-flag=fp8 ;;
     *) echo "unknown part $part" ;;
   esac
   save

@@ -29,6 +29,7 @@ import asyncio
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -221,24 +222,66 @@ def ceilings(device: str) -> dict:
     return {"copy_tbps": 2 * a.numel() / ms / 1e9, "gemm_tflops": 2 * 8192**3 / gemm_ms / 1e9}
 
 
-def weight_params(cfg) -> tuple[int, int]:
-    """(body, head): the parameters of the decoder layers and of the LM head, which every
-    step reads once (the embedding lookup reads a row a token: not counted)."""
+@dataclass(frozen=True)
+class Params:
+    """A model's parameters as the bound counts them: every step reads `dense` (attention,
+    dense MLPs, routers and shared experts) and the LM head once, and of each sparse layer's
+    experts (`expert` parameters each) those its tokens are routed to."""
+
+    dense: int
+    head: int
+    expert: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    sparse_layers: int = 0
+
+    def touched(self, tokens: int) -> float:
+        """Experts a layer reads for `tokens` routed uniformly: E(1 - (1 - k/E)^B)."""
+        if not self.num_experts:
+            return 0.0
+        e = self.num_experts
+        return e * (1 - (1 - self.top_k / e) ** tokens)
+
+    def read(self, tokens: int) -> float:  # parameters a step of `tokens` tokens reads
+        return self.dense + self.head + self.sparse_layers * self.touched(tokens) * self.expert
+
+    def active(self) -> float:  # parameters each token multiplies by
+        return self.dense + self.head + self.sparse_layers * self.top_k * self.expert
+
+    def loaded(self, tied: bool) -> float:
+        return self.dense + self.head * (1 if tied else 2) \
+            + self.sparse_layers * self.num_experts * self.expert
+
+
+def weight_params(cfg) -> Params:
+    """The parameters of the decoder layers and of the LM head, which every step reads once
+    (the embedding lookup reads a row a token: not counted)."""
     h, d = cfg.hidden_size, cfg.head_dim
-    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h \
-        + 3 * h * cfg.intermediate_size
-    return cfg.num_layers * per_layer, cfg.vocab_size * cfg.hidden_size
+    attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
+    head = cfg.vocab_size * cfg.hidden_size
+    moe = cfg.moe
+    if moe is None:
+        return Params(cfg.num_layers * (attn + 3 * h * cfg.intermediate_size), head)
+    sparse = sum(moe.sparse_layers)
+    dense = cfg.num_layers * attn + (cfg.num_layers - sparse) * 3 * h * cfg.intermediate_size \
+        + sparse * (h * moe.num_experts + 3 * h * moe.shared_intermediate_size)
+    return Params(dense, head, 3 * h * moe.intermediate_size, moe.num_experts, moe.top_k,
+                  sparse)
 
 
 def bound_basis(cfg, weight_bytes: float, kv_cache_dtype: str | None) -> dict:
     """The bytes the bound reads: each weight at the size the run loaded it (from the
     executor's weight bytes, so an FP8 run is held to an FP8 bound, not a bf16 one) and each
-    KV element at the cache's size."""
-    body, head = weight_params(cfg)
-    loaded = body + head + (0 if cfg.tie_word_embeddings else head)
+    KV element at the cache's size; for experts, the ones a step's tokens touch."""
+    params = weight_params(cfg)
+    loaded = params.loaded(cfg.tie_word_embeddings)
     per_weight = weight_bytes / loaded if weight_bytes else 2.0
     kv = 1 if kv_cache_dtype and kv_cache_dtype.startswith("fp8") else 2
-    return {"bound_weight_bytes_per_param": round(per_weight, 3), "bound_kv_bytes": kv}
+    model = "dense" if not params.num_experts else \
+        "moe: weights of the experts touched under uniform routing, E(1-(1-k/E)^B) a layer; " \
+        "FLOPs of the active parameters"
+    return {"bound_weight_bytes_per_param": round(per_weight, 3), "bound_kv_bytes": kv,
+            "bound_model": model}
 
 
 def roofline_seconds(cfg, prompt_lens: list[int], outputs: list[int], tbps: float,
@@ -246,20 +289,21 @@ def roofline_seconds(cfg, prompt_lens: list[int], outputs: list[int], tbps: floa
                      kv_bytes: int = 2) -> float:
     """Lower bound on the workload's time on a device with these ceilings (module doc)."""
     layers, d = cfg.num_layers, cfg.head_dim
-    body, head = weight_params(cfg)
+    params = weight_params(cfg)
     kv_tok = cfg.kv_bytes_per_token(kv_bytes)
     attn = 4 * layers * cfg.num_heads * d  # FLOPs per (query, key) pair: QK^T and PV
     bw, rate = tbps * 1e12, tflops * 1e12
     p = np.asarray(prompt_lens, np.float64)
     o = np.asarray(outputs)
-    prefill = 2 * body * p.sum() + 2 * head * len(p) + attn * (p * (p + 1) / 2).sum()
+    body = params.active() - params.head
+    prefill = 2 * body * p.sum() + 2 * params.head * len(p) + attn * (p * (p + 1) / 2).sum()
     t = prefill / rate
     for i in range(1, int(o.max())):  # the first token of each comes from its prefill
         live = o > i
         ctx = p[live] + i
         n = int(live.sum())
-        read = weight_bytes_per_param * (body + head) + kv_tok * ctx.sum()
-        flops = 2 * (body + head) * n + attn * ctx.sum()
+        read = weight_bytes_per_param * params.read(n) + kv_tok * ctx.sum()
+        flops = 2 * params.active() * n + attn * ctx.sum()
         t += max(read / bw, flops / rate)
     return t
 

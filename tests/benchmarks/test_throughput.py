@@ -42,15 +42,31 @@ def test_the_bound_reads_weights_at_their_loaded_size() -> None:
 
     cfg = SimpleNamespace(hidden_size=64, head_dim=16, num_heads=4, num_kv_heads=2,
                           intermediate_size=128, num_layers=2, vocab_size=1000,
-                          tie_word_embeddings=False,
+                          tie_word_embeddings=False, moe=None,
                           kv_bytes_per_token=lambda b: 2 * 2 * 2 * 16 * b)
-    body, head = throughput.weight_params(cfg)
-    bf16 = throughput.bound_basis(cfg, 2.0 * (body + 2 * head), "bfloat16")
-    fp8 = throughput.bound_basis(cfg, 1.0 * (body + 2 * head), "fp8_e4m3")
-    assert bf16 == {"bound_weight_bytes_per_param": 2.0, "bound_kv_bytes": 2}
-    assert fp8 == {"bound_weight_bytes_per_param": 1.0, "bound_kv_bytes": 1}
+    params = throughput.weight_params(cfg)
+    loaded = params.dense + 2 * params.head
+    bf16 = throughput.bound_basis(cfg, 2.0 * loaded, "bfloat16")
+    fp8 = throughput.bound_basis(cfg, 1.0 * loaded, "fp8_e4m3")
+    assert bf16 == {"bound_weight_bytes_per_param": 2.0, "bound_kv_bytes": 2,
+                    "bound_model": "dense"}
+    assert fp8 == {"bound_weight_bytes_per_param": 1.0, "bound_kv_bytes": 1,
+                   "bound_model": "dense"}
+    bf16.pop("bound_model")
     args = (cfg, [8], [64], 1.0, 1000.0)  # bandwidth-bound: half the bytes, half the time
     t2 = throughput.roofline_seconds(*args, **dict(zip(("weight_bytes_per_param", "kv_bytes"),
                                                        bf16.values(), strict=True)))
     t1 = throughput.roofline_seconds(*args, 1.0, 1)
     assert t1 == pytest.approx(t2 / 2, rel=1e-3)
+
+
+def test_an_moe_bound_reads_the_experts_a_step_touches() -> None:
+    from pagedserve.executor.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained("benchmarks/models/qwen3-30b-a3b")
+    params = throughput.weight_params(cfg)
+    assert params.expert == 3 * 2048 * 768 and params.sparse_layers == 48
+    assert params.touched(1) == pytest.approx(8) and params.touched(4096) == pytest.approx(128)
+    # 30.5B loaded, 3.3B active (Qwen's figures: 30.5B and 3.3B)
+    assert params.loaded(False) / 1e9 == pytest.approx(30.5, abs=0.1)
+    assert params.active() / 1e9 == pytest.approx(3.3 - 0.3, abs=0.1)  # less the embedding
