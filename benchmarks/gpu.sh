@@ -67,10 +67,11 @@
 #   defaultsw3  W3 at rate=inf, 1,000 requests, 8B, default flags, then at 0.8 of the request
 #             rate it completed (the sustainable rate's 80 %); ~5 min
 #   families  the model families' GPU tests: every family's bf16 logits against HF, graphed MoE
-#             decode, the fused-MoE and attention kernels (window, soft cap, head sizes) on CUDA
+#             decode (FAMILY_KERNELS: kernel test files to add, e.g. tests/kernels)
 #   moekernel the fused-MoE kernel at decode and prefill shapes of Qwen3-30B-A3B and Mixtral
 #             beside the torch expert loop; --tune writes kernels/moe_configs.json into $B
-#   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (random bf16) beside HF generate bs256
+#   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX) beside HF generate
+#             bs256
 #   moew2     W2 on both, no peer (HF generate's W2 batch runs 1,024 steps: minutes)
 #   moelat    Qwen3-30B-A3B single-stream decode, 128 -> 512 tokens, 1 running
 #   qwen3     W1 on Llama-3.1-8B then Qwen3-8B at the default flags (q/k norm's cost)
@@ -305,13 +306,12 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         --overload 0.8 --dump "$B/dumps/w3_defaults_8b_$(date +%H%M)" 2>&1 \
         | tee -a $B/serve.log | quiet 8 ;;
     families)
-      python3 -m pytest -q -rs tests/executor_svc/test_families_gpu.py \
-        tests/kernels/test_fused_moe.py tests/kernels/test_paged_attention.py \
-        tests/kernels/test_fused.py 2>&1 | tee $B/pytest_families.log | tail -15 ;;
+      python3 -m pytest -q -rs tests/executor_svc/test_families_gpu.py ${FAMILY_KERNELS:-} \
+        2>&1 | tee $B/pytest_families.log | tail -15 ;;
     moekernel)
       python3 benchmarks/kernels/bench_moe.py --tune 2>&1 | tee -a $B/moe.log | tail -40
       cp kernels/moe_configs.json $B/ ;;
-    moew1) for m in MQ30 MMIX; do tp W1 $m --hf generate:256; done ;;
+    moew1) for m in ${MOE_MODELS:-MQ30 MMIX}; do tp W1 $m --hf generate:256; done ;;
     moew2) for m in MQ30 MMIX; do tp W2 $m --hf none; done ;;
     moelat) tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 --max-num-seqs 1 ;;
     qwen3) for m in M8 MQ8; do tp W1 $m "${DEFAULTS[@]}"; done ;;
