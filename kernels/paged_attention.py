@@ -196,23 +196,34 @@ def _paged_attn_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if HAS_WINDOW:  # the window's lower edge: fully masked (it may also hold the causal edge)
-        for tile in range(t_lo, tl.minimum(t_hi, t_win)):
+    if HAS_WINDOW:
+        # Masked: the window's lower edge [t_lo, t_win) and the causal tail from t_tail, in
+        # one loop (a third pipelined loop cost 30 % at B=64 decode), then the rest unmasked.
+        t_mid = tl.maximum(t_lo, t_win)
+        t_tail = tl.maximum(t_mid, t_full)
+        n_edge = tl.minimum(t_hi, t_win) - t_lo
+        for i in range(0, tl.maximum(n_edge, 0) + tl.maximum(t_hi - t_tail, 0)):
+            tile = tl.where(i < n_edge, t_lo + i, t_tail + i - tl.maximum(n_edge, 0))
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d, d_ok,
                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
                 BLOCK_SIZE, TILE_N, True, True, SOFT_CAP, PAD_D)
-        t_lo = tl.maximum(t_lo, t_win)
-    for tile in range(t_lo, tl.minimum(t_hi, t_full)):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d, d_ok,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
-            BLOCK_SIZE, TILE_N, False, False, SOFT_CAP, PAD_D)
-    for tile in range(tl.maximum(t_lo, t_full), t_hi):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d, d_ok,
-            stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
-            BLOCK_SIZE, TILE_N, True, False, SOFT_CAP, PAD_D)
+        for tile in range(t_mid, tl.minimum(t_hi, t_full)):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d, d_ok,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
+                BLOCK_SIZE, TILE_N, False, False, SOFT_CAP, PAD_D)
+    else:
+        for tile in range(t_lo, tl.minimum(t_hi, t_full)):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d, d_ok,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
+                BLOCK_SIZE, TILE_N, False, False, SOFT_CAP, PAD_D)
+        for tile in range(tl.maximum(t_lo, t_full), t_hi):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d, d_ok,
+                stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
+                BLOCK_SIZE, TILE_N, True, False, SOFT_CAP, PAD_D)
 
     acc = acc * v_scale  # 1.0 unless the cache is FP8
     if SPLIT:  # partial rows are seq * BLOCK_Q + tok (PER_SEQ only), not token rows
