@@ -1,0 +1,153 @@
+"""bf16 numerics on real weights: how far pagedserve's bf16 drifts from fp32, beside HF's own.
+
+On the default model (SmolLM2-135M-Instruct: its GGUF, converted as `serve` converts it), over
+a fixed text read teacher-forced: the mean |log p(token)| difference of each engine's bf16 from
+HF's fp32 (the drift), and the same of pagedserve's fp32; then greedy continuations of 13 chat
+and raw prompts, counted equal to HF fp32's. The paged model runs its Triton kernels on CUDA
+(torch on the CPU), a whole prompt in one prefill step and then one token a step.
+
+    python -m benchmarks.numerics --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf   # on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import write_records
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes "
+    "Gutenberg combined movable metal type, oil-based ink and a wooden screw press into a "
+    "system that could produce books quickly and cheaply. Before that, texts were copied by "
+    "hand, usually by monks in monasteries, and a single book could take months to finish. "
+    "The new technology spread across Europe within decades, and by 1500 printing shops in "
+    "more than two hundred cities had produced millions of copies. Literacy rose, ideas "
+    "travelled faster than ever before, and the Reformation and the scientific revolution "
+    "both owed much to pamphlets and books that anyone could buy. Today we take for granted "
+    "that a text can be copied without error, but for most of history every copy was a new "
+    "chance for mistakes to creep in."
+)
+PROMPTS = [("text", "The capital of France is"), ("text", "def fibonacci(n):"),
+           ("text", "Once upon a time, in a land far away, there lived a"),
+           ("text", "The three laws of motion are"), ("text", "import numpy as np\n"),
+           ("chat", "What is the capital of France?"), ("chat", "Write a haiku about the sea."),
+           ("chat", "Explain in one sentence what a GPU is."),
+           ("chat", "List three primary colors."), ("chat", "How do I reverse a list in Python?"),
+           ("chat", "Give me a synonym for happy."), ("chat", "What is 12 times 12?"),
+           ("chat", "Name a famous painting by Leonardo da Vinci.")]
+NEW_TOKENS = 32
+
+
+class Paged:
+    """The executor's model over a paged cache of one sequence at a time."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: str) -> None:
+        from pagedserve.executor.config import ModelConfig
+        from pagedserve.executor.loader import build_model
+        from pagedserve.kernels import get_ops
+
+        self.cfg = ModelConfig.from_pretrained(model_dir)
+        ops = get_ops("triton" if device == "cuda" else "torch")
+        self.model = build_model(self.cfg, ops, dtype, torch.device(device), 2048, model_dir)
+        self.dtype, self.device, self.block = dtype, device, 16
+
+    def _caches(self, n: int):
+        shape = (-(-n // self.block), self.block, self.cfg.num_kv_heads, self.cfg.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(self.cfg.num_layers)]
+
+    def _step(self, ids: list[int], start: int, kv, all_rows: bool) -> torch.Tensor:
+        from pagedserve.executor.model import AttentionMetadata
+
+        def t(x, dt=torch.int64):
+            return torch.tensor(x, dtype=dt, device=self.device)
+
+        n, end = len(ids), start + len(ids)
+        table = list(range(kv[0][0].shape[0]))
+        meta = AttentionMetadata(t(list(range(start, end))), t([table], torch.int32),
+                                 t([end], torch.int32), t([0, n], torch.int32), n, end)
+        hidden = self.model.hidden(t(ids), t(list(range(start, end))), kv, meta)
+        return self.model.logits(hidden if all_rows else hidden[-1:])
+
+    def logprobs(self, ids: list[int]) -> torch.Tensor:  # [n - 1]: log p(ids[i] | ids[:i])
+        logits = self._step(ids, 0, self._caches(len(ids)), True)
+        return logits[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:], device=self.device)
+                                                  [:, None])[:, 0]
+
+    def greedy(self, ids: list[int], n: int, eos: set[int]) -> list[int]:
+        """Up to n tokens, the EOS that ends them included (as HF generate stops)."""
+        kv = self._caches(len(ids) + n)
+        out = [int(self._step(ids, 0, kv, False)[0].argmax())]
+        while len(out) < n and out[-1] not in eos:
+            out.append(int(self._step(out[-1:], len(ids) + len(out) - 1, kv, False)[0].argmax()))
+        return out
+
+
+def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=model.device)).logits[0].float()
+    return logits[:-1].log_softmax(-1).gather(1, torch.tensor(ids[1:], device=model.device)
+                                              [:, None])[:, 0]
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=n,
+                             do_sample=False, pad_token_id=2)
+    return out[0, len(ids):].tolist()
+
+
+def measure(model_dir: Path, device: str) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    text = tok.encode(TEXT)
+    prompts = [tok.encode(c) if kind == "text" else list(tok.apply_chat_template(
+        [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True,
+        return_dict=False)) for kind, c in PROMPTS]
+    hf = {dt: AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dt).to(device).eval()
+          for dt in (torch.float32, torch.bfloat16)}
+    ours = {dt: Paged(model_dir, dt, device) for dt in (torch.float32, torch.bfloat16)}
+    eos = hf[torch.float32].generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    ref = hf_logprobs(hf[torch.float32], text)
+    want = [hf_greedy(hf[torch.float32], p, NEW_TOKENS) for p in prompts]
+
+    def drift(lp: torch.Tensor) -> float:
+        return float((lp.float() - ref).abs().mean())
+
+    rec = {"kind": "numerics", "model": "smollm2-135m-instruct", "device": device,
+           "text_tokens": len(text), "prompts": len(prompts), "new_tokens": NEW_TOKENS,
+           "drift_hf_bf16": drift(hf_logprobs(hf[torch.bfloat16], text)),
+           "drift_pagedserve_fp32": drift(ours[torch.float32].logprobs(text)),
+           "drift_pagedserve_bf16": drift(ours[torch.bfloat16].logprobs(text))}
+    for name, run in (("hf_bf16", lambda p: hf_greedy(hf[torch.bfloat16], p, NEW_TOKENS)),
+                      ("pagedserve_fp32",
+                       lambda p: ours[torch.float32].greedy(p, NEW_TOKENS, eos)),
+                      ("pagedserve_bf16",
+                       lambda p: ours[torch.bfloat16].greedy(p, NEW_TOKENS, eos))):
+        rec[f"greedy_equal_{name}"] = sum(run(p) == w for p, w in zip(prompts, want,
+                                                                      strict=True))
+    return rec
+
+
+def main() -> None:
+    from pagedserve.core.models import gguf_to_hf_dir, resolve_model
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--gguf", type=Path, default=None, help="default: the installed default model")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    model_dir = gguf_to_hf_dir(args.gguf) if args.gguf else resolve_model("default")
+    rec = measure(model_dir, args.device)
+    print(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in rec.items()), flush=True)
+    print("appended to", write_records("numerics", [rec]))
+
+
+if __name__ == "__main__":
+    main()
