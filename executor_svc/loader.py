@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.model import CausalLM, Ops
+from pagedserve.executor.moe import SparseMoe
 from pagedserve.executor.quantization import Fp8Linear, QuantConfig, convert_checkpoint
 
 RANDOM_SCALE = 0.02 / 4.6  # random 4-bit weights spread like the N(0, 0.02) float ones
@@ -55,7 +56,8 @@ def build_model(
     if weights_dir is None:
         # drawn on the model's device: an 8B model's 8e9 draws take minutes on a CPU
         gen = torch.Generator(device=device).manual_seed(seed)
-        fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+        fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)
+               or isinstance(m, SparseMoe) and m.fp8]
         for m in fp8:
             m.fill_random(gen)
         done = {id(p) for m in fp8 for p in m.parameters()}

@@ -25,6 +25,7 @@ from pagedserve.executor.layers import (
 )
 from pagedserve.executor.moe import SparseMoe
 from pagedserve.executor.quantization import QuantConfig, QuantizationError
+from pagedserve.kernels.fp8_reference import FP8
 
 __all__ = ["AttentionMetadata", "CausalLM", "Ops", "rope_cos_sin_cache"]
 _PACKED_ALONG_N = (".qweight", ".scales", ".zeros")  # fused parts concatenate along dim 1
@@ -55,7 +56,7 @@ class DecoderLayer(nn.Module):
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops))
         self.self_attn = Attention(cfg, layer, ops, quant)
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
-        self.mlp = SparseMoe(cfg, ops) if sparse else MLP(cfg, ops, quant)
+        self.mlp = SparseMoe(cfg, ops, quant) if sparse else MLP(cfg, ops, quant)
 
     def forward(self, x, residual, positions, cos_sin, kv_cache, meta):
         attn = self.self_attn
@@ -80,9 +81,6 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg, self.quant = cfg, quant
         tp.check_quant(cfg, quant)
-        if cfg.moe is not None and quant is not None:
-            raise QuantizationError(f"{cfg.model_type}: quantized experts are not supported "
-                                    f"yet; serve it unquantized")
         # embeddings, norms and lm_head stay in float whatever `quant` says; with tensor
         # parallelism each rank holds its slice of the vocabulary (tp_layers)
         vocab = tp.vocab_rows(cfg)[1]
@@ -223,6 +221,7 @@ class CausalLM(nn.Module):
         experts = cfg.moe.num_experts if cfg.moe else 0
         expected = sum(3 if ".qkv_proj." in n else 2 if "gate_up" in n
                        else 2 * experts if n.endswith(".w13") else experts if n.endswith(".w2")
+                       else 0 if n.endswith(("w13_scale", "w2_scale"))  # filled with codes
                        else 1 for n in params)
         if len(loaded) != expected:
             raise ValueError(f"checkpoint filled {len(loaded)} of {expected} weight tensors")
@@ -234,6 +233,8 @@ class CausalLM(nn.Module):
         if cfg.tp_size == 1:
             return tensor
         if shared:
+            if ".down_proj." in name and name.endswith(_FP8_SCALES):
+                return tensor  # a row-parallel layer's output channels: every rank's
             dim = 1 if ".down_proj." in name else 0
             return tensor.narrow(dim, cfg.tp_rank * cfg.moe.shared_intermediate_size,
                                  cfg.moe.shared_intermediate_size)
@@ -252,6 +253,9 @@ class CausalLM(nn.Module):
         cfg, moe = self.cfg, self.cfg.moe
         if moe is None:
             raise KeyError(f"unexpected weight {name}")
+        if tensor.dtype == FP8 or name.endswith("_scale") or name.endswith("_scale_inv"):
+            raise QuantizationError(f"{name}: FP8 expert checkpoints are not supported; "
+                                    f"serve the float checkpoint with --quantization fp8")
         width, start = moe.intermediate_size, self.cfg.tp_rank * moe.intermediate_size
         m = _EXPERT.match(name)
         if m is not None:
@@ -267,19 +271,19 @@ class CausalLM(nn.Module):
             raise KeyError(f"unexpected weight {name}")
         if f"{layer}mlp.w13" not in params:
             raise KeyError(f"unexpected weight {name}: layer {layer[:-1]} has no experts")
-        w13, w2 = params[f"{layer}mlp.w13"].data, params[f"{layer}mlp.w2"].data
+        block = self.layers[int(layer.split(".")[1])].mlp
         whole = moe.intermediate_size * cfg.tp_size
         filled = []
         for i, e in enumerate(experts):
             if kind == "down":  # [hidden, I]: this rank's columns
-                _copy(name, w2[e], tensor[i].narrow(1, start, width))
+                block.place("w2", e, None, tensor[i].narrow(1, start, width))
                 filled.append(f"{layer}mlp.w2[{e}]")
                 continue
             parts = {"gate": [(0, 0)], "up": [(0, width)],
                      "gate_up": [(0, 0), (whole, width)]}[kind]
             for src_off, dst_off in parts:  # [I, hidden] rows: this rank's slice
-                _copy(name, w13[e].narrow(0, dst_off, width),
-                      tensor[i].narrow(0, src_off + start, width))
+                block.place("w13", e, (dst_off, width), tensor[i].narrow(0, src_off + start,
+                                                                          width))
                 filled.append(f"{layer}mlp.w13[{e},{dst_off}]")
         return filled
 

@@ -8,6 +8,11 @@ op runs them (kernels: moe_route, fused_moe), Qwen2-MoE adds a gated shared expe
 
 With tensor parallelism every rank holds every expert's slice of the width I (gate, up and
 down alike, as a dense MLP splits), and one all_reduce sums the experts and the shared expert.
+
+FP8 (--quantization fp8 of a float checkpoint): w13 and w2 hold e4m3 codes with a float32
+scale per output channel (w13_scale [E, 2I], w2_scale [E, hidden]), quantized at load as the
+dense FP8 layers are; the fused-MoE op widens each weight tile and applies the scales in its
+epilogue (weight-only: the activations stay in the model's dtype).
 """
 
 from __future__ import annotations
@@ -18,29 +23,70 @@ from torch import nn
 from pagedserve.executor import tp_layers as tp
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.layers import MLP, Ops
+from pagedserve.executor.quantization import QuantConfig, QuantizationError
+from pagedserve.kernels.fp8_reference import FP8, quantize_weight
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops, quant: QuantConfig | None = None) -> None:
         super().__init__()
         moe = cfg.moe
         assert moe is not None
+        if quant is not None and (quant.method != "fp8" or quant.fp8_serialized):
+            raise QuantizationError(f"{cfg.model_type}: experts are served in float or as FP8 "
+                                    f"quantized at load (--quantization fp8 of a float "
+                                    f"checkpoint), not as {quant.describe()}")
         e, i, h = moe.num_experts, moe.intermediate_size, cfg.hidden_size
+        self.fp8 = quant is not None
         self.gate = nn.Linear(h, e, bias=False)
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.w2 = nn.Parameter(torch.empty(e, h, i))
+        codes = {"dtype": FP8} if self.fp8 else {}
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, **codes), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, i, **codes), requires_grad=False)
+        self.w13_scale = self.w2_scale = None
+        if self.fp8:
+            self.w13_scale = nn.Parameter(torch.ones(e, 2 * i), requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.ones(e, h), requires_grad=False)
+            self.fixed_dtypes = ("w13", "w2", "w13_scale", "w2_scale")  # loader._cast
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:
-            self.shared_expert = MLP(cfg, ops, width=moe.shared_intermediate_size)
+            self.shared_expert = MLP(cfg, ops, quant, width=moe.shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
         self.ops, self.cfg = ops, cfg
+
+    def place(self, which: str, expert: int, rows: tuple[int, int] | None,
+              weight: torch.Tensor) -> None:
+        """Store one expert's float weight ([out, in]: `rows` of w13, or all of w2),
+        quantizing it per output channel when the experts are FP8."""
+        dst = getattr(self, which).data[expert]
+        scale = None if not self.fp8 else getattr(self, f"{which}_scale").data[expert]
+        if rows is not None:
+            dst = dst.narrow(0, *rows)
+            scale = None if scale is None else scale.narrow(0, *rows)
+        if dst.shape != weight.shape:
+            raise ValueError(f"expert {expert} {which}: shape {tuple(weight.shape)} != "
+                             f"{tuple(dst.shape)}")
+        if scale is None:
+            dst.copy_(weight)
+            return
+        q, s = quantize_weight(weight.to(dst.device))
+        dst.copy_(q)
+        scale.copy_(s)
+
+    def fill_random(self, gen: torch.Generator) -> None:
+        """N(0, 0.02) float experts, quantized as at load (benchmarks' random weights)."""
+        for which in ("w13", "w2"):
+            w = getattr(self, which)
+            for e in range(w.shape[0]):
+                f = torch.empty(w.shape[1:], dtype=torch.bfloat16, device=w.device)
+                self.place(which, e, None, f.normal_(0.0, 0.02, generator=gen))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         logits = self.gate(x)
         weights, ids = self.ops.moe_route(logits, self.top_k, self.renormalize)
         # HF combines the experts with the weights in the activations' dtype
-        y = self.ops.fused_moe(x, self.w13, self.w2, weights.to(x.dtype), ids)
+        scales = {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale} if self.fp8 else {}
+        y = self.ops.fused_moe(x, self.w13, self.w2, weights.to(x.dtype), ids, **scales)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
         return tp.all_reduce(y, self.cfg)

@@ -40,8 +40,8 @@ def convert_fp8(weights: Iterable[tuple[str, torch.Tensor]],
     seen: dict[str, set[str]] = {}
     for name, tensor in weights:
         module, _, part = name.rpartition(".")
-        if module.rpartition(".")[2] not in LINEARS:
-            yield name, tensor
+        if module.rpartition(".")[2] not in LINEARS or ".experts." in module:
+            yield name, tensor  # experts: quantized as the MoE block loads them (moe.py)
             continue
         if part == "weight_scale_inv":
             raise QuantizationError(f"{name}: block-wise FP8 scales are not supported")

@@ -11,7 +11,7 @@ from pagedserve.executor.families import SUPPORTED, UnsupportedModelError
 from pagedserve.executor.layers import rope_cos_sin_cache
 from pagedserve.executor.loader import build_model
 from pagedserve.kernels import get_ops
-from tests.executor_svc.test_model import TINY, run_paged
+from tests.executor_svc.test_model import TINY, assert_paged_equals_hf, run_paged
 
 WINDOW = 6  # shorter than the test sequences, not a multiple of the block size (4)
 FAMILIES = {
@@ -61,13 +61,7 @@ def test_family_matches_hf_across_chunks_and_windows(family, tmp_path):
     seqs = [torch.randint(0, 256, (20,), generator=g).tolist(),
             torch.randint(0, 256, (13,), generator=g).tolist()]
     chunks = [(7, 5), (10, 5), (1, 1), (1, 1), (1, 1)]  # chunked prefill, then decode
-    outs = run_paged(ours, cfg, seqs, chunks)
-    for b, seq in enumerate(seqs):
-        with torch.no_grad():
-            ref = hf(torch.tensor([seq])).logits[0]
-        ends = [sum(c[b] for c in chunks[: i + 1]) for i in range(len(chunks))]
-        for got, end in zip(outs[b], ends, strict=True):
-            torch.testing.assert_close(got, ref[end - 1], rtol=1e-4, atol=1e-4)
+    assert_paged_equals_hf(hf, run_paged(ours, cfg, seqs, chunks), seqs, chunks)
 
 
 def test_windows_follow_the_layer_types(tmp_path):

@@ -10,7 +10,7 @@ from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.loader import build_model
 from pagedserve.kernels import get_ops
-from tests.executor_svc.test_model import TINY, run_paged
+from tests.executor_svc.test_model import TINY, assert_paged_equals_hf, run_paged
 
 NO_NATIVE = {
     "granite": dict(model_type="granite", embedding_multiplier=2.0, residual_multiplier=0.5,
@@ -42,12 +42,7 @@ def test_fallback_equals_hf_across_chunks(family, tmp_path):
     hf = saved(NO_NATIVE[family], tmp_path)
     outs, cfg = paged(tmp_path, "auto")
     assert cfg.impl == "transformers"
-    for b, seq in enumerate(SEQS):
-        with torch.no_grad():
-            ref = hf(torch.tensor([seq])).logits[0]
-        ends = [sum(c[b] for c in CHUNKS[: i + 1]) for i in range(len(CHUNKS))]
-        for got, end in zip(outs[b], ends, strict=True):
-            torch.testing.assert_close(got, ref[end - 1], rtol=1e-4, atol=1e-4)
+    assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
 
 
 def test_a_native_family_through_the_fallback_equals_native(tmp_path):

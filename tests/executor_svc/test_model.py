@@ -76,13 +76,17 @@ def test_matches_hf_across_chunked_prefill_and_decode(hf_and_ours):
             torch.randint(0, 256, (13,), generator=g).tolist()]
     # step 1: 7 + 5 tokens (prefill chunks), step 2: 10 + 5, then single-token decode steps
     chunks = [(7, 5), (10, 5), (1, 1), (1, 1), (1, 1)]
-    outs = run_paged(ours, cfg, seqs, chunks)
+    assert_paged_equals_hf(hf, run_paged(ours, cfg, seqs, chunks), seqs, chunks)
+
+
+def assert_paged_equals_hf(hf, outs, seqs, chunks, tol=1e-4):
+    """run_paged's logits at the end of every step equal HF's over the whole sequence."""
     for b, seq in enumerate(seqs):
         with torch.no_grad():
             ref = hf(torch.tensor([seq])).logits[0]
         ends = [sum(c[b] for c in chunks[: i + 1]) for i in range(len(chunks))]
         for got, end in zip(outs[b], ends, strict=True):
-            torch.testing.assert_close(got, ref[end - 1], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got, ref[end - 1], rtol=tol, atol=tol)
 
 
 def test_rejects_checkpoint_with_missing_weights(tmp_path):
