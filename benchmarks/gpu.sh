@@ -74,6 +74,7 @@
 #             bs256
 #   moew2     W2 on both, no peer (HF generate's W2 batch runs 1,024 steps: minutes)
 #   moelat    Qwen3-30B-A3B single-stream decode, 128 -> 512 tokens, 1 running
+#   profilemoe  torch profile of W1 on Qwen3-30B-A3B (what fills its 53 ms decode step)
 #   qwen3     W1 on Llama-3.1-8B then Qwen3-8B at the default flags (q/k norm's cost)
 #   remeasure the runs the old warm-up flattered: 8B 2 x 128 -> 512 at 1 running (bf16 and AWQ)
 #             and one 130,000-token prompt with prefix caching on (it must not hit), FP8 W1
@@ -314,6 +315,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     moew1) for m in ${MOE_MODELS:-MQ30 MMIX}; do tp W1 $m --hf generate:256; done ;;
     moew2) for m in MQ30 MMIX; do tp W2 $m --hf none; done ;;
     moelat) tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 --max-num-seqs 1 ;;
+    profilemoe) profile MQ30 moe30b --hf none ;;
     qwen3) for m in M8 MQ8; do tp W1 $m "${DEFAULTS[@]}"; done ;;
     remeasure)
       latency 1
