@@ -9,6 +9,7 @@ import json
 import re
 from typing import Any
 
+from pagedserve.scheduler.invalid import InvalidRequest
 from pagedserve.scheduler.tools import calls_text, fallback_system
 
 STANDARD_ROLES = ("system", "user", "assistant", "tool")
@@ -17,8 +18,8 @@ _TEMPLATE_ROLE = re.compile(r"""role\W{0,3}\s*(?:==|!=)\s*["']([A-Za-z_][\w-]*)[
 _SLOT = "\ue000{}\ue001"  # stands for message i's content while the template renders
 
 
-class ChatError(ValueError):
-    """A client's chat messages the template cannot take; the message names the field."""
+class ChatError(InvalidRequest):
+    """A client's chat messages the template cannot take."""
 
 
 class ChatRenderer:
@@ -38,10 +39,10 @@ class ChatRenderer:
                tools: list[dict[str, Any]] | None = None) -> list[int]:
         """messages: {"role", "content"} and, from tools.py, "tool_calls" / "tool_call_id"."""
         if not messages:
-            raise ChatError("chat.messages: at least one message is required")
+            raise ChatError("chat.messages", "at least one message is required")
         for i, m in enumerate(messages):
             if m["role"] not in self.roles:
-                raise ChatError(f"chat.messages[{i}].role: {m['role']!r} is not a role of this "
+                raise ChatError(f"chat.messages[{i}].role", f"{m['role']!r} is not a role of this "
                                 f"model's chat template ({', '.join(sorted(self.roles))})")
         messages, tools = self._with_tools(messages, tools)
         if any(s in m["content"] for m in messages for s in self.special):
@@ -72,7 +73,7 @@ class ChatRenderer:
         native = json.dumps([tools or [], [m.get("tool_calls") for m in out]],
                             ensure_ascii=False)
         if any(s in native for s in self.special):
-            raise ChatError("chat.tools: a tool or a tool call spells a special token")
+            raise ChatError("chat.tools", "a tool or a tool call spells a special token")
         return out, tools or None
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -81,7 +82,7 @@ class ChatRenderer:
             return self.tok.apply_chat_template(messages, tools=tools,
                                                 add_generation_prompt=True, tokenize=tokenize)
         except Exception as e:  # template errors (bad order, ...) are the client's
-            raise ChatError(f"chat.messages: the chat template rejected them: {e}") from e
+            raise ChatError("chat.messages", f"the chat template rejected them: {e}") from e
 
     def _encode_as_text(self, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None) -> list[int]:
@@ -102,6 +103,6 @@ class ChatRenderer:
             ids += self.tok(messages[i]["content"], add_special_tokens=False,
                             split_special_tokens=True)["input_ids"]
         if sorted(seen) != list(range(len(messages))):
-            raise ChatError("chat.messages: a message spells a special token, and this model's "
+            raise ChatError("chat.messages", "a message spells a special token, and this model's "
                             "template does not pass message text through unchanged")
         return ids

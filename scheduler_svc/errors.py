@@ -13,7 +13,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
 
 from pagedserve.protos.v1 import generate_pb2
-from pagedserve.scheduler.inputs import InvalidRequest
+from pagedserve.scheduler.invalid import InvalidRequest
 from pagedserve.scheduler.streams import EngineError
 
 
@@ -42,8 +42,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 class _Unparsable:
-    def __init__(self, message: str) -> None:
-        self.message = message
+    """A request the parser refused: the error to raise in the handler's place."""
+
+    def __init__(self, error: InvalidRequest) -> None:
+        self.error = error
 
 
 async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
@@ -61,7 +63,7 @@ def _wrap_unary(fn: Callable) -> Callable:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             if isinstance(request, _Unparsable):
-                raise InvalidRequest(request.message)
+                raise request.error
             return await fn(request, context)
         except (InvalidRequest, EngineError) as e:
             await _abort_for(e, context)
@@ -74,7 +76,7 @@ def _wrap_stream(fn: Callable) -> Callable:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             if isinstance(request, _Unparsable):
-                raise InvalidRequest(request.message)
+                raise request.error
             async for item in fn(request, context):
                 yield item
         except (InvalidRequest, EngineError) as e:
@@ -96,7 +98,8 @@ def _lenient(deserialize: Callable, input_type: Descriptor) -> Callable:
         try:
             msg = deserialize(data)
         except DecodeError as e:
-            return _Unparsable(_explain(data, input_type) or f"request: not valid protobuf: {e}")
+            return _Unparsable(_explain(data, input_type)
+                               or InvalidRequest("request", f"not valid protobuf: {e}"))
         truncated = _truncated_int(data, input_type, msg)
         return msg if truncated is None else _Unparsable(truncated)
 
@@ -130,16 +133,16 @@ def _twin(kind: str, full_name: str) -> type:
     return message_factory.GetMessageClass(pool.FindMessageTypeByName(full_name))
 
 
-def _explain(data: bytes, input_type: Descriptor) -> str | None:
+def _explain(data: bytes, input_type: Descriptor) -> InvalidRequest | None:
     try:
         msg = _twin("bytes", input_type.full_name).FromString(data)
     except DecodeError:
         return None
     path = _bad_utf8_field(msg, "")
-    return f"{path}: not valid UTF-8" if path else None
+    return InvalidRequest(path, "not valid UTF-8") if path else None
 
 
-def _truncated_int(data: bytes, input_type: Descriptor, strict: Any) -> str | None:
+def _truncated_int(data: bytes, input_type: Descriptor, strict: Any) -> InvalidRequest | None:
     """The first 32-bit field whose value the client sent wider (protobuf keeps its low bits)."""
     wide = _twin("wide", input_type.full_name).FromString(data)
     return _first_difference(wide, strict, "")
@@ -156,14 +159,14 @@ def _has_key(strict_map: Any, key: int) -> bool:
         return False
 
 
-def _first_difference(wide: Any, strict: Any, prefix: str) -> str | None:
+def _first_difference(wide: Any, strict: Any, prefix: str) -> InvalidRequest | None:
     for field, value in wide.ListFields():
         name = prefix + field.name
         mine = getattr(strict, field.name)
         if _is_map(field):  # iterating a map gives its keys: integer keys are what may differ
             key = next((k for k in value if isinstance(k, int) and not _has_key(mine, k)), None)
             if key is not None:
-                return f"{name}: key {key} does not fit in 32 bits"
+                return InvalidRequest(name, f"key {key} does not fit in 32 bits")
         elif field.type == FieldDescriptor.TYPE_MESSAGE:
             pairs = zip(value, mine, strict=True) if field.is_repeated else [(value, mine)]
             for i, (w, s) in enumerate(pairs):
@@ -174,8 +177,8 @@ def _first_difference(wide: Any, strict: Any, prefix: str) -> str | None:
                             FieldDescriptor.TYPE_SINT64) and value != mine:
             if field.is_repeated:
                 i = next(i for i, (a, b) in enumerate(zip(value, mine, strict=True)) if a != b)
-                return f"{name}[{i}]: {value[i]} does not fit in 32 bits"
-            return f"{name}: {value} does not fit in 32 bits"
+                return InvalidRequest(f"{name}[{i}]", f"{value[i]} does not fit in 32 bits")
+            return InvalidRequest(name, f"{value} does not fit in 32 bits")
     return None
 
 

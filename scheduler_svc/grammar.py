@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedserve.scheduler.inputs import InvalidRequest
+from pagedserve.scheduler.invalid import InvalidRequest
 from pagedserve.scheduler.request import Constraint
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (LRU); a JSON schema's is tens of KB
@@ -66,7 +66,7 @@ class Grammars:
 
     # ----------------------------------------------------------------- compiling
     async def compile(self, c: Constraint) -> Any:
-        """The compiled grammar of a constraint; InvalidRequest("sampling.<kind>: <why>")."""
+        """The compiled grammar of a constraint; InvalidRequest("sampling.<kind>", "<why>")."""
         fut = self._cache.get(c)
         if fut is None:
             fut = asyncio.get_running_loop().run_in_executor(self._pool, self._compile, c)
@@ -89,7 +89,7 @@ class Grammars:
         compiler = self._get_compiler()
         self.num_compiled += 1
         if len(c.spec) > MAX_SPEC_CHARS:
-            raise InvalidRequest(f"sampling.{c.kind}: longer than {MAX_SPEC_CHARS} characters")
+            raise InvalidRequest(f"sampling.{c.kind}", f"longer than {MAX_SPEC_CHARS} characters")
         try:
             if c.kind == "json_object":  # any object: properties not listed are allowed
                 return compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
@@ -109,8 +109,8 @@ class Grammars:
                 return compiler.compile_lark(c.spec)
         except (RuntimeError, ValueError, xgr.InvalidJSONError) as e:
             message = _CPP_PREFIX.sub("", str(e).strip()).strip()
-            raise InvalidRequest(f"sampling.{c.kind}: {message}") from None
-        raise InvalidRequest(f"sampling.constraint: unknown kind {c.kind!r}")
+            raise InvalidRequest(f"sampling.{c.kind}", message) from None
+        raise InvalidRequest("sampling.constraint", f"unknown kind {c.kind!r}")
 
     def _get_compiler(self) -> Any:
         import xgrammar as xgr

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.protos.v1 import generate_pb2 as api
-from pagedserve.scheduler.chat import ChatError, ChatRenderer
+from pagedserve.scheduler.chat import ChatRenderer
+from pagedserve.scheduler.invalid import InvalidRequest
 from pagedserve.scheduler.request import Constraint, GenerationParams
-from pagedserve.scheduler.tools import ToolError, call_dicts, tool_dicts
+from pagedserve.scheduler.tools import call_dicts, tool_dicts
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
@@ -23,10 +24,6 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
 MAX_LOGIT_BIAS = 1024  # entries: each costs a little work on every step of the request
 MAX_N = 16  # completions per request
 MAX_CHOICES = 1024  # strings of a choice constraint
-
-
-class InvalidRequest(ValueError):
-    """A client error; the message starts with the field it concerns."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,20 +52,18 @@ class InputProcessor:
         return list(self.tok.encode(text))
 
     def encode_chat(self, chat: api.ChatMessages) -> list[int]:
-        try:
-            tools = tool_dicts(list(chat.tools))
-            messages = []
-            for i, m in enumerate(chat.messages):
-                msg: dict[str, Any] = {"role": m.role, "content": m.content}
-                if m.tool_calls:
-                    msg["tool_calls"] = call_dicts(list(m.tool_calls),
-                                                   f"chat.messages[{i}].tool_calls")
-                if m.tool_call_id:
-                    msg["tool_call_id"] = m.tool_call_id
-                messages.append(msg)
-            return self.chat.encode(messages, tools)
-        except (ChatError, ToolError) as e:
-            raise InvalidRequest(str(e)) from e
+        """Raises InvalidRequest (ChatError, ToolError) naming the field."""
+        tools = tool_dicts(list(chat.tools))
+        messages = []
+        for i, m in enumerate(chat.messages):
+            msg: dict[str, Any] = {"role": m.role, "content": m.content}
+            if m.tool_calls:
+                msg["tool_calls"] = call_dicts(list(m.tool_calls),
+                                               f"chat.messages[{i}].tool_calls")
+            if m.tool_call_id:
+                msg["tool_call_id"] = m.tool_call_id
+            messages.append(msg)
+        return self.chat.encode(messages, tools)
 
     @staticmethod
     def input_bytes(req: api.GenerateRequest | api.TokenizeRequest) -> int:
@@ -85,7 +80,7 @@ class InputProcessor:
         """Refuse input too large to be a prompt (n: its input_bytes) before any tokenizing
         work is spent on it; max_model_len None: no executor has joined yet."""
         if n > (most := self.byte_limit(max_model_len)):
-            raise InvalidRequest(f"{req.WhichOneof('input')}: {n} bytes, more than the {most} a "
+            raise InvalidRequest(req.WhichOneof("input"), f"{n} bytes, more than the {most} a "
                                  "prompt may have")
 
     def tokenize(self, req: api.TokenizeRequest) -> api.TokenizeResponse:
@@ -97,7 +92,7 @@ class InputProcessor:
     def prompt_ids(self, req: api.GenerateRequest | api.TokenizeRequest) -> list[int]:
         kind = req.WhichOneof("input")
         if kind is None:
-            raise InvalidRequest("input: one of text, token_ids or chat is required")
+            raise InvalidRequest("input", "one of text, token_ids or chat is required")
         if kind == "text":
             ids = self.encode_text(req.text) if req.text else []
         elif kind == "chat":
@@ -105,7 +100,7 @@ class InputProcessor:
         else:
             ids = list(req.token_ids.ids)
         if not ids:
-            raise InvalidRequest(f"{kind}: the prompt is empty")
+            raise InvalidRequest(kind, "the prompt is empty")
         return ids
 
 
@@ -118,41 +113,42 @@ def _chat_texts(chat: api.ChatMessages) -> list[str]:
 
 def validate(req: api.GenerateRequest, prompt: list[int], limits: Limits) -> GenerationParams:
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
-        raise InvalidRequest(f"request_id: longer than {MAX_REQUEST_ID_LEN} characters")
+        raise InvalidRequest("request_id", f"longer than {MAX_REQUEST_ID_LEN} characters")
     room = limits.max_model_len - len(prompt)
     if room < 1:  # before the scan below: a prompt far too long is refused without one
-        raise InvalidRequest(f"input: the prompt has {len(prompt)} tokens; max_model_len is "
+        raise InvalidRequest("input", f"the prompt has {len(prompt)} tokens; max_model_len is "
                              f"{limits.max_model_len}, so it must be at most "
                              f"{limits.max_model_len - 1}")
     bad = next((t for t in prompt if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
-        raise InvalidRequest(f"token_ids: {bad} is outside the vocabulary [0, {limits.vocab_size})")
+        raise InvalidRequest("token_ids",
+                             f"{bad} is outside the vocabulary [0, {limits.vocab_size})")
     s = req.sampling
     max_tokens = room
     if s.HasField("max_tokens"):
         if s.max_tokens < 1:
-            raise InvalidRequest(f"sampling.max_tokens: must be >= 1, got {s.max_tokens}")
+            raise InvalidRequest("sampling.max_tokens", f"must be >= 1, got {s.max_tokens}")
         if s.max_tokens > room:
-            raise InvalidRequest(f"sampling.max_tokens: {s.max_tokens} with a {len(prompt)}-token "
-                                 f"prompt exceeds max_model_len {limits.max_model_len}; at most "
-                                 f"{room} allowed")
+            raise InvalidRequest("sampling.max_tokens",
+                                 f"{s.max_tokens} with a {len(prompt)}-token prompt exceeds "
+                                 f"max_model_len {limits.max_model_len}; at most {room} allowed")
         max_tokens = s.max_tokens
     temperature = s.temperature if s.HasField("temperature") else 1.0
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise InvalidRequest(f"sampling.temperature: must be >= 0, got {temperature}")
+        raise InvalidRequest("sampling.temperature", f"must be >= 0, got {temperature}")
     top_p = s.top_p if s.HasField("top_p") else 1.0
     if not (0 < top_p <= 1):
-        raise InvalidRequest(f"sampling.top_p: must be in (0, 1], got {top_p}")
+        raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {top_p}")
     if s.top_k < 0:
-        raise InvalidRequest(f"sampling.top_k: must be >= 0 (0 disables), got {s.top_k}")
+        raise InvalidRequest("sampling.top_k", f"must be >= 0 (0 disables), got {s.top_k}")
     if len(s.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"sampling.stop: at most {MAX_STOP_STRINGS} stop strings")
+        raise InvalidRequest("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
     for stop in s.stop:
         if not stop or len(stop) > MAX_STOP_STRING_LEN:
-            raise InvalidRequest(f"sampling.stop: each must have 1..{MAX_STOP_STRING_LEN} chars")
+            raise InvalidRequest("sampling.stop", f"each must have 1..{MAX_STOP_STRING_LEN} chars")
     for t in s.stop_token_ids:
         if not 0 <= t < limits.vocab_size:
-            raise InvalidRequest(f"sampling.stop_token_ids: {t} is outside the vocabulary")
+            raise InvalidRequest("sampling.stop_token_ids", f"{t} is outside the vocabulary")
     return GenerationParams(
         max_tokens=max_tokens, temperature=temperature, top_k=s.top_k, top_p=top_p,
         seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
@@ -168,49 +164,49 @@ def _extras(s: api.SamplingParams, max_tokens: int, limits: Limits) -> dict[str,
         if s.HasField(name):
             v = getattr(s, name)
             if not -2.0 <= v <= 2.0:
-                raise InvalidRequest(f"sampling.{name}: must be in [-2, 2], got {v}")
+                raise InvalidRequest(f"sampling.{name}", f"must be in [-2, 2], got {v}")
             extras[name] = v
     if s.HasField("repetition_penalty"):
         if not (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0):
-            raise InvalidRequest(f"sampling.repetition_penalty: must be > 0, got "
+            raise InvalidRequest("sampling.repetition_penalty", f"must be > 0, got "
                                  f"{s.repetition_penalty}")
         extras["repetition_penalty"] = s.repetition_penalty
     if s.HasField("min_p"):
         if not 0.0 <= s.min_p <= 1.0:
-            raise InvalidRequest(f"sampling.min_p: must be in [0, 1], got {s.min_p}")
+            raise InvalidRequest("sampling.min_p", f"must be in [0, 1], got {s.min_p}")
         extras["min_p"] = s.min_p
     if len(s.logit_bias) > MAX_LOGIT_BIAS:
-        raise InvalidRequest(f"sampling.logit_bias: at most {MAX_LOGIT_BIAS} entries, got "
+        raise InvalidRequest("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got "
                              f"{len(s.logit_bias)}")
     for t, v in s.logit_bias.items():
         if not 0 <= t < limits.vocab_size:
-            raise InvalidRequest(f"sampling.logit_bias: token {t} is outside the vocabulary "
+            raise InvalidRequest("sampling.logit_bias", f"token {t} is outside the vocabulary "
                                  f"[0, {limits.vocab_size})")
         if not -100.0 <= v <= 100.0:
-            raise InvalidRequest(f"sampling.logit_bias: the bias of token {t} must be in "
+            raise InvalidRequest("sampling.logit_bias", f"the bias of token {t} must be in "
                                  f"[-100, 100], got {v}")
     extras["logit_bias"] = tuple(sorted(s.logit_bias.items()))
     if not 0 <= s.min_tokens <= max_tokens:
-        raise InvalidRequest(f"sampling.min_tokens: must be in [0, max_tokens = {max_tokens}], "
+        raise InvalidRequest("sampling.min_tokens", f"must be in [0, max_tokens = {max_tokens}], "
                              f"got {s.min_tokens}")
     extras["min_tokens"] = s.min_tokens
     if s.HasField("logprobs"):
         if not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"sampling.logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got "
+            raise InvalidRequest("sampling.logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got "
                                  f"{s.logprobs}")
         extras["logprobs"] = s.logprobs
     if s.HasField("prompt_logprobs"):
         if not 0 <= s.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"sampling.prompt_logprobs: must be in [0, "
+            raise InvalidRequest("sampling.prompt_logprobs", f"must be in [0, "
                                  f"{MAX_TOP_LOGPROBS}], got {s.prompt_logprobs}")
         extras["prompt_logprobs"] = s.prompt_logprobs
     if s.HasField("n"):
         if not 1 <= s.n <= MAX_N:
-            raise InvalidRequest(f"sampling.n: must be in [1, {MAX_N}], got {s.n}")
+            raise InvalidRequest("sampling.n", f"must be in [1, {MAX_N}], got {s.n}")
         extras["n"] = s.n
     if (kind := s.WhichOneof("constraint")) is not None:
         if s.min_tokens:
-            raise InvalidRequest(f"sampling.min_tokens: cannot be combined with {kind} (the "
+            raise InvalidRequest("sampling.min_tokens", f"cannot be combined with {kind} (the "
                                  f"constraint decides where the output ends)")
         extras["constraint"] = _constraint(s, kind)
     return extras
@@ -220,16 +216,16 @@ def _constraint(s: api.SamplingParams, kind: str) -> Constraint:
     """The structured-output constraint; its text is checked by compiling it (grammar.py)."""
     if kind == "json_object":
         if not s.json_object:
-            raise InvalidRequest("sampling.json_object: set it to true, or leave it unset")
+            raise InvalidRequest("sampling.json_object", "set it to true, or leave it unset")
         return Constraint(kind)
     if kind == "choice":
         choices = list(s.choice.choices)
         if not 1 <= len(choices) <= MAX_CHOICES or not all(choices):
             empty = "" if all(choices) else " with an empty one"
-            raise InvalidRequest(f"sampling.choice: 1..{MAX_CHOICES} non-empty strings needed, "
+            raise InvalidRequest("sampling.choice", f"1..{MAX_CHOICES} non-empty strings needed, "
                                  f"got {len(choices)}{empty}")
         return Constraint(kind, json.dumps(choices, ensure_ascii=False))
     spec = getattr(s, kind)
     if not spec.strip():
-        raise InvalidRequest(f"sampling.{kind}: empty")
+        raise InvalidRequest(f"sampling.{kind}", "empty")
     return Constraint(kind, spec)

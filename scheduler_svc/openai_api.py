@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from pagedserve.scheduler import openai_responses
 from pagedserve.scheduler.http_metrics import CLIENT_LEFT
-from pagedserve.scheduler.inputs import InvalidRequest
+from pagedserve.scheduler.invalid import InvalidRequest
 from pagedserve.scheduler.openai_logprobs import (
     TokenText,
     chat_logprobs,
@@ -99,7 +99,7 @@ class OpenAIApp:
         try:
             out = await self.gen.tokenize(tokenize)
         except InvalidRequest as e:
-            raise invalid(str(e), shaped) from None
+            raise invalid(e, shaped) from None
         cap = self.engine.link.capacity
         model_len = cap.max_model_len if cap else self.gen.inputs.model_len
 
@@ -251,7 +251,7 @@ class OpenAIApp:
                 batch.add(await self.gen.start(one, tenant, timeout))
         except InvalidRequest as e:
             batch.close()
-            err = invalid(str(e), req)
+            err = invalid(e, req)
             if len(gens) > 1:  # which prompt of the batch
                 err.message = err.message.replace(": ", f": prompt {len(batch.calls)} of the "
                                                   f"batch: ", 1)

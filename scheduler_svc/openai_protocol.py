@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.scheduler.inputs import MAX_TOP_LOGPROBS
+from pagedserve.scheduler.invalid import InvalidRequest
 from pagedserve.scheduler.openai_errors import OpenAIError
 from pagedserve.scheduler.openai_tools import (
     ToolCallIn,
@@ -405,37 +406,35 @@ def _chat_input(req: ChatCompletionRequest, out: api.GenerateRequest,
         out.chat.messages.append(msg)
 
 
-# inputs.validate names the GenerateRequest field (sampling.top_p: ...); the client knows the
-# OpenAI parameter
-_FIELD = re.compile(r"^(sampling\.(\w+)|chat\.messages(\[\d+\]\.\w+)?|text|token_ids|input)"
-                    r"(?=:)")
-
-
 _CONSTRAINT_FIELDS = {"json_object", "json_schema", "regex", "choice", "grammar", "lark_grammar"}
-
-
-# tools.py's fields -> OpenAI's parameters
+# a tool's or a tool call's field in the GenerateRequest -> the OpenAI parameter's path
 _TOOL_FIELD = re.compile(r"^chat\.(tools\[\d+\]\.|messages\[\d+\]\.tool_calls\[\d+\]\.)"
-                         r"(name|parameters|arguments)(?=:)|^chat\.tools(?=:)")
+                         r"(name|parameters|arguments)$")
+_MESSAGES = re.compile(r"^chat\.messages(\[\d+\]\.\w+)?$")
 
 
-def invalid(message: str, req: _Request) -> OpenAIError:
-    """An inputs.InvalidRequest, renamed for the OpenAI API."""
-    t = _TOOL_FIELD.match(message)
-    if t is not None:
-        param = "tools" if t.group(1) is None else f"{t.group(1)}function.{t.group(2)}"
-        return OpenAIError(400, param + message[t.end():], param)
-    m = _FIELD.match(message)
-    if m is None:
-        return OpenAIError(400, message)
-    field = m.group(1)
-    if m.group(2) in _CONSTRAINT_FIELDS:
-        param = constraint_param(req) or m.group(2)
-    elif m.group(2):
-        param = _max_tokens_name(req) if m.group(2) == "max_tokens" else m.group(2)
-    elif field.startswith("chat.messages"):
-        param = "messages" + (m.group(3) or "")
-    else:
-        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-    return OpenAIError(400, param + message[m.end():], param)
+def openai_param(field: str, req: _Request) -> str | None:
+    """The OpenAI parameter of a GenerateRequest field path (InvalidRequest.field)."""
+    if field == "chat.tools":
+        return "tools"
+    if (t := _TOOL_FIELD.match(field)) is not None:
+        return f"{t.group(1)}function.{t.group(2)}"
+    if field.startswith("sampling."):
+        name = field.removeprefix("sampling.")
+        if name in _CONSTRAINT_FIELDS:
+            return constraint_param(req) or name
+        return _max_tokens_name(req) if name == "max_tokens" else name
+    if (m := _MESSAGES.match(field)) is not None:
+        return "messages" + (m.group(1) or "")
+    if field in ("text", "token_ids", "input"):
+        return "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    return None
+
+
+def invalid(e: InvalidRequest, req: _Request) -> OpenAIError:
+    """An inputs.InvalidRequest, its field named as the OpenAI parameter."""
+    param = openai_param(e.field, req)
+    if param is None:
+        return OpenAIError(400, str(e))
+    return OpenAIError(400, f"{param}: {e.reason}", param)
 

@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.scheduler.invalid import InvalidRequest
 
 MAX_TOOLS = 128  # OpenAI's bound
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -31,21 +32,21 @@ FALLBACK_PROMPT = (
 )
 
 
-class ToolError(ValueError):
-    """A client's tool or tool call that cannot be used; the message names the field."""
+class ToolError(InvalidRequest):
+    """A client's tool or tool call that cannot be used."""
 
 
 def tool_dicts(tools: list[api.Tool]) -> list[dict[str, Any]]:
     """The offered tools as OpenAI's (and transformers') dicts; ToolError if one is bad."""
     if len(tools) > MAX_TOOLS:
-        raise ToolError(f"chat.tools: at most {MAX_TOOLS} tools")
+        raise ToolError("chat.tools", f"at most {MAX_TOOLS} tools")
     out, seen = [], set()
     for i, t in enumerate(tools):
         if not _NAME.fullmatch(t.name):
-            raise ToolError(f"chat.tools[{i}].name: 1 to 64 letters, digits, _ or -, got "
+            raise ToolError(f"chat.tools[{i}].name", f"1 to 64 letters, digits, _ or -, got "
                             f"{t.name!r}")
         if t.name in seen:
-            raise ToolError(f"chat.tools[{i}].name: {t.name!r} is offered twice")
+            raise ToolError(f"chat.tools[{i}].name", f"{t.name!r} is offered twice")
         seen.add(t.name)
         params = json_object(t.parameters, f"chat.tools[{i}].parameters") if t.parameters \
             else NO_PARAMETERS
@@ -59,9 +60,9 @@ def json_object(text: str, field: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except ValueError as e:
-        raise ToolError(f"{field}: not JSON ({e})") from None
+        raise ToolError(field, f"not JSON ({e})") from None
     if not isinstance(value, dict):
-        raise ToolError(f"{field}: must be a JSON object")
+        raise ToolError(field, "must be a JSON object")
     return value
 
 
@@ -73,7 +74,7 @@ def check_schema(schema: dict[str, Any], field: str) -> None:
     try:
         xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=True)
     except (RuntimeError, ValueError) as e:
-        raise ToolError(f"{field}: {_CPP_PREFIX.sub('', str(e).strip()).strip()}") from None
+        raise ToolError(field, _CPP_PREFIX.sub("", str(e).strip()).strip()) from None
 
 
 def call_dicts(calls: list[api.ToolCall], field: str) -> list[dict[str, Any]]:

@@ -145,5 +145,6 @@ def test_a_logit_bias_map_parses_and_a_key_wider_than_32_bits_is_named():
     wide = _twin("wide", "pagedserve.v1.GenerateRequest")()
     wide.token_ids.ids.append(1)
     wide.sampling.logit_bias[2**33 + 5] = 1.0
-    assert parse(wide.SerializeToString()).message == (
-        f"sampling.logit_bias: key {2**33 + 5} does not fit in 32 bits")
+    error = parse(wide.SerializeToString()).error
+    assert (error.field, str(error)) == (
+        "sampling.logit_bias", f"sampling.logit_bias: key {2**33 + 5} does not fit in 32 bits")
