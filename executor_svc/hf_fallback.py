@@ -12,7 +12,6 @@ no attention mask. Native modules stay the fast path (no fused kernels or CUDA g
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,6 +133,3 @@ class TransformersLM(nn.Module):
 
     def kv_scales_summary(self) -> str:
         return "the transformers fallback keeps no FP8 KV scales: 1.0"
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        raise NotImplementedError("the transformers fallback loads with from_pretrained")
