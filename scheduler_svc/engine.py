@@ -89,6 +89,12 @@ class Engine:
         """Readiness: a warmed-up executor is connected and new requests are admitted."""
         return self.link.connected.is_set() and not self.draining
 
+    def capacity(self) -> pb.Capacity | None:
+        """What the front ends know of the model and the cache: the capacity the newest
+        executor reported (max_model_len, vocabulary, blocks, dtype, device), kept after it is
+        lost; None before any has joined."""
+        return self.link.capacity
+
     async def start(self) -> None:
         self._tasks = [*await self.link.start(),
                        asyncio.create_task(self._step_loop(), name="engine-step")]

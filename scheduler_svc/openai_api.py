@@ -85,7 +85,7 @@ class OpenAIApp:
         self._authenticate(request)
         card: dict[str, Any] = {"id": self.model_name, "object": "model",
                                 "created": self.created, "owned_by": "pagedserve"}
-        if (cap := self.engine.link.capacity) is not None:
+        if (cap := self.engine.capacity()) is not None:
             card["max_model_len"] = cap.max_model_len
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -100,7 +100,7 @@ class OpenAIApp:
             out = await self.gen.tokenize(tokenize)
         except InvalidRequest as e:
             raise invalid(e, shaped) from None
-        cap = self.engine.link.capacity
+        cap = self.engine.capacity()
         model_len = cap.max_model_len if cap else self.gen.inputs.model_len
 
         def answer() -> bytes:
@@ -118,7 +118,7 @@ class OpenAIApp:
         body = await self._parsed(request, DetokenizeBody)
         if body.model is not None:
             self._check_model(body.model)
-        cap = self.engine.link.capacity
+        cap = self.engine.capacity()
         vocab = cap.vocab_size if cap else len(self.gen.inputs.tok)
         tok = self.gen.inputs.tok
 
@@ -183,7 +183,7 @@ class OpenAIApp:
         """The request body, read as it arrives and refused (413) as soon as it is known to be
         over the limit: from its Content-Length, else once that many bytes came; the rest is
         never held (uvicorn drops what follows a response)."""
-        cap = self.engine.link.capacity
+        cap = self.engine.capacity()
         most = body_limit(self.gen.inputs.byte_limit(cap.max_model_len if cap else None))
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > most:

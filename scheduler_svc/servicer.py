@@ -150,7 +150,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         at once, as it would against a server still loading its model (vLLM and TGI open their
         port only then): UNAVAILABLE is the code clients retry and gRPC retry policies name.
         After an executor is lost the limits stay known and new requests queue for the next."""
-        cap = self.engine.link.capacity
+        cap = self.engine.capacity()
         if cap is None:
             raise EngineError("UNAVAILABLE", NO_EXECUTOR)
         return Limits(max_model_len=cap.max_model_len, vocab_size=cap.vocab_size)
@@ -215,7 +215,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def tokenize(self, request: api.TokenizeRequest) -> api.TokenizeResponse:
         """An authenticated Tokenize (the HTTP API's /tokenize too)."""
-        cap = self.engine.link.capacity  # none yet: the model config's length bounds it
+        cap = self.engine.capacity()  # none yet: the model config's length bounds it
         return await self._tokenized(self.inputs.tokenize, request,
                                      cap.max_model_len if cap else None)
 
@@ -224,7 +224,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     ) -> api.ModelInfo:
         self.authenticate(context.invocation_metadata())
         self._limits()
-        cap = self.engine.link.capacity
+        cap = self.engine.capacity()
         return api.ModelInfo(
             model=self.model_name, max_model_len=cap.max_model_len, vocab_size=cap.vocab_size,
             block_size=cap.block_size, num_kv_blocks=cap.num_kv_blocks,
