@@ -69,13 +69,20 @@
 #   families  the model families' GPU tests: every family's bf16 logits against HF, graphed MoE
 #             decode (FAMILY_KERNELS: kernel test files to add, e.g. tests/kernels)
 #   moekernel the fused-MoE kernel at decode and prefill shapes of Qwen3-30B-A3B and Mixtral
-#             beside the torch expert loop; --tune writes kernels/moe_configs.json into $B
+#             beside the torch expert loop, with the tiles the installed moe_configs.json gives
+#   moetune   the tiles swept per shape and token count for MOE_TUNE_S seconds (default 150),
+#             merged into the installed moe_configs.json (later parts of the call use them) and
+#             copied to $B: commit it as kernels/moe_configs.json
 #   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX) beside HF generate
 #             bs256
 #   moew2     W2 on both, no peer (HF generate's W2 batch runs 1,024 steps: minutes)
 #   moelat    Qwen3-30B-A3B single-stream decode, 128 -> 512 tokens, 1 running
 #   profilemoe  torch profile of W1 on Qwen3-30B-A3B (what fills its 53 ms decode step)
 #   qwen3     W1 on Llama-3.1-8B then Qwen3-8B at the default flags (q/k norm's cost)
+#   numerics  bf16 drift from fp32 on the default model's real weights, beside HF's own bf16
+#             (benchmarks/numerics.py): its GGUF carried in two halves, .gguf_a/ on a call of
+#             its own (GGUF_A=1: only copies it to /tmp) then .gguf_b/ with this part, e.g.
+#               split -b 60M -d SmolLM2-135M-Instruct.Q4_1.gguf; mv x00 .gguf_a/; mv x01 .gguf_b/
 #   remeasure the runs the old warm-up flattered: 8B 2 x 128 -> 512 at 1 running (bf16 and AWQ)
 #             and one 130,000-token prompt with prefix caching on (it must not hit), FP8 W1
 #   prefix8b  W3 on 8B with a shared 2,000-token system prompt at PREFIX_RATE (default 4) req/s,
@@ -101,6 +108,7 @@
 # BASELINE (ab): a copy of an older commit's tree with its generated stubs, whose top-level
 # packages run from PYTHONPATH=/tmp/deps:<dir>, e.g. carried as .baseline/ (git-ignored).
 set -uo pipefail
+if [ -n "${GGUF_A:-}" ]; then mkdir -p /tmp/gguf_a && cp .gguf_a/* /tmp/gguf_a && ls -l /tmp/gguf_a; exit; fi
 source "$(dirname "$0")/device_env.sh"
 PARTS=${PARTS:-env tests big}
 B=/tmp/bundle
@@ -310,8 +318,16 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       python3 -m pytest -q -rs tests/executor_svc/test_families_gpu.py ${FAMILY_KERNELS:-} \
         2>&1 | tee $B/pytest_families.log | tail -15 ;;
     moekernel)
-      python3 benchmarks/kernels/bench_moe.py --tune 2>&1 | tee -a $B/moe.log | tail -40
-      cp kernels/moe_configs.json $B/ ;;
+      python3 benchmarks/kernels/bench_moe.py 2>&1 | tee -a $B/moe.log | tail -40 ;;
+    moetune)
+      python3 benchmarks/kernels/bench_moe.py --tune --budget-s "${MOE_TUNE_S:-150}" 2>&1 \
+        | tee -a $B/moe.log | grep -v Error | tail -24
+      cp "$(python3 -c 'from pagedserve.kernels import fused_moe; print(fused_moe.CONFIG_FILE)')" \
+        $B/ ;;
+    numerics)
+      cat /tmp/gguf_a/* .gguf_b/* > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+      python3 -m benchmarks.numerics --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf 2>&1 \
+        | tee -a $B/numerics.log | quiet 3 ;;
     moew1) for m in ${MOE_MODELS:-MQ30 MMIX}; do tp W1 $m --hf generate:256; done ;;
     moew2) for m in MQ30 MMIX; do tp W2 $m --hf none; done ;;
     moelat) tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 --max-num-seqs 1 ;;

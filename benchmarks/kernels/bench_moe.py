@@ -45,7 +45,9 @@ class Shape:
 SHAPES = {"qwen3_30b_a3b": Shape(2048, 768, 128, 8), "mixtral_8x7b": Shape(4096, 14336, 8, 2)}
 SMOKE_SHAPES = {"tiny": Shape(64, 32, 8, 2)}
 DECODE, PREFILL = (1, 16, 64, 256), (4096, 16384)
-TUNE_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+# in the order tuned (a --budget-s run stops between them): W1's decode batch, single-stream
+# decode, the 8,192-token prefill steps' neighbour, then the rest
+TUNE_TOKENS = (256, 1, 4096, 64, 16, 16384, 1024)
 
 
 def parse() -> argparse.Namespace:
@@ -54,6 +56,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--tune", action="store_true", help="sweep tiles, write the best")
     p.add_argument("--shapes", nargs="*", default=None, help="names of SHAPES (default: all)")
     p.add_argument("--tokens", nargs="*", type=int, default=None)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="--tune: start no token count past this many seconds (per shape, an "
+                        "equal share); what was tuned is written as it goes")
     p.add_argument("--configs", type=Path, default=None,
                    help="file --tune merges into (default kernels/moe_configs.json; a scratch "
                         "file with --smoke)")
@@ -178,19 +183,29 @@ def time_align(name: str, s: Shape, w13: torch.Tensor, ids: torch.Tensor) -> lis
 def tune_grid(rows_per_expert: float) -> list[fm.MoeConfig]:
     if ARGS.smoke:
         return [fm.MoeConfig(16, 32, 32, 1, 4, 2), fm.MoeConfig(32, 64, 64, 8, 4, 3)]
-    bms = (16, 32) if rows_per_expert <= 16 else (32, 64) if rows_per_expert <= 64 else (64, 128)
-    group = 1 if rows_per_expert <= 16 else 8
-    return [fm.MoeConfig(bm, bn, bk, group, w, st) for bm, bn, bk, w, st in itertools.product(
-        bms, (64, 128, 256), (64, 128), (4, 8), (3, 4))]
+    if rows_per_expert <= 64:  # decode: the weight read is the work; wide tiles, deep K
+        bms = (16, 32) if rows_per_expert <= 16 else (32, 64)
+        grid = itertools.product(bms, (64, 128, 256), (64, 128, 256), (4,), (2, 3, 4))
+        return [fm.MoeConfig(bm, bn, bk, 1 if bm == 16 else 16, w, st)
+                for bm, bn, bk, w, st in grid]
+    grid = itertools.product((64, 128), (128, 256), (64, 128), (4, 8), (3, 4))
+    return [fm.MoeConfig(bm, bn, bk, 8, w, st) for bm, bn, bk, w, st in grid
+            if bn * bk <= 256 * 64 or bm == 64]
 
 
-def tune_shape(name: str, s: Shape, tokens: list[int]) -> tuple[dict, list[dict]]:
+def tune_shape(name: str, s: Shape, tokens: list[int], path: Path, budget_s: float | None
+               ) -> list[dict]:
     """Each GEMM timed alone per config (CUDA-graph replays); for each BLOCK_M the best of each
-    GEMM, then the BLOCK_M whose two bests add up least (one alignment serves both)."""
+    GEMM, then the BLOCK_M whose two bests add up least (one alignment serves both). Each token
+    count's pair is merged into `path` as soon as it is chosen."""
     w13, w2 = make_experts(s)
-    entries: dict[str, dict[str, dict]] = {}
     records = []
+    start = time.monotonic()
     for t in tokens:
+        if budget_s is not None and time.monotonic() - start > budget_s:
+            print(f"{name}: budget spent, not tuned: {tokens[tokens.index(t):]}", flush=True)
+            break
+        entries: dict[str, dict[str, dict]] = {}
         x, weights, ids = make_batch(s, t)
         pairs = t * s.top_k
         c1 = torch.empty(pairs, 2 * s.inter, device=DEV, dtype=DT)
@@ -224,7 +239,8 @@ def tune_shape(name: str, s: Shape, tokens: list[int]) -> tuple[dict, list[dict]
         ms = best[bm]["up"][0] + best[bm]["down"][0]
         print(f"{name} T={t}: BLOCK_M {bm}, up {best[bm]['up'][1]}, down "
               f"{best[bm]['down'][1]}: {ms:.4f} ms", flush=True)
-    return entries, records
+        merge_configs(path, entries)
+    return records
 
 
 def free_cache() -> None:
@@ -238,7 +254,8 @@ def merge_configs(path: Path, entries: dict) -> None:
         data.setdefault(key, {}).update(buckets)
         data[key] = dict(sorted(data[key].items(), key=lambda kv: int(kv[0])))
     path.write_text(json.dumps(data, indent=1) + "\n")
-    print("configs written to", path)
+    fm.load_configs.cache_clear()  # a bench later in this process reads the new tiles
+    print("configs written to", path, flush=True)
 
 
 def main() -> None:
@@ -252,13 +269,11 @@ def main() -> None:
                                 else fm.CONFIG_FILE)
         if ARGS.smoke and ARGS.configs is None:
             path.write_text(fm.CONFIG_FILE.read_text())
-        entries, records = {}, []
+        records = []
+        share = None if ARGS.budget_s is None else ARGS.budget_s / len(shapes)
         for name, s in shapes.items():
-            e, r = tune_shape(name, s, tokens)
-            entries.update(e)
-            records += r
+            records += tune_shape(name, s, tokens, path, share)
             free_cache()
-        merge_configs(path, entries)
     else:
         tokens = ARGS.tokens or ([1, 16, 256] if ARGS.smoke else [*DECODE, *PREFILL])
         records, copy_tbps, gemm_tflops = ceilings()
