@@ -277,6 +277,17 @@ def test_config_file_parses_and_round_trips():
     assert fm.default_config(16384, 8, 128, 1536, 2048).block_m == 128
 
 
+def test_config_file_ships_in_the_wheel():
+    """pyproject's package-data names the tuned tiles, so an installed pagedserve has them."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    data = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]
+    assert any(fnmatch.fnmatch(fm.CONFIG_FILE.name, pat) for pat in data["pagedserve.kernels"])
+
+
 def test_registered_ops():
     assert kernels.get_ops("triton").fused_moe is fm.fused_moe
     assert kernels.get_ops("torch").fused_moe is ref.fused_moe
