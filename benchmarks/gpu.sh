@@ -70,7 +70,7 @@
 #             decode (FAMILY_KERNELS: kernel test files to add, e.g. tests/kernels)
 #   moekernel the fused-MoE kernel at decode and prefill shapes of Qwen3-30B-A3B and Mixtral
 #             beside the torch expert loop, with the tiles the installed moe_configs.json gives
-#   moetune   the tiles swept per shape and token count for MOE_TUNE_S seconds (default 150),
+#   moetune   the tiles swept per shape and token count for MOE_TUNE_S seconds (default 200),
 #             merged into the installed moe_configs.json (later parts of the call use them) and
 #             copied to $B: commit it as kernels/moe_configs.json
 #   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX) beside HF generate
@@ -320,7 +320,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     moekernel)
       python3 benchmarks/kernels/bench_moe.py 2>&1 | tee -a $B/moe.log | tail -40 ;;
     moetune)
-      python3 benchmarks/kernels/bench_moe.py --tune --budget-s "${MOE_TUNE_S:-150}" 2>&1 \
+      python3 benchmarks/kernels/bench_moe.py --tune --budget-s "${MOE_TUNE_S:-200}" 2>&1 \
         | tee -a $B/moe.log | grep -v Error | tail -24
       cp "$(python3 -c 'from pagedserve.kernels import fused_moe; print(fused_moe.CONFIG_FILE)')" \
         $B/ ;;
