@@ -169,7 +169,7 @@ def _run(args: argparse.Namespace) -> int:
         # converts a GGUF here once, before two processes race for it
         resolve_model(args.model)
     if args.command == "scheduler":
-        from pagedserve.scheduler.server import run
+        from pagedserve.scheduler.api.server import run
 
         run(args)
         return 0

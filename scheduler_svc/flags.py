@@ -26,7 +26,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_link_timeout_arg(p)
     p.add_argument("--api-keys", default="",
                    help="YAML file of API keys and their tenants (priority range, concurrent "
-                        "requests, tokens per minute; see scheduler_svc/tenants.py); clients "
+                        "requests, tokens per minute; see scheduler_svc/api/tenants.py); clients "
                         "send 'authorization: Bearer <key>'. Empty: the API is open to anyone "
                         "who reaches the port")
     p.add_argument("--tls-cert", default="",

@@ -1,6 +1,8 @@
 """The package reads bottom-up: core and protos, then kernels, then the two processes, then the
-CLI and the client. Checked on the import statements themselves (ast), so an import inside a
-function or under TYPE_CHECKING counts too."""
+CLI and the client; inside the scheduler, the API front ends (pagedserve.scheduler.api) sit on
+the engine core (the scheduler's other modules), which imports no front end. Checked on the
+import statements themselves (ast), so an import inside a function or under TYPE_CHECKING
+counts too."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ ALLOWED = {
     "pagedserve.scheduler": {"pagedserve.core", "pagedserve.protos"},
     "pagedserve.executor": {"pagedserve.core", "pagedserve.protos", "pagedserve.kernels"},
 }
+API = "pagedserve.scheduler.api"  # the front ends: nothing of the engine core imports them
 TOP = {"pagedserve.cli", "pagedserve.client", "pagedserve.quantize",  # nothing imports these
        "pagedserve.supervise"}
 
@@ -85,6 +88,16 @@ def test_layers_import_only_downwards():
             elif mine is not None and layer(dep) not in (mine, *ALLOWED[mine]) \
                     and dep != "pagedserve":
                 bad.append(f"{module} -> {dep}")
+    assert bad == []
+
+
+def test_the_engine_core_imports_no_front_end():
+    def in_api(module: str) -> bool:
+        return module == API or module.startswith(API + ".")
+
+    bad = [f"{module} -> {dep}" for module, deps in graph().items()
+           if layer(module) == "pagedserve.scheduler" and not in_api(module)
+           for dep in deps if in_api(dep)]
     assert bad == []
 
 

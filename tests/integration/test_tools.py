@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from pagedserve.scheduler.tools import fallback_system
+from pagedserve.scheduler.api.tools import fallback_system
 
 MODEL = "default"
 WEATHER = {"type": "object", "properties": {

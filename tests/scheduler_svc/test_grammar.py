@@ -12,7 +12,7 @@ import pytest
 import xgrammar as xgr
 
 from pagedserve.scheduler.grammar import Grammars
-from pagedserve.scheduler.inputs import InvalidRequest
+from pagedserve.scheduler.invalid import InvalidRequest
 from pagedserve.scheduler.request import Constraint, GenerationParams, Request
 from tests.scheduler_svc.test_scheduler import make
 

@@ -9,9 +9,9 @@ import socket
 import pytest
 import zmq
 
-from pagedserve.scheduler import server
+from pagedserve.scheduler.api import server
+from pagedserve.scheduler.api.http_server import http_server
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkBindError
-from pagedserve.scheduler.http_server import http_server
 from pagedserve.scheduler.ports import BindError, check_addresses, check_free
 
 

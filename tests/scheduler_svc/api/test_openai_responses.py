@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.scheduler.openai_errors import OpenAIError
-from pagedserve.scheduler.openai_responses import ResponsesRequest, renamed, to_chat
+from pagedserve.scheduler.api.openai_errors import OpenAIError
+from pagedserve.scheduler.api.openai_responses import ResponsesRequest, renamed, to_chat
 
 
 def chat_of(**body):

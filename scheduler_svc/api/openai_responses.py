@@ -20,10 +20,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedserve.scheduler.openai_errors import OpenAIError
-from pagedserve.scheduler.openai_protocol import ChatCompletionRequest, param_of
-from pagedserve.scheduler.openai_tools import CallStream, ToolMode, read_calls
-from pagedserve.scheduler.servicer import CallBatch
+from pagedserve.scheduler.api.openai_errors import OpenAIError
+from pagedserve.scheduler.api.openai_protocol import ChatCompletionRequest, param_of
+from pagedserve.scheduler.api.openai_tools import CallStream, ToolMode, read_calls
+from pagedserve.scheduler.api.servicer import CallBatch
 from pagedserve.scheduler.streams import Chunk, EngineError
 
 _DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode

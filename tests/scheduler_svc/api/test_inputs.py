@@ -1,7 +1,7 @@
 import pytest
 
 from pagedserve.protos.v1 import generate_pb2 as api
-from pagedserve.scheduler.inputs import InputProcessor, InvalidRequest, Limits, validate
+from pagedserve.scheduler.api.inputs import InputProcessor, InvalidRequest, Limits, validate
 
 LIMITS = Limits(max_model_len=100, vocab_size=1000)
 
@@ -136,7 +136,7 @@ def test_sampling_extras_defaults_and_values():
 def test_a_logit_bias_map_parses_and_a_key_wider_than_32_bits_is_named():
     """The lenient parser walks every field for 32-bit values sent wider; a map's entries are
     walked by key (iterating it as a list of messages raised AttributeError: UNKNOWN)."""
-    from pagedserve.scheduler.errors import _lenient, _twin
+    from pagedserve.scheduler.api.errors import _lenient, _twin
 
     parse = _lenient(api.GenerateRequest.FromString, api.GenerateRequest.DESCRIPTOR)
     ok = request()

@@ -11,8 +11,8 @@ from typing import Any
 
 import uvicorn
 
+from pagedserve.scheduler.api.tls import CertificateFiles
 from pagedserve.scheduler.ports import cannot_listen
-from pagedserve.scheduler.tls import CertificateFiles
 
 
 class HTTPServer(uvicorn.Server):

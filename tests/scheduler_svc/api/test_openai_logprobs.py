@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedserve.scheduler.openai_logprobs import TokenText, completion_logprobs, prompt_logprobs
+from pagedserve.scheduler.api.openai_logprobs import TokenText, completion_logprobs, prompt_logprobs
 from pagedserve.scheduler.outputs import TokenLogprob
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pagedserve.scheduler.chat import ChatError, ChatRenderer
-from pagedserve.scheduler.tools import fallback_system
+from pagedserve.scheduler.api.chat import ChatError, ChatRenderer
+from pagedserve.scheduler.api.tools import fallback_system
 
 
 def msgs(*pairs):

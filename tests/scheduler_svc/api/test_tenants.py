@@ -4,8 +4,8 @@ import hashlib
 
 import pytest
 
+from pagedserve.scheduler.api.tenants import Tenants, TenantsError
 from pagedserve.scheduler.streams import EngineError
-from pagedserve.scheduler.tenants import Tenants, TenantsError
 
 KEYS = f"""
 tenants:

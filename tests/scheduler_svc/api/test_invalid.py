@@ -3,10 +3,14 @@ as its own parameter from that path (not from the message)."""
 
 import pytest
 
-from pagedserve.scheduler.chat import ChatError
+from pagedserve.scheduler.api.chat import ChatError
+from pagedserve.scheduler.api.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    invalid,
+)
+from pagedserve.scheduler.api.tools import ToolError
 from pagedserve.scheduler.invalid import InvalidRequest
-from pagedserve.scheduler.openai_protocol import ChatCompletionRequest, CompletionRequest, invalid
-from pagedserve.scheduler.tools import ToolError
 
 CHAT = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                              max_completion_tokens=4)

@@ -25,8 +25,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from pagedserve.protos.v1 import generate_pb2 as api
-from pagedserve.scheduler.openai_errors import OpenAIError
-from pagedserve.scheduler.tools import CALL_CLOSE, CALL_OPEN, NO_PARAMETERS
+from pagedserve.scheduler.api.openai_errors import OpenAIError
+from pagedserve.scheduler.api.tools import CALL_CLOSE, CALL_OPEN, NO_PARAMETERS
 
 
 class Function(BaseModel):

@@ -5,7 +5,7 @@ import json
 
 import jsonschema
 
-from pagedserve.scheduler.openai_tools import (
+from pagedserve.scheduler.api.openai_tools import (
     CallStream,
     Function,
     ToolDef,

@@ -14,10 +14,9 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pagedserve.protos.v1 import generate_pb2 as api
-from pagedserve.scheduler.inputs import MAX_TOP_LOGPROBS
-from pagedserve.scheduler.invalid import InvalidRequest
-from pagedserve.scheduler.openai_errors import OpenAIError
-from pagedserve.scheduler.openai_tools import (
+from pagedserve.scheduler.api.inputs import MAX_TOP_LOGPROBS
+from pagedserve.scheduler.api.openai_errors import OpenAIError
+from pagedserve.scheduler.api.openai_tools import (
     ToolCallIn,
     ToolDef,
     ToolMode,
@@ -25,6 +24,7 @@ from pagedserve.scheduler.openai_tools import (
     message_calls,
     offer,
 )
+from pagedserve.scheduler.invalid import InvalidRequest
 
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 Count = Annotated[int, Field(ge=0, le=2**31 - 1)]

@@ -5,11 +5,11 @@ import asyncio
 import threading
 
 from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.scheduler.api.inputs import InputProcessor
+from pagedserve.scheduler.api.servicer import GenerationServicer
 from pagedserve.scheduler.engine import Engine
 from pagedserve.scheduler.executor_link import ExecutorLink
-from pagedserve.scheduler.inputs import InputProcessor
 from pagedserve.scheduler.scheduler import SchedulerConfig
-from pagedserve.scheduler.servicer import GenerationServicer
 
 
 class Spy:

@@ -14,12 +14,12 @@ import grpc
 from pagedserve.core.memory import TrimAfterBurst
 from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.protos.v1 import generate_pb2_grpc
+from pagedserve.scheduler.api.inputs import InputProcessor, Limits, validate
+from pagedserve.scheduler.api.rpc_metrics import past_deadline
+from pagedserve.scheduler.api.tenants import Admission, Tenant, Tenants
 from pagedserve.scheduler.engine import Engine
-from pagedserve.scheduler.inputs import InputProcessor, Limits, validate
 from pagedserve.scheduler.parallel import submit_parallel
-from pagedserve.scheduler.rpc_metrics import past_deadline
 from pagedserve.scheduler.streams import Chunk, EngineError, RequestStream
-from pagedserve.scheduler.tenants import Admission, Tenant, Tenants
 
 _FINISH = {"stop": api.FINISH_REASON_STOP, "length": api.FINISH_REASON_LENGTH}
 NO_EXECUTOR = ("no executor has joined the scheduler yet (readiness, health service "

@@ -24,16 +24,15 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pagedserve.scheduler import openai_responses
-from pagedserve.scheduler.http_metrics import CLIENT_LEFT
-from pagedserve.scheduler.invalid import InvalidRequest
-from pagedserve.scheduler.openai_logprobs import (
+from pagedserve.scheduler.api import openai_responses
+from pagedserve.scheduler.api.http_metrics import CLIENT_LEFT
+from pagedserve.scheduler.api.openai_logprobs import (
     TokenText,
     chat_logprobs,
     completion_logprobs,
     prompt_logprobs,
 )
-from pagedserve.scheduler.openai_protocol import (
+from pagedserve.scheduler.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
@@ -46,9 +45,10 @@ from pagedserve.scheduler.openai_protocol import (
     to_generate,
     to_tokenize,
 )
-from pagedserve.scheduler.openai_tools import CallStream, ToolMode, read_calls, tool_mode
+from pagedserve.scheduler.api.openai_tools import CallStream, ToolMode, read_calls, tool_mode
+from pagedserve.scheduler.api.servicer import CallBatch, GenerationServicer
+from pagedserve.scheduler.invalid import InvalidRequest
 from pagedserve.scheduler.outputs import TokenLogprob
-from pagedserve.scheduler.servicer import CallBatch, GenerationServicer
 from pagedserve.scheduler.streams import Chunk, EngineError
 
 # JSON escapes at most double the UTF-8 bytes of a prompt (a non-ASCII character as \uXXXX); the

@@ -29,22 +29,22 @@ from pagedserve.core.models import (
 from pagedserve.core.readiness import mark_ready
 from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
 from pagedserve.protos.v1 import generate_pb2_grpc
-from pagedserve.scheduler import reflection
+from pagedserve.scheduler.api import reflection
+from pagedserve.scheduler.api.errors import ErrorInterceptor
+from pagedserve.scheduler.api.http_metrics import HTTPMetrics
+from pagedserve.scheduler.api.http_server import http_server
+from pagedserve.scheduler.api.inputs import InputProcessor
+from pagedserve.scheduler.api.openai_api import OpenAIApp
+from pagedserve.scheduler.api.rpc_metrics import RpcMetrics
+from pagedserve.scheduler.api.servicer import GenerationServicer
+from pagedserve.scheduler.api.tenants import Tenants, TenantsError
+from pagedserve.scheduler.api.tls import CertificateFiles, TLSError
 from pagedserve.scheduler.engine import Engine, _crash_on_error
-from pagedserve.scheduler.errors import ErrorInterceptor
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkBindError, LinkConfig
-from pagedserve.scheduler.http_metrics import HTTPMetrics
-from pagedserve.scheduler.http_server import http_server
-from pagedserve.scheduler.inputs import InputProcessor
 from pagedserve.scheduler.metrics import Metrics
-from pagedserve.scheduler.openai_api import OpenAIApp
 from pagedserve.scheduler.ports import BindError, cannot_listen, check_addresses
-from pagedserve.scheduler.rpc_metrics import RpcMetrics
 from pagedserve.scheduler.scheduler import SchedulerConfig
-from pagedserve.scheduler.servicer import GenerationServicer
 from pagedserve.scheduler.telemetry import Telemetry, request_log
-from pagedserve.scheduler.tenants import Tenants, TenantsError
-from pagedserve.scheduler.tls import CertificateFiles, TLSError
 
 log = logging.getLogger("pagedserve.scheduler")
 

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from pagedserve.scheduler.rpc_metrics import RpcMetrics
+from pagedserve.scheduler.api.rpc_metrics import RpcMetrics
 
 SERVICE = "test.v1.Svc"
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.protos.v1 import generate_pb2 as api
-from pagedserve.scheduler.chat import ChatRenderer
+from pagedserve.scheduler.api.chat import ChatRenderer
+from pagedserve.scheduler.api.tools import call_dicts, tool_dicts
 from pagedserve.scheduler.invalid import InvalidRequest
 from pagedserve.scheduler.request import Constraint, GenerationParams
-from pagedserve.scheduler.tools import call_dicts, tool_dicts
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from pagedserve.scheduler.http_metrics import HTTPMetrics
+from pagedserve.scheduler.api.http_metrics import HTTPMetrics
 
 
 async def ok(request: Request) -> JSONResponse:

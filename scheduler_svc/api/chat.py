@@ -9,8 +9,8 @@ import json
 import re
 from typing import Any
 
+from pagedserve.scheduler.api.tools import calls_text, fallback_system
 from pagedserve.scheduler.invalid import InvalidRequest
-from pagedserve.scheduler.tools import calls_text, fallback_system
 
 STANDARD_ROLES = ("system", "user", "assistant", "tool")
 # a role the template names, e.g. message['role'] == 'system' or message.role == "ipython"
