@@ -13,7 +13,8 @@ output lengths uniform in [100, 1024] (seed 0); or --requests/--prompt/--output.
 
 The roofline: a lower bound on the workload's time from the ceilings measured in this run
 (copy bandwidth, bf16 GEMM rate): prefill at the GEMM rate, then each decode step of all the
-sequences still running at once, max(bytes of weights + KV read / bandwidth, FLOPs / rate).
+sequences still running at once, max(bytes of weights + KV read / bandwidth, FLOPs / rate);
+with --max-num-seqs below the requests, in waves of that many (in order, as FCFS admits them).
 Weights and KV count at the sizes the run loaded them (an FP8 run gets an FP8 bound; the
 record's bound_* fields say which), and a throughput above the bound is refused, not recorded.
 
@@ -286,8 +287,14 @@ def bound_basis(cfg, weight_bytes: float, kv_cache_dtype: str | None) -> dict:
 
 def roofline_seconds(cfg, prompt_lens: list[int], outputs: list[int], tbps: float,
                      tflops: float, weight_bytes_per_param: float = 2.0,
-                     kv_bytes: int = 2) -> float:
-    """Lower bound on the workload's time on a device with these ceilings (module doc)."""
+                     kv_bytes: int = 2, max_running: int = 0) -> float:
+    """Lower bound on the workload's time on a device with these ceilings (module doc); at
+    most max_running sequences at once (0: all of them)."""
+    if 0 < max_running < len(prompt_lens):
+        return sum(roofline_seconds(cfg, prompt_lens[i:i + max_running],
+                                    outputs[i:i + max_running], tbps, tflops,
+                                    weight_bytes_per_param, kv_bytes)
+                   for i in range(0, len(prompt_lens), max_running))
     layers, d = cfg.num_layers, cfg.head_dim
     params = weight_params(cfg)
     kv_tok = cfg.kv_bytes_per_token(kv_bytes)
@@ -363,7 +370,7 @@ def main() -> None:
         bound = sum(outputs) / roofline_seconds(
             cfg, list(map(len, prompts)), outputs, tp * ceil["copy_tbps"],
             tp * ceil["gemm_tflops"], basis["bound_weight_bytes_per_param"],
-            basis["bound_kv_bytes"])
+            basis["bound_kv_bytes"], args.max_num_seqs)
         common.update(ceil, **basis, bound_output_tok_s=bound)
     records = [{**common, "engine": "pagedserve", "server_flags": " ".join(args.server_flag),
                 **({"sampling": extras} if extras else {}), **ours}]

@@ -60,6 +60,24 @@ def test_the_bound_reads_weights_at_their_loaded_size() -> None:
     assert t1 == pytest.approx(t2 / 2, rel=1e-3)
 
 
+def test_the_bound_runs_max_num_seqs_at_a_time() -> None:
+    """2 requests at --max-num-seqs 1 run one after the other: twice one request's time, more
+    than both at once (which reads each step's weights once for two tokens)."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(hidden_size=64, head_dim=16, num_heads=4, num_kv_heads=2,
+                          intermediate_size=128, num_layers=2, vocab_size=1000,
+                          tie_word_embeddings=False, moe=None,
+                          kv_bytes_per_token=lambda b: 2 * 2 * 2 * 16 * b)
+    one = throughput.roofline_seconds(cfg, [8], [64], 1.0, 1000.0)
+    both = throughput.roofline_seconds(cfg, [8, 8], [64, 64], 1.0, 1000.0)
+    waves = throughput.roofline_seconds(cfg, [8, 8], [64, 64], 1.0, 1000.0, max_running=1)
+    assert waves == pytest.approx(2 * one)
+    assert both < 1.1 * one
+    assert throughput.roofline_seconds(cfg, [8, 8], [64, 64], 1.0, 1000.0,
+                                       max_running=2) == both
+
+
 def test_an_moe_bound_reads_the_experts_a_step_touches() -> None:
     from pagedserve.executor.config import ModelConfig
 
