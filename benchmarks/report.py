@@ -365,6 +365,8 @@ def load_section(records: list[dict]) -> list[str]:
 
 
 def _shape(r: dict) -> str:
+    if "top_k" in r or "gemm" in r:  # bench_moe.py: a model's expert shapes at T tokens
+        return f"{r['shape']} T={r['tokens']}" + (f" {r['gemm']}" if "gemm" in r else "")
     if "bytes" in r:
         return f"{r['bytes'] / 2**30:.0f} GiB"
     parts = [f"{k} {r[k]}" for k in ("batch", "ctx", "q_len", "rows") if r.get(k) is not None]
@@ -378,7 +380,8 @@ def kernels_section(records: list[dict]) -> list[str]:
         by[(r["kind"], _shape(r))][r["impl"]] = r
     rows = []
     for (kind, shape), impls in by.items():
-        ours = impls.pop("pagedserve", None)
+        ours = impls.pop("pagedserve", None) or impls.pop("triton", None)  # graphed, as served
+        impls.pop("triton_eager", None)
         ref_name, ref = next(iter(impls.items()), ("-", None))
 
         def rate(r: dict | None) -> str:
@@ -388,6 +391,8 @@ def kernels_section(records: list[dict]) -> list[str]:
                      num(ref and ref["ms"], ".4f"), rate(ref), (ours or ref)["commit"]])
     sweeps = [[r["kind"], r.get("kv_cache_dtype", "bf16"), _shape(r),
                json.dumps(r["config"]) if "config" in r else
+               "/".join(str(r[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
+                                            "num_warps", "num_stages")) if "BLOCK_M" in r else
                ", ".join(f"{k} {r[k]}" for k in ("widen_to", "tile_n", "num_warps", "num_stages")),
                num(r["ms"], ".4f"), r["sweep_configs"], r["commit"], when(r)]
               for r in newest((r for r in records if "sweep" in r["kind"]),
@@ -589,7 +594,8 @@ def report(folder: Path = RESULTS) -> str:
 SWEEPS = {"w4a16_gemm": (lambda r: r.get("impl") in ("sweep", "sweep_wrong"),
                          ("run", "method", "group_size", "rows", "n", "k")),
           "kernels": (lambda r: "sweep" in r.get("kind", ""),
-                      ("run", "kind", "kv_cache_dtype", "widen_to", "batch", "ctx", "q_len"))}
+                      ("run", "kind", "kv_cache_dtype", "widen_to", "batch", "ctx", "q_len",
+                       "shape", "tokens", "gemm"))}
 
 
 def raw_sweep(family: str, rec: dict) -> bool:

@@ -15,7 +15,8 @@ the executor runs decode steps. Records (family `kernels`, kind `fused_moe`): ms
 of the bytes touched (the distinct experts' weights + x read + out written), TFLOP/s
 (2 T k 3 H I), the fraction of the copy and bf16 GEMM ceilings measured in the same run, and
 the relative error against the torch loop; kind `moe_align` times the alignment alone (the
-one-program kernel against torch ops), kind `moe_tune` each swept config.
+one-program kernel against torch ops), kind `moe_tune_sweep` each swept config (report.py
+keeps the best per GEMM).
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ def tune_shape(name: str, s: Shape, tokens: list[int], path: Path, budget_s: flo
                 except Exception as e:  # noqa: BLE001  (a config the compiler refuses)
                     print(f"{name} T={t} {gemm} {cfg}: {type(e).__name__}", flush=True)
                     continue
-                records.append({"kind": "moe_tune", "shape": name, "tokens": t, "gemm": gemm,
+                records.append({"kind": "moe_tune_sweep", "shape": name, "tokens": t, "gemm": gemm,
                                 **cfg.to_json(), "ms": ms, "smoke": ARGS.smoke})
                 slot = best.setdefault(cfg.block_m, {})
                 if gemm not in slot or ms < slot[gemm][0]:
