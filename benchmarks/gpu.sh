@@ -74,16 +74,19 @@
 #             merged into the installed moe_configs.json (later parts of the call use them) and
 #             copied to $B: commit it as kernels/moe_configs.json
 #   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX) beside HF generate
-#             bs256
-#   moew2     W2 on both, no peer (HF generate's W2 batch runs 1,024 steps: minutes)
+#             bs256, serve's default step bounds
+#   moew2     W2 on both at the default flags, no peer (HF generate's W2 batch runs 1,024
+#             steps: minutes)
 #   moelat    Qwen3-30B-A3B single-stream decode, 128 -> 512 tokens, 1 running
-#   profilemoe  torch profile of W1 on Qwen3-30B-A3B (what fills its 53 ms decode step)
+#   profilemoe  torch profile of W1 on Qwen3-30B-A3B at the default flags
 #   qwen3     W1 on Llama-3.1-8B then Qwen3-8B at the default flags (q/k norm's cost)
 #   numerics  bf16 drift from fp32 on the default model's real weights, beside HF's own bf16
 #             (benchmarks/numerics.py): its GGUF carried in two halves, .gguf_a/ on a call of
-#             its own (GGUF_A=1: only copies it to /tmp) then .gguf_b/ with this part, e.g.
-#               split -b 60M -d SmolLM2-135M-Instruct.Q4_1.gguf; mv x00 .gguf_a/; mv x01 .gguf_b/
-#   remeasure the runs the old warm-up flattered: 8B 2 x 128 -> 512 at 1 running (bf16 and AWQ)
+#             its own (GGUF_A=1: only copies it to /tmp) then .gguf_b/ with this part
+#             (NUM_FLAGS=--ablate: each kernel's share of the drift), e.g.
+#               split -b 58M -d SmolLM2-135M-Instruct.Q4_1.gguf; mv x00 .gguf_a/; mv x01 .gguf_b/
+#   remeasure the runs the old warm-up flattered: 8B 128 -> 512 at 1 and 16 running (LAT_SEQS;
+#             twice as many requests; bf16 and AWQ)
 #             and one 130,000-token prompt with prefix caching on (it must not hit), FP8 W1
 #   prefix8b  W3 on 8B with a shared 2,000-token system prompt at PREFIX_RATE (default 4) req/s,
 #             200 requests, prefix caching on and off, default flags; ~5 min
@@ -124,7 +127,8 @@ MQ30=(--model benchmarks/models/qwen3-30b-a3b --load-format random "${TOK[@]}")
 MMIX=(--model benchmarks/models/mixtral-8x7b --load-format random "${TOK[@]}")
 TP2=(--server-flag=--tensor-parallel-size --server-flag=2)
 FAST=(--hf none --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8)
-DEFAULTS=(--hf none --max-num-seqs 0 --max-num-batched-tokens 0)  # 0: serve's own (by device)
+BOUNDS=(--max-num-seqs 0 --max-num-batched-tokens 0)  # 0: serve's own step bounds (by device)
+DEFAULTS=(--hf none "${BOUNDS[@]}")
 start=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
 save() { tar czf "$OUT/bundle.tgz" -C $B .; }
@@ -326,15 +330,17 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         $B/ ;;
     numerics)
       cat /tmp/gguf_a/* .gguf_b/* > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-      python3 -m benchmarks.numerics --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf 2>&1 \
-        | tee -a $B/numerics.log | quiet 3 ;;
-    moew1) for m in ${MOE_MODELS:-MQ30 MMIX}; do tp W1 $m --hf generate:256; done ;;
-    moew2) for m in MQ30 MMIX; do tp W2 $m --hf none; done ;;
-    moelat) tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 --max-num-seqs 1 ;;
-    profilemoe) profile MQ30 moe30b --hf none ;;
+      # shellcheck disable=SC2086  # NUM_FLAGS is a list of flags (--ablate)
+      python3 -m benchmarks.numerics --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
+        ${NUM_FLAGS:-} 2>&1 | tee -a $B/numerics.log | quiet 3 ;;
+    moew1) for m in ${MOE_MODELS:-MQ30 MMIX}; do tp W1 $m --hf generate:256 "${BOUNDS[@]}"; done ;;
+    moew2) for m in ${MOE_MODELS:-MQ30 MMIX}; do tp W2 $m "${DEFAULTS[@]}"; done ;;
+    moelat) tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 --max-num-seqs 1 \
+      --max-num-batched-tokens 0 ;;
+    profilemoe) profile MQ30 moe30b "${DEFAULTS[@]}" ;;
     qwen3) for m in M8 MQ8; do tp W1 $m "${DEFAULTS[@]}"; done ;;
     remeasure)
-      latency 1
+      latency ${LAT_SEQS:-1 16}
       tp "" M8 --hf none --requests 1 --prompt 130000 --output 1 --max-num-batched-tokens 0 \
         --max-num-seqs 0 --server-flag=--max-model-len --server-flag=131072
       fast W1 M8 --server-flag=--quantization --server-flag=fp8 ;;

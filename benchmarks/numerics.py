@@ -7,6 +7,10 @@ and raw prompts, counted equal to HF fp32's. The paged model runs its Triton ker
 (torch on the CPU), a whole prompt in one prefill step and then one token a step.
 
     python -m benchmarks.numerics --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf   # on the GPU
+
+--ablate (CUDA) adds, per kernel, the bf16 drift with that one op run by its torch reference on
+the GPU (fields drift_pagedserve_bf16_torch_<op>), and with every op so: where a drift comes
+from.
 """
 
 from __future__ import annotations
@@ -44,13 +48,17 @@ NEW_TOKENS = 32
 class Paged:
     """The executor's model over a paged cache of one sequence at a time."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: str) -> None:
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: str,
+                 torch_ops: tuple[str, ...] = ()) -> None:
         from pagedserve.executor.config import ModelConfig
         from pagedserve.executor.loader import build_model
         from pagedserve.kernels import get_ops
 
         self.cfg = ModelConfig.from_pretrained(model_dir)
         ops = get_ops("triton" if device == "cuda" else "torch")
+        reference = get_ops("torch")
+        for op in torch_ops:  # these by their torch reference (--ablate)
+            setattr(ops, op, getattr(reference, op))
         self.model = build_model(self.cfg, ops, dtype, torch.device(device), 2048, model_dir)
         self.dtype, self.device, self.block = dtype, device, 16
 
@@ -101,7 +109,10 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def measure(model_dir: Path, device: str) -> dict:
+ABLATE = ("paged_attention", "write_kv_cache", "rms_norm", "rotary_embedding", "silu_and_mul")
+
+
+def measure(model_dir: Path, device: str, ablate: bool = False) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -125,6 +136,11 @@ def measure(model_dir: Path, device: str) -> dict:
            "drift_hf_bf16": drift(hf_logprobs(hf[torch.bfloat16], text)),
            "drift_pagedserve_fp32": drift(ours[torch.float32].logprobs(text)),
            "drift_pagedserve_bf16": drift(ours[torch.bfloat16].logprobs(text))}
+    if ablate:
+        for ops in [(op,) for op in ABLATE] + [ABLATE]:
+            paged = Paged(model_dir, torch.bfloat16, device, ops)
+            name = ops[0] if len(ops) == 1 else "all"
+            rec[f"drift_pagedserve_bf16_torch_{name}"] = drift(paged.logprobs(text))
     for name, run in (("hf_bf16", lambda p: hf_greedy(hf[torch.bfloat16], p, NEW_TOKENS)),
                       ("pagedserve_fp32",
                        lambda p: ours[torch.float32].greedy(p, NEW_TOKENS, eos)),
@@ -141,9 +157,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--gguf", type=Path, default=None, help="default: the installed default model")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--ablate", action="store_true", help="each kernel by its torch reference")
     args = p.parse_args()
     model_dir = gguf_to_hf_dir(args.gguf) if args.gguf else resolve_model("default")
-    rec = measure(model_dir, args.device)
+    rec = measure(model_dir, args.device, args.ablate)
     print(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                     for k, v in rec.items()), flush=True)
     print("appended to", write_records("numerics", [rec]))
