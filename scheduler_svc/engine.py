@@ -2,7 +2,9 @@
 update -> deliver) and ends requests. Runs on the gRPC server's asyncio loop, so there are no
 locks: state changes only between awaits. The executor link (executor_link.py) owns the
 socket and the executor's liveness; the scheduler owns every decision about requests and
-blocks; this file only wires them together.
+blocks; this file only wires them together. It speaks token ids: each step's outputs go to
+its client (engine_client.py) as one batch, and text, stop strings and API shapes are the
+front ends' (api/).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import Any
 from pagedserve.core.memory import release_free_memory
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from pagedserve.scheduler.capacity import adopt
-from pagedserve.scheduler.delivery import StreamTable
-from pagedserve.scheduler.detokenizer import decoder_of
+from pagedserve.scheduler.delivery import Emit, StreamTable
+from pagedserve.scheduler.engine_io import EngineError, EngineRequest, ModelInfo
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkDown
 from pagedserve.scheduler.grammar import Grammars
 from pagedserve.scheduler.metrics import Metrics
@@ -31,10 +33,10 @@ from pagedserve.scheduler.outputs import (
     logprobs_of,
     prompt_logprobs_of,
 )
-from pagedserve.scheduler.request import Constraint, GenerationParams, Request, RequestStatus
+from pagedserve.scheduler.request import Constraint, Request, RequestStatus
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from pagedserve.scheduler.streams import EngineError, RequestStream
 from pagedserve.scheduler.telemetry import StepTiming, Telemetry
+from pagedserve.scheduler.tracked import Tracked
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -61,20 +63,20 @@ class Engine:
                  metrics: Metrics | None = None,
                  telemetry: Telemetry | None = None,
                  on_readiness: Callable[[bool], None] | None = None,
-                 stream_interval: int = 1, async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, emit: Emit | None = None) -> None:
+        """emit(batch): where each step's EngineOutputs go (EngineClient sets it)."""
         self.cfg, self.tokenizer, self.kv_watermark = cfg, tokenizer, kv_watermark
         self.eos_token_ids = frozenset(eos_token_ids)
         self.async_scheduling = async_scheduling
         self.metrics = metrics or Metrics()
         self.telemetry = telemetry or Telemetry(self.metrics, tokenizer)
         self.streams = StreamTable(self.telemetry, lambda rid: self.scheduler.finish(rid),
-                                   stream_interval)
+                                   emit)
         self.on_readiness = on_readiness
         self.link = link
         link.attach(self._joined, lambda why: self._notify_readiness())
         self.draining = False
         self.scheduler: Scheduler | None = None
-        self._decode = decoder_of(tokenizer)
         self._ids, self._step_ids = itertools.count(1), itertools.count(1)
         self._ready = asyncio.Event()  # set once the first executor joined (limits known)
         self._wake = asyncio.Event()
@@ -94,6 +96,15 @@ class Engine:
         executor reported (max_model_len, vocabulary, blocks, dtype, device), kept after it is
         lost; None before any has joined."""
         return self.link.capacity
+
+    def model_info(self) -> ModelInfo | None:
+        """The model's facts from the newest executor's capacity; None before one joined."""
+        cap = self.link.capacity
+        if cap is None:
+            return None
+        return ModelInfo(cap.max_model_len, cap.vocab_size, tuple(sorted(self.eos_token_ids)),
+                         cap.block_size, cap.num_kv_blocks, cap.dtype, cap.device,
+                         cap.attention_backend, cap.kv_cache_dtype)
 
     async def start(self) -> None:
         self._tasks = [*await self.link.start(),
@@ -136,13 +147,11 @@ class Engine:
         assert self.grammars is not None, "compile before the executor joined"
         return await self.grammars.compile(constraint)
 
-    def submit(self, external_id: str, prompt: list[int], params: GenerationParams,
-               priority: int = 0, timeout: float | None = None,
-               grammar: Any = None, new_prompt: bool = True) -> RequestStream:
-        """Queue a request; `timeout` (seconds, the client's gRPC deadline) bounds its life;
-        `grammar`: the compiled params.constraint (compile()). new_prompt=False: another
-        completion of a prompt already counted (n > 1)."""
+    def submit(self, request: EngineRequest, grammar: Any = None) -> int:
+        """Queue a request, and answer its id; its timeout bounds its life; `grammar`: the
+        compiled params.constraint (compile()). Its outputs go to emit, step by step."""
         assert self.scheduler is not None, "submit before the executor joined"
+        prompt, params = request.prompt, request.params
         if self.draining:
             raise EngineError("UNAVAILABLE", "server is draining")
         refusal = self.scheduler.admission_error(len(prompt))
@@ -151,24 +160,29 @@ class Engine:
             retry = self.telemetry.retry_after_s(self.scheduler.waiting.prompt_tokens)
             raise EngineError("RESOURCE_EXHAUSTED", f"server busy: {refusal}; retry in about "
                               f"{retry:.0f} s", retry_after_s=retry)
+        sibling = None if request.sibling_of is None else self.streams.get(request.sibling_of)
         rid = next(self._ids)
-        req = Request(rid, external_id or f"req-{rid}", len(prompt), list(prompt), params,
-                      priority, arrival_seq=rid,
-                      matcher=None if grammar is None else Grammars.matcher(grammar))
-        stream = RequestStream.open(req, self.tokenizer, self._decode, timeout)
-        self.streams.add(stream)
+        external_id = sibling.req.external_id if sibling is not None else \
+            request.request_id or f"req-{rid}"
+        req = Request(rid, external_id, len(prompt), list(prompt), params,
+                      request.priority, arrival_seq=rid,
+                      matcher=None if grammar is None else Grammars.matcher(grammar),
+                      first_sibling=None if sibling is None else sibling.req)
+        self.streams.add(Tracked.open(req, request.timeout, request.tenant))
         self._busy_since_trim = True
         self.scheduler.add(req)
-        if new_prompt:
+        if request.sibling_of is None:  # n > 1: the prompt counts once
             self.metrics.prompt_tokens.inc(len(prompt))
         self._wake.set()
-        return stream
+        return rid
 
-    def abort(self, stream: RequestStream, reason: str = "abort") -> None:
-        """Drop a request (client gone, or reason "deadline_exceeded"); its blocks are free
-        before the next step is planned."""
-        if not stream.finished:
-            self.streams.leave(stream, reason)
+    def abort(self, req_id: int, reason: str = "abort") -> None:
+        """Drop a request (client gone, a stop string matched: reason "stop", or
+        "deadline_exceeded"); its blocks are free before the next step is planned. No output
+        follows."""
+        t = self.streams.get(req_id)
+        if t is not None and not t.finished:
+            self.streams.leave(t, reason)
             self._wake.set()
 
     # ----------------------------------------------------------------- step loop
@@ -297,8 +311,8 @@ class Engine:
             return []
         for rid, start, entries in (prompt_logprobs_of(item) if item.prompt_logprob_req_ids
                                     else ()):
-            if (stream := self.streams.get(rid)) is not None:
-                stream.record_prompt_logprobs(start, entries)
+            if (t := self.streams.get(rid)) is not None:
+                t.record_prompt_logprobs(start, entries)
         sampled = self.scheduler.update(list(item.req_ids), list(item.sampled_token_ids),
                                         logprobs_of(item) if item.logprob_rows else None)
         self.telemetry.step(item, timing, len(sampled))

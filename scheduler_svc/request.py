@@ -53,7 +53,7 @@ class GenerationParams:
     min_tokens: int = 0
     # None: no logprobs; 0: the sampled token's logprob; k (<= 20): also the k most likely
     logprobs: int | None = None
-    n: int = 1  # completions of the prompt (each a Request; see scheduler_svc/parallel.py)
+    n: int = 1  # completions of the prompt (each a Request; see scheduler_svc/api/parallel.py)
     constraint: Constraint | None = None  # structured output; None: free text
     # None: no prompt logprobs; k (<= 20): each prompt token's logprob, rank and k alternatives
     prompt_logprobs: int | None = None
@@ -82,7 +82,6 @@ class Request:
     num_pending: int = 0
     # what the executor masks until min_tokens: EOS ids (unless ignore_eos), stop_token_ids
     min_tokens_masked_ids: tuple[int, ...] = ()
-    index: int = 0  # which of its GenerateRequest's n completions
     # n > 1: completion 0, whose prompt the others wait for (to take it from the prefix cache)
     first_sibling: Request | None = None
     # structured outputs: its xgrammar GrammarMatcher, advanced by every token received

@@ -19,7 +19,7 @@ from typing import Any
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from pagedserve.scheduler.metrics import EXECUTOR_PHASES, SUCCESS_REASONS, Metrics
 from pagedserve.scheduler.outputs import SchedulerStats
-from pagedserve.scheduler.streams import RequestStream
+from pagedserve.scheduler.tracked import Tracked
 
 request_log = logging.getLogger("pagedserve.requests")
 _MODES = {pb.EXECUTION_MODE_CUDA_GRAPH: "cuda_graph"}  # anything else counts as eager
@@ -45,14 +45,14 @@ class Telemetry:
         self._peak_blocks_used = 0
         self._counters_seen: dict = {}  # scheduler totals already added to counters
 
-    def scheduled(self, stream: RequestStream, now: float, cached_tokens: int = 0) -> None:
+    def scheduled(self, stream: Tracked, now: float, cached_tokens: int = 0) -> None:
         """First scheduled, with cached_tokens of its prompt found in the prefix cache."""
         if not stream.scheduled_at:
             stream.scheduled_at = now
             stream.cached_tokens = cached_tokens
             self.metrics.queue_time[stream.priority_class].observe(now - stream.arrival)
 
-    def token(self, stream: RequestStream, now: float) -> None:
+    def token(self, stream: Tracked, now: float) -> None:
         m = self.metrics
         if stream.first_token_at:
             self._itl.append(now - stream.last_token_at)
@@ -68,7 +68,7 @@ class Telemetry:
             self.metrics.itl.observe_many(self._itl)
             self._itl = []
 
-    def finished(self, stream: RequestStream, reason: str, now: float) -> None:
+    def finished(self, stream: Tracked, reason: str, now: float) -> None:
         """reason: one of metrics.FINISH_REASONS (a status code's name in lower case)."""
         m = self.metrics
         m.success[reason].inc()
@@ -147,7 +147,7 @@ class Telemetry:
             counter.inc(value - seen.get(counter, 0))
             seen[counter] = value
 
-    def _record(self, stream: RequestStream, reason: str, now: float) -> dict[str, Any]:
+    def _record(self, stream: Tracked, reason: str, now: float) -> dict[str, Any]:
         req = stream.req
 
         def since_arrival(t: float) -> float | None:

@@ -13,8 +13,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
 
 from pagedserve.protos.v1 import generate_pb2
+from pagedserve.scheduler.engine_io import EngineError
 from pagedserve.scheduler.invalid import InvalidRequest
-from pagedserve.scheduler.streams import EngineError
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

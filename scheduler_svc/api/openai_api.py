@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (Starlette on uvicorn), served by the scheduler process on the
-gRPC server's asyncio loop: a request goes through GenerationServicer.start, the same path as a
-gRPC Generate call (tenants, validation, admission, deadline), then straight to the engine.
+gRPC server's asyncio loop: a request goes through Frontend.start (frontend.py), the same path
+as a gRPC Generate call (tenants, validation, admission, deadline), to the engine client.
 
     POST /v1/completions, POST /v1/chat/completions, POST /v1/responses   (stream: server-sent
     events)
@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pagedserve.scheduler.api import openai_responses
+from pagedserve.scheduler.api.frontend import CallBatch, Frontend
 from pagedserve.scheduler.api.http_metrics import CLIENT_LEFT
 from pagedserve.scheduler.api.openai_logprobs import (
     TokenText,
@@ -46,10 +47,10 @@ from pagedserve.scheduler.api.openai_protocol import (
     to_tokenize,
 )
 from pagedserve.scheduler.api.openai_tools import CallStream, ToolMode, read_calls, tool_mode
-from pagedserve.scheduler.api.servicer import CallBatch, GenerationServicer
+from pagedserve.scheduler.api.streams import Chunk
+from pagedserve.scheduler.engine_io import EngineError
 from pagedserve.scheduler.invalid import InvalidRequest
 from pagedserve.scheduler.outputs import TokenLogprob
-from pagedserve.scheduler.streams import Chunk, EngineError
 
 # JSON escapes at most double the UTF-8 bytes of a prompt (a non-ASCII character as \uXXXX); the
 # MiB is for the request's other fields (a JSON schema, tools, logit_bias).
@@ -61,10 +62,10 @@ _DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 class OpenAIApp:
-    def __init__(self, servicer: GenerationServicer, model_name: str) -> None:
-        self.gen, self.engine, self.model_name = servicer, servicer.engine, model_name
+    def __init__(self, frontend: Frontend, model_name: str) -> None:
+        self.gen, self.client, self.model_name = frontend, frontend.client, model_name
         self.created = int(time.time())
-        self.token_text = TokenText(servicer.inputs.tok)
+        self.token_text = TokenText(frontend.inputs.tok)
         self.app = Starlette(routes=[
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -76,16 +77,16 @@ class OpenAIApp:
         ], exception_handlers={HTTPException: _http_error, OpenAIError: _error})
 
     async def health(self, request: Request) -> Response:
-        if self.engine.serving:
+        if self.client.serving:
             return JSONResponse({"status": "ok"})
-        why = "draining" if self.engine.draining else "no executor has joined"
+        why = "draining" if self.client.draining else "no executor has joined"
         return JSONResponse({"status": why}, status_code=503)
 
     async def models(self, request: Request) -> Response:
         self._authenticate(request)
         card: dict[str, Any] = {"id": self.model_name, "object": "model",
                                 "created": self.created, "owned_by": "pagedserve"}
-        if (cap := self.engine.capacity()) is not None:
+        if (cap := self.client.model_info()) is not None:
             card["max_model_len"] = cap.max_model_len
         return JSONResponse({"object": "list", "data": [card]})
 
@@ -100,7 +101,7 @@ class OpenAIApp:
             out = await self.gen.tokenize(tokenize)
         except InvalidRequest as e:
             raise invalid(e, shaped) from None
-        cap = self.engine.capacity()
+        cap = self.client.model_info()
         model_len = cap.max_model_len if cap else self.gen.inputs.model_len
 
         def answer() -> bytes:
@@ -118,7 +119,7 @@ class OpenAIApp:
         body = await self._parsed(request, DetokenizeBody)
         if body.model is not None:
             self._check_model(body.model)
-        cap = self.engine.capacity()
+        cap = self.client.model_info()
         vocab = cap.vocab_size if cap else len(self.gen.inputs.tok)
         tok = self.gen.inputs.tok
 
@@ -183,7 +184,7 @@ class OpenAIApp:
         """The request body, read as it arrives and refused (413) as soon as it is known to be
         over the limit: from its Content-Length, else once that many bytes came; the rest is
         never held (uvicorn drops what follows a response)."""
-        cap = self.engine.capacity()
+        cap = self.client.model_info()
         most = body_limit(self.gen.inputs.byte_limit(cap.max_model_len if cap else None))
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > most:
@@ -222,7 +223,7 @@ class OpenAIApp:
         tools = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
         batch = await self._start(req, rid, tools, tenant, _timeout(request))
         usage = req.stream_options is not None and req.stream_options.include_usage
-        first = batch.calls[0].stream.req.params
+        first = batch.calls[0].stream.params
         shape = _Shape(rid, self.model_name, chat, usage, batch.n, len(batch.calls),
                        self.token_text if first.logprobs is not None else None,
                        self.token_text, tools)
@@ -413,7 +414,7 @@ class _Shape:
 
 def _usage(batch: CallBatch, completion_tokens: int) -> dict:
     """Each prompt counted once, however many completions (as OpenAI does)."""
-    prompt = sum(c.stream.req.prompt_len for c in batch.calls)
+    prompt = sum(c.stream.prompt_len for c in batch.calls)
     cached = sum(c.stream.cached_tokens for c in batch.calls)
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens,

@@ -20,11 +20,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pagedserve.scheduler.api.frontend import CallBatch
 from pagedserve.scheduler.api.openai_errors import OpenAIError
 from pagedserve.scheduler.api.openai_protocol import ChatCompletionRequest, param_of
 from pagedserve.scheduler.api.openai_tools import CallStream, ToolMode, read_calls
-from pagedserve.scheduler.api.servicer import CallBatch
-from pagedserve.scheduler.streams import Chunk, EngineError
+from pagedserve.scheduler.api.streams import Chunk
+from pagedserve.scheduler.engine_io import EngineError
 
 _DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -267,7 +268,7 @@ def function_call(call: dict[str, Any]) -> dict[str, Any]:
 
 def usage(batch: CallBatch, output_tokens: int) -> dict[str, Any]:
     stream = batch.calls[0].stream
-    prompt = stream.req.prompt_len
+    prompt = stream.prompt_len
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens":
                                                              stream.cached_tokens},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},

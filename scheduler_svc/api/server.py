@@ -31,15 +31,18 @@ from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
 from pagedserve.protos.v1 import generate_pb2_grpc
 from pagedserve.scheduler.api import reflection
 from pagedserve.scheduler.api.errors import ErrorInterceptor
+from pagedserve.scheduler.api.frontend import Frontend
 from pagedserve.scheduler.api.http_metrics import HTTPMetrics
 from pagedserve.scheduler.api.http_server import http_server
 from pagedserve.scheduler.api.inputs import InputProcessor
 from pagedserve.scheduler.api.openai_api import OpenAIApp
 from pagedserve.scheduler.api.rpc_metrics import RpcMetrics
 from pagedserve.scheduler.api.servicer import GenerationServicer
+from pagedserve.scheduler.api.streams import OutputProcessor
 from pagedserve.scheduler.api.tenants import Tenants, TenantsError
 from pagedserve.scheduler.api.tls import CertificateFiles, TLSError
 from pagedserve.scheduler.engine import Engine, _crash_on_error
+from pagedserve.scheduler.engine_client import EngineClient
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkBindError, LinkConfig
 from pagedserve.scheduler.metrics import Metrics
 from pagedserve.scheduler.ports import BindError, cannot_listen, check_addresses
@@ -106,13 +109,15 @@ async def serve(args: argparse.Namespace) -> None:
     engine = Engine(_scheduler_config(args), link, tokenizer,
                     read_generation_eos(model_dir), metrics=metrics,
                     telemetry=Telemetry(metrics, tokenizer, args.log_prompts),
-                    on_readiness=on_readiness, stream_interval=args.stream_interval,
-                    async_scheduling=args.async_scheduling)
+                    on_readiness=on_readiness, async_scheduling=args.async_scheduling)
+    # the front ends, side by side on one engine client
+    outputs = OutputProcessor(EngineClient(engine), tokenizer, args.stream_interval)
+    frontend = Frontend(outputs, InputProcessor(tokenizer, args.max_input_bytes, model_len),
+                        tenants)
     server = grpc_server(RpcMetrics(metrics.rpcs, model_name))
-    inputs = InputProcessor(tokenizer, args.max_input_bytes, model_len)
-    servicer = GenerationServicer(engine, inputs, model_name, tenants)
-    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    api = HTTPMetrics(OpenAIApp(servicer, model_name).app, metrics.http_requests,
+    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, model_name),
+                                                       server)
+    api = HTTPMetrics(OpenAIApp(frontend, model_name).app, metrics.http_requests,
                       metrics.http_duration, model_name)
     http = http_server(api, args, tls) if args.http_port else None
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)  # open: probes

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedserve.scheduler.streams import EngineError
+from pagedserve.scheduler.engine_io import EngineError
 
 
 class TenantsError(ValueError):

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.client import build_request
 from pagedserve.protos.v1 import generate_pb2 as api
-from pagedserve.scheduler.api.servicer import NO_EXECUTOR
+from pagedserve.scheduler.api.frontend import NO_EXECUTOR
 from tests.integration.service import READINESS, Stack, free_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

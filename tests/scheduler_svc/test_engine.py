@@ -10,8 +10,11 @@ import pytest
 import xgrammar as xgr
 
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
+from pagedserve.scheduler.api.streams import Chunk, OutputProcessor
 from pagedserve.scheduler.capacity import fit_step_bounds
 from pagedserve.scheduler.engine import Engine
+from pagedserve.scheduler.engine_client import EngineClient
+from pagedserve.scheduler.engine_io import EngineError, EngineRequest
 from pagedserve.scheduler.executor_link import (
     LinkConfig,
     LinkDown,
@@ -20,7 +23,6 @@ from pagedserve.scheduler.executor_link import (
 )
 from pagedserve.scheduler.request import GenerationParams
 from pagedserve.scheduler.scheduler import SchedulerConfig
-from pagedserve.scheduler.streams import Chunk, EngineError
 
 CAP = pb.Capacity(num_kv_blocks=32, block_size=4, max_model_len=64, vocab_size=100)
 TOKEN = 7
@@ -112,7 +114,18 @@ async def started(async_scheduling: bool = False) -> tuple[Engine, FakeLink]:
                     CharTokenizer(), eos_token_ids=[2], async_scheduling=async_scheduling)
     await engine.start()
     link.join()
+    _outputs[id(engine)] = OutputProcessor(EngineClient(engine), CharTokenizer())
     return engine, link
+
+
+_outputs: dict[int, OutputProcessor] = {}  # each engine's front end, by id(engine)
+
+
+def submit(engine: Engine, rid: str, prompt: list[int], params: GenerationParams,
+           grammar=None):
+    """Queue a request with the engine, and open its stream in the front end."""
+    req_id = engine.submit(EngineRequest(rid, prompt, params), grammar)
+    return _outputs[id(engine)].open(req_id, rid, prompt, params)
 
 
 async def collect(stream) -> Chunk | EngineError:
@@ -135,7 +148,7 @@ def test_async_scheduling_plans_a_step_ahead_and_delivers_in_order():
     async def main():
         engine, link = await started(async_scheduling=True)
         params = GenerationParams(max_tokens=3, temperature=0)
-        streams = [engine.submit(f"r{i}", [10 + i] * 5, params) for i in range(2)]
+        streams = [submit(engine, f"r{i}", [10 + i] * 5, params) for i in range(2)]
         await link.wait_sent(2)
         assert len(link.sent) == 2  # two in flight, none answered: depth 2
         first = link.sent[0][1]
@@ -164,7 +177,7 @@ def test_async_scheduling_plans_a_step_ahead_and_delivers_in_order():
 def test_a_request_in_two_steps_that_time_out_fails_and_a_new_executor_serves_on():
     async def main():
         engine, link = await started()
-        stream = engine.submit("slow", [5] * 4, GenerationParams(max_tokens=4, temperature=0))
+        stream = submit(engine, "slow", [5] * 4, GenerationParams(max_tokens=4, temperature=0))
         await link.wait_sent(1)
         link.time_out(link.sent[0][0])  # a stall: recomputed on the next executor
         assert not engine.serving and stream.queue.empty()
@@ -178,7 +191,7 @@ def test_a_request_in_two_steps_that_time_out_fails_and_a_new_executor_serves_on
                             "twice")
         link.join()  # a new executor
         assert engine.serving
-        stream = engine.submit("next", [6] * 4, GenerationParams(max_tokens=1, temperature=0))
+        stream = submit(engine, "next", [6] * 4, GenerationParams(max_tokens=1, temperature=0))
         await link.wait_sent(3)
         assert [r.req_id for r in link.sent[2][1].new_requests] == [2]
         link.answer(2)
@@ -192,7 +205,7 @@ def test_a_request_in_two_steps_that_time_out_fails_and_a_new_executor_serves_on
 def test_an_executor_joining_mid_step_gets_the_requests_recomputed():
     async def main():
         engine, link = await started()
-        stream = engine.submit("r", [5] * 6, GenerationParams(max_tokens=2, temperature=0))
+        stream = submit(engine, "r", [5] * 6, GenerationParams(max_tokens=2, temperature=0))
         await link.wait_sent(1)
         link.answer(0)  # first token
         await link.wait_sent(2)
@@ -225,8 +238,8 @@ def test_async_scheduling_plans_a_constrained_request_on_every_step():
     async def main():
         engine, link = await started(async_scheduling=True)
         params = GenerationParams(max_tokens=5, temperature=0)
-        json_ = engine.submit("c", [10] * 3, params, grammar=grammar("b[ab]*"))
-        plain = engine.submit("p", [11] * 3, params)
+        json_ = submit(engine, "c", [10] * 3, params, grammar=grammar("b[ab]*"))
+        plain = submit(engine, "p", [11] * 3, params)
         for i in range(5):  # step 5 samples the last tokens: nothing is planned behind it
             await link.wait_sent(min(i + 2, 5))
             link.answer(i)
@@ -254,10 +267,10 @@ def test_a_step_whose_constrained_requests_ended_still_gets_its_mask_message():
     2's mask all the same, so it comes, with no rows."""
     async def main():
         engine, link = await started(async_scheduling=True)
-        stream = engine.submit("c", [10] * 3, GenerationParams(max_tokens=5, temperature=0),
+        stream = submit(engine, "c", [10] * 3, GenerationParams(max_tokens=5, temperature=0),
                                grammar=grammar("[ab]+"))
         await link.wait_sent(2)
-        engine.abort(stream)
+        engine.abort(stream.req_id)
         link.answer(0)
         await link.wait_sent(3)
         assert list(link.masks[2].req_ids) == [] and link.masks[2].token_bitmask == b""

@@ -5,9 +5,12 @@ import asyncio
 import threading
 
 from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.scheduler.api.frontend import Frontend
 from pagedserve.scheduler.api.inputs import InputProcessor
 from pagedserve.scheduler.api.servicer import GenerationServicer
+from pagedserve.scheduler.api.streams import OutputProcessor
 from pagedserve.scheduler.engine import Engine
+from pagedserve.scheduler.engine_client import EngineClient
 from pagedserve.scheduler.executor_link import ExecutorLink
 from pagedserve.scheduler.scheduler import SchedulerConfig
 
@@ -37,7 +40,9 @@ def test_tokenize_turns_ids_into_tokens_off_the_event_loop(tokenizer):
 
     async def tokenize():
         engine = Engine(SchedulerConfig(), ExecutorLink("inproc://unused"), tokenizer, [])
-        servicer = GenerationServicer(engine, InputProcessor(spy, model_len=8192), "m")
+        frontend = Frontend(OutputProcessor(EngineClient(engine), spy),
+                            InputProcessor(spy, model_len=8192))
+        servicer = GenerationServicer(frontend, "m")
         try:
             return await servicer.Tokenize(api.TokenizeRequest(text=text), NoMetadata()), \
                 threading.get_ident()

@@ -5,7 +5,7 @@ import hashlib
 import pytest
 
 from pagedserve.scheduler.api.tenants import Tenants, TenantsError
-from pagedserve.scheduler.streams import EngineError
+from pagedserve.scheduler.engine_io import EngineError
 
 KEYS = f"""
 tenants:

@@ -1,6 +1,10 @@
 import pytest
 
-from pagedserve.scheduler.detokenizer import IncrementalDetokenizer, StopStringMatcher, decoder_of
+from pagedserve.scheduler.api.detokenizer import (
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    decoder_of,
+)
 
 TEXTS = [
     "Hello, world! The capital of France is Paris.",

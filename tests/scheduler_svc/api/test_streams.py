@@ -1,10 +1,10 @@
 """A stream's chunks under --stream-interval: held tokens of a request without stop strings are
 decoded once, when their chunk goes out (host work per message, not per token)."""
 
-from pagedserve.scheduler.detokenizer import decoder_of
+from pagedserve.scheduler.api.detokenizer import decoder_of
+from pagedserve.scheduler.api.streams import RequestStream
 from pagedserve.scheduler.outputs import TokenLogprob
 from pagedserve.scheduler.request import GenerationParams, Request
-from pagedserve.scheduler.streams import RequestStream
 
 TEXT = "The capital of France is Paris. Ünïcödé: 日本語 🎉 and a few more words to stream here."
 
@@ -16,8 +16,8 @@ def open_stream(tokenizer, calls, **params):
         calls.append(list(ids))
         return backend(ids, skip_special_tokens=skip_special_tokens)
 
-    req = Request(1, "r1", 3, [1, 2, 3], GenerationParams(max_tokens=1000, **params))
-    return RequestStream.open(req, tokenizer, counting)
+    return RequestStream.open(1, "r1", [1, 2, 3], GenerationParams(max_tokens=1000, **params),
+                              tokenizer, counting)
 
 
 def test_held_tokens_are_decoded_once_when_their_chunk_goes_out(tokenizer):
@@ -62,21 +62,29 @@ class NoScan(dict):
 def test_deadlines_expire_soonest_first_without_scanning_the_open_streams(tokenizer):
     import asyncio
 
+    from pagedserve.scheduler.api.streams import OutputProcessor
     from pagedserve.scheduler.delivery import StreamTable
+    from pagedserve.scheduler.engine_io import EngineError
     from pagedserve.scheduler.metrics import Metrics
-    from pagedserve.scheduler.streams import EngineError
     from pagedserve.scheduler.telemetry import Telemetry
+    from pagedserve.scheduler.tracked import Tracked
+
+    class Client:  # the engine client's side the output processor uses
+        def subscribe(self, subscriber):
+            self.subscriber = subscriber
 
     async def main():
         finished = []
-        table = StreamTable(Telemetry(Metrics(), tokenizer), finished.append)
+        outputs = OutputProcessor(Client(), tokenizer)
+        table = StreamTable(Telemetry(Metrics(), tokenizer), finished.append, outputs.deliver)
         table._open = NoScan()
-        streams = {}
+        streams, tracked = {}, {}
         for rid, timeout in [(1, None), (2, -1.0), (3, 3600.0), (4, -2.0), (5, -0.5)]:
             req = Request(rid, f"r{rid}", 3, [1, 2, 3], GenerationParams(max_tokens=4))
-            streams[rid] = RequestStream.open(req, tokenizer, decoder_of(tokenizer), timeout)
-            table.add(streams[rid])
-        table.leave(streams[5], "cancelled")  # ended before its deadline came
+            tracked[rid] = Tracked.open(req, timeout)
+            table.add(tracked[rid])
+            streams[rid] = outputs.open(rid, f"r{rid}", [1, 2, 3], req.params)
+        table.leave(tracked[5], "cancelled")  # ended before its deadline came
         table.expire()
         assert finished == [5, 4, 2]  # the cancelled one, then the expired, soonest first
         for rid in (2, 4):

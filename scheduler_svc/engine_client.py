@@ -1,0 +1,81 @@
+"""The one engine client the API front ends share: submit(EngineRequest), abort(id), the
+stream of EngineOutput batches, model_info() and capacity(). gRPC and OpenAI HTTP sit side by
+side on it; neither builds the other's request types.
+
+Today the engine runs in the front ends' process, on their asyncio loop: a step's batch is
+handed to the subscriber (the front ends' output processor) synchronously, inside the step
+loop, after the next step was sent, so a stop string it matches aborts the request before the
+step after is planned. Item 3 of issue 30 puts the engine in a process of its own; then this
+class is the one place that speaks ZeroMQ to it, with the same verbs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
+from pagedserve.scheduler.engine import Engine
+from pagedserve.scheduler.engine_io import EngineError, EngineOutput, EngineRequest, ModelInfo
+from pagedserve.scheduler.metrics import Metrics
+from pagedserve.scheduler.request import Constraint
+
+Subscriber = Callable[[list[EngineOutput]], None]
+
+
+class EngineClient:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._subscriber: Subscriber | None = None
+        engine.streams.emit = self._deliver
+
+    def subscribe(self, subscriber: Subscriber) -> None:
+        """Where every output batch goes from now on (one subscriber: the output processor
+        that routes each output to its request's stream)."""
+        self._subscriber = subscriber
+
+    def _deliver(self, batch: list[EngineOutput]) -> None:
+        if self._subscriber is not None:
+            self._subscriber(batch)
+
+    async def submit(self, request: EngineRequest) -> int:
+        """Queue a request (its structured-output constraint compiled first, off the step
+        loop); its engine id, which its outputs carry. Raises EngineError (UNAVAILABLE while
+        draining, RESOURCE_EXHAUSTED with a retry hint when the queue is full) or
+        InvalidRequest (a constraint that does not compile). Nothing awaits after the request
+        is queued: the caller registers its stream before any output can come."""
+        if self.engine.draining:
+            raise EngineError("UNAVAILABLE", "server is draining")
+        c = request.params.constraint
+        grammar = None if c is None else await self.engine.compile(c)
+        return self.engine.submit(request, grammar)
+
+    async def compile(self, constraint: Constraint) -> None:
+        """Compile a constraint ahead of submit (cached: submit then finds it), to know early
+        whether it is valid; InvalidRequest naming the field if not."""
+        await self.engine.compile(constraint)
+
+    def abort(self, req_id: int, reason: str = "abort") -> None:
+        """End a request (client gone, stop string matched: "stop", deadline passed:
+        "deadline_exceeded"); its blocks are free before the next step. No output follows."""
+        self.engine.abort(req_id, reason)
+
+    def model_info(self) -> ModelInfo | None:
+        """The model's limits and facts; None before an executor has joined."""
+        return self.engine.model_info()
+
+    def capacity(self) -> pb.Capacity | None:
+        """The newest executor's capacity (its hello), kept after it is lost."""
+        return self.engine.capacity()
+
+    @property
+    def serving(self) -> bool:
+        return self.engine.serving
+
+    @property
+    def draining(self) -> bool:
+        return self.engine.draining
+
+    @property
+    def metrics(self) -> Metrics:
+        """The one set of metrics (the front ends count RPCs, HTTP and tenants there too)."""
+        return self.engine.metrics
