@@ -48,8 +48,8 @@ def build_model(
         return TransformersLM.build(cfg, ops, dtype, device, weights_dir, seed)
     with torch.device("meta"):
         model = CausalLM(cfg, ops, max_pos, quant)
-    model = model.to_empty(device=device)
-    _cast(model, dtype)
+    _cast(model, dtype)  # on meta: the device holds the weights in their dtype only, never in
+    model = model.to_empty(device=device)  # float32 first (Mixtral-8x7B: 174 GiB, not 87)
     model.set_rope(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -107,3 +107,20 @@ def test_unsupported_family_names_the_supported_ones():
     with pytest.raises(UnsupportedModelError, match="supported are llama, .*qwen3_moe") as e:
         ModelConfig.from_dict({"model_type": "gpt2"})
     assert "\n" not in str(e.value) and all(f in str(e.value) for f in SUPPORTED)
+
+
+def test_weights_reach_the_device_in_their_dtype_only(monkeypatch, tmp_path):
+    """build_model casts on meta: the device never holds a float32 copy of bf16 weights (a
+    Mixtral-8x7B would need 174 GiB for it, twice the card's room for its 87 GiB)."""
+    _, _, cfg = hf_and_ours_of(FAMILIES["mixtral"], tmp_path)
+    seen = []
+    to_empty = torch.nn.Module.to_empty
+
+    def watch(module, *args, **kwargs):
+        seen.extend({p.dtype for p in module.parameters()})
+        return to_empty(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", watch)
+    ours = build_model(cfg, get_ops("torch"), torch.bfloat16, torch.device("cpu"), 64, None)
+    assert set(seen) == {torch.bfloat16}
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
