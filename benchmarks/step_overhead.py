@@ -70,7 +70,10 @@ def stub_executor(address: str, num_blocks: int, block_size: int, keys: str = ""
 async def measure(running: int, steps: int, address: str, tokenizer: str | None = None,
                   async_scheduling: bool = False, keys: str = "", stream_interval: int = 1) -> dict:
     """keys: a directory with scheduler and executor key pairs (CURVE on the link)."""
+    from pagedserve.scheduler.api.streams import OutputProcessor
     from pagedserve.scheduler.engine import Engine
+    from pagedserve.scheduler.engine_client import EngineClient
+    from pagedserve.scheduler.engine_io import EngineRequest
     from pagedserve.scheduler.executor_link import ExecutorLink, LinkConfig
     from pagedserve.scheduler.request import GenerationParams
     from pagedserve.scheduler.scheduler import SchedulerConfig
@@ -88,7 +91,9 @@ async def measure(running: int, steps: int, address: str, tokenizer: str | None 
                     ExecutorLink(address, LinkConfig(
                         key_file=f"{keys}/scheduler.key_secret" if keys else "",
                         allowed_keys_dir=keys)), tok, eos_token_ids=[],
-                    async_scheduling=async_scheduling, stream_interval=stream_interval)
+                    async_scheduling=async_scheduling)
+    client = EngineClient(engine)
+    outputs = OutputProcessor(client, tok, stream_interval)  # the front end's share of a step
     await engine.start()
     proc = mp.get_context("spawn").Process(target=stub_executor, args=(address, 65536, 16, keys),
                                            daemon=True)
@@ -96,7 +101,10 @@ async def measure(running: int, steps: int, address: str, tokenizer: str | None 
     await engine.wait_ready()
     params = GenerationParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
     start = time.perf_counter()
-    streams = [engine.submit(f"r{i}", [1] * 128, params) for i in range(running)]
+    streams = []
+    for i in range(running):
+        req_id = await client.submit(EngineRequest(f"r{i}", [1] * 128, params))
+        streams.append(outputs.open(req_id, f"r{i}", [1] * 128, params))
     for s in streams:  # wait for every request to finish
         while not (await s.queue.get()).finish_reason:
             pass
