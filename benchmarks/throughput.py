@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import statistics
 import tempfile
 import time
@@ -186,6 +187,22 @@ def run_hf_generate(model, prompts: list[list[int]], outputs: list[int], batch: 
             call(prompts[i:i + batch], max(outputs[i:i + batch]))
         _sync(device)
     return sum(outputs) / (time.perf_counter() - start)
+
+
+def run_hf_generate_fitting(model, prompts: list[list[int]], outputs: list[int], batch: int,
+                            device: str) -> tuple[float, int]:
+    """run_hf_generate at `batch`, or at the largest half of it that fits in memory (HF's
+    Mixtral-8x7B experts run out of it at 256 on an H200): (out tok/s, the batch that ran)."""
+    while True:
+        try:
+            return run_hf_generate(model, prompts, outputs, batch, device), batch
+        except torch.OutOfMemoryError:
+            if batch == 1:
+                raise
+            batch //= 2
+            gc.collect()
+            torch.cuda.empty_cache()
+            print(f"  hf generate: out of memory, batch {batch} next", flush=True)
 
 
 def run_hf_continuous(model, prompts: list[list[int]], outputs: list[int],
@@ -390,9 +407,10 @@ def main() -> None:
                 tok_s, rec = run_hf_continuous(model, prompts, outputs, device), {
                     "engine": "hf_continuous_batching"}
             else:
-                bs = int(peer.split(":")[1])
-                tok_s = run_hf_generate(model, prompts, outputs, bs, device)
-                rec = {"engine": "hf_generate", "batch": bs}
+                asked = int(peer.split(":")[1])
+                tok_s, bs = run_hf_generate_fitting(model, prompts, outputs, asked, device)
+                rec = {"engine": "hf_generate", "batch": bs,
+                       **({"batch_asked": asked} if bs != asked else {})}
             records.append({**common, **rec, "output_tok_s": tok_s})
             line += f"; {rec['engine']}{'' if peer == 'cb' else ' bs' + str(bs)} {tok_s:.0f}"
     for r in records:

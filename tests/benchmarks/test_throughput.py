@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import throughput
 from benchmarks.common import AboveTheBound, write_records
@@ -88,3 +89,18 @@ def test_an_moe_bound_reads_the_experts_a_step_touches() -> None:
     # 30.5B loaded, 3.3B active (Qwen's figures: 30.5B and 3.3B)
     assert params.loaded(False) / 1e9 == pytest.approx(30.5, abs=0.1)
     assert params.active() / 1e9 == pytest.approx(3.3 - 0.3, abs=0.1)  # less the embedding
+
+
+def test_the_hf_peer_halves_its_batch_until_it_fits(monkeypatch) -> None:
+    tried = []
+
+    def generate(model, prompts, outputs, batch, device):
+        tried.append(batch)
+        if batch > 64:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return 100.0
+
+    monkeypatch.setattr(throughput, "run_hf_generate", generate)
+    assert throughput.run_hf_generate_fitting(None, [[1]] * 256, [4] * 256, 256, "cpu") == \
+        (100.0, 64)
+    assert tried == [256, 128, 64]
