@@ -21,8 +21,8 @@ _OP_MODULES = {
     "gelu_tanh_and_mul": "fused",
     "w4a16_gemm": "w4a16",
     "fp8_gemm": "fp8",
-    # mixture of experts (layout: moe_reference); the routing is one torch function for both
-    "moe_route": "moe_reference",
+    # mixture of experts (layout and the torch path: moe_reference)
+    "moe_route": "fused_moe",
     "fused_moe": "fused_moe",
 }
 _TORCH_MODULES = {"w4a16_gemm": "w4a16_reference",  # default: reference

@@ -1,5 +1,7 @@
 """Fused mixture-of-experts, vLLM's way (layout and math: kernels/moe_reference.py).
 
+    moe_route              softmax, top-k and renormalisation of the router logits in one
+                           program per token (moe_reference.moe_route's result)
     moe_align_block_size   the T*k (token, slot) pairs sorted by expert, each expert's run
                            padded to a multiple of BLOCK_M; one Triton program up to
                            ALIGN_ONE_PROGRAM pairs (decode), torch ops beyond (prefill)
@@ -31,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels._checks import FLOAT_DTYPES, check_tensor
 from pagedserve.kernels.fused import silu_and_mul
 from pagedserve.kernels.moe_reference import align_block_size_capacity, check_moe_args
 from pagedserve.kernels.moe_reference import moe_align_block_size as moe_align_torch
@@ -110,6 +113,55 @@ def pick_config(tokens: int, top_k: int, w: torch.Tensor, dtype: torch.dtype) ->
         if abs(math.log2(near / max(tokens, 1))) <= 2:
             return table[near]
     return default_config(tokens, top_k, e, n, k)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  E_PAD: tl.constexpr):
+    """One token: the float32 softmax over its experts, the top k by repeated argmax (ties to
+    the lower expert id, as torch.topk orders them), each weight over their sum if asked."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_PAD)
+    ok = offs < num_experts
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=ok, other=-float("inf"))
+    x = x.to(tl.float32)
+    e = tl.exp(x - tl.max(x, 0))
+    e = tl.where(ok, e, 0.0)
+    p = tl.where(ok, e / tl.sum(e, 0), -1.0)  # lanes past the experts are never picked
+    slots = tl.arange(0, K_PAD)
+    weights = tl.zeros((K_PAD,), dtype=tl.float32)
+    ids = tl.zeros((K_PAD,), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        pick = tl.min(tl.where(p == best, offs, E_PAD), 0)
+        weights = tl.where(slots == j, best, weights)
+        ids = tl.where(slots == j, pick, ids)
+        p = tl.where(offs == pick, -1.0, p)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 0)
+    keep = slots < TOP_K
+    tl.store(weights_ptr + row * TOP_K + slots, weights, mask=keep)
+    tl.store(ids_ptr + row * TOP_K + slots, ids, mask=keep)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] float32, [T, k] int32)
+    """moe_reference.moe_route in one launch (it takes five: softmax, topk, sum, divide,
+    cast), a token per program."""
+    check_tensor("router_logits", router_logits, 2, FLOAT_DTYPES)
+    t, num_experts = router_logits.shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k {top_k} must be in 1..{num_experts} (the experts)")
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+    if t:
+        e_pad = triton.next_power_of_2(num_experts)
+        _route_kernel[(t,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
+                            K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
+                            E_PAD=e_pad, num_warps=1 if e_pad <= 256 else 4)
+    return weights, ids
 
 
 @triton.jit(do_not_specialize=["numel", "num_blocks"])

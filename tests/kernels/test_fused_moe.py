@@ -92,7 +92,42 @@ def test_route_equals_transformers_router(family, norm, e, k, dtype):
     torch.testing.assert_close(w.to(hf_w.dtype), hf_w, rtol=0, atol=1e-6)
     if norm:
         torch.testing.assert_close(w.sum(1), torch.ones(37), rtol=0, atol=1e-6)
-    assert kernels.get_ops("triton").moe_route is ref.moe_route
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (37, 60, 4), (300, 128, 8), (5, 4, 4), (3, 6, 1)])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_route_equals_the_reference(t, e, k, norm, dtype, device):
+    """The one-launch router gives the reference's weights, its experts ordered by probability
+    and, between equal ones, by the lower id: the set torch.topk takes on CUDA (its order
+    among ties differs by device, and bf16 logits tie often); experts not a power of two,
+    k = E, k = 1."""
+    g = torch.Generator().manual_seed(t * e + k)
+    logits = (torch.randn(t, e, generator=g) * 3).to(dtype)
+    logits[: min(t, 2)] = torch.randint(0, 3, (min(t, 2), e), generator=g).to(dtype)  # ties
+    logits = logits.to(device)
+    w, ids = fm.moe_route(logits, k, norm)
+    want_w, want_ids = ref.moe_route(logits, k, norm)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32
+    torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
+    probs = torch.softmax(logits.float(), -1)
+    by_rule = torch.sort(-probs, dim=-1, stable=True).indices[:, :k]
+    assert torch.equal(ids.long(), by_rule)
+    top = probs.sort(-1, descending=True).values[:, :k + 1]
+    untied = (top.diff(dim=-1) != 0).all(-1)  # no ties among the top k and the next
+    assert torch.equal(ids[untied], want_ids[untied])  # there: the reference's own ids
+    assert untied.sum() >= (t - 2) // 2
+
+
+def test_triton_route_of_no_tokens_and_a_strided_view(device):
+    w, ids = fm.moe_route(torch.empty(0, 8, device=device), 2, True)
+    assert w.shape == ids.shape == (0, 2)
+    wide = torch.randn(6, 16, device=device)
+    got = fm.moe_route(wide[:, :8], 2, True)
+    want = ref.moe_route(wide[:, :8].contiguous(), 2, True)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0])
+    assert kernels.get_ops("triton").moe_route is fm.moe_route
 
 
 # ---- the torch expert loop
