@@ -6,7 +6,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pagedserve.executor.families import SUPPORTED, Moe, UnsupportedModelError, family_fields
+from pagedserve.executor.families import (
+    SUPPORTED,
+    Moe,
+    UnsupportedModelError,
+    family_fields,
+    text_config_of,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +45,7 @@ class ModelConfig:
     local_rope: bool = False  # windowed layers use the config's sliding_attention RoPE
     moe: Moe | None = None
     impl: str = "native"  # "native" (model.py) or "transformers" (hf_fallback.py)
+    multimodal: str = ""  # a vision-language checkpoint served text-only: its model_type
     # Tensor parallelism (executor_svc/tp_layers.py): a rank's config counts its own share of
     # the heads, KV heads and MLP width; hidden_size and vocab_size stay whole.
     tp_rank: int = 0
@@ -55,9 +62,18 @@ class ModelConfig:
         c = AutoConfig.from_pretrained(path)
         if impl not in ("auto", "native", "transformers"):
             raise ValueError(f"model impl must be auto, native or transformers, got {impl!r}")
-        if impl == "transformers" or (impl == "auto" and c.model_type not in SUPPORTED):
+        text, wrapper = text_config_of(c)
+        if impl == "transformers" or (impl == "auto" and text.model_type not in SUPPORTED):
             return cls.for_transformers(c)
-        return cls.from_hf(c)
+        cfg = cls.from_hf(text)
+        if not wrapper:
+            return cfg
+        # HF ties a wrapper's output embedding by the wrapper's flag (Mistral3Config's default
+        # is True where its text_config says False); a checkpoint that saved its own head
+        # (Mistral Small 3.1) keeps it
+        tie = cfg.tie_word_embeddings or (bool(getattr(c, "tie_word_embeddings", False))
+                                          and not _saves_lm_head(Path(path)))
+        return replace(cfg, multimodal=wrapper, tie_word_embeddings=tie)
 
     @classmethod
     def for_transformers(cls, c: Any) -> ModelConfig:
@@ -151,3 +167,18 @@ def balanced(n: int, parts: int, i: int) -> tuple[int, int]:
     differ by at most one, the longer runs first."""
     base, extra = divmod(n, parts)
     return i * base + min(i, extra), base + (i < extra)
+
+
+def _saves_lm_head(path: Path) -> bool:
+    """Whether the safetensors in `path` hold an lm_head (of any prefix)."""
+    import json
+
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = json.loads(index.read_text()).get("weight_map", {})
+    else:
+        names = [n for f in sorted(path.glob("*.safetensors"))
+                 for n in safe_open(str(f), "pt").keys()]  # noqa: SIM118 (not a dict)
+    return any(n.endswith("lm_head.weight") for n in names)

@@ -13,6 +13,10 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     mixtral       pre-norm              GQA (window if set)            top-k experts
     qwen2_moe     pre-norm              qkv bias                       top-k experts + gated shared
     qwen3_moe     pre-norm              q/k norm per head              top-k experts (normalized)
+
+A vision-language checkpoint whose language model is one of these (Gemma 3 4B and up, Mistral
+Small 3.1, LLaVA) is served text-only: its text_config and its language model's tensors
+(text_config_of, text_weight_name); the vision tower and projector are not loaded.
 """
 
 from __future__ import annotations
@@ -24,8 +28,38 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi
              "mixtral", "qwen2_moe", "qwen3_moe")
 
 
+# vision-language wrappers (HF model_type) of a supported language model
+MULTIMODAL = ("gemma3", "mistral3", "llava")
+# their tensors outside the language model: not loaded
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "vision_model.")
+
+
 class UnsupportedModelError(ValueError):
     """A config.json whose model_type (or one of its options) no native module serves."""
+
+
+def text_config_of(c: Any) -> tuple[Any, str]:
+    """(the config a native module serves, the vision-language wrapper's model_type or "");
+    a wrapper whose language model no native module serves comes back as it is."""
+    if c.model_type in MULTIMODAL:
+        text = c.get_text_config()
+        if text is not c and text.model_type in SUPPORTED:
+            return text, c.model_type
+    return c, ""
+
+
+def text_weight_name(name: str) -> str | None:
+    """A vision-language checkpoint's tensor name as its language model's own checkpoint
+    names it (language_model.model.X or model.language_model.X: model.X;
+    language_model.lm_head: lm_head), None for the vision tower and projector."""
+    bare = name.removeprefix("model.")
+    if bare.startswith(_VISION_PREFIXES):
+        return None
+    if name.startswith("language_model.model."):
+        return "model." + name.removeprefix("language_model.model.")
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    return name.removeprefix("language_model.")
 
 
 @dataclass(frozen=True, slots=True)

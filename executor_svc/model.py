@@ -15,6 +15,7 @@ from torch import nn
 
 from pagedserve.executor import tp_layers as tp
 from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.families import text_weight_name
 from pagedserve.executor.layers import (
     MLP,
     Attention,
@@ -176,6 +177,9 @@ class CausalLM(nn.Module):
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_rows = {"q": (0, h * d), "k": (h * d, hkv * d), "v": ((h + hkv) * d, hkv * d)}
         loaded: set[str] = set()
+        if cfg.multimodal:  # the language model's tensors, under its own names
+            weights = ((n, t) for name, t in weights
+                       if (n := text_weight_name(name)) is not None)
         for name, tensor in _unfused(weights, cfg):
             name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
             if "rotary_emb" in name or self._load_kv_scale(name, tensor):

@@ -126,11 +126,13 @@ def _share(tree: Path) -> None:
 
 
 def read_generation_eos(path: Path) -> list[int]:
-    """EOS ids from generation_config.json (what HF generate stops on), else config.json."""
+    """EOS ids from generation_config.json (what HF generate stops on), else config.json (or
+    its text_config: a vision-language checkpoint)."""
     for name in ("generation_config.json", "config.json"):
         f = Path(path) / name
         if f.exists():
-            eos = json.loads(f.read_text()).get("eos_token_id")
+            d = json.loads(f.read_text())
+            eos = d.get("eos_token_id", (d.get("text_config") or {}).get("eos_token_id"))
             if eos is not None:
                 return [eos] if isinstance(eos, int) else list(eos)
     return []
@@ -141,4 +143,5 @@ def read_max_position_embeddings(path: Path) -> int:
     file leaves it out), which is what the executor serves unless --max-model-len says."""
     from transformers import AutoConfig
 
-    return int(AutoConfig.from_pretrained(str(path)).max_position_embeddings)
+    # get_text_config: a vision-language checkpoint's language model (Gemma 3 4B and up)
+    return int(AutoConfig.from_pretrained(str(path)).get_text_config().max_position_embeddings)

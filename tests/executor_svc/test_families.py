@@ -124,3 +124,60 @@ def test_weights_reach_the_device_in_their_dtype_only(monkeypatch, tmp_path):
     ours = build_model(cfg, get_ops("torch"), torch.bfloat16, torch.device("cpu"), 64, None)
     assert set(seen) == {torch.bfloat16}
     assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+
+
+def vision_language_checkpoint(kind: str, tmp_path):
+    """A tiny HF vision-language model (vision tower, projector, language model) saved by
+    transformers itself; Gemma 3 with Gemma 3 4B's RoPE (linear x8 on its global layers)."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    text = {k: v for k, v in TINY.items() if k != "max_position_embeddings"}
+    if kind == "gemma3":
+        text.update(model_type="gemma3_text", head_dim=16, sliding_window=WINDOW,
+                    layer_types=["sliding_attention", "full_attention"],
+                    query_pre_attn_scalar=16, rope_parameters={
+                        "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                           "rope_theta": 1e6},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+        vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+        extra = dict(mm_tokens_per_image=4, image_token_index=255, boi_token_index=253,
+                     eoi_token_index=254)
+    elif kind == "llava":
+        text.update(model_type="llama")
+        vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+        extra = dict(image_token_index=255)
+    else:  # mistral3: tied by the wrapper's flag, or (untied) with a head of its own
+        text.update(model_type="mistral", tie_word_embeddings=False)
+        vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
+                      head_dim=16)
+        extra = dict(image_token_index=255, tie_word_embeddings=kind == "mistral3")
+    config = AutoConfig.for_model(kind.removesuffix("-untied"), text_config=text,
+                                  vision_config=vision, **extra)
+    hf = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "mistral3-untied", "llava"])
+def test_a_vision_language_checkpoint_serves_its_language_model(kind, tmp_path):
+    """Gemma 3 4B+ and Mistral Small 3.1 ship as vision-language models: their language model
+    runs natively, text-only, with HF's logits on text; the vision tower is not loaded."""
+    hf = vision_language_checkpoint(kind, tmp_path)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert cfg.multimodal == kind.removesuffix("-untied") and cfg.impl == "native"
+    assert cfg.tie_word_embeddings == (kind in ("gemma3", "mistral3"))
+    ours = build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, tmp_path)
+    assert not any("vision" in n or "projector" in n for n, _ in ours.named_parameters())
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 250, (22,), generator=g).tolist(),
+            torch.randint(0, 250, (11,), generator=g).tolist()]
+    chunks = [(7, 5), (13, 4), (1, 1), (1, 1)]  # chunked prefill past the window, decodes
+    assert_paged_equals_hf(hf, run_paged(ours, cfg, seqs, chunks), seqs, chunks)

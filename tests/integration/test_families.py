@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.executor_svc.test_families import FAMILIES, WINDOW
+from tests.executor_svc.test_families import FAMILIES, WINDOW, vision_language_checkpoint
 from tests.executor_svc.test_hf_fallback import NO_NATIVE
 from tests.integration.service import Service
 
@@ -84,5 +84,28 @@ def test_family_served_equals_hf_generate(family, tmp_path, model_dir, tokenizer
         assert after["pagedserve_prefix_cache_hits_total"] > 0
         assert after['pagedserve_num_preemptions_total{mode="recompute"}'] > \
             before.get('pagedserve_num_preemptions_total{mode="recompute"}', 0)
+    finally:
+        assert svc.stop() == 0, (tmp_path / "serve.log").read_text()[-3000:]
+
+
+@pytest.mark.slow
+def test_a_vision_language_checkpoint_is_served_text_only(tmp_path, model_dir, tokenizer):
+    """Gemma 3 as its 4B+ checkpoints ship (Gemma3ForConditionalGeneration, the vision tower
+    beside the language model): `serve` reads its text config, context length and EOS and
+    answers text prompts with HF's greedy tokens."""
+    ckpt = tmp_path / "ckpt"
+    hf = vision_language_checkpoint("gemma3", ckpt)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / f, ckpt / f)
+    ids = torch.randint(100, 250, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS,
+                          min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+    svc = Service(tmp_path / "serve.log", "--model", str(ckpt))
+    try:
+        svc.wait_serving()
+        got = svc.client.complete(token_ids=ids, max_tokens=MAX_TOKENS, temperature=0,
+                                  ignore_eos=True)[1]
+        assert got == out[0, len(ids):].tolist()
     finally:
         assert svc.stop() == 0, (tmp_path / "serve.log").read_text()[-3000:]
