@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -92,6 +93,25 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device,
     return torch.float8_e4m3fn
 
 
+def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's K and V cache. Their contents need no initialising (attention never reads
+    a slot before it is written), but host memory is committed here, page by page, so that the
+    resident memory at start is the memory under load: a container's limit is met at start, not
+    mid-service as the blocks are first written (device memory is committed when allocated)."""
+    kv = [(torch.empty(shape, dtype=dtype, device=device),
+           torch.empty(shape, dtype=dtype, device=device)) for _ in range(layers)]
+    if device.type == "cpu":
+        commit(t for layer in kv for t in layer)
+    return kv
+
+
+def commit(tensors: Iterable[torch.Tensor]) -> None:
+    """Touch every page of these host tensors (an untouched allocation is only reserved)."""
+    for t in tensors:
+        t.view(torch.uint8).zero_()
+
+
 def load_ops(backend: str) -> SimpleNamespace:
     from pagedserve.kernels import get_ops
 
@@ -164,10 +184,7 @@ class Worker:
         self.max_model_len = min(max_len, capacity_tokens)
         shape = (self.num_blocks, cfg.block_size, self.model_cfg.num_kv_heads,
                  self.model_cfg.head_dim)
-        # uninitialised on purpose: attention never reads a slot before it is written
-        kv = [(torch.empty(shape, dtype=self.kv_dtype, device=self.device),
-               torch.empty(shape, dtype=self.kv_dtype, device=self.device))
-              for _ in range(self.model_cfg.num_layers)]
+        kv = allocate_kv(shape, self.kv_dtype, self.device, self.model_cfg.num_layers)
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s (%d sequences of "
                  "max_model_len %d at once)", self.num_blocks, cfg.block_size, capacity_tokens,
                  self.num_blocks * per_block / GiB, dtype_str(self.kv_dtype),

@@ -1,3 +1,6 @@
+import sys
+
+import pytest
 import torch
 
 from pagedserve.executor.swap import SwapSpace
@@ -43,3 +46,22 @@ def test_fp8_blocks_round_trip_bit_for_bit():
         assert torch.equal(k[[5, 2]].view(torch.uint8), k_want)
         assert torch.equal(v[[5, 2]].view(torch.uint8), v_want)
         assert (k[0].view(torch.uint8) == 0x7F).all()
+
+
+def _rss_mib() -> float:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/statm")
+def test_a_host_kv_cache_is_resident_from_the_start():
+    """On the CPU the KV cache is committed when made: the resident memory at start is the
+    memory under load (a pod's limit is met at start, not as the blocks are first written)."""
+    from pagedserve.executor.worker import allocate_kv
+
+    before = _rss_mib()
+    kv = allocate_kv((128, 16, 8, 64), torch.bfloat16, torch.device("cpu"), 16)  # 64 MiB
+    assert _rss_mib() - before > 60
+    assert len(kv) == 16 and not kv[3][1].any()
