@@ -219,7 +219,8 @@ def _serve(args: argparse.Namespace) -> int:
         if not (sched.check() and execu.check()):  # restarts spent within their window
             code = 1
             break
-    codes = [_terminate(sched.proc, args.drain_timeout_s + 15), _terminate(execu.proc, 15)]
+    sched_grace = args.shutdown_delay_s + args.drain_timeout_s + 15
+    codes = [_terminate(sched.proc, sched_grace), _terminate(execu.proc, 15)]
     shutil.rmtree(ready, ignore_errors=True)
     log.info("scheduler exited with %s, executor with %s", *codes)
     return code or (0 if codes == [0, 0] else 1)

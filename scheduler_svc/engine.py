@@ -63,8 +63,10 @@ class Engine:
                  metrics: Metrics | None = None,
                  telemetry: Telemetry | None = None,
                  on_readiness: Callable[[bool], None] | None = None,
-                 async_scheduling: bool = False, emit: Emit | None = None) -> None:
-        """emit(batch): where each step's EngineOutputs go (EngineClient sets it)."""
+                 async_scheduling: bool = False, emit: Emit | None = None,
+                 refuse_when_unready: bool = False) -> None:
+        """emit(batch): where each step's EngineOutputs go (EngineClient sets it);
+        refuse_when_unready: no executor joined means UNAVAILABLE for new requests."""
         self.cfg, self.tokenizer, self.kv_watermark = cfg, tokenizer, kv_watermark
         self.eos_token_ids = frozenset(eos_token_ids)
         self.async_scheduling = async_scheduling
@@ -76,6 +78,8 @@ class Engine:
         self.link = link
         link.attach(self._joined, lambda why: self._notify_readiness())
         self.draining = False
+        self.leaving = False  # SIGTERM with a shutdown delay: not ready, still serving
+        self.refuse_when_unready = refuse_when_unready
         self.scheduler: Scheduler | None = None
         self._ids, self._step_ids = itertools.count(1), itertools.count(1)
         self._ready = asyncio.Event()  # set once the first executor joined (limits known)
@@ -88,8 +92,15 @@ class Engine:
     # ----------------------------------------------------------------- lifecycle
     @property
     def serving(self) -> bool:
-        """Readiness: a warmed-up executor is connected and new requests are admitted."""
-        return self.link.connected.is_set() and not self.draining
+        """Readiness: a warmed-up executor is connected, new requests are admitted and the
+        server is not about to leave."""
+        return self.link.connected.is_set() and not self.draining and not self.leaving
+
+    def leave_soon(self) -> None:
+        """Report not ready from now on while still admitting requests (the shutdown delay:
+        proxies see it and stop sending before the drain refuses anything)."""
+        self.leaving = True
+        self._notify_readiness()
 
     def capacity(self) -> pb.Capacity | None:
         """What the front ends know of the model and the cache: the capacity the newest
@@ -154,6 +165,9 @@ class Engine:
         prompt, params = request.prompt, request.params
         if self.draining:
             raise EngineError("UNAVAILABLE", "server is draining")
+        if self.refuse_when_unready and not self.link.connected.is_set():
+            raise EngineError("UNAVAILABLE", "no executor is joined; retry on another "
+                              "replica", retry_after_s=1.0)
         refusal = self.scheduler.admission_error(len(prompt))
         if refusal is not None:
             self.metrics.refused["queue_full"].inc()

@@ -76,6 +76,11 @@ class EngineClient:
         return self.engine.draining
 
     @property
+    def leaving(self) -> bool:
+        """Shutting down after a delay: not ready, still admitting (Engine.leave_soon)."""
+        return self.engine.leaving
+
+    @property
     def metrics(self) -> Metrics:
         """The one set of metrics (the front ends count RPCs, HTTP and tenants there too)."""
         return self.engine.metrics

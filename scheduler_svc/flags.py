@@ -91,5 +91,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may run before they are "
                         "aborted and the process exits")
+    p.add_argument("--shutdown-delay-s", type=float, default=0.0,
+                   help="on SIGTERM, report not ready at once (gRPC health, HTTP /health) but "
+                        "keep serving new requests this many seconds, for proxies and "
+                        "Kubernetes endpoints to stop sending, before the drain (5 in the "
+                        "Kubernetes manifests)")
+    p.add_argument("--refuse-when-unready", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="while no executor is joined, refuse new requests with UNAVAILABLE and "
+                        "a retry hint (a proxy retries them on another replica) instead of "
+                        "queueing them until one joins; admitted requests are recomputed either "
+                        "way")
     p.add_argument("--log-prompts", action=argparse.BooleanOptionalAction, default=False,
                    help="include the prompt text in the per-request completion log")

@@ -74,13 +74,23 @@ class OpenAIApp:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/health/ready", self.health, methods=["GET"]),
+            Route("/health/live", self.live, methods=["GET"]),
         ], exception_handlers={HTTPException: _http_error, OpenAIError: _error})
 
     async def health(self, request: Request) -> Response:
+        """Readiness (/health, /health/ready): 200 while a warmed-up executor is joined and
+        the server is not shutting down."""
         if self.client.serving:
             return JSONResponse({"status": "ok"})
-        why = "draining" if self.client.draining else "no executor has joined"
+        why = "draining" if self.client.draining else "shutting down" if \
+            self.client.leaving else "no executor has joined"
         return JSONResponse({"status": why}, status_code=503)
+
+    async def live(self, request: Request) -> Response:
+        """Liveness (/health/live): the process answers, with or without an executor (one
+        restarting is not a reason to restart the scheduler)."""
+        return JSONResponse({"status": "alive"})
 
     async def models(self, request: Request) -> Response:
         self._authenticate(request)

@@ -109,7 +109,8 @@ async def serve(args: argparse.Namespace) -> None:
     engine = Engine(_scheduler_config(args), link, tokenizer,
                     read_generation_eos(model_dir), metrics=metrics,
                     telemetry=Telemetry(metrics, tokenizer, args.log_prompts),
-                    on_readiness=on_readiness, async_scheduling=args.async_scheduling)
+                    on_readiness=on_readiness, async_scheduling=args.async_scheduling,
+                    refuse_when_unready=args.refuse_when_unready)
     # the front ends, side by side on one engine client
     outputs = OutputProcessor(EngineClient(engine), tokenizer, args.stream_interval)
     frontend = Frontend(outputs, InputProcessor(tokenizer, args.max_input_bytes, model_len),
@@ -148,6 +149,11 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if args.shutdown_delay_s > 0:  # not ready at once; new requests still served meanwhile
+        engine.leave_soon()
+        log.info("shutting down: not ready, serving %g s more before the drain",
+                 args.shutdown_delay_s)
+        await asyncio.sleep(args.shutdown_delay_s)
     await _drain(engine, args.drain_timeout_s)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=5)  # the streams deliver their last chunk or error

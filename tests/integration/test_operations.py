@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -252,3 +254,49 @@ def test_the_scheduler_profile_is_written_at_exit(tmp_path):
     assert "_step_loop" in top and "cumulative" in top
     stats = pstats.Stats(str(folder / "scheduler.prof")).stats
     assert any(fn == "_step_loop" for _, _, fn in stats)
+
+
+def test_a_shutdown_delay_reports_not_ready_and_keeps_serving(tmp_path):
+    """--shutdown-delay-s: on SIGTERM readiness (gRPC health, HTTP /health) turns NOT_SERVING
+    at once, new requests are still answered for the delay, then the drain refuses them and
+    the process exits 0 (a proxy has stopped sending by then)."""
+    stack = Stack(tmp_path, "--shutdown-delay-s", "3", "--drain-timeout-s", "5")
+    try:
+        stack.wait_health(SERVING)
+        sent = time.monotonic()
+        stack.scheduler.send_signal(signal.SIGTERM)
+        assert stack.wait_health(NOT_SERVING, timeout=5) < 1
+        assert health(stack.client.channel, "") == SERVING  # alive
+        with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/health/live") as r:
+            assert r.status == 200
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/health/ready")
+        assert err.value.code == 503
+        tokens = stack.client.complete(text="Hello", max_tokens=3, temperature=0,
+                                       ignore_eos=True)[1]
+        assert len(tokens) == 3 and time.monotonic() - sent < 3  # served within the delay
+        assert stack.scheduler.wait(timeout=30) == 0
+        assert time.monotonic() - sent >= 3
+    finally:
+        stack.stop()
+
+
+def test_refuse_when_unready_sends_new_requests_elsewhere(tmp_path):
+    """--refuse-when-unready: with its executor gone a replica answers new requests
+    UNAVAILABLE at once (a proxy retries them on a peer) rather than queueing them."""
+    stack = Stack(tmp_path, "--refuse-when-unready", "--executor-heartbeat-timeout-s", "2")
+    try:
+        stack.wait_health(SERVING)
+        assert stack.client.complete(text="Hello", max_tokens=2, temperature=0)[1]
+        stack.executor.kill()
+        stack.executor.wait()
+        stack.wait_health(NOT_SERVING, timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stack.client.stub.Generate(build_request(text="hi", max_tokens=2), timeout=5))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "retry on another replica" in err.value.details()
+        stack.executor = stack.start_executor()
+        stack.wait_health(SERVING)
+        assert stack.client.complete(text="Hello", max_tokens=2, temperature=0)[1]
+    finally:
+        stack.stop()
