@@ -119,3 +119,58 @@ def test_no_import_cycles():
             visit(m, [m])
     assert cycles == []
 
+
+
+# The API front ends sit side by side on the path they share (frontend.py and what it uses),
+# which takes the neutral GenerationInput (api/generation_input.py): neither builds the
+# other's request types. server.py and tls.py set both up.
+HTTP_API = {"openai_api", "openai_errors", "openai_logprobs", "openai_protocol",
+            "openai_responses", "openai_tools", "http_metrics", "http_server"}
+GRPC_API = {"servicer", "errors", "reflection", "rpc_metrics"}
+SHARED_API = {"frontend", "generation_input", "inputs", "chat", "tools", "parallel", "streams",
+              "detokenizer", "tenants"}
+BOTH_API = {"server", "tls"}
+# the public API's request messages (generate.proto) whose names are theirs alone
+GRPC_REQUESTS = {"GenerateRequest", "TokenizeRequest", "GetModelInfoRequest", "SamplingParams",
+                 "ChatMessages", "TokenIds", "Choices"}
+
+
+def api_modules() -> dict[str, Path]:
+    return {f.stem: f for f in package_dir(API).glob("*.py") if f.stem != "__init__"}
+
+
+def test_every_api_module_belongs_to_one_front_end_or_the_shared_path():
+    groups = [HTTP_API, GRPC_API, SHARED_API, BOTH_API]
+    assert set(api_modules()) == set().union(*groups)
+    assert sum(len(g) for g in groups) == len(set().union(*groups))
+
+
+def test_the_http_api_and_the_shared_path_use_no_grpc_request_message():
+    bad = []
+    for stem in sorted(HTTP_API | SHARED_API):
+        for node in ast.walk(ast.parse(api_modules()[stem].read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                names = []
+            bad += [f"{stem} imports {n}" for n in names
+                    if n.startswith(("pagedserve.protos.", "google.protobuf"))]
+            name = node.attr if isinstance(node, ast.Attribute) else \
+                node.id if isinstance(node, ast.Name) else None
+            if name in GRPC_REQUESTS:
+                bad.append(f"{stem} names {name} (line {node.lineno})")
+    assert bad == []
+
+
+def test_neither_front_end_imports_the_other():
+    g = graph()
+
+    def of(stems: set[str]) -> set[str]:
+        return {f"{API}.{s}" for s in stems}
+
+    bad = [f"{m} -> {d}" for mine, others in ((HTTP_API, GRPC_API), (GRPC_API, HTTP_API),
+                                              (SHARED_API, HTTP_API | GRPC_API | BOTH_API))
+           for m in sorted(of(mine)) for d in sorted(g[m] & of(others))]
+    assert bad == []

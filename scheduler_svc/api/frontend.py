@@ -1,6 +1,7 @@
 """The path both API front ends share, on the one engine client: API keys, the model's limits,
 tokenizing off the event loop, validation, tenant admission and submission; the Call (or the
-CallBatch of a completions batch) each gets back, read as chunks and closed however it ends."""
+CallBatch of a completions batch) each gets back, read as chunks and closed however it ends.
+Each front end hands it a GenerationInput built from its own wire format."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from pagedserve.core.memory import TrimAfterBurst
-from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.scheduler.api.generation_input import GenerationInput, Prompt, Tokens
 from pagedserve.scheduler.api.inputs import InputProcessor, Limits, validate
 from pagedserve.scheduler.api.parallel import submit_parallel
 from pagedserve.scheduler.api.streams import Chunk, OutputProcessor, RequestStream
@@ -25,7 +26,6 @@ NO_EXECUTOR = ("no executor has joined the scheduler yet (readiness, health serv
 # Inputs from this size on are tokenized on one thread of their own, so that a burst of them
 # takes one core from the running streams rather than all, and are followed by a heap trim.
 LARGE_INPUT_BYTES = 64 * 1024
-_In = TypeVar("_In", api.GenerateRequest, api.TokenizeRequest)
 _Out = TypeVar("_Out")
 Metadata = Iterable[tuple[str, str | bytes]] | None  # gRPC metadata, or the HTTP headers
 
@@ -153,32 +153,32 @@ class Frontend:
             raise EngineError("UNAVAILABLE", NO_EXECUTOR)
         return Limits(max_model_len=info.max_model_len, vocab_size=info.vocab_size)
 
-    async def tokenized(self, work: Callable[[_In], _Out], request: _In,
-                         max_model_len: int | None) -> _Out:
-        """work(request), tokenizing, on a worker thread once the input passed the size check
+    async def tokenized(self, work: Callable[[Prompt], _Out], prompt: Prompt,
+                        max_model_len: int | None) -> _Out:
+        """work(prompt), tokenizing, on a worker thread once the input passed the size check
         (work in proportion to the input never runs on the event loop, which serves every
         stream)."""
-        n = self.inputs.input_bytes(request)
+        n = self.inputs.input_bytes(prompt)
         try:
-            self.inputs.check_size(request, n, max_model_len)
+            self.inputs.check_size(prompt, n, max_model_len)
             pool = self._large if n >= LARGE_INPUT_BYTES else None
-            return await asyncio.get_running_loop().run_in_executor(pool, work, request)
+            return await asyncio.get_running_loop().run_in_executor(pool, work, prompt)
         finally:
             if n >= LARGE_INPUT_BYTES:
                 self.trim.soon()
 
-    async def start(self, request: api.GenerateRequest, tenant: Tenant | None,
-                    timeout: float | None) -> Call:
-        """Tokenize and validate a GenerateRequest (the gRPC API's and, translated, the HTTP
-        API's), then submit() it. The caller must close() the Call it gets, however the
-        request ends."""
+    async def start(self, request: GenerationInput, tenant: Tenant | None) -> Call:
+        """Tokenize and validate a request (either API's, as the neutral input), then
+        submit() it. The caller must close() the Call it gets, however the request ends."""
         if self.client.draining:
             raise EngineError("UNAVAILABLE", "server is draining")
         limits = self.limits()
-        prompt = await self.tokenized(self.inputs.prompt_ids, request, limits.max_model_len)
+        prompt = await self.tokenized(self.inputs.prompt_ids, request.prompt,
+                                      limits.max_model_len)
         params = validate(request, prompt, limits)
         return await self.submit(EngineRequest(request.request_id, prompt, params,
-                                               request.priority, timeout=timeout), tenant)
+                                               request.priority, timeout=request.timeout),
+                                 tenant)
 
     async def submit(self, request: EngineRequest, tenant: Tenant | None) -> Call:
         """Admit a validated request for an authenticated tenant (which bounds its priority
@@ -199,10 +199,10 @@ class Frontend:
             raise
         return Call(self.outputs, streams, admission)
 
-    async def tokenize(self, request: api.TokenizeRequest) -> api.TokenizeResponse:
-        """An authenticated Tokenize (the HTTP API's /tokenize too)."""
+    async def tokenize(self, prompt: Prompt) -> Tokens:
+        """An authenticated Tokenize (gRPC's, and the HTTP API's /tokenize)."""
         info = self.client.model_info()  # none yet: the model config's length bounds it
-        return await self.tokenized(self.inputs.tokenize, request,
+        return await self.tokenized(self.inputs.tokenize, prompt,
                                     info.max_model_len if info else None)
 
 

@@ -1,18 +1,28 @@
-"""Turns a public GenerateRequest into prompt token ids and validated GenerationParams.
+"""Turns a GenerationInput (generation_input.py: what either API's request asks for) into
+prompt token ids and validated GenerationParams.
 
-Every problem raises InvalidRequest naming the offending field; the servicer maps it to
-INVALID_ARGUMENT. Nothing a client sends should reach the scheduler unchecked.
+Every problem raises InvalidRequest naming the offending field; each front end names it in its
+own convention. Nothing a client sends should reach the scheduler unchecked.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.scheduler.api.chat import ChatRenderer
+from pagedserve.scheduler.api.generation_input import (
+    Chat,
+    GenerationInput,
+    Prompt,
+    Sampling,
+    StructuredOutput,
+    Tokens,
+    prompt_field,
+)
 from pagedserve.scheduler.api.tools import call_dicts, tool_dicts
 from pagedserve.scheduler.invalid import InvalidRequest
 from pagedserve.scheduler.request import Constraint, GenerationParams
@@ -51,7 +61,7 @@ class InputProcessor:
     def encode_text(self, text: str) -> list[int]:
         return list(self.tok.encode(text))
 
-    def encode_chat(self, chat: api.ChatMessages) -> list[int]:
+    def encode_chat(self, chat: Chat) -> list[int]:
         """Raises InvalidRequest (ChatError, ToolError) naming the field."""
         tools = tool_dicts(list(chat.tools))
         messages = []
@@ -66,53 +76,57 @@ class InputProcessor:
         return self.chat.encode(messages, tools)
 
     @staticmethod
-    def input_bytes(req: api.GenerateRequest | api.TokenizeRequest) -> int:
+    def input_bytes(prompt: Prompt) -> int:
         """The UTF-8 bytes of text or chat input that tokenizing would read (0 for token ids:
         they need no work, and validate() bounds them)."""
-        kind = req.WhichOneof("input")
-        if kind not in ("text", "chat"):
-            return 0
-        return sum(len(t.encode()) for t in ([req.text] if kind == "text"
-                                             else _chat_texts(req.chat)))
+        if isinstance(prompt, str):
+            return len(prompt.encode())
+        if isinstance(prompt, Chat):
+            return sum(len(t.encode()) for t in _chat_texts(prompt))
+        return 0
 
-    def check_size(self, req: api.GenerateRequest | api.TokenizeRequest, n: int,
-                   max_model_len: int | None) -> None:
+    def check_size(self, prompt: Prompt, n: int, max_model_len: int | None) -> None:
         """Refuse input too large to be a prompt (n: its input_bytes) before any tokenizing
         work is spent on it; max_model_len None: no executor has joined yet."""
         if n > (most := self.byte_limit(max_model_len)):
-            raise InvalidRequest(req.WhichOneof("input"), f"{n} bytes, more than the {most} a "
+            raise InvalidRequest(prompt_field(prompt), f"{n} bytes, more than the {most} a "
                                  "prompt may have")
 
-    def tokenize(self, req: api.TokenizeRequest) -> api.TokenizeResponse:
-        """The Tokenize answer: ids and their token strings, both in proportion to the input
-        (called off the event loop)."""
-        ids = self.prompt_ids(req)
-        return api.TokenizeResponse(token_ids=ids, tokens=self.tok.convert_ids_to_tokens(ids))
+    def tokenize(self, prompt: Prompt) -> Tokens:
+        """The prompt's ids and their token strings, both in proportion to the input (called
+        off the event loop)."""
+        ids = self.prompt_ids(prompt)
+        return Tokens(ids, self.tok.convert_ids_to_tokens(ids))
 
-    def prompt_ids(self, req: api.GenerateRequest | api.TokenizeRequest) -> list[int]:
-        kind = req.WhichOneof("input")
-        if kind is None:
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        if prompt is None:
             raise InvalidRequest("input", "one of text, token_ids or chat is required")
-        if kind == "text":
-            ids = self.encode_text(req.text) if req.text else []
-        elif kind == "chat":
-            ids = self.encode_chat(req.chat)
+        if isinstance(prompt, str):
+            ids = self.encode_text(prompt) if prompt else []
+        elif isinstance(prompt, Chat):
+            ids = self.encode_chat(prompt)
         else:
-            ids = list(req.token_ids.ids)
+            ids = list(prompt)
         if not ids:
-            raise InvalidRequest(kind, "the prompt is empty")
+            raise InvalidRequest(prompt_field(prompt), "the prompt is empty")
         return ids
 
 
-def _chat_texts(chat: api.ChatMessages) -> list[str]:
+def _chat_texts(chat: Chat) -> list[str]:
     """What rendering a chat tokenizes, roughly: its messages, calls and tools."""
     out = [m.role + m.content + m.tool_call_id for m in chat.messages]
     out += [c.name + c.arguments for m in chat.messages for c in m.tool_calls]
     return out + [t.name + t.description + t.parameters for t in chat.tools]
 
 
-def validate(req: api.GenerateRequest, prompt: list[int], limits: Limits) -> GenerationParams:
-    if len(req.request_id) > MAX_REQUEST_ID_LEN:
+def _f32(x: float) -> float:
+    """x as the engine's sampler holds it (float32; both APIs' values are rounded alike)."""
+    return ctypes.c_float(x).value
+
+
+def validate(request: GenerationInput, prompt: list[int], limits: Limits) -> GenerationParams:
+    """The request's GenerationParams for its prompt's token ids."""
+    if len(request.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequest("request_id", f"longer than {MAX_REQUEST_ID_LEN} characters")
     room = limits.max_model_len - len(prompt)
     if room < 1:  # before the scan below: a prompt far too long is refused without one
@@ -123,9 +137,9 @@ def validate(req: api.GenerateRequest, prompt: list[int], limits: Limits) -> Gen
     if bad is not None:
         raise InvalidRequest("token_ids",
                              f"{bad} is outside the vocabulary [0, {limits.vocab_size})")
-    s = req.sampling
+    s = request.sampling
     max_tokens = room
-    if s.HasField("max_tokens"):
+    if s.max_tokens is not None:
         if s.max_tokens < 1:
             raise InvalidRequest("sampling.max_tokens", f"must be >= 1, got {s.max_tokens}")
         if s.max_tokens > room:
@@ -133,10 +147,10 @@ def validate(req: api.GenerateRequest, prompt: list[int], limits: Limits) -> Gen
                                  f"{s.max_tokens} with a {len(prompt)}-token prompt exceeds "
                                  f"max_model_len {limits.max_model_len}; at most {room} allowed")
         max_tokens = s.max_tokens
-    temperature = s.temperature if s.HasField("temperature") else 1.0
+    temperature = 1.0 if s.temperature is None else _f32(s.temperature)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise InvalidRequest("sampling.temperature", f"must be >= 0, got {temperature}")
-    top_p = s.top_p if s.HasField("top_p") else 1.0
+    top_p = 1.0 if s.top_p is None else _f32(s.top_p)
     if not (0 < top_p <= 1):
         raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {top_p}")
     if s.top_k < 0:
@@ -151,81 +165,87 @@ def validate(req: api.GenerateRequest, prompt: list[int], limits: Limits) -> Gen
             raise InvalidRequest("sampling.stop_token_ids", f"{t} is outside the vocabulary")
     return GenerationParams(
         max_tokens=max_tokens, temperature=temperature, top_k=s.top_k, top_p=top_p,
-        seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        skip_special_tokens=not s.include_special_tokens, **_extras(s, max_tokens, limits),
+        seed=s.seed, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos, skip_special_tokens=not s.include_special_tokens,
+        **_extras(s, max_tokens, limits),
     )
 
 
-def _extras(s: api.SamplingParams, max_tokens: int, limits: Limits) -> dict[str, Any]:
+def _extras(s: Sampling, max_tokens: int, limits: Limits) -> dict[str, Any]:
     """The penalties, filters, logprobs and n, checked with vLLM's ranges."""
     extras: dict[str, Any] = {}
     for name in ("presence_penalty", "frequency_penalty"):
-        if s.HasField(name):
-            v = getattr(s, name)
+        if (v := getattr(s, name)) is not None:
+            v = _f32(v)
             if not -2.0 <= v <= 2.0:
                 raise InvalidRequest(f"sampling.{name}", f"must be in [-2, 2], got {v}")
             extras[name] = v
-    if s.HasField("repetition_penalty"):
-        if not (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0):
-            raise InvalidRequest("sampling.repetition_penalty", f"must be > 0, got "
-                                 f"{s.repetition_penalty}")
-        extras["repetition_penalty"] = s.repetition_penalty
-    if s.HasField("min_p"):
-        if not 0.0 <= s.min_p <= 1.0:
-            raise InvalidRequest("sampling.min_p", f"must be in [0, 1], got {s.min_p}")
-        extras["min_p"] = s.min_p
-    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+    if s.repetition_penalty is not None:
+        v = _f32(s.repetition_penalty)
+        if not (math.isfinite(v) and v > 0):
+            raise InvalidRequest("sampling.repetition_penalty", f"must be > 0, got {v}")
+        extras["repetition_penalty"] = v
+    if s.min_p is not None:
+        v = _f32(s.min_p)
+        if not 0.0 <= v <= 1.0:
+            raise InvalidRequest("sampling.min_p", f"must be in [0, 1], got {v}")
+        extras["min_p"] = v
+    extras["logit_bias"] = _logit_bias(s.logit_bias, limits)
+    if not 0 <= s.min_tokens <= max_tokens:
+        raise InvalidRequest("sampling.min_tokens", f"must be in [0, max_tokens = {max_tokens}], "
+                             f"got {s.min_tokens}")
+    extras["min_tokens"] = s.min_tokens
+    for name in ("logprobs", "prompt_logprobs"):
+        if (k := getattr(s, name)) is not None:
+            if not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise InvalidRequest(f"sampling.{name}", f"must be in [0, {MAX_TOP_LOGPROBS}], "
+                                     f"got {k}")
+            extras[name] = k
+    if s.n is not None:
+        if not 1 <= s.n <= MAX_N:
+            raise InvalidRequest("sampling.n", f"must be in [1, {MAX_N}], got {s.n}")
+        extras["n"] = s.n
+    if s.structured is not None:
+        if s.min_tokens:
+            raise InvalidRequest("sampling.min_tokens", f"cannot be combined with "
+                                 f"{s.structured.kind} (the constraint decides where the "
+                                 f"output ends)")
+        extras["constraint"] = _constraint(s.structured)
+    return extras
+
+
+def _logit_bias(bias: tuple[tuple[int, float], ...], limits: Limits
+                ) -> tuple[tuple[int, float], ...]:
+    if len(bias) > MAX_LOGIT_BIAS:
         raise InvalidRequest("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got "
-                             f"{len(s.logit_bias)}")
-    for t, v in s.logit_bias.items():
+                             f"{len(bias)}")
+    out = []
+    for t, v in bias:
+        v = _f32(v)
         if not 0 <= t < limits.vocab_size:
             raise InvalidRequest("sampling.logit_bias", f"token {t} is outside the vocabulary "
                                  f"[0, {limits.vocab_size})")
         if not -100.0 <= v <= 100.0:
             raise InvalidRequest("sampling.logit_bias", f"the bias of token {t} must be in "
                                  f"[-100, 100], got {v}")
-    extras["logit_bias"] = tuple(sorted(s.logit_bias.items()))
-    if not 0 <= s.min_tokens <= max_tokens:
-        raise InvalidRequest("sampling.min_tokens", f"must be in [0, max_tokens = {max_tokens}], "
-                             f"got {s.min_tokens}")
-    extras["min_tokens"] = s.min_tokens
-    if s.HasField("logprobs"):
-        if not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest("sampling.logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got "
-                                 f"{s.logprobs}")
-        extras["logprobs"] = s.logprobs
-    if s.HasField("prompt_logprobs"):
-        if not 0 <= s.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest("sampling.prompt_logprobs", f"must be in [0, "
-                                 f"{MAX_TOP_LOGPROBS}], got {s.prompt_logprobs}")
-        extras["prompt_logprobs"] = s.prompt_logprobs
-    if s.HasField("n"):
-        if not 1 <= s.n <= MAX_N:
-            raise InvalidRequest("sampling.n", f"must be in [1, {MAX_N}], got {s.n}")
-        extras["n"] = s.n
-    if (kind := s.WhichOneof("constraint")) is not None:
-        if s.min_tokens:
-            raise InvalidRequest("sampling.min_tokens", f"cannot be combined with {kind} (the "
-                                 f"constraint decides where the output ends)")
-        extras["constraint"] = _constraint(s, kind)
-    return extras
+        out.append((t, v))
+    return tuple(sorted(out))
 
 
-def _constraint(s: api.SamplingParams, kind: str) -> Constraint:
+def _constraint(spec: StructuredOutput) -> Constraint:
     """The structured-output constraint; its text is checked by compiling it (grammar.py)."""
+    kind, value = spec.kind, spec.value
     if kind == "json_object":
-        if not s.json_object:
+        if value is not True:
             raise InvalidRequest("sampling.json_object", "set it to true, or leave it unset")
         return Constraint(kind)
     if kind == "choice":
-        choices = list(s.choice.choices)
+        choices = list(value) if isinstance(value, tuple) else []
         if not 1 <= len(choices) <= MAX_CHOICES or not all(choices):
             empty = "" if all(choices) else " with an empty one"
             raise InvalidRequest("sampling.choice", f"1..{MAX_CHOICES} non-empty strings needed, "
                                  f"got {len(choices)}{empty}")
         return Constraint(kind, json.dumps(choices, ensure_ascii=False))
-    spec = getattr(s, kind)
-    if not spec.strip():
+    if not isinstance(value, str) or not value.strip():
         raise InvalidRequest(f"sampling.{kind}", "empty")
-    return Constraint(kind, spec)
+    return Constraint(kind, value)

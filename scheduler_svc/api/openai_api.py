@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API (Starlette on uvicorn), served by the scheduler process on the
-gRPC server's asyncio loop: a request goes through Frontend.start (frontend.py), the same path
-as a gRPC Generate call (tenants, validation, admission, deadline), to the engine client.
+gRPC server's asyncio loop: a request becomes the neutral GenerationInput (openai_protocol) and
+goes through Frontend.start (frontend.py), the same path as a gRPC Generate call (tenants,
+validation, admission, deadline), to the engine client.
 
     POST /v1/completions, POST /v1/chat/completions, POST /v1/responses   (stream: server-sent
     events)
@@ -43,7 +44,7 @@ from pagedserve.scheduler.api.openai_protocol import (
     invalid,
     parse,
     scores_only,
-    to_generate,
+    to_inputs,
     to_tokenize,
 )
 from pagedserve.scheduler.api.openai_tools import CallStream, ToolMode, read_calls, tool_mode
@@ -106,21 +107,21 @@ class OpenAIApp:
         body = await self._parsed(request, TokenizeBody)
         if body.model is not None:
             self._check_model(body.model)
-        tokenize, shaped = to_tokenize(body)
+        prompt, shaped = to_tokenize(body)
         try:
-            out = await self.gen.tokenize(tokenize)
+            out = await self.gen.tokenize(prompt)
         except InvalidRequest as e:
             raise invalid(e, shaped) from None
         cap = self.client.model_info()
         model_len = cap.max_model_len if cap else self.gen.inputs.model_len
 
         def answer() -> bytes:
-            return _DUMPS({"count": len(out.token_ids), "max_model_len": model_len,
-                           "tokens": list(out.token_ids),
-                           "token_strs": list(out.tokens) if body.return_token_strs else None
+            return _DUMPS({"count": len(out.ids), "max_model_len": model_len,
+                           "tokens": out.ids,
+                           "token_strs": list(out.strings) if body.return_token_strs else None
                            }).encode()
 
-        return Response(await _off_loop_if(len(out.token_ids) >= LARGE_TOKENS, answer),
+        return Response(await _off_loop_if(len(out.ids) >= LARGE_TOKENS, answer),
                         media_type="application/json")
 
     async def detokenize(self, request: Request) -> Response:
@@ -252,14 +253,14 @@ class OpenAIApp:
                      timeout: float | None) -> CallBatch:
         """Start the request: a Call per prompt of a completions batch (in order; if one is
         refused, those started are closed and its error is the response's)."""
-        batch, gens = CallBatch(), to_generate(req, rid, tools)
+        batch, gens = CallBatch(), to_inputs(req, rid, tools, timeout)
         if tenant is not None and 0 < tenant.max_concurrent < len(gens):  # would never fit
             raise OpenAIError(400, f"prompt: a batch of {len(gens)} prompts, more than the "
                               f"{tenant.max_concurrent} requests this API key may run at once",
                               "prompt")
         try:
             for one in gens:
-                batch.add(await self.gen.start(one, tenant, timeout))
+                batch.add(await self.gen.start(one, tenant))
         except InvalidRequest as e:
             batch.close()
             err = invalid(e, req)

@@ -1,5 +1,7 @@
-"""The OpenAI API's request bodies, their translation into the gRPC API's GenerateRequest (so
-that both APIs share one validation, inputs.validate); OpenAIError lives in openai_errors.
+"""The OpenAI API's request bodies and their one translation into the front ends' neutral
+GenerationInput (generation_input.py), which inputs.validate checks for both APIs; the field
+paths of its errors are named back as OpenAI parameters here (openai_param). OpenAIError lives
+in openai_errors.
 
 Fields OpenAI (or vLLM) defines that the engine cannot honour yet are accepted in the models and
 refused by `unsupported()` when a request sets them to anything but their default.
@@ -7,13 +9,21 @@ refused by `unsupported()` when a request sets them to anything but their defaul
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.scheduler.api.generation_input import (
+    Chat,
+    GenerationInput,
+    Message,
+    Prompt,
+    Sampling,
+    StructuredOutput,
+)
 from pagedserve.scheduler.api.inputs import MAX_TOP_LOGPROBS
 from pagedserve.scheduler.api.openai_errors import OpenAIError
 from pagedserve.scheduler.api.openai_tools import (
@@ -132,8 +142,9 @@ class DetokenizeBody(BaseModel):
     tokens: list[Count]
 
 
-def to_tokenize(body: TokenizeBody) -> tuple[api.TokenizeRequest, _Request]:
-    """The Tokenize call, and the request it tokenizes as (for naming errors' parameters)."""
+def to_tokenize(body: TokenizeBody) -> tuple[Prompt, _Request]:
+    """The prompt to tokenize, and the request it tokenizes as (for naming errors'
+    parameters)."""
     if (body.prompt is None) == (body.messages is None):
         raise OpenAIError(400, "prompt: give a prompt or messages (one of them)", "prompt")
     chat = body.messages is not None
@@ -144,15 +155,10 @@ def to_tokenize(body: TokenizeBody) -> tuple[api.TokenizeRequest, _Request]:
     if not body.add_generation_prompt:
         raise OpenAIError(400, "add_generation_prompt: only true is supported",
                           "add_generation_prompt", "unsupported_parameter")
-    out = api.TokenizeRequest()
     if body.prompt is not None:
-        out.text = body.prompt
-        return out, CompletionRequest(model=body.model or "", prompt=body.prompt)
+        return body.prompt, CompletionRequest(model=body.model or "", prompt=body.prompt)
     shaped = ChatCompletionRequest(model=body.model or "", messages=body.messages or [])
-    rendered = api.GenerateRequest()
-    _chat_input(shaped, rendered, None)
-    out.chat.CopyFrom(rendered.chat)
-    return out, shaped
+    return _chat(shaped, None), shaped
 
 
 def unsupported(req: _Request) -> str | None:
@@ -189,31 +195,23 @@ def param_of(loc: tuple) -> str | None:
     return out or None
 
 
-def to_generate(req: _Request, request_id: str, tools: ToolMode | None = None
-                ) -> list[api.GenerateRequest]:
-    """The one translation from an OpenAI request to the engine's parameters (as the gRPC API's
-    GenerateRequest, validated by inputs.validate like any gRPC request): one per prompt of a
-    completions request's batch (request_id-i for prompt i of several, as vLLM names them),
-    else one. tools: the chat request's tool_mode()."""
+def to_inputs(req: _Request, request_id: str, tools: ToolMode | None = None,
+              timeout: float | None = None) -> list[GenerationInput]:
+    """The one translation from an OpenAI request to what the engine is asked (validated by
+    inputs.validate like a gRPC request): one input per prompt of a completions request's
+    batch (request_id-i for prompt i of several, as vLLM names them), else one. tools: the
+    chat request's tool_mode(); timeout: the request's deadline, seconds."""
     name = unsupported(req)
     if name is not None:
         raise OpenAIError(400, f"{name}: not supported yet", name, "unsupported_parameter")
-    base = api.GenerateRequest(request_id=request_id, priority=req.priority)
-    _sampling(req, base.sampling, tools)
+    base = GenerationInput(None, _sampling(req, tools), request_id, req.priority, timeout)
     if isinstance(req, ChatCompletionRequest):
-        _chat_input(req, base, tools)
-        return [base]
+        return [dataclasses.replace(base, prompt=_chat(req, tools))]
     assert isinstance(req, CompletionRequest)
     prompts = completion_prompts(req)
-    outs = []
-    for i, prompt in enumerate(prompts):
-        out = api.GenerateRequest()
-        out.CopyFrom(base)
-        if len(prompts) > 1:
-            out.request_id = f"{request_id}-{i}"
-        _completion_input(prompt, out)
-        outs.append(out)
-    return outs
+    return [dataclasses.replace(base, prompt=_completion_prompt(prompt), request_id=(
+                f"{request_id}-{i}" if len(prompts) > 1 else request_id))
+            for i, prompt in enumerate(prompts)]
 
 
 def scores_only(req: _Request) -> bool:
@@ -222,42 +220,45 @@ def scores_only(req: _Request) -> bool:
     return isinstance(req, CompletionRequest) and bool(req.echo) and req.max_tokens == 0
 
 
-def _sampling(req: _Request, s: api.SamplingParams, tools: ToolMode | None) -> None:
+def _sampling(req: _Request, tools: ToolMode | None) -> Sampling:
+    kw: dict[str, Any] = {}
     limit = 1 if scores_only(req) else _max_tokens(req)
     if limit is not None:
         if not 1 <= limit < 2**31:
             echo = " (0 with echo)" if isinstance(req, CompletionRequest) else ""
             raise OpenAIError(400, f"{_max_tokens_name(req)}: must be >= 1{echo}, got {limit}",
                               _max_tokens_name(req))
-        s.max_tokens = limit
-    if req.temperature is not None:
-        s.temperature = req.temperature
-    if req.top_p is not None:
-        s.top_p = req.top_p
+        kw["max_tokens"] = limit
     if req.top_k is not None:
-        s.top_k = max(0, req.top_k) if req.top_k >= -1 else req.top_k  # vLLM's -1: all
+        kw["top_k"] = max(0, req.top_k) if req.top_k >= -1 else req.top_k  # vLLM's -1: all
     if req.seed is not None:
-        s.seed = req.seed % 2**64  # OpenAI's seed is any integer; the proto's is unsigned
+        kw["seed"] = req.seed % 2**64  # OpenAI's seed is any integer; the engine's unsigned
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    s.stop.extend(stops)
-    s.stop_token_ids.extend(req.stop_token_ids or [])
-    s.ignore_eos = req.ignore_eos
-    s.include_special_tokens = not req.skip_special_tokens
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
-        if getattr(req, name) is not None:  # unset: the proto's default (off)
-            setattr(s, name, getattr(req, name))
-    if req.min_tokens is not None:
-        s.min_tokens = req.min_tokens
-    if req.n is not None:
-        s.n = req.n  # checked by inputs.validate, as the gRPC API's
-    _logprobs(req, s)
-    for token, bias in (req.logit_bias or {}).items():
+    kw.update(  # unset (None): validation's defaults
+        temperature=req.temperature, top_p=req.top_p, stop=tuple(stops),
+        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+        include_special_tokens=not req.skip_special_tokens,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, min_p=req.min_p,
+        min_tokens=req.min_tokens or 0, n=req.n)  # n: checked by validation, as gRPC's
+    kw.update(_logprobs(req))
+    kw["logit_bias"] = _logit_bias(req)
+    kw["structured"] = _constrain(req, tools)
+    return Sampling(**kw)
+
+
+def _logit_bias(req: _Request) -> tuple[tuple[int, float], ...]:
+    bias: dict[int, float] = {}
+    for token, value in (req.logit_bias or {}).items():
         try:  # OpenAI's keys are token ids as strings
-            s.logit_bias[int(token)] = bias
+            t = int(token)
         except (ValueError, OverflowError):
+            t = None
+        if t is None or not -(2**31) <= t < 2**31:
             raise OpenAIError(400, f"logit_bias: key {token!r} is not a token id",
                               "logit_bias") from None
-    _constrain(req, s, tools)
+        bias[t] = value
+    return tuple(bias.items())
 
 
 # (OpenAI's or vLLM's parameter, its key, the SamplingParams constraint field)
@@ -286,9 +287,9 @@ def _value(req: _Request, param: str, key: str | None) -> Any:
     return value if key is None or value is None else value.get(key)
 
 
-def _constrain(req: _Request, s: api.SamplingParams, tools: ToolMode | None) -> None:
-    """response_format, structured_outputs, guided_* or a forced tool call: SamplingParams'
-    constraint."""
+def _constrain(req: _Request, tools: ToolMode | None) -> StructuredOutput | None:
+    """response_format, structured_outputs, guided_* or a forced tool call: the structured
+    output the request asks for."""
     found = [(p, key, field, v) for p, key, field in _CONSTRAINTS
              if (v := _value(req, p, key)) not in (None, False)]
     if tools is not None and tools.constrained:
@@ -311,23 +312,22 @@ def _constrain(req: _Request, s: api.SamplingParams, tools: ToolMode | None) -> 
         raise OpenAIError(400, f"{found[1][0]}: only one constraint per request",
                           found[1][0])
     if not found:
-        return
+        return None
     param, _, field, value = found[0]
     if field == "json_object":
-        s.json_object = True
-    elif field == "choice":
+        return StructuredOutput(field, True)
+    if field == "choice":
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
             raise OpenAIError(400, f"{param}: a list of strings", param)
-        s.choice.choices.extend(value)
-    elif not isinstance(value, str) and field == "json_schema":
-        s.json_schema = json.dumps(value)
-    elif isinstance(value, str):
-        setattr(s, field, value)
-    else:
-        raise OpenAIError(400, f"{param}: a string", param)
+        return StructuredOutput(field, tuple(value))
+    if not isinstance(value, str) and field == "json_schema":
+        return StructuredOutput(field, json.dumps(value))
+    if isinstance(value, str):
+        return StructuredOutput(field, value)
+    raise OpenAIError(400, f"{param}: a string", param)
 
 
-def _logprobs(req: _Request, s: api.SamplingParams) -> None:
+def _logprobs(req: _Request) -> dict[str, int]:
     """Chat's logprobs + top_logprobs, or completions' logprobs: k alternatives per token,
     0..MAX_TOP_LOGPROBS (the completions API's too: vLLM's bound, where OpenAI's is 5)."""
     if isinstance(req, ChatCompletionRequest):
@@ -341,17 +341,17 @@ def _logprobs(req: _Request, s: api.SamplingParams) -> None:
         if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
             raise OpenAIError(400, f"{param}: must be in [0, {MAX_TOP_LOGPROBS}], got {value}",
                               param)
-    if k is not None:
-        s.logprobs = k
+    out = {} if k is None else {"logprobs": k}
     if req.prompt_logprobs is not None:
         if req.stream:  # vLLM's rule too: they would precede every token of every stream
             raise OpenAIError(400, "prompt_logprobs: not supported with stream: true",
                               "prompt_logprobs")
-        s.prompt_logprobs = req.prompt_logprobs
+        out["prompt_logprobs"] = req.prompt_logprobs
     if isinstance(req, CompletionRequest) and req.echo and k is not None:
         # the echoed prompt's tokens carry logprobs as the completion's do; the response's
         # prompt_logprobs field, if asked too, shows its own number of alternatives
-        s.prompt_logprobs = max(k, req.prompt_logprobs or 0)
+        out["prompt_logprobs"] = max(k, req.prompt_logprobs or 0)
+    return out
 
 
 def _max_tokens(req: _Request) -> int | None:
@@ -375,24 +375,18 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     return [prompt]
 
 
-def _completion_input(prompt: str | list[int], out: api.GenerateRequest) -> None:
+def _completion_prompt(prompt: str | list[int]) -> str | list[int]:
     if isinstance(prompt, str):
-        out.text = prompt
-    else:
-        for t in prompt:
-            if not 0 <= t < 2**31:
-                raise OpenAIError(400, f"prompt: token id {t} is outside the vocabulary",
-                                  "prompt")
-        out.token_ids.ids.extend(prompt)
-        if not prompt:
-            out.token_ids.SetInParent()
+        return prompt
+    for t in prompt:
+        if not 0 <= t < 2**31:
+            raise OpenAIError(400, f"prompt: token id {t} is outside the vocabulary", "prompt")
+    return list(prompt)  # [] is refused by validation, as an empty text is
 
 
-def _chat_input(req: ChatCompletionRequest, out: api.GenerateRequest,
-                tools: ToolMode | None) -> None:
-    out.chat.SetInParent()
-    if tools is not None and req.tools:
-        offer(req.tools, out.chat)
+def _chat(req: ChatCompletionRequest, tools: ToolMode | None) -> Chat:
+    offered = offer(req.tools) if tools is not None and req.tools else ()
+    messages = []
     for i, m in enumerate(req.messages):
         content = m.content
         if isinstance(content, list):
@@ -401,20 +395,20 @@ def _chat_input(req: ChatCompletionRequest, out: api.GenerateRequest,
                                   f"messages[{i}].content")
             content = "".join(p.text for p in content)
         role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for it
-        msg = api.ChatMessage(role=role, content=content or "", tool_call_id=m.tool_call_id or "")
-        msg.tool_calls.extend(message_calls(m.tool_calls or [], i))
-        out.chat.messages.append(msg)
+        messages.append(Message(role, content or "", message_calls(m.tool_calls or [], i),
+                                m.tool_call_id or ""))
+    return Chat(tuple(messages), offered)
 
 
 _CONSTRAINT_FIELDS = {"json_object", "json_schema", "regex", "choice", "grammar", "lark_grammar"}
-# a tool's or a tool call's field in the GenerateRequest -> the OpenAI parameter's path
+# a tool's or a tool call's field path (generation_input.py) -> the OpenAI parameter's path
 _TOOL_FIELD = re.compile(r"^chat\.(tools\[\d+\]\.|messages\[\d+\]\.tool_calls\[\d+\]\.)"
                          r"(name|parameters|arguments)$")
 _MESSAGES = re.compile(r"^chat\.messages(\[\d+\]\.\w+)?$")
 
 
 def openai_param(field: str, req: _Request) -> str | None:
-    """The OpenAI parameter of a GenerateRequest field path (InvalidRequest.field)."""
+    """The OpenAI parameter of a field path (InvalidRequest.field, generation_input.py)."""
     if field == "chat.tools":
         return "tools"
     if (t := _TOOL_FIELD.match(field)) is not None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.scheduler.api.generation_input import Tool, ToolCall
 from pagedserve.scheduler.api.openai_errors import OpenAIError
 from pagedserve.scheduler.api.tools import CALL_CLOSE, CALL_OPEN, NO_PARAMETERS
 
@@ -97,10 +97,10 @@ def tool_mode(tools: list[ToolDef] | None, choice: Any, parallel: bool | None
     return ToolMode("named", names, name, parallel is not False)
 
 
-def offer(tools: list[ToolDef], chat: api.ChatMessages) -> None:
-    chat.tools.extend(api.Tool(name=t.function.name, description=t.function.description or "",
-                               parameters=json.dumps(t.function.parameters or NO_PARAMETERS))
-                      for t in tools)
+def offer(tools: list[ToolDef]) -> tuple[Tool, ...]:
+    """The tools the prompt offers, as the chat's (checked there: tools.tool_dicts)."""
+    return tuple(Tool(t.function.name, t.function.description or "",
+                      json.dumps(t.function.parameters or NO_PARAMETERS)) for t in tools)
 
 
 def forced_schema(tools: list[ToolDef], mode: ToolMode) -> dict[str, Any] | None:
@@ -127,13 +127,12 @@ def forced_schema(tools: list[ToolDef], mode: ToolMode) -> dict[str, Any] | None
     return schema
 
 
-def message_calls(calls: list[ToolCallIn], i: int) -> list[api.ToolCall]:
+def message_calls(calls: list[ToolCallIn], i: int) -> tuple[ToolCall, ...]:
     for j, c in enumerate(calls):
         if c.type != "function":
             raise _error(f"type must be 'function', got {c.type!r}",
                          f"messages[{i}].tool_calls[{j}].type")
-    return [api.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
-            for c in calls]
+    return tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in calls)
 
 
 # ------------------------------------------------------------------ reading calls back

@@ -1,15 +1,27 @@
 """The public gRPC servicer: a thin conversion layer between protobuf and the shared front-end
-path (frontend.py), which talks to the engine client."""
+path (frontend.py), which talks to the engine client: a GenerateRequest becomes the neutral
+GenerationInput (generation_input.py), whose field paths are the request's own."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.protos.v1 import generate_pb2_grpc
 from pagedserve.scheduler.api.frontend import Frontend
+from pagedserve.scheduler.api.generation_input import (
+    Chat,
+    GenerationInput,
+    Message,
+    Prompt,
+    Sampling,
+    StructuredOutput,
+    Tool,
+    ToolCall,
+)
 from pagedserve.scheduler.api.rpc_metrics import past_deadline
 from pagedserve.scheduler.api.streams import Chunk
 
@@ -25,7 +37,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: api.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[api.GenerateResponse]:
         tenant = self.frontend.authenticate(context.invocation_metadata())
-        call = await self.frontend.start(request, tenant, context.time_remaining())
+        call = await self.frontend.start(generation_input(request, context.time_remaining()),
+                                         tenant)
         rid = call.stream.request_id
         try:
             async for chunk in call.chunks():
@@ -38,7 +51,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self, request: api.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> api.TokenizeResponse:
         self.frontend.authenticate(context.invocation_metadata())
-        return await self.frontend.tokenize(request)
+        out = await self.frontend.tokenize(prompt_of(request))
+        return api.TokenizeResponse(token_ids=out.ids, tokens=out.strings)
 
     async def GetModelInfo(  # noqa: N802
         self, request: api.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -52,6 +66,53 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             eos_token_ids=info.eos_token_ids, dtype=info.dtype, device=info.device,
             attention_backend=info.attention_backend, kv_cache_dtype=info.kv_cache_dtype,
         )
+
+
+def generation_input(request: api.GenerateRequest, timeout: float | None = None
+                     ) -> GenerationInput:
+    """The request as the front ends' neutral input; timeout: the call's deadline, seconds."""
+    return GenerationInput(prompt_of(request), _sampling(request.sampling),
+                           request.request_id, request.priority, timeout)
+
+
+def prompt_of(request: api.GenerateRequest | api.TokenizeRequest) -> Prompt:
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        return request.text
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    if kind == "chat":
+        chat = request.chat
+        return Chat(tuple(Message(m.role, m.content, tuple(
+                        ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
+                        m.tool_call_id) for m in chat.messages),
+                    tuple(Tool(t.name, t.description, t.parameters) for t in chat.tools))
+    return None
+
+
+def _sampling(s: api.SamplingParams) -> Sampling:
+    def opt(name: str) -> Any:
+        return getattr(s, name) if s.HasField(name) else None
+
+    return Sampling(
+        max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_k=s.top_k,
+        top_p=opt("top_p"), seed=opt("seed"), stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        include_special_tokens=s.include_special_tokens,
+        presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
+        repetition_penalty=opt("repetition_penalty"), min_p=opt("min_p"),
+        logit_bias=tuple(s.logit_bias.items()), min_tokens=s.min_tokens,
+        logprobs=opt("logprobs"), prompt_logprobs=opt("prompt_logprobs"), n=opt("n"),
+        structured=_structured(s))
+
+
+def _structured(s: api.SamplingParams) -> StructuredOutput | None:
+    kind = s.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return StructuredOutput(kind, tuple(s.choice.choices))
+    return StructuredOutput(kind, getattr(s, kind))
 
 
 def _response(request_id: str, chunk: Chunk, prompt: list[int]) -> api.GenerateResponse:

@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from pagedserve.protos.v1 import generate_pb2 as api
+from pagedserve.scheduler.api.generation_input import Tool, ToolCall
 from pagedserve.scheduler.invalid import InvalidRequest
 
 MAX_TOOLS = 128  # OpenAI's bound
@@ -36,7 +36,7 @@ class ToolError(InvalidRequest):
     """A client's tool or tool call that cannot be used."""
 
 
-def tool_dicts(tools: list[api.Tool]) -> list[dict[str, Any]]:
+def tool_dicts(tools: list[Tool]) -> list[dict[str, Any]]:
     """The offered tools as OpenAI's (and transformers') dicts; ToolError if one is bad."""
     if len(tools) > MAX_TOOLS:
         raise ToolError("chat.tools", f"at most {MAX_TOOLS} tools")
@@ -77,7 +77,7 @@ def check_schema(schema: dict[str, Any], field: str) -> None:
         raise ToolError(field, _CPP_PREFIX.sub("", str(e).strip()).strip()) from None
 
 
-def call_dicts(calls: list[api.ToolCall], field: str) -> list[dict[str, Any]]:
+def call_dicts(calls: list[ToolCall], field: str) -> list[dict[str, Any]]:
     """An assistant message's calls as templates take them: arguments as a dict."""
     return [{"id": c.id, "type": "function",
              "function": {"name": c.name,

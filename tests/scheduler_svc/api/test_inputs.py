@@ -1,9 +1,16 @@
 import pytest
 
 from pagedserve.protos.v1 import generate_pb2 as api
-from pagedserve.scheduler.api.inputs import InputProcessor, InvalidRequest, Limits, validate
+from pagedserve.scheduler.api.inputs import InputProcessor, InvalidRequest, Limits
+from pagedserve.scheduler.api.inputs import validate as validate_input
+from pagedserve.scheduler.api.servicer import generation_input, prompt_of
 
 LIMITS = Limits(max_model_len=100, vocab_size=1000)
+
+
+def validate(req, prompt, limits):
+    """inputs.validate of a GenerateRequest, as the servicer hands it over."""
+    return validate_input(generation_input(req), prompt, limits)
 
 
 def request(**sampling):
@@ -50,17 +57,18 @@ def test_prompt_limits():
 
 def test_prompt_sources(tokenizer):
     ip = InputProcessor(tokenizer)
-    assert ip.prompt_ids(api.GenerateRequest(text="Hello")) == tokenizer.encode("Hello")
+    assert ip.prompt_ids(prompt_of(api.GenerateRequest(text="Hello"))) == \
+        tokenizer.encode("Hello")
     chat = api.GenerateRequest(chat=api.ChatMessages(
         messages=[api.ChatMessage(role="user", content="Hi")]))
-    ids = ip.prompt_ids(chat)
+    ids = ip.prompt_ids(prompt_of(chat))
     assert tokenizer.decode(ids).endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     for empty, field in ((api.GenerateRequest(text=""), "^text"),
                          (api.GenerateRequest(), "^input"),
                          (api.GenerateRequest(token_ids=api.TokenIds()), "^token_ids"),
                          (api.GenerateRequest(chat=api.ChatMessages()), "^chat.messages")):
         with pytest.raises(InvalidRequest, match=field):
-            ip.prompt_ids(empty)
+            ip.prompt_ids(prompt_of(empty))
 
 
 def test_input_too_large_is_refused_before_tokenizing(tokenizer):
@@ -73,7 +81,8 @@ def test_input_too_large_is_refused_before_tokenizing(tokenizer):
     inputs = InputProcessor(Untouchable(), model_len=50)
 
     def check(req, max_model_len):
-        inputs.check_size(req, inputs.input_bytes(req), max_model_len)
+        prompt = prompt_of(req)
+        inputs.check_size(prompt, inputs.input_bytes(prompt), max_model_len)
 
     big = api.GenerateRequest(text="x" * 3201)  # 32 bytes per token of max_model_len 100
     with pytest.raises(InvalidRequest, match=r"^text: 3201 bytes, more than the 3200"):
