@@ -1,6 +1,7 @@
 """The one engine client the API front ends share: submit(EngineRequest), abort(id), the
-stream of EngineOutput batches, model_info() and capacity(). gRPC and OpenAI HTTP sit side by
-side on it; neither builds the other's request types.
+stream of EngineOutput batches, and model_info() (the model's limits and the cache's size, from
+the newest executor's capacity). gRPC and OpenAI HTTP sit side by side on it; neither builds
+the other's request types.
 
 Today the engine runs in the front ends' process, on their asyncio loop: a step's batch is
 handed to the subscriber (the front ends' output processor) synchronously, inside the step
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from pagedserve.scheduler.engine import Engine
 from pagedserve.scheduler.engine_io import EngineError, EngineOutput, EngineRequest, ModelInfo
 from pagedserve.scheduler.metrics import Metrics
@@ -62,10 +62,6 @@ class EngineClient:
     def model_info(self) -> ModelInfo | None:
         """The model's limits and facts; None before an executor has joined."""
         return self.engine.model_info()
-
-    def capacity(self) -> pb.Capacity | None:
-        """The newest executor's capacity (its hello), kept after it is lost."""
-        return self.engine.capacity()
 
     @property
     def serving(self) -> bool:
