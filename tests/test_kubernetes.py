@@ -90,6 +90,8 @@ def test_the_pod_is_wired_for_probes_shutdown_and_scraping(overlay):
                                                 "service": "pagedserve.v1.Generation"}
     assert probes["livenessProbe"]["grpc"] == probes["startupProbe"]["grpc"] == \
         {"port": port, "service": ""}
+    wait = c["executor"]["lifecycle"]["preStop"]["exec"]["command"]
+    assert wait[:2] == ["sh", "-c"] and f"--no-readiness --address 127.0.0.1:{port}" in wait[2]
     bind_port = sched["PAGEDSERVE_EXECUTOR_BIND"].rsplit(":", 1)[1]
     assert execu["PAGEDSERVE_SCHEDULER_ADDRESS"] == f"tcp://127.0.0.1:{bind_port}"
     service = objects["Service"]
@@ -124,8 +126,9 @@ def _keys_as_the_secret_mounts_them(pod: dict, mount: Path) -> None:
 @pytest.mark.slow
 def test_the_pods_containers_run_and_pass_their_probes(tmp_path, model_dir):
     """The CPU overlay's scheduler and executor, started here with the manifest's command and
-    environment (ports moved to free ones, /keys and /tmp to temporary folders): the probes'
-    gRPC health services answer SERVING and a request is served."""
+    environment (ports moved to free ones, /keys to a temporary folder): the probes' gRPC
+    health services answer SERVING and a request is served. At termination the executor's
+    preStop waits while the scheduler runs and returns once it has exited."""
     objects = render("cpu")
     pod = objects["Deployment"]["spec"]["template"]["spec"]
     c = containers(objects)
@@ -171,8 +174,19 @@ def test_the_pods_containers_run_and_pass_their_probes(tmp_path, model_dir):
         with Client(f"127.0.0.1:{port}") as client:
             assert client.complete(text="Hello", max_tokens=3, temperature=0)[1]
         channel.close()
+        shell, flag, script = c["executor"]["lifecycle"]["preStop"]["exec"]["command"]
+        cli_cmd = f"{sys.executable} -m pagedserve.cli"
+        script = script.replace("pagedserve health", f"{cli_cmd} health").replace(
+            "127.0.0.1:50051", f"127.0.0.1:{port}")
+        pre_stop = subprocess.Popen([shell, flag, script])
+        time.sleep(3)
+        assert pre_stop.poll() is None  # the scheduler still answers: the executor waits
+        procs[0].send_signal(signal.SIGTERM)  # the kubelet signals both; the executor's
+        assert procs[0].wait(timeout=60) == 0  # preStop holds its signal back
+        assert pre_stop.wait(timeout=30) == 0
     finally:
         for p in procs:
-            p.send_signal(signal.SIGTERM)
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=60) for p in procs]
     assert codes == [0, 0]
