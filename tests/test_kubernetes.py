@@ -190,3 +190,27 @@ def test_the_pods_containers_run_and_pass_their_probes(tmp_path, model_dir):
                 p.send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=60) for p in procs]
     assert codes == [0, 0]
+
+
+def test_the_inference_pool_selects_the_pods_on_their_http_port():
+    """deploy/kubernetes/gateway/inferencepool.yaml (a CRD of the Gateway API Inference
+    Extension: its required fields as api/v1 declares them) selects the overlay's pods on the
+    OpenAI HTTP port, and the metric names it tells the EPP are ones the scheduler exports."""
+    from pagedserve.scheduler.metrics import Metrics
+
+    path = ROOT / "deploy/kubernetes/gateway/inferencepool.yaml"
+    pool = yaml.safe_load(path.read_text())
+    assert (pool["apiVersion"], pool["kind"]) == ("inference.networking.k8s.io/v1",
+                                                  "InferencePool")
+    spec = pool["spec"]
+    assert set(spec) == {"selector", "targetPorts", "endpointPickerRef"}
+    assert spec["endpointPickerRef"]["name"] and \
+        spec["endpointPickerRef"]["failureMode"] in ("FailOpen", "FailClose")
+    objects = render("cpu")
+    pod_labels = objects["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= pod_labels.items()
+    sched = env(containers(objects)["scheduler"])
+    assert [p["number"] for p in spec["targetPorts"]] == [int(sched["PAGEDSERVE_HTTP_PORT"])]
+    named = {line.split("=", 1)[1].strip() for line in path.read_text().splitlines()
+             if "-metric=" in line}
+    assert len(named) == 4 and named <= Metrics("m").names(), named - Metrics("m").names()
