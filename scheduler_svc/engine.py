@@ -102,12 +102,6 @@ class Engine:
         self.leaving = True
         self._notify_readiness()
 
-    def capacity(self) -> pb.Capacity | None:
-        """What the front ends know of the model and the cache: the capacity the newest
-        executor reported (max_model_len, vocabulary, blocks, dtype, device), kept after it is
-        lost; None before any has joined."""
-        return self.link.capacity
-
     def model_info(self) -> ModelInfo | None:
         """The model's facts from the newest executor's capacity; None before one joined."""
         cap = self.link.capacity
