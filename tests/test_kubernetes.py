@@ -80,6 +80,12 @@ def test_the_pod_is_wired_for_probes_shutdown_and_scraping(overlay):
         unknown = {k for k in values if k.startswith("PAGEDSERVE_")} - flags_of(name) - \
             {"PAGEDSERVE_CACHE"}  # the model cache's folder (pagedserve.core.models)
         assert not unknown, (name, unknown)
+    for container in c.values():  # a read-only root: whatever writes goes to a volume
+        assert container["securityContext"]["readOnlyRootFilesystem"]
+        mounts = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+        values = env(container)
+        writes = [values["HOME"], values["PAGEDSERVE_CACHE"], values.get("TRITON_CACHE_DIR")]
+        assert all(any(w.startswith(m) for m in mounts) for w in writes if w), (writes, mounts)
     grace = float(sched["PAGEDSERVE_SHUTDOWN_DELAY_S"]) + float(
         sched["PAGEDSERVE_DRAIN_TIMEOUT_S"])
     assert pod["terminationGracePeriodSeconds"] > grace
@@ -144,7 +150,8 @@ def test_the_pods_containers_run_and_pass_their_probes(tmp_path, model_dir):
             values = {k: v.replace("/keys", str(keys)) for k, v in env(c[name]).items()}
             values = {k: moved.get(v, v) for k, v in values.items()}
             values = {k: v.replace(":5557", f":{link}") for k, v in values.items()}
-            values.pop("PAGEDSERVE_CACHE")  # the pod's volume; here the user's cache
+            for volume_path in ("PAGEDSERVE_CACHE", "HOME", "TRITON_CACHE_DIR"):
+                values.pop(volume_path, None)  # the pod's volumes; here the user's own
             cmd = c[name]["command"]
             assert cmd[0] == "pagedserve"
             log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 (the child keeps it)
