@@ -57,6 +57,10 @@ class _Request(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     user: str | None = None
+    # OpenAI's cache-routing and abuse-tracking keys: accepted; a proxy routes on the
+    # x-session-id header instead (docs/scaling.md), as it cannot hash a body
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM's extensions
     top_k: Int32 | None = None
     stop_token_ids: list[Count] | None = None

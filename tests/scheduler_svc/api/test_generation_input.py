@@ -98,3 +98,14 @@ def test_validation_of_a_neutral_input_names_its_field_paths():
                  [1], LIMITS)
     with pytest.raises(InvalidRequest, match=r"^sampling\.n: must be in \[1, 16\], got 99"):
         validate(GenerationInput([1], Sampling(n=99)), [1], LIMITS)
+
+
+def test_openai_cache_and_safety_keys_are_accepted():
+    """The OpenAI SDK sends prompt_cache_key and safety_identifier; refusing them (unknown
+    fields are refused) would fail those clients."""
+    for cls, extra in ((CompletionRequest, {"prompt": "hi"}),
+                       (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})):
+        body = cls(model="m", prompt_cache_key="conversation-7", safety_identifier="u1", **extra)
+        assert body.prompt_cache_key == "conversation-7"
+        with pytest.raises(ValueError):
+            cls(model="m", prompt_cache_kee="x", **extra)
