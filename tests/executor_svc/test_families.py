@@ -38,16 +38,21 @@ FAMILIES = {
 }
 
 
+def perturb_norms(model) -> None:
+    """Norms initialise to 1 (or 0 for (1 + w)): move them, so that they count."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+
+
 def hf_and_ours_of(d: dict, tmp_path, seed: int = 0):
     torch.manual_seed(seed)
     d = dict(d)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"),
                                                                **{**TINY, **d}),
                                           dtype=torch.float32).eval()
-    with torch.no_grad():  # norms initialise to 1 (or 0 for (1 + w)): make them count
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    perturb_norms(hf)
     hf.save_pretrained(tmp_path)
     cfg = ModelConfig.from_pretrained(tmp_path)
     ours = build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, tmp_path)
@@ -158,10 +163,7 @@ def vision_language_checkpoint(kind: str, tmp_path):
     config = AutoConfig.for_model(kind.removesuffix("-untied"), text_config=text,
                                   vision_config=vision, **extra)
     hf = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    perturb_norms(hf)
     hf.save_pretrained(tmp_path)
     return hf
 

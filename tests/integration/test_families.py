@@ -15,7 +15,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.executor_svc.test_families import FAMILIES, WINDOW, vision_language_checkpoint
+from tests.executor_svc.test_families import (
+    FAMILIES,
+    WINDOW,
+    perturb_norms,
+    vision_language_checkpoint,
+)
 from tests.executor_svc.test_hf_fallback import NO_NATIVE
 from tests.integration.service import Service
 
@@ -43,10 +48,7 @@ def write_checkpoint(family: str, out, model_dir, vocab: int):
     config = AutoConfig.for_model(d.pop("model_type"), **SHAPE, **d, vocab_size=vocab,
                                   bos_token_id=1, eos_token_id=2, pad_token_id=2)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
+    perturb_norms(model)
     model.save_pretrained(out)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model_dir / f, out / f)
