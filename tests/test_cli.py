@@ -215,7 +215,7 @@ def test_first_start_reports_each_phase_and_leaves_a_cache_others_can_read(open_
     cache = open_cache
     names = _start_phases(["--model", "default", "--device", "cpu"], timeout=300,
                           env={**os.environ, "PAGEDSERVE_CACHE": str(cache)},
-                          preexec_fn=lambda: os.umask(0o022))
+                          umask=0o022)  # set by the child, no Python runs between fork and exec
     assert names == ["converting", "loading", "warm-up"]
     [model] = (cache / "models").iterdir()
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [model, *model.rglob("*")]}

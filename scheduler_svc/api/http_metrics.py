@@ -30,12 +30,21 @@ class HTTPMetrics:
             await self.app(scope, receive, send)
             return
         route = scope["path"] if scope["path"] in ROUTES else "other"
-        status, start = 0, time.monotonic()
+        status, start, counted = 0, time.monotonic(), False
+
+        def count() -> None:
+            nonlocal counted
+            if not counted:
+                counted = True
+                self.requests.labels(self.model_name, route, str(status or CLIENT_LEFT)).inc()
+                self.duration.labels(self.model_name, route).observe(time.monotonic() - start)
 
         async def sending(message: dict) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                count()  # before the last byte leaves: a client that has it sees it counted
             await send(message)
 
         try:
@@ -44,5 +53,4 @@ class HTTPMetrics:
             status = status or 500  # (Starlette answers 500 itself before re-raising)
             raise
         finally:
-            self.requests.labels(self.model_name, route, str(status or CLIENT_LEFT)).inc()
-            self.duration.labels(self.model_name, route).observe(time.monotonic() - start)
+            count()

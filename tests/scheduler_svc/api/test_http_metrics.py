@@ -70,6 +70,9 @@ def test_requests_are_counted_by_route_and_status_and_timed_to_their_last_byte()
             ("GET", "/wp-login.php"), ("POST", "/v1/chat/completions")]]
         assert [status for status, _ in got] == [200, 400, 500, 404, 200]
         assert got[-1][1].count("data:") == 3
+        # counted before the last byte left, so a scrape right after a response sees it
+        assert registry.get_sample_value("t_http_requests_total", {
+            "model_name": "m", "route": "/v1/models", "status": "200"}) == 1
         server.should_exit = True
         await task
 
