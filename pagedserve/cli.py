@@ -57,12 +57,19 @@ def _parser(file_values: dict | None = None, environ=os.environ) -> argparse.Arg
     p = argparse.ArgumentParser(prog="pagedserve", description=__doc__, formatter_class=HELP)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     sub = p.add_subparsers(dest="command", required=True)
-    serve = _process_parser(sub, "serve", "run scheduler and executor as two processes",
-                            scheduler.add_args, executor.add_args)
+    serve = _process_parser(sub, "serve", "run scheduler and executor as two processes (with "
+                            "--api-server-count: an engine core and N API processes)",
+                            scheduler.add_args, executor.add_args, scheduler.add_serve_args)
     serve.set_defaults(scheduler_address=None)
     processes = [p, serve,
                  _process_parser(sub, "scheduler", "run the scheduler process (gRPC API)",
                                  scheduler.add_args),
+                 _process_parser(sub, "engine", "run the engine core alone (the scheduler "
+                                 "without its API; API processes connect to it)",
+                                 scheduler.add_args, scheduler.add_engine_args),
+                 _process_parser(sub, "api", "run one API process of an engine core (gRPC and "
+                                 "HTTP ports, shared with its siblings)",
+                                 scheduler.add_args, scheduler.add_engine_args),
                  _process_parser(sub, "executor", "run the executor process (model)",
                                  executor.add_args)]
     known = {a.dest for parser in processes for a in parser._actions}
@@ -164,7 +171,7 @@ def _run(args: argparse.Namespace) -> int:
             check_addresses(args)
         except BindError as e:
             raise SystemExit(f"pagedserve {args.command}: {e}") from None
-    if args.command in ("serve", "scheduler", "executor"):
+    if args.command in ("serve", "scheduler", "engine", "api", "executor"):
         # before the server modules' imports (seconds): a bad --model fails at once; and serve
         # converts a GGUF here once, before two processes race for it
         resolve_model(args.model)
@@ -172,6 +179,16 @@ def _run(args: argparse.Namespace) -> int:
         from pagedserve.scheduler.api.server import run
 
         run(args)
+        return 0
+    if args.command == "engine":
+        from pagedserve.scheduler.engine_main import run
+
+        run(args)
+        return 0
+    if args.command == "api":
+        from pagedserve.scheduler.api.server import run_api
+
+        run_api(args)
         return 0
     if args.command == "executor":
         from pagedserve.executor.server import run
@@ -182,9 +199,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """Start both processes and restart either when it dies (pagedserve.supervise: at most 5
-    restarts in 60 s, with backoff). On SIGINT/SIGTERM drain the scheduler first (the executor
-    keeps running the admitted requests), then stop the executor."""
+    """Start the processes and restart any that dies (pagedserve.supervise: at most 5 restarts
+    in 60 s, with backoff): the scheduler and the executor, or with --api-server-count N the
+    engine core, N API processes and the executor. On SIGINT/SIGTERM drain the API side first
+    (the executor keeps running the admitted requests), then stop the rest."""
     from pagedserve.executor import flags as executor
     from pagedserve.scheduler import flags as scheduler
 
@@ -206,28 +224,46 @@ def _serve(args: argparse.Namespace) -> int:
     exec_env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
     # Own process groups: a terminal's Ctrl-C reaches serve alone, which stops them in order.
     # stderr through serve, which keeps each child's last line (the error it died of).
-    ready = Path(tempfile.mkdtemp(prefix="pagedserve-serve-"))
-    sched = Supervised("scheduler", lambda: subprocess.Popen(
-        sched_cmd, env={**os.environ, READY_ENV: str(ready / "scheduler")},
-        stderr=subprocess.PIPE, process_group=0), ready_file=ready / "scheduler")
-    execu = Supervised("executor", lambda: subprocess.Popen(
-        exec_cmd, env={**exec_env, READY_ENV: str(ready / "executor")},
-        stderr=subprocess.PIPE, process_group=0), ready_file=ready / "executor")
+    ready = Path(tempfile.mkdtemp(prefix="pagedserve-serve-"))  # 0700: the engine socket too
+
+    def child(name: str, cmd: list[str], env: dict) -> Supervised:
+        return Supervised(name, lambda: subprocess.Popen(
+            cmd, env={**env, READY_ENV: str(ready / name)}, stderr=subprocess.PIPE,
+            process_group=0), ready_file=ready / name)
+
+    if args.api_server_count > 0:  # the engine core and its API processes
+        engine_at = args.engine_address or f"ipc://{ready / 'engine.sock'}"
+        side = [*_forward(scheduler.add_args, args), "--engine-address", engine_at]
+        front = [child("engine", [*base, "engine", "--model", args.model, *side], os.environ)]
+        front += [child(f"api-{i}", [*base, "api", "--model", args.model, *side], os.environ)
+                  for i in range(args.api_server_count)]
+    else:
+        front = [child("scheduler", sched_cmd, os.environ)]
+    execu = child("executor", exec_cmd, exec_env)
     code = 0
     while not stopping:
         time.sleep(0.2)
-        if not (sched.check() and execu.check()):  # restarts spent within their window
+        if not all(c.check() for c in (*front, execu)):  # restarts spent within their window
             code = 1
             break
-    sched_grace = args.shutdown_delay_s + args.drain_timeout_s + 15
-    codes = [_terminate(sched.proc, sched_grace), _terminate(execu.proc, 15)]
+    # the API side first (it drains its streams), then the engine core, then the executor
+    grace = args.shutdown_delay_s + args.drain_timeout_s + 15
+    cores, apis = (front[:1], front[1:]) if args.api_server_count > 0 else ([], front)
+    for c in apis:  # all at once: each drains its own streams
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+    codes = [_terminate(c.proc, grace, signalled=True) for c in apis]
+    codes += [_terminate(c.proc, args.drain_timeout_s + 15) for c in cores]
+    codes.append(_terminate(execu.proc, 15))
     shutil.rmtree(ready, ignore_errors=True)
-    log.info("scheduler exited with %s, executor with %s", *codes)
-    return code or (0 if codes == [0, 0] else 1)
+    log.info("%s exited with %s", ", ".join(c.name for c in (*apis, *cores, execu)), codes)
+    return code or (0 if not any(codes) else 1)
 
 
-def _terminate(proc: subprocess.Popen, timeout: float) -> int:
-    if proc.poll() is None:
+def _terminate(proc: subprocess.Popen, timeout: float, signalled: bool = False) -> int:
+    """SIGTERM (unless already sent: a second one would end a process that is past its
+    handlers), then up to `timeout` for it to exit before SIGKILL; its exit code."""
+    if proc.poll() is None and not signalled:
         proc.send_signal(signal.SIGTERM)
     try:
         return proc.wait(timeout=timeout)

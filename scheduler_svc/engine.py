@@ -172,14 +172,18 @@ class Engine:
         rid = next(self._ids)
         external_id = sibling.req.external_id if sibling is not None else \
             request.request_id or f"req-{rid}"
-        req = Request(rid, external_id, len(prompt), list(prompt), params,
-                      request.priority, arrival_seq=rid,
-                      matcher=None if grammar is None else Grammars.matcher(grammar),
+        matcher = None if grammar is None else Grammars.matcher(grammar)
+        for token in request.resume_tokens if matcher is not None else ():
+            matcher.accept_token(token)  # where the earlier engine core's had got to
+        req = Request(rid, external_id, len(prompt), [*prompt, *request.resume_tokens],
+                      params, request.priority, arrival_seq=rid, matcher=matcher,
                       first_sibling=None if sibling is None else sibling.req)
-        self.streams.add(Tracked.open(req, request.timeout, request.tenant))
+        tracked = Tracked.open(req, request.timeout, request.tenant)
+        tracked.sent_first = bool(request.resume_tokens)  # its first output went out before
+        self.streams.add(tracked)
         self._busy_since_trim = True
         self.scheduler.add(req)
-        if request.sibling_of is None:  # n > 1: the prompt counts once
+        if request.sibling_of is None and not request.resume_tokens:  # the prompt counts once
             self.metrics.prompt_tokens.inc(len(prompt))
         self._wake.set()
         return rid

@@ -36,6 +36,9 @@ class EngineRequest:
     # (to take it from the prefix cache), does not count the prompt again, and logs under its
     # request id
     sibling_of: int | None = None
+    # a resubmission to a new engine core: the output tokens it had produced (max_tokens and
+    # the penalties count them; its outputs continue after them; its prompt is not counted)
+    resume_tokens: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

@@ -104,3 +104,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "way")
     p.add_argument("--log-prompts", action=argparse.BooleanOptionalAction, default=False,
                    help="include the prompt text in the per-request completion log")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine socket between the engine core and its API processes (`engine`, `api`)."""
+    p.add_argument("--engine-address", default="",
+                   help="ZeroMQ address of the engine core's socket, which its API processes "
+                        "connect to (ipc://PATH, or tcp:// on this host); empty: serve makes "
+                        "an ipc:// path of its own")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """What only `serve` decides: how the scheduler side is split into processes."""
+    p.add_argument("--api-server-count", type=int, default=0,
+                   help="API processes (gRPC and HTTP on shared ports, each with its own "
+                        "tokenizer and detokenizer) beside an engine core in a process of its "
+                        "own; 0: one scheduler process does both")
+    add_engine_args(p)

@@ -57,6 +57,11 @@ EXECUTOR_PHASES = ("idle", "wait", "recv", "launch", "bitmask", "finish", "send"
 DEVICE_STATES = ("busy", "gap")
 REFUSAL_REASONS = ("queue_full", "unauthenticated")
 TENANT_OUTCOMES = ("admitted", "denied", "throttled")  # denied: priority; throttled: a quota
+# the families the API front ends count (RPCs, HTTP, tenants, refusals of bad keys); with the
+# engine core in a process of its own, the API processes send theirs to it (engine_host.py)
+API_FAMILIES = frozenset(PREFIX + name for name in (
+    "grpc_server_handled", "http_requests", "http_request_duration_seconds", "tenant_requests",
+    "tenant_generation_tokens", "num_requests_refused"))
 _LATENCY = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 _LONG = (.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TOKENS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # 1 .. 5M, as vLLM's 1-2-5

@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROTO_FILES = ("v1/generate.proto", "internal/v1/executor.proto")  # relative to HERE
+PROTO_FILES = ("v1/generate.proto", "internal/v1/executor.proto",  # relative to HERE
+               "internal/v1/engine.proto")
 
 
 def generate(force: bool = False) -> None:

@@ -26,9 +26,11 @@ class HTTPServer(uvicorn.Server):
         yield
 
 
-def http_server(app: Any, args: argparse.Namespace, tls: CertificateFiles | None) -> HTTPServer:
+def http_server(app: Any, args: argparse.Namespace, tls: CertificateFiles | None,
+                reuse_port: bool = False) -> HTTPServer:
     """A server for app on --host:--http-port, its socket bound now (BindError names the flag),
-    speaking TLS with the gRPC API's certificates, reloaded with them."""
+    speaking TLS with the gRPC API's certificates, reloaded with them. reuse_port: the API
+    processes of one engine core share the port (SO_REUSEPORT)."""
     extra: dict[str, Any] = {}
     if tls is not None:
         extra = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key}
@@ -41,14 +43,16 @@ def http_server(app: Any, args: argparse.Namespace, tls: CertificateFiles | None
     if tls is not None:  # each handshake reads the context: new connections get new files
         tls.follow(lambda: config.ssl.load_cert_chain(args.tls_cert, args.tls_key))
     server = HTTPServer(config)
-    server.socket = _bind(args.host, args.http_port)
+    server.socket = _bind(args.host, args.http_port, reuse_port)
     return server
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:

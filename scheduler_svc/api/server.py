@@ -8,17 +8,16 @@ import cProfile
 import logging
 import pstats
 import signal
+import time
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import disable_created_metrics
 
 from pagedserve.core.collector import freeze_long_lived
 from pagedserve.core.link_security import (
     LinkSecurityError,
-    allowed_keys,
-    check_exposure,
-    load_keypair,
 )
 from pagedserve.core.memory import map_large_allocations
 from pagedserve.core.models import (
@@ -33,7 +32,7 @@ from pagedserve.scheduler.api import reflection
 from pagedserve.scheduler.api.errors import ErrorInterceptor
 from pagedserve.scheduler.api.frontend import Frontend
 from pagedserve.scheduler.api.http_metrics import HTTPMetrics
-from pagedserve.scheduler.api.http_server import http_server
+from pagedserve.scheduler.api.http_server import HTTPServer, http_server
 from pagedserve.scheduler.api.inputs import InputProcessor
 from pagedserve.scheduler.api.openai_api import OpenAIApp
 from pagedserve.scheduler.api.rpc_metrics import RpcMetrics
@@ -43,11 +42,12 @@ from pagedserve.scheduler.api.tenants import Tenants, TenantsError
 from pagedserve.scheduler.api.tls import CertificateFiles, TLSError
 from pagedserve.scheduler.engine import Engine, _crash_on_error
 from pagedserve.scheduler.engine_client import EngineClient
-from pagedserve.scheduler.executor_link import ExecutorLink, LinkBindError, LinkConfig
+from pagedserve.scheduler.engine_remote import RemoteEngineClient
+from pagedserve.scheduler.engine_settings import link_config, scheduler_config, setup_request_log
+from pagedserve.scheduler.executor_link import ExecutorLink, LinkBindError
 from pagedserve.scheduler.metrics import Metrics
 from pagedserve.scheduler.ports import BindError, cannot_listen, check_addresses
-from pagedserve.scheduler.scheduler import SchedulerConfig
-from pagedserve.scheduler.telemetry import Telemetry, request_log
+from pagedserve.scheduler.telemetry import Telemetry
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -73,7 +73,7 @@ class HealthServicer(health.aio.HealthServicer):
 async def serve(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
-    link_cfg = _link_config(args)  # before anything loads: a key problem fails at once
+    link_cfg = link_config(args)  # before anything loads: a key problem fails at once
     check_addresses(args)  # and a busy port
     tenants = Tenants.from_file(args.api_keys) if args.api_keys else None
     tls = _tls(args)
@@ -106,25 +106,14 @@ async def serve(args: argparse.Namespace) -> None:
         log.info("readiness: %s", "SERVING" if serving else "NOT_SERVING")
 
     link = ExecutorLink(args.executor_bind, link_cfg)
-    engine = Engine(_scheduler_config(args), link, tokenizer,
+    engine = Engine(scheduler_config(args), link, tokenizer,
                     read_generation_eos(model_dir), metrics=metrics,
                     telemetry=Telemetry(metrics, tokenizer, args.log_prompts),
                     on_readiness=on_readiness, async_scheduling=args.async_scheduling,
                     refuse_when_unready=args.refuse_when_unready)
     # the front ends, side by side on one engine client
-    outputs = OutputProcessor(EngineClient(engine), tokenizer, args.stream_interval)
-    frontend = Frontend(outputs, InputProcessor(tokenizer, args.max_input_bytes, model_len),
-                        tenants)
-    server = grpc_server(RpcMetrics(metrics.rpcs, model_name))
-    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, model_name),
-                                                       server)
-    api = HTTPMetrics(OpenAIApp(frontend, model_name).app, metrics.http_requests,
-                      metrics.http_duration, model_name)
-    http = http_server(api, args, tls) if args.http_port else None
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)  # open: probes
-    if args.enable_reflection:
-        reflection.enable(
-            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
+    _, server, http = _front_ends(args, EngineClient(engine), tokenizer, model_len, tenants,
+                                  tls, metrics, health_servicer)
     if tenants is None:
         log.warning("no --api-keys: the API is open to anyone who reaches %s:%d", args.host,
                     args.port)
@@ -164,12 +153,110 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("stopped")
 
 
-def grpc_server(*outer: grpc.aio.ServerInterceptor) -> grpc.aio.Server:
+async def serve_api(args: argparse.Namespace) -> None:
+    """An API process (`pagedserve api`): gRPC and OpenAI HTTP on the engine core of
+    --engine-address (engine_remote.py), sharing the ports with its sibling API processes.
+    /metrics is the engine core's (with this process's counts added in)."""
+    from transformers import AutoTokenizer
+
+    if not args.engine_address:
+        raise BindError("--engine-address: give the engine core's ZeroMQ address")
+    tenants = Tenants.from_file(args.api_keys) if args.api_keys else None
+    tls = _tls(args)
+    model_name = args.served_model_name or args.model
+    metrics = Metrics(model_name, tenants=tuple(tenants.by_name) if tenants else ())
+    disable_created_metrics()  # as the engine core's /metrics serves them
+    model_dir = resolve_model(args.model)
+    tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
+    model_len = await asyncio.to_thread(read_max_position_embeddings, model_dir)
+    health_servicer = HealthServicer()
+    loop = asyncio.get_running_loop()
+    pending: set[asyncio.Task] = set()
+
+    def on_readiness(serving: bool) -> None:
+        task = loop.create_task(health_servicer.set(SERVICE, SERVING if serving else NOT_SERVING))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        log.info("readiness: %s", "SERVING" if serving else "NOT_SERVING")
+
+    client = RemoteEngineClient(args.engine_address, metrics,
+                                link_timeout_s=args.executor_link_timeout_s,
+                                on_readiness=on_readiness)
+    outputs, server, http = _front_ends(args, client, tokenizer, model_len, tenants, tls,
+                                        metrics, health_servicer, reuse_port=True)
+    await health_servicer.set(LIVENESS, SERVING)
+    await health_servicer.set(SERVICE, NOT_SERVING)  # until the engine core says it serves
+    address = f"{args.host}:{args.port}"
+    bind(server, address, args.port, tls)
+    if tls is not None:
+        loop.add_signal_handler(signal.SIGHUP, tls.reload)
+        pending.add(loop.create_task(tls.watch(), name="tls-watch"))
+    freeze_long_lived()
+    for t in await client.start():
+        t.add_done_callback(_crash_on_error)
+    await server.start()
+    mark_ready()
+    if http is not None:
+        http_task = loop.create_task(http.serve(sockets=[http.socket]), name="http")
+        http_task.add_done_callback(_crash_on_error)
+    log.info("API process %s: gRPC on %s, HTTP on port %d, engine core at %s", client.api_id,
+             address, args.http_port, args.engine_address)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    if args.shutdown_delay_s > 0:
+        client.leave_soon()
+        await asyncio.sleep(args.shutdown_delay_s)
+    client.draining = True
+    client.leave_soon()  # (readiness: NOT_SERVING)
+    deadline = time.monotonic() + args.drain_timeout_s
+    while len(outputs) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if left := outputs.fail_all("UNAVAILABLE", "the server shut down before the request "
+                                "finished"):
+        log.warning("drain timeout: aborted %d requests", left)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=5)
+    if http is not None:
+        http.should_exit = True
+        await http_task
+    await client.close()
+    log.info("stopped")
+
+
+def _front_ends(args: argparse.Namespace, client, tokenizer, model_len: int,
+                tenants: Tenants | None, tls: CertificateFiles | None, metrics: Metrics,
+                health_servicer: HealthServicer, reuse_port: bool = False,
+                ) -> tuple[OutputProcessor, grpc.aio.Server, HTTPServer | None]:
+    """gRPC and OpenAI HTTP side by side on one engine client (in-process or remote), with
+    health and reflection; nothing bound yet but the HTTP socket."""
+    model_name = args.served_model_name or args.model
+    outputs = OutputProcessor(client, tokenizer, args.stream_interval)
+    frontend = Frontend(outputs, InputProcessor(tokenizer, args.max_input_bytes, model_len),
+                        tenants)
+    server = grpc_server(RpcMetrics(metrics.rpcs, model_name), reuse_port=reuse_port)
+    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, model_name),
+                                                       server)
+    api = HTTPMetrics(OpenAIApp(frontend, model_name).app, metrics.http_requests,
+                      metrics.http_duration, model_name)
+    http = http_server(api, args, tls, reuse_port) if args.http_port else None
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)  # open: probes
+    if args.enable_reflection:
+        reflection.enable(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), server)
+    return outputs, server, http
+
+
+def grpc_server(*outer: grpc.aio.ServerInterceptor, reuse_port: bool = False,
+                ) -> grpc.aio.Server:
     """The API server: `outer` interceptors see each call before the ErrorInterceptor does.
-    so_reuseport off: with it (gRPC's default on Linux) a second server on a busy port binds
-    too, and the kernel splits new connections between the two."""
+    so_reuseport off, except for the API processes of one engine core (which share the port:
+    the kernel splits new connections between them): with it (gRPC's default on Linux) a
+    second server on a busy port binds too."""
     return grpc.aio.server(interceptors=[*outer, ErrorInterceptor()],
-                           options=[("grpc.so_reuseport", 0)])
+                           options=[("grpc.so_reuseport", int(reuse_port))])
 
 
 def bind(server: grpc.aio.Server, address: str, port: int, tls: CertificateFiles | None,
@@ -195,18 +282,6 @@ async def _drain(engine: Engine, timeout_s: float) -> None:
         log.warning("drain timeout: aborted %d requests", cut)
 
 
-def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
-    return SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                           max_num_batched_tokens=args.max_num_batched_tokens,
-                           long_prefill_token_threshold=args.long_prefill_token_threshold,
-                           enable_prefix_caching=args.enable_prefix_caching,
-                           priority_aging_steps=args.priority_aging_steps,
-                           max_waiting_requests=args.max_waiting_requests,
-                           max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
-                           preemption_mode=args.preemption_mode,
-                           swap_min_tokens=args.swap_min_tokens)
-
-
 def _tls(args: argparse.Namespace) -> CertificateFiles | None:
     if not (args.tls_cert or args.tls_key or args.tls_client_ca):
         return None
@@ -218,22 +293,18 @@ def _tls(args: argparse.Namespace) -> CertificateFiles | None:
         raise TLSError(f"TLS certificate files: {e}") from e
 
 
-def _link_config(args: argparse.Namespace) -> LinkConfig:
-    """The executor link's settings, its keys checked (LinkSecurityError names the problem)."""
-    if bool(args.scheduler_key) != bool(args.executor_allowed_keys):
-        raise LinkSecurityError("give both --scheduler-key and --executor-allowed-keys, or "
-                                "neither")
-    check_exposure(args.executor_bind, bool(args.scheduler_key), args.insecure_executor_link)
-    if args.scheduler_key:
-        load_keypair(args.scheduler_key)
-        allowed_keys(args.executor_allowed_keys)
-    return LinkConfig(args.executor_timeout_s, args.executor_heartbeat_timeout_s,
-                      args.scheduler_key, args.executor_allowed_keys, args.insecure_executor_link,
-                      args.executor_link_timeout_s)
+def run_api(args: argparse.Namespace) -> None:
+    """`pagedserve api`: one API process of an engine core in its own process."""
+    setup_request_log()
+    map_large_allocations()
+    try:
+        asyncio.run(serve_api(args))
+    except (TenantsError, TLSError, BindError) as e:
+        raise SystemExit(f"pagedserve api: {e}") from None
 
 
 def run(args: argparse.Namespace) -> None:
-    _setup_request_log()
+    setup_request_log()
     map_large_allocations()  # prompts of megabytes must not leave the heap fragmented
     profiler = cProfile.Profile() if args.profile_dir else None
     if profiler is not None:
@@ -259,12 +330,3 @@ def _write_profile(profiler: cProfile.Profile, folder: Path) -> None:
         stats.sort_stats("cumulative").print_stats("scheduler_svc|pagedserve", 60)
         stats.sort_stats("tottime").print_stats(60)
     log.info("wrote the scheduler's profile to %s", folder)
-
-
-def _setup_request_log() -> None:
-    """Completion records go to stderr as bare JSON lines (one object each), not prefixed."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    request_log.addHandler(handler)
-    request_log.setLevel(logging.INFO)
-    request_log.propagate = False

@@ -16,7 +16,7 @@ from pagedserve.scheduler.api.detokenizer import (
     decoder_of,
 )
 from pagedserve.scheduler.engine_client import EngineClient
-from pagedserve.scheduler.engine_io import EngineOutput
+from pagedserve.scheduler.engine_io import EngineError, EngineOutput
 from pagedserve.scheduler.outputs import TokenLogprob
 from pagedserve.scheduler.request import GenerationParams
 
@@ -185,6 +185,16 @@ class OutputProcessor:
                 if not out.finish_reason:  # a stop string: the engine did not end it
                     self.client.abort(stream.req_id, chunk.finish_reason)
             stream.queue.put_nowait(chunk)
+
+    def fail_all(self, code: str, message: str) -> int:
+        """End every open stream with an error (the drain's timeout), out of the engine too;
+        how many there were."""
+        streams = list(self._open.values())
+        for stream in streams:
+            self._close(stream)
+            self.client.abort(stream.req_id, code.lower())
+            stream.queue.put_nowait(EngineError(code, message))
+        return len(streams)
 
     def _close(self, stream: RequestStream) -> None:
         stream.finished = True
