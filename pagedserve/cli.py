@@ -231,6 +231,8 @@ def _serve(args: argparse.Namespace) -> int:
             cmd, env={**env, READY_ENV: str(ready / name)}, stderr=subprocess.PIPE,
             process_group=0), ready_file=ready / name)
 
+    if args.api_server_count > 1 and args.api_keys:
+        _check_quotas_shared(args)
     if args.api_server_count > 0:  # the engine core and its API processes
         engine_at = args.engine_address or f"ipc://{ready / 'engine.sock'}"
         side = [*_forward(scheduler.add_args, args), "--engine-address", engine_at]
@@ -258,6 +260,23 @@ def _serve(args: argparse.Namespace) -> int:
     shutil.rmtree(ready, ignore_errors=True)
     log.info("%s exited with %s", ", ".join(c.name for c in (*apis, *cores, execu)), codes)
     return code or (0 if not any(codes) else 1)
+
+
+def _check_quotas_shared(args: argparse.Namespace) -> None:
+    """Tenant quotas are counted by each API process: with two or more, a tenant would get
+    each one's share. Refused until the engine core counts them."""
+    from pagedserve.scheduler.api.tenants import Tenants, TenantsError
+
+    try:
+        tenants = Tenants.from_file(args.api_keys)
+    except TenantsError as e:
+        raise SystemExit(f"pagedserve serve: {e}") from None
+    quota = [t.name for t in tenants.by_name.values() if t.max_concurrent or t.tokens_per_minute]
+    if quota:
+        raise SystemExit(f"pagedserve serve: --api-server-count {args.api_server_count}: the "
+                         f"tenants {', '.join(quota)} have max_concurrent or tokens_per_minute, "
+                         "which each API process would count on its own; use "
+                         "--api-server-count 1 (or 0) with quotas")
 
 
 def _terminate(proc: subprocess.Popen, timeout: float, signalled: bool = False) -> int:

@@ -162,7 +162,7 @@ class Engine:
         if self.refuse_when_unready and not self.link.connected.is_set():
             raise EngineError("UNAVAILABLE", "no executor is joined; retry on another "
                               "replica", retry_after_s=1.0)
-        refusal = self.scheduler.admission_error(len(prompt))
+        refusal = None if request.resubmitted else self.scheduler.admission_error(len(prompt))
         if refusal is not None:
             self.metrics.refused["queue_full"].inc()
             retry = self.telemetry.retry_after_s(self.scheduler.waiting.prompt_tokens)
@@ -183,7 +183,7 @@ class Engine:
         self.streams.add(tracked)
         self._busy_since_trim = True
         self.scheduler.add(req)
-        if request.sibling_of is None and not request.resume_tokens:  # the prompt counts once
+        if request.sibling_of is None and not request.resubmitted:  # the prompt counts once
             self.metrics.prompt_tokens.inc(len(prompt))
         self._wake.set()
         return rid

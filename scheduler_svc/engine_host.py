@@ -11,6 +11,7 @@ the engine keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -46,6 +47,7 @@ class ApiPeer:
     last_seen: float = field(default_factory=time.monotonic)
     by_local: dict[int, int] = field(default_factory=dict)  # its request ids -> the engine's
     metrics: bytes = b""  # its latest metrics text
+    pulled: int = 0  # the latest MetricsPull it answered
     session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
@@ -57,7 +59,9 @@ class EngineHost:
         self.engine_id = uuid.uuid4().hex[:12]
         self.peers: dict[bytes, ApiPeer] = {}
         self._owner: dict[int, tuple[ApiPeer, int]] = {}  # engine id -> (peer, its id)
-        self.retired_metrics: list[bytes] = []  # of API processes gone: counters stay counted
+        # the last metrics of API processes gone, by api_id: their counters stay counted (until
+        # the same process says hello again and reports them itself)
+        self.retired_metrics: dict[str, bytes] = {}
         self._ctx = zmq.asyncio.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -67,6 +71,8 @@ class EngineHost:
         keep_alive(self.sock, link_timeout_s)
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
+        self._pull_seq = 0
+        self._pull_waiters: list[tuple[int, asyncio.Event]] = []  # scrapes waiting for answers
         engine.streams.emit = self._emit
 
     async def start(self) -> list[asyncio.Task]:
@@ -141,6 +147,32 @@ class EngineHost:
             r.error.CopyFrom(wire.encode_error(error))
         self._send(peer, pb.EngineMessage(reply=r).SerializeToString())
 
+    async def pull_metrics(self, timeout_s: float = 0.5) -> list[bytes]:
+        """The metrics texts of every API process (and of those gone), fresh: each is asked
+        and answers at once; one that does not within timeout_s counts with its last text."""
+        self._pull_seq += 1
+        seq, waiter = self._pull_seq, asyncio.Event()
+        self._pull_waiters.append((seq, waiter))
+        data = pb.EngineMessage(pull=pb.MetricsPull(seq=seq)).SerializeToString()
+        for peer in list(self.peers.values()):
+            self._send(peer, data)
+        self._pulls_answered()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(waiter.wait(), timeout_s)
+        self._pull_waiters = [(q, w) for q, w in self._pull_waiters if w is not waiter]
+        return self.metrics_texts()
+
+    def metrics_texts(self) -> list[bytes]:
+        """The API processes' metrics as last received (those gone included)."""
+        return [*self.retired_metrics.values(), *(p.metrics for p in self.peers.values())]
+
+    def _pulls_answered(self) -> None:
+        """Wake the scrapes every API process has answered."""
+        done = min((p.pulled for p in self.peers.values()), default=self._pull_seq)
+        for seq, waiter in self._pull_waiters:
+            if seq <= done:
+                waiter.set()
+
     # ----------------------------------------------------------------- incoming
     async def _recv_loop(self) -> None:
         while True:
@@ -156,10 +188,13 @@ class EngineHost:
                 if peer is None:
                     peer = self.peers[ident] = ApiPeer(ident, msg.hello.api_id[:64],
                                                        frames[1].get(zmq.SRCFD))
+                    self.retired_metrics.pop(peer.api_id, None)  # it reports them itself
                     log.info("API process %s connected", peer.api_id)
                 peer.last_seen = time.monotonic()
                 if msg.hello.metrics:  # (not in every hello)
                     peer.metrics = msg.hello.metrics
+                    peer.pulled = max(peer.pulled, min(msg.hello.pull_seq, self._pull_seq))
+                    self._pulls_answered()
                 self._send(peer, self.state(peer))
             elif peer is None:
                 log.warning("dropped a %s from a peer that has not said hello", kind)
@@ -183,9 +218,10 @@ class EngineHost:
             return
         request = wire.decode_submit(s)
         if s.HasField("sibling_of"):
-            request = _with(request, sibling_of=peer.by_local.get(s.sibling_of))
-        if s.resume_tokens:
-            request = _with(request, resume_tokens=tuple(s.resume_tokens))
+            # (0: completion 0 still compiles; None: it ended; either way no waiting for it)
+            request = _with(request, sibling_of=peer.by_local.get(s.sibling_of) or None)
+        if s.resubmitted:
+            request = _with(request, resume_tokens=tuple(s.resume_tokens), resubmitted=True)
         if request.params.constraint is None:
             self._admit(peer, s.id, request, None)
         else:
@@ -195,12 +231,13 @@ class EngineHost:
     async def _admit_constrained(self, peer: ApiPeer, local: int, request) -> None:
         try:
             grammar = await self.engine.compile(request.params.constraint)
-        except InvalidRequest as e:
+        except Exception as e:  # noqa: BLE001 (InvalidRequest; anything else is refused too)
             peer.by_local.pop(local, None)
-            self._reply(peer, local, e)
+            self._reply(peer, local, e if isinstance(e, InvalidRequest) else
+                        InvalidRequest(f"sampling.{request.params.constraint.kind}", str(e)))
             return
-        if self.peers.get(peer.ident) is not peer:
-            return  # it went away meanwhile
+        if self.peers.get(peer.ident) is not peer or peer.by_local.get(local) != 0:
+            return  # it went away, or aborted it, meanwhile
         self._admit(peer, local, request, grammar)
 
     def _admit(self, peer: ApiPeer, local: int, request, grammar) -> None:
@@ -230,8 +267,9 @@ class EngineHost:
             return
         try:
             await self.engine.compile(Constraint(c.constraint.kind, c.constraint.spec))
-        except InvalidRequest as e:
-            self._reply(peer, c.id, e)
+        except Exception as e:  # noqa: BLE001 (InvalidRequest; anything else is refused too)
+            self._reply(peer, c.id, e if isinstance(e, InvalidRequest) else
+                        InvalidRequest(f"sampling.{c.constraint.kind}", str(e)))
             return
         self._reply(peer, c.id)
 
@@ -254,10 +292,11 @@ class EngineHost:
 
     def _drop(self, peer: ApiPeer, why: str) -> None:
         """An API process is gone: its requests end now (blocks freed before the next step)."""
-        if self.peers.pop(peer.ident, None) is None:
-            return
+        if self.peers.get(peer.ident) is not peer:
+            return  # (already dropped; a new peer of that identity is not this one)
+        del self.peers[peer.ident]
         if peer.metrics:
-            self.retired_metrics.append(peer.metrics)
+            self.retired_metrics[peer.api_id] = peer.metrics
         log.warning("API process %s lost (%s): aborting its %d requests", peer.api_id, why,
                     len(peer.by_local))
         for rid in peer.by_local.values():

@@ -39,6 +39,8 @@ class EngineRequest:
     # a resubmission to a new engine core: the output tokens it had produced (max_tokens and
     # the penalties count them; its outputs continue after them; its prompt is not counted)
     resume_tokens: tuple[int, ...] = ()
+    resubmitted: bool = False  # admitted before, by an engine core now gone: past the queue
+    # bounds (it was queued already), its prompt not counted again
 
 
 @dataclass(slots=True)

@@ -19,9 +19,14 @@ from pagedserve.core.readiness import mark_ready
 from pagedserve.scheduler import metrics_http
 from pagedserve.scheduler.engine import Engine, _crash_on_error
 from pagedserve.scheduler.engine_host import EngineBindError, EngineHost
-from pagedserve.scheduler.engine_settings import link_config, scheduler_config, setup_request_log
+from pagedserve.scheduler.engine_settings import (
+    link_config,
+    profiled,
+    scheduler_config,
+    setup_request_log,
+)
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkBindError
-from pagedserve.scheduler.metrics import Metrics
+from pagedserve.scheduler.metrics import API_FAMILIES, Metrics
 from pagedserve.scheduler.metrics_merge import MergedRegistry
 from pagedserve.scheduler.ports import BindError, cannot_listen
 from pagedserve.scheduler.telemetry import Telemetry
@@ -54,12 +59,18 @@ async def serve_engine(args: argparse.Namespace) -> None:
                     on_readiness=on_readiness, async_scheduling=args.async_scheduling,
                     refuse_when_unready=args.refuse_when_unready)
     host = EngineHost(engine, args.engine_address, link_timeout_s=args.executor_link_timeout_s)
+    loop = asyncio.get_running_loop()
     if args.metrics_port:
         from prometheus_client import disable_created_metrics
 
         disable_created_metrics()
-        merged = MergedRegistry(metrics.registry, lambda: [
-            *host.retired_metrics, *(p.metrics for p in list(host.peers.values()))])
+        def api_texts() -> list[bytes]:  # on the metrics server's thread
+            try:
+                return asyncio.run_coroutine_threadsafe(host.pull_metrics(), loop).result(2.0)
+            except Exception:  # noqa: BLE001 (a loop too busy to answer: the last texts)
+                return host.metrics_texts()
+
+        merged = MergedRegistry(metrics.registry, api_texts, API_FAMILIES)
         try:
             metrics_http.start(merged, args.metrics_port, args.host, args.tls_cert,
                                args.tls_key)
@@ -75,7 +86,6 @@ async def serve_engine(args: argparse.Namespace) -> None:
     mark_ready()
     log.info("engine core on %s; waiting for an executor on %s", args.engine_address,
              args.executor_bind)
-    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -94,6 +104,7 @@ def run(args: argparse.Namespace) -> None:
     setup_request_log()
     map_large_allocations()
     try:
-        asyncio.run(serve_engine(args))
+        with profiled(args.profile_dir, "engine"):
+            asyncio.run(serve_engine(args))
     except (LinkSecurityError, BindError, LinkBindError, EngineBindError) as e:
         raise SystemExit(f"pagedserve engine: {e}") from None

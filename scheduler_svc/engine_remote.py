@@ -75,6 +75,7 @@ class RemoteEngineClient:
         self._inflight: dict[int, InFlight] = {}
         self._replies: dict[int, asyncio.Future] = {}
         self._early: dict[int, list[EngineOutput]] = {}  # outputs before submit() returned
+        self._orphans: set[int] = set()  # ids aborted as orphans
         self._info: ModelInfo | None = None
         self._state: pb.EngineState | None = None
         self._session = ""
@@ -164,7 +165,8 @@ class RemoteEngineClient:
         except BaseException:
             self._inflight.pop(local, None)
             self._early.pop(local, None)
-            if not fut.done() or fut.cancelled():  # cancelled while waiting: end it there too
+            refused = fut.done() and not fut.cancelled() and fut.exception() is not None
+            if not refused:  # cancelled while waiting (or after it was accepted): end it there
                 self._send_abort([local], ["abort"])
             raise
         finally:
@@ -198,26 +200,32 @@ class RemoteEngineClient:
         # one answers. (The asyncio socket reports it on the future it returns.)
         self.sock.send(data, flags=zmq.NOBLOCK).add_done_callback(_retrieved)
 
-    def _send_submit(self, local: int, f: InFlight) -> None:
+    def _send_submit(self, local: int, f: InFlight, resubmitted: bool = False) -> None:
         timeout = None if f.deadline is None else f.deadline - time.monotonic()
         request = f.request
         if f.got_first and request.params.prompt_logprobs is not None:
             request = dataclasses.replace(request, params=dataclasses.replace(
                 request.params, prompt_logprobs=None))  # delivered with its first output
-        self._send(wire.encode_submit(local, request, f.sibling_of, f.tokens, timeout))
+        self._send(wire.encode_submit(local, request, f.sibling_of, f.tokens, timeout,
+                                      resubmitted))
 
     def _send_abort(self, ids: list[int], reasons: list[str]) -> None:
         self._send(pb.ApiMessage(abort=pb.Abort(ids=ids, reasons=reasons)).SerializeToString())
 
+    def _hello(self, with_metrics: bool, pull_seq: int = 0) -> None:
+        hello = pb.ApiHello(api_id=self.api_id, pull_seq=pull_seq)
+        if with_metrics:
+            hello.metrics = generate_latest(self._families)
+        self._send(pb.ApiMessage(hello=hello).SerializeToString())
+
     async def _hello_loop(self) -> None:
         beats = 0
         while True:
-            hello = pb.ApiHello(api_id=self.api_id)
-            if beats % 4 == 0:  # the metrics once a second
-                hello.metrics = generate_latest(self._families)
-            self._send(pb.ApiMessage(hello=hello).SerializeToString())
+            self._hello(with_metrics=beats % 4 == 0)  # the metrics once a second
             beats += 1
             await asyncio.sleep(self.hello_s)
+            if not self._connected or self._resubmit_due:  # nobody else checks deadlines
+                self._expire()
             if self._connected and time.monotonic() - self._last_state > self.state_timeout_s:
                 self._lost(f"no state for {self.state_timeout_s:g} s")
 
@@ -234,6 +242,8 @@ class RemoteEngineClient:
                 self._on_state(msg.state)
             elif kind == "reply":
                 self._on_reply(msg.reply)
+            elif kind == "pull":
+                self._hello(with_metrics=True, pull_seq=msg.pull.seq)
             elif kind == "outputs":
                 batch, why = wire.decode_outputs(msg.outputs)
                 if batch is None:
@@ -247,7 +257,8 @@ class RemoteEngineClient:
         if st.HasField("model_info"):
             self._info = wire.decode_model_info(st.model_info)
         self._connected = True
-        if st.session != self._session:
+        if st.session != self._session:  # what was not accepted yet may never be: retried
+            self._fail_pending()
             self._session, self._resubmit_due = st.session, bool(self._inflight)
         if self._resubmit_due and st.HasField("model_info"):  # an executor has joined it
             log.warning("a new engine core session (engine %s): resubmitting %d requests",
@@ -257,12 +268,17 @@ class RemoteEngineClient:
         self._notify()
 
     def _resubmit(self) -> None:
-        now, expired = time.monotonic(), []
+        """Every request accepted by an earlier session, with its tokens so far (completion 0
+        of n before its siblings: ids ascend)."""
+        self._expire()
         for local, f in sorted(self._inflight.items()):
-            if f.deadline is not None and f.deadline <= now:
-                expired.append(local)
-                continue
-            self._send_submit(local, f)
+            self._send_submit(local, f, resubmitted=True)
+
+    def _expire(self) -> None:
+        """End the requests whose deadline passed (while no engine core runs them)."""
+        now = time.monotonic()
+        expired = [i for i, f in self._inflight.items()
+                   if f.deadline is not None and f.deadline <= now and i not in self._replies]
         if expired:
             self._deliver([EngineOutput(i, error=EngineError(
                 "DEADLINE_EXCEEDED", "the request's deadline passed")) for i in expired])
@@ -274,6 +290,8 @@ class RemoteEngineClient:
                 e = wire.decode_error(r.error)
                 self._deliver([EngineOutput(r.id, error=e if isinstance(e, EngineError)
                                             else EngineError("INTERNAL", str(e)))])
+            elif not r.HasField("error") and r.id not in self._inflight:
+                self._orphan(r.id)  # accepted after this process gave it up
             return
         if fut.done():
             return
@@ -291,8 +309,10 @@ class RemoteEngineClient:
         now_out = []
         for out in batch:
             f = self._inflight.get(out.req_id)
-            if f is None:
-                continue  # aborted here meanwhile
+            if f is None:  # aborted here meanwhile, or given up before it was accepted
+                if not (out.finish_reason or out.error):
+                    self._orphan(out.req_id)
+                continue
             f.tokens.extend(out.token_ids)
             f.got_first = True
             if out.finish_reason or out.error is not None:
@@ -314,12 +334,26 @@ class RemoteEngineClient:
     def _lost(self, why: str) -> None:
         log.error("engine core lost (%s): not serving until it is back", why)
         self._connected = False
-        for local, fut in list(self._replies.items()):  # not accepted yet: tried elsewhere
-            self._inflight.pop(local, None)
-            self._early.pop(local, None)
-            if not fut.done():
-                fut.set_exception(EngineError("UNAVAILABLE", ENGINE_GONE, retry_after_s=1.0))
+        self._fail_pending()
         self._notify()
+
+    def _fail_pending(self) -> None:
+        """Submits and compiles not answered yet get UNAVAILABLE with a retry hint (the client
+        retries, here or on another replica); accepted ones stay, to be resubmitted."""
+        for local, fut in list(self._replies.items()):
+            if not fut.done():
+                self._inflight.pop(local, None)
+                self._early.pop(local, None)
+                fut.set_exception(EngineError("UNAVAILABLE", ENGINE_GONE, retry_after_s=1.0))
+
+    def _orphan(self, local: int) -> None:
+        """A request running in the engine core that this process no longer follows: abort
+        it there (once)."""
+        if local not in self._orphans:
+            if len(self._orphans) > 4096:
+                self._orphans.clear()
+            self._orphans.add(local)
+            self._send_abort([local], ["abort"])
 
     def _notify(self) -> None:
         """Readiness to on_readiness, when it changed."""

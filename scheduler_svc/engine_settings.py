@@ -1,11 +1,16 @@
-"""The engine core's settings from the command line (the scheduler's flags, flags.py), shared
-by the one-process scheduler (api/server.py) and the engine core's own process
-(engine_main.py)."""
+"""What both kinds of scheduler process share (the one-process scheduler, api/server.py, and
+the engine core's own process, engine_main.py): the engine's settings from the command line
+(flags.py), the request log, and the --profile-dir profile."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import logging
+import pstats
+from collections.abc import Iterator
+from pathlib import Path
 
 from pagedserve.core.link_security import (
     LinkSecurityError,
@@ -51,3 +56,31 @@ def setup_request_log() -> None:
     request_log.addHandler(handler)
     request_log.setLevel(logging.INFO)
     request_log.propagate = False
+
+
+log = logging.getLogger("pagedserve.scheduler")
+
+
+@contextlib.contextmanager
+def profiled(folder: str, name: str) -> Iterator[None]:
+    """cProfile the process while the block runs (folder "": not at all), then write
+    NAME.prof (for pstats or snakeviz) and a readable NAME_top.txt: this package's own
+    functions by cumulative time (start-up's imports would fill an unfiltered top), then
+    everything by own time."""
+    if not folder:
+        yield
+        return
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(out / f"{name}.prof")
+        with (out / f"{name}_top.txt").open("w") as f:
+            stats = pstats.Stats(profiler, stream=f)
+            stats.sort_stats("cumulative").print_stats("scheduler_svc|pagedserve", 60)
+            stats.sort_stats("tottime").print_stats(60)
+        log.info("wrote the %s profile to %s", name, out)

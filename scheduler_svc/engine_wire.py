@@ -52,13 +52,13 @@ def decode_params(w: pb.Params) -> GenerationParams:
 
 
 def encode_submit(local_id: int, r: EngineRequest, sibling_of: int | None = None,
-                  resume_tokens: list[int] | None = None,
-                  timeout_s: float | None = None) -> bytes:
+                  resume_tokens: list[int] | None = None, timeout_s: float | None = None,
+                  resubmitted: bool = False) -> bytes:
     """A request as the API process names it (local_id); sibling_of likewise; timeout_s: what
-    is left of its deadline."""
+    is left of its deadline; resubmitted: to a new session, with its tokens so far."""
     s = pb.Submit(id=local_id, request_id=r.request_id, prompt=r.prompt,
                   params=encode_params(r.params), priority=r.priority, tenant=r.tenant,
-                  resume_tokens=resume_tokens or ())
+                  resume_tokens=resume_tokens or (), resubmitted=resubmitted)
     if timeout_s is not None:
         s.timeout_s = timeout_s
     if sibling_of is not None:

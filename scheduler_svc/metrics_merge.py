@@ -17,8 +17,11 @@ class MergedRegistry:
     a registry): `registry`'s families, each sample plus the same sample of every text that
     `texts()` gives."""
 
-    def __init__(self, registry, texts: Callable[[], Iterable[bytes]]) -> None:
-        self.registry, self.texts = registry, texts
+    def __init__(self, registry, texts: Callable[[], Iterable[bytes]],
+                 families: frozenset[str] | None = None) -> None:
+        """families: the only family names taken from the texts (None: every counter and
+        histogram)."""
+        self.registry, self.texts, self.families = registry, texts, families
 
     def collect(self) -> list[Metric]:
         added: dict[tuple[str, tuple], float] = {}
@@ -28,9 +31,12 @@ class MergedRegistry:
             except Exception:  # noqa: BLE001 (a peer's bad text must not break the scrape)
                 continue
             for family in families:
-                if family.type not in ("counter", "histogram"):
+                if family.type not in ("counter", "histogram") or (
+                        self.families is not None and family.name not in self.families):
                     continue
                 for s in family.samples:
+                    if s.name.endswith("_bucket") and "le" not in s.labels:
+                        continue
                     key = (s.name, tuple(sorted(s.labels.items())))
                     added[key] = added.get(key, 0.0) + s.value
         out = []

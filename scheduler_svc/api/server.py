@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
 import logging
-import pstats
 import signal
 import time
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -43,7 +40,12 @@ from pagedserve.scheduler.api.tls import CertificateFiles, TLSError
 from pagedserve.scheduler.engine import Engine, _crash_on_error
 from pagedserve.scheduler.engine_client import EngineClient
 from pagedserve.scheduler.engine_remote import RemoteEngineClient
-from pagedserve.scheduler.engine_settings import link_config, scheduler_config, setup_request_log
+from pagedserve.scheduler.engine_settings import (
+    link_config,
+    profiled,
+    scheduler_config,
+    setup_request_log,
+)
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkBindError
 from pagedserve.scheduler.metrics import Metrics
 from pagedserve.scheduler.ports import BindError, cannot_listen, check_addresses
@@ -306,27 +308,8 @@ def run_api(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> None:
     setup_request_log()
     map_large_allocations()  # prompts of megabytes must not leave the heap fragmented
-    profiler = cProfile.Profile() if args.profile_dir else None
-    if profiler is not None:
-        profiler.enable()
     try:
-        asyncio.run(serve(args))
+        with profiled(args.profile_dir, "scheduler"):
+            asyncio.run(serve(args))
     except (LinkSecurityError, TenantsError, TLSError, BindError, LinkBindError) as e:
         raise SystemExit(f"pagedserve scheduler: {e}") from None
-    finally:
-        if profiler is not None:
-            profiler.disable()
-            _write_profile(profiler, Path(args.profile_dir))
-
-
-def _write_profile(profiler: cProfile.Profile, folder: Path) -> None:
-    """The stats file (for pstats or snakeviz) and a readable table: this package's own
-    functions by cumulative time (start-up's imports would fill an unfiltered top), then
-    everything by own time."""
-    folder.mkdir(parents=True, exist_ok=True)
-    profiler.dump_stats(folder / "scheduler.prof")
-    with (folder / "scheduler_top.txt").open("w") as f:
-        stats = pstats.Stats(profiler, stream=f)
-        stats.sort_stats("cumulative").print_stats("scheduler_svc|pagedserve", 60)
-        stats.sort_stats("tottime").print_stats(60)
-    log.info("wrote the scheduler's profile to %s", folder)

@@ -47,3 +47,11 @@ def test_api_counts_are_added_to_the_engines_and_gauges_stay_the_engines():
 def test_without_api_texts_the_engines_registry_is_served_as_it_is():
     engine = _registry({"OK": 1}, [2], gauge=1)
     assert _samples(MergedRegistry(engine, lambda: [])) == _samples(engine)
+
+
+def test_only_the_named_families_are_taken_from_the_texts():
+    engine = _registry({"OK": 1}, [], gauge=0)
+    api = generate_latest(_registry({"OK": 2}, [0.5], gauge=0))
+    got = _samples(MergedRegistry(engine, lambda: [api], frozenset({"t_seconds"})))
+    assert got[("t_rpcs_total", (("code", "OK"),))] == 1  # not an API family: the engine's
+    assert got[("t_seconds_count", (("route", "/x"),))] == 1
