@@ -258,7 +258,9 @@ def _serve(args: argparse.Namespace) -> int:
     codes += [_terminate(c.proc, args.drain_timeout_s + 15) for c in cores]
     codes.append(_terminate(execu.proc, 15))
     shutil.rmtree(ready, ignore_errors=True)
-    log.info("%s exited with %s", ", ".join(c.name for c in (*apis, *cores, execu)), codes)
+    names = [c.name for c in (*apis, *cores, execu)]
+    log.info("%s exited with %s", names[0], ", ".join(  # "scheduler exited with 0, executor
+        [str(codes[0]), *(f"{n} with {c}" for n, c in zip(names[1:], codes[1:], strict=True))]))
     return code or (0 if not any(codes) else 1)
 
 

@@ -41,8 +41,8 @@ def pagedserve(*argv: str, timeout: float = 120, **kw) -> tuple[subprocess.Compl
 
 
 def test_the_commands_are_the_ones_tested():
-    assert COMMANDS == ["executor", "generate", "health", "keys", "quantize", "scheduler",
-                        "serve"]
+    assert COMMANDS == ["api", "engine", "executor", "generate", "health", "keys", "quantize",
+                        "scheduler", "serve"]
 
 
 def _client_runs(tmp: Path) -> list[list[str]]:

@@ -67,7 +67,10 @@ def hf_greedy(model_dir, tokenizer):
 
 @pytest.fixture(scope="session")
 def service(tmp_path_factory, model_dir):
-    yield from _serving(tmp_path_factory, "svc",
+    """The main service: its engine core in a process of its own with two API processes, so
+    that every suite on it runs through the engine socket (the one-process scheduler is the
+    other services', and the Stack's)."""
+    yield from _serving(tmp_path_factory, "svc", "--api-server-count", "2",
                         "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "16")
 
 
@@ -80,8 +83,9 @@ def interval_service(tmp_path_factory, model_dir):
 @pytest.fixture(scope="session")
 def sync_service(tmp_path_factory, model_dir):
     """The main service's flags without async scheduling (on by default): one step in
-    flight."""
-    yield from _serving(tmp_path_factory, "sync", "--no-async-scheduling",
+    flight; its engine core with one API process."""
+    yield from _serving(tmp_path_factory, "sync", "--no-async-scheduling", "--api-server-count",
+                        "1",
                         "--max-num-batched-tokens", str(BUDGET), "--max-num-seqs", "16")
 
 
