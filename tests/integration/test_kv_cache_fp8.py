@@ -98,26 +98,33 @@ def fp8_service(tmp_path_factory, model_dir):
 
 
 @pytest.fixture(scope="module")
+def fp8_first_run(fp8_service):
+    """Each prompt alone, once: the results; every prompt's full blocks are cached after."""
+    return run_all(fp8_service, concurrently=False)
+
+
+@pytest.fixture(scope="module")
 def fp8_swap_service(tmp_path_factory, model_dir):
     yield from _serving(tmp_path_factory, "fp8_swap", "--kv-cache-dtype", "fp8", *TIGHT,
                         "--preemption-mode", "swap", "--swap-space-gib", "0.25")
 
 
-def test_fp8_service_matches_the_fp8_reference_path(fp8_service, fp8_greedy, tokenizer):
+def test_fp8_service_matches_the_fp8_reference_path(fp8_service, fp8_first_run, fp8_greedy,
+                                                    tokenizer):
     info = fp8_service.client.model_info()
     assert (info.kv_cache_dtype, info.dtype) == ("float8_e4m3fn", "float32")
     # SmolLM2-135M: (K, V) x 30 layers x 3 KV heads x 64 = 11,520 values a token; 0.25 GiB of
     # 16-token blocks is 364 blocks in float32, 1,456 in FP8
     assert info.num_kv_blocks == (1 << 28) // (16 * 11_520) == 1456
-    check_against_hf(run_all(fp8_service, concurrently=False), fp8_greedy, tokenizer)
+    check_against_hf(fp8_first_run, fp8_greedy, tokenizer)
     m = fp8_service.wait_idle()
     assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"] == 1456
     series = [k for k in m if k.startswith("pagedserve_cache_config_info{")]
     assert len(series) == 1 and 'cache_dtype="float8_e4m3fn"' in series[0], series
 
 
-def test_fp8_prefix_cache_hits_keep_outputs_identical(fp8_service, fp8_greedy, tokenizer):
-    run_all(fp8_service, concurrently=False)  # every prompt's full blocks are cached now
+def test_fp8_prefix_cache_hits_keep_outputs_identical(fp8_service, fp8_first_run, fp8_greedy,
+                                                      tokenizer):
     before = fp8_service.metrics()
     check_against_hf(run_all(fp8_service, concurrently=False), fp8_greedy, tokenizer)
     hits = "pagedserve_prefix_cache_hits_total"
