@@ -45,6 +45,23 @@ def test_the_commands_are_the_ones_tested():
                         "scheduler", "serve"]
 
 
+def test_serve_refuses_tenant_quotas_split_over_api_processes(tmp_path):
+    """Each API process would count a tenant's quotas on its own: with two, refused at once,
+    before any process starts; without quotas, or with one API process, they are fine."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("tenants:\n  free: {priority: [0, 2], max_concurrent: 4}\n"
+                    "  open: {priority: [0, 0]}\nkeys:\n  - {key: sk-1, tenant: free}\n")
+    ports = [a for flag in ("--port", "--http-port", "--metrics-port")
+             for a in (flag, str(free_port()))]
+    out, _ = pagedserve("serve", "--api-server-count", "2", "--api-keys", str(keys), *ports,
+                        "--executor-bind", f"tcp://127.0.0.1:{free_port()}", timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        "pagedserve serve: --api-server-count 2: the tenants free have max_concurrent or "
+        "tokens_per_minute, which each API process would count on its own; use "
+        "--api-server-count 1 (or 0) with quotas")
+
+
 def _client_runs(tmp: Path) -> list[list[str]]:
     nobody = f"127.0.0.1:{free_port()}"  # nothing listens there
     return [["--help"], *([c, "--help"] for c in COMMANDS),
