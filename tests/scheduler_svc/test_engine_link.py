@@ -1,0 +1,184 @@
+"""The engine socket end to end in one event loop: EngineHost (the engine core's ROUTER) over a
+stand-in engine, and RemoteEngineClient (an API process's DEALER), over a real ipc:// socket.
+Outputs reach the subscriber in order even when they come before submit() has returned;
+aborts reach the engine with their reason; an API process gone has its requests aborted; a new
+engine core gets every accepted request again with its tokens so far; an abort during a
+grammar's compile keeps the request out of the engine."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from pagedserve.scheduler.engine_host import EngineHost
+from pagedserve.scheduler.engine_io import EngineError, EngineOutput, EngineRequest, ModelInfo
+from pagedserve.scheduler.engine_remote import RemoteEngineClient
+from pagedserve.scheduler.metrics import Metrics
+from pagedserve.scheduler.request import Constraint, GenerationParams
+
+INFO = ModelInfo(64, 100, (2,), 4, 32, "float32", "cpu", "torch", "float32")
+
+
+class StandInEngine:
+    """What EngineHost uses of the Engine: submit answers ids and may emit at once."""
+
+    def __init__(self) -> None:
+        self.streams = SimpleNamespace(emit=lambda batch: None)
+        self.scheduler, self.grammars = object(), object()
+        self.serving, self.draining, self.leaving = True, False, False
+        self.submitted: list[EngineRequest] = []
+        self.aborted: list[tuple[int, str]] = []
+        self.compiling = asyncio.Event()
+        self.compile_gate: asyncio.Event | None = None
+        self.emit_on_submit: list[int] = []  # tokens of an output emitted right after submit
+
+    def model_info(self) -> ModelInfo:
+        return INFO
+
+    def submit(self, request: EngineRequest, grammar=None) -> int:
+        self.submitted.append(request)
+        rid = len(self.submitted)
+        if self.emit_on_submit:  # the next step's output, right behind the reply
+            asyncio.get_running_loop().call_soon(
+                self.streams.emit, [EngineOutput(rid, list(self.emit_on_submit))])
+        return rid
+
+    def abort(self, rid: int, reason: str) -> None:
+        self.aborted.append((rid, reason))
+
+    async def compile(self, constraint: Constraint) -> object:
+        self.compiling.set()
+        if self.compile_gate is not None:
+            await self.compile_gate.wait()
+        return object()
+
+
+def request(**params) -> EngineRequest:
+    return EngineRequest("", [1, 2, 3], GenerationParams(max_tokens=8, **params))
+
+
+async def until(condition, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def start(address: str, engine: StandInEngine | None = None):
+    engine = engine or StandInEngine()
+    host = EngineHost(engine, address, hello_timeout_s=5.0)
+    await host.start()
+    return engine, host
+
+
+def run(test) -> None:
+    asyncio.run(asyncio.wait_for(test(), 30))
+
+
+@pytest.fixture
+def address(tmp_path):
+    return f"ipc://{tmp_path}/engine.sock"
+
+
+def test_outputs_before_submit_returns_reach_the_stream_in_order(address):
+    async def main():
+        engine, host = await start(address)
+        engine.emit_on_submit = [7]
+        client = RemoteEngineClient(address, Metrics(), hello_s=0.05)
+        got: list[tuple[int, list[int]]] = []
+        client.subscribe(lambda batch: got.extend((o.req_id, o.token_ids) for o in batch))
+        await client.start()
+        assert await client.wait_connected(5)
+        assert client.model_info() == INFO and client.serving
+        opened = []
+
+        async def submit_and_open():  # as submit_parallel does: open right after submit
+            rid = await client.submit(request())
+            opened.append((rid, list(got)))  # nothing delivered before the stream opened
+            host._emit([EngineOutput(1, [8]), EngineOutput(1, [9], finish_reason="stop")])
+            return rid
+
+        rid = await submit_and_open()
+        await until(lambda: len(got) == 3)
+        assert opened == [(rid, [])]
+        assert got == [(rid, [7]), (rid, [8]), (rid, [9])]
+        assert len(client) == 0  # finished: nothing left to resubmit
+        client.abort(rid, "stop")  # after the end: nothing is sent
+        await asyncio.sleep(0.1)
+        assert engine.aborted == []
+        await client.close()
+        await host.close()
+
+    run(main)
+
+
+def test_aborts_carry_their_reason_and_a_process_gone_loses_its_requests(address):
+    async def main():
+        engine, host = await start(address)
+        client = RemoteEngineClient(address, Metrics(), hello_s=0.05)
+        await client.start()
+        await client.wait_connected(5)
+        a = await client.submit(request())
+        await client.submit(request())
+        client.abort(a, "stop")  # a stop string matched in the front end
+        await until(lambda: engine.aborted == [(1, "stop")])
+        await client.close()  # the API process is gone: its other request ends too
+        await until(lambda: engine.aborted == [(1, "stop"), (2, "abort")])
+        assert host.peers == {}
+        await host.close()
+
+    run(main)
+
+
+def test_a_new_engine_core_gets_the_accepted_requests_with_their_tokens(address):
+    async def main():
+        engine, host = await start(address)
+        client = RemoteEngineClient(address, Metrics(), hello_s=0.05, state_timeout_s=0.5)
+        got = []
+        client.subscribe(lambda batch: got.extend(o.token_ids for o in batch))
+        await client.start()
+        await client.wait_connected(5)
+        rid = await client.submit(request(seed=5))
+        host._emit([EngineOutput(1, [11]), EngineOutput(1, [12])])
+        await until(lambda: got == [[11], [12]])
+        await host.close()  # the engine core dies
+        await until(lambda: not client.connected)
+        assert not client.serving
+        with pytest.raises(EngineError) as e:  # new requests: retried elsewhere
+            await client.submit(request())
+        assert (e.value.code, e.value.retry_after_s) == ("UNAVAILABLE", 1.0)
+        engine2, host2 = await start(address)
+        await until(lambda: len(engine2.submitted) == 1)
+        again = engine2.submitted[0]
+        assert (again.resume_tokens, again.resubmitted, again.params.seed) == ((11, 12), True, 5)
+        host2._emit([EngineOutput(1, [13], finish_reason="length")])
+        await until(lambda: got == [[11], [12], [13]])
+        assert rid == 1 and client.serving
+        await client.close()
+        await host2.close()
+
+    run(main)
+
+
+def test_an_abort_during_the_grammars_compile_keeps_the_request_out(address):
+    async def main():
+        engine, host = await start(address)
+        engine.compile_gate = asyncio.Event()
+        client = RemoteEngineClient(address, Metrics(), hello_s=0.05)
+        await client.start()
+        await client.wait_connected(5)
+        task = asyncio.create_task(client.submit(request(constraint=Constraint("regex", "a+"))))
+        await engine.compiling.wait()
+        task.cancel()  # the client left while its schema compiled
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.1)  # the abort arrives before the compile ends
+        engine.compile_gate.set()
+        await asyncio.sleep(0.1)
+        assert engine.submitted == []
+        await client.close()
+        await host.close()
+
+    run(main)
