@@ -22,7 +22,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from pagedserve.core.link_liveness import keep_alive
-from pagedserve.core.link_security import check_exposure
+from pagedserve.core.link_security import is_local
 from pagedserve.protos.internal.v1 import engine_pb2 as pb
 from pagedserve.scheduler import engine_wire as wire
 from pagedserve.scheduler.engine import Engine
@@ -35,6 +35,11 @@ NO_EXECUTOR = "no executor has joined the engine yet"
 
 class EngineBindError(Exception):
     """The engine socket's address cannot be bound; the message names --engine-address."""
+
+
+def local_only(address: str) -> str:
+    return (f"--engine-address {address}: the engine socket is for this host only (ipc://, or "
+            "tcp:// on a loopback address): it carries users' prompts, with no keys")
 
 
 @dataclass(eq=False, slots=True)
@@ -76,7 +81,8 @@ class EngineHost:
         engine.streams.emit = self._emit
 
     async def start(self) -> list[asyncio.Task]:
-        check_exposure(self.address, False, False)
+        if not is_local(self.address):
+            raise EngineBindError(local_only(self.address))
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             self.sock.bind(self.address)

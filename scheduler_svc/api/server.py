@@ -15,6 +15,7 @@ from prometheus_client import disable_created_metrics
 from pagedserve.core.collector import freeze_long_lived
 from pagedserve.core.link_security import (
     LinkSecurityError,
+    is_local,
 )
 from pagedserve.core.memory import map_large_allocations
 from pagedserve.core.models import (
@@ -39,6 +40,7 @@ from pagedserve.scheduler.api.tenants import Tenants, TenantsError
 from pagedserve.scheduler.api.tls import CertificateFiles, TLSError
 from pagedserve.scheduler.engine import Engine, _crash_on_error
 from pagedserve.scheduler.engine_client import EngineClient
+from pagedserve.scheduler.engine_host import local_only
 from pagedserve.scheduler.engine_remote import RemoteEngineClient
 from pagedserve.scheduler.engine_settings import (
     link_config,
@@ -163,6 +165,8 @@ async def serve_api(args: argparse.Namespace) -> None:
 
     if not args.engine_address:
         raise BindError("--engine-address: give the engine core's ZeroMQ address")
+    if not is_local(args.engine_address):
+        raise BindError(local_only(args.engine_address))
     tenants = Tenants.from_file(args.api_keys) if args.api_keys else None
     tls = _tls(args)
     model_name = args.served_model_name or args.model

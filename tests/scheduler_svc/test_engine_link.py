@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedserve.scheduler.engine_host import EngineHost
+from pagedserve.scheduler.engine_host import EngineBindError, EngineHost
 from pagedserve.scheduler.engine_io import EngineError, EngineOutput, EngineRequest, ModelInfo
 from pagedserve.scheduler.engine_remote import RemoteEngineClient
 from pagedserve.scheduler.metrics import Metrics
@@ -179,6 +179,18 @@ def test_an_abort_during_the_grammars_compile_keeps_the_request_out(address):
         await asyncio.sleep(0.1)
         assert engine.submitted == []
         await client.close()
+        await host.close()
+
+    run(main)
+
+
+def test_the_engine_socket_stays_on_this_host():
+    async def main():
+        host = EngineHost(StandInEngine(), "tcp://0.0.0.0:5999")
+        with pytest.raises(EngineBindError) as e:
+            await host.start()
+        assert str(e.value).startswith("--engine-address tcp://0.0.0.0:5999: the engine socket "
+                                       "is for this host only")
         await host.close()
 
     run(main)
