@@ -231,6 +231,9 @@ def _serve(args: argparse.Namespace) -> int:
             cmd, env={**env, READY_ENV: str(ready / name)}, stderr=subprocess.PIPE,
             process_group=0), ready_file=ready / name)
 
+    if args.api_server_count < 0:
+        raise SystemExit(f"pagedserve serve: --api-server-count {args.api_server_count}: give "
+                         "0 (one scheduler process) or more")
     if args.api_server_count > 1 and args.api_keys:
         _check_quotas_shared(args)
     if args.api_server_count > 0:  # the engine core and its API processes
