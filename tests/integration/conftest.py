@@ -41,12 +41,26 @@ def request_kwargs(kind, content):
     return {"text": content} if kind == "text" else {"chat": [("user", content)]}
 
 
+_stopping: list[Service] = []  # told to stop, their exit codes checked at the session's end
+
+
 def _serving(tmp_path_factory, name: str, *flags: str):
-    """Run `pagedserve serve` with flags for the whole session; it must stop cleanly."""
+    """Run `pagedserve serve` with flags for the fixture's scope; at its end the service is
+    told to stop and drains while the suite goes on, and it must have exited 0 by the end of
+    the session (the services of the whole session stop together, not one after another)."""
     svc = Service(tmp_path_factory.mktemp(name) / "serve.log", *flags)
     svc.wait_serving()
     yield svc
-    assert svc.stop() == 0
+    svc.begin_stop()
+    _stopping.append(svc)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _services_stop_cleanly():
+    """Last to end: every service _serving started has exited 0."""
+    yield
+    codes = {svc.log_path.parent.name: svc.wait_stopped() for svc in _stopping}
+    assert all(code == 0 for code in codes.values()), codes
 
 
 @pytest.fixture(scope="session")

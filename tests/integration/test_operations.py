@@ -113,7 +113,11 @@ def test_the_step_loops_time_is_split_by_phase_and_idleness_left_out(service):
     assert all(host[p] > 0 for p in ("recv", "launch", "finish", "send")), host
     assert host["bitmask"] == 0  # nothing constrained
     assert host["idle"] < 0.5, host  # not the 2.5 s before the request
-    assert sum(loop.values()) < wall and sum(host.values()) < wall, (wall, loop, host)
+    # nothing counted twice: a phase counted twice would add most of the wall time again; the
+    # loop's last step (planned ahead, answered after the client has its last token) and the
+    # API process's hop let the sums pass the client's wall time by a step, not more
+    assert sum(loop.values()) < 1.1 * wall and sum(host.values()) < 1.1 * wall, \
+        (wall, loop, host)
     assert d("executor_device", "state", "busy") == d("executor_device", "state", "gap") == 0
     assert _delta(before, after, "pagedserve_executor_cpu_seconds_total") > 0
 
