@@ -1,10 +1,10 @@
 """The scheduler's engine: admits requests, runs the step loop (schedule -> send -> result ->
-update -> deliver) and ends requests. Runs on the gRPC server's asyncio loop, so there are no
-locks: state changes only between awaits. The executor link (executor_link.py) owns the
-socket and the executor's liveness; the scheduler owns every decision about requests and
-blocks; this file only wires them together. It speaks token ids: each step's outputs go to
-its client (engine_client.py) as one batch, and text, stop strings and API shapes are the
-front ends' (api/).
+update -> deliver) and ends requests. Runs on one asyncio loop (the gRPC server's, or the
+engine core process's), so there are no locks: state changes only between awaits. The executor
+link (executor_link.py) owns the socket and the executor's liveness; the scheduler owns every
+decision about requests and blocks; this file only wires them together. It speaks token ids:
+each step's outputs go to its client (engine_client.py, or engine_host.py for API processes)
+as one batch, and text, stop strings and API shapes are the front ends' (api/).
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@ stream of EngineOutput batches, and model_info() (the model's limits and the cac
 the newest executor's capacity). gRPC and OpenAI HTTP sit side by side on it; neither builds
 the other's request types.
 
-Today the engine runs in the front ends' process, on their asyncio loop: a step's batch is
-handed to the subscriber (the front ends' output processor) synchronously, inside the step
-loop, after the next step was sent, so a stop string it matches aborts the request before the
-step after is planned. Item 3 of issue 30 puts the engine in a process of its own; then this
-class is the one place that speaks ZeroMQ to it, with the same verbs.
+This one is in-process: the engine runs in the front ends' process, on their asyncio loop (the
+one-process scheduler, `serve` by default). A step's batch is handed to the subscriber (the
+front ends' output processor) synchronously, inside the step loop, after the next step was
+sent, so a stop string it matches aborts the request before the step after is planned. With
+the engine core in a process of its own (`serve --api-server-count N`), the API processes use
+engine_remote.RemoteEngineClient, with the same verbs over the engine socket.
 """
 
 from __future__ import annotations
