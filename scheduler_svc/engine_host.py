@@ -253,6 +253,12 @@ class EngineHost:
             peer.by_local.pop(local, None)
             self._reply(peer, local, e)
             return
+        except Exception as e:  # noqa: BLE001 (a request that passed check_submit and still
+            # broke submit must not end the engine core, whose restart would meet it again)
+            log.exception("refused a request from API process %s", peer.api_id)
+            peer.by_local.pop(local, None)
+            self._reply(peer, local, EngineError("INTERNAL", f"the engine refused it: {e}"))
+            return
         peer.by_local[local] = rid
         self._owner[rid] = (peer, local)
         self._reply(peer, local)  # before any output of it: the same pipe keeps the order
