@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -21,13 +22,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pagedserve.core.link_liveness import keep_alive
+from pagedserve.core.link_liveness import close_link, keep_alive
 from pagedserve.core.link_security import is_local
 from pagedserve.protos.internal.v1 import engine_pb2 as pb
 from pagedserve.scheduler import engine_wire as wire
 from pagedserve.scheduler.engine import Engine
 from pagedserve.scheduler.engine_io import EngineError, EngineOutput
 from pagedserve.scheduler.invalid import InvalidRequest
+from pagedserve.scheduler.request import Constraint
 
 log = logging.getLogger("pagedserve.scheduler")
 NO_EXECUTOR = "no executor has joined the engine yet"
@@ -95,13 +97,7 @@ class EngineHost:
         return self._tasks
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._monitor is not None:
-            self.sock.disable_monitor()
-            self._monitor.close(linger=0)
-        self.sock.close(linger=0)
+        await close_link(self._tasks, self.sock, self._monitor)
         self._ctx.term()
 
     # ----------------------------------------------------------------- outgoing
@@ -225,9 +221,11 @@ class EngineHost:
         request = wire.decode_submit(s)
         if s.HasField("sibling_of"):
             # (0: completion 0 still compiles; None: it ended; either way no waiting for it)
-            request = _with(request, sibling_of=peer.by_local.get(s.sibling_of) or None)
+            request = dataclasses.replace(
+                request, sibling_of=peer.by_local.get(s.sibling_of) or None)
         if s.resubmitted:
-            request = _with(request, resume_tokens=tuple(s.resume_tokens), resubmitted=True)
+            request = dataclasses.replace(request, resume_tokens=tuple(s.resume_tokens),
+                                          resubmitted=True)
         if request.params.constraint is None:
             self._admit(peer, s.id, request, None)
         else:
@@ -272,8 +270,6 @@ class EngineHost:
                 self.engine.abort(rid, reason if reason in _ABORT_REASONS else "abort")
 
     async def _compile(self, peer: ApiPeer, c: pb.Compile) -> None:
-        from pagedserve.scheduler.request import Constraint
-
         if self.engine.grammars is None:
             self._reply(peer, c.id, EngineError("UNAVAILABLE", NO_EXECUTOR, 1.0))
             return
@@ -320,8 +316,3 @@ class EngineHost:
 
 _ABORT_REASONS = frozenset({"abort", "stop", "deadline_exceeded"})
 
-
-def _with(request, **changes):
-    import dataclasses
-
-    return dataclasses.replace(request, **changes)

@@ -27,7 +27,7 @@ import zmq.asyncio
 from prometheus_client import generate_latest
 from zmq.utils.monitor import parse_monitor_message
 
-from pagedserve.core.link_liveness import keep_alive
+from pagedserve.core.link_liveness import close_link, keep_alive
 from pagedserve.protos.internal.v1 import engine_pb2 as pb
 from pagedserve.scheduler import engine_wire as wire
 from pagedserve.scheduler.engine_io import EngineError, EngineOutput, EngineRequest, ModelInfo
@@ -112,13 +112,7 @@ class RemoteEngineClient:
         return self._connected
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._monitor is not None:
-            self.sock.disable_monitor()
-            self._monitor.close(linger=0)
-        self.sock.close(linger=0)
+        await close_link(self._tasks, self.sock, self._monitor)
         self._ctx.term()
 
     def subscribe(self, subscriber: Subscriber) -> None:

@@ -35,7 +35,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pagedserve.core.link_liveness import keep_alive
+from pagedserve.core.link_liveness import close_link, keep_alive
 from pagedserve.core.link_security import (
     LinkSecurityError,
     allowed_keys,
@@ -139,13 +139,7 @@ class ExecutorLink:
         self.sock.curve_server = True
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._monitor is not None:
-            self.sock.disable_monitor()
-            self._monitor.close(linger=0)
-        self.sock.close(linger=0)
+        await close_link(self._tasks, self.sock, self._monitor)
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()

@@ -10,6 +10,8 @@ executor reconnects by itself once it can.
 
 from __future__ import annotations
 
+import asyncio
+
 import zmq
 
 
@@ -22,3 +24,16 @@ def keep_alive(sock: zmq.Socket, timeout_s: float) -> None:
     sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, ms // 4))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
     sock.setsockopt(zmq.HEARTBEAT_TTL, min(ms, 6_553_500))  # sent in deciseconds, 16 bits
+
+
+async def close_link(tasks: list[asyncio.Task], sock: zmq.Socket,
+                     monitor: zmq.Socket | None) -> None:
+    """End a link's tasks, then its socket monitor and the socket itself (the context is the
+    caller's: an authenticator may still have to stop before it ends)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if monitor is not None:
+        sock.disable_monitor()
+        monitor.close(linger=0)
+    sock.close(linger=0)
