@@ -14,13 +14,14 @@ import signal
 from pagedserve.core.collector import freeze_long_lived
 from pagedserve.core.link_security import LinkSecurityError
 from pagedserve.core.memory import map_large_allocations
-from pagedserve.core.models import read_generation_eos, resolve_model
+from pagedserve.core.models import read_generation_eos
 from pagedserve.core.readiness import mark_ready
 from pagedserve.scheduler import metrics_http
 from pagedserve.scheduler.engine import Engine, _crash_on_error
 from pagedserve.scheduler.engine_host import EngineBindError, EngineHost
 from pagedserve.scheduler.engine_settings import (
     link_config,
+    load_tokenizer,
     profiled,
     scheduler_config,
     setup_request_log,
@@ -35,17 +36,13 @@ log = logging.getLogger("pagedserve.scheduler")
 
 
 async def serve_engine(args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer
-
     if not args.engine_address:
         raise EngineBindError("--engine-address: give the ZeroMQ address the API processes "
                               "connect to (serve picks one itself)")
     link_cfg = link_config(args)
     model_name = args.served_model_name or args.model
     metrics = Metrics(model_name)
-    model_dir = resolve_model(args.model)
-    tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
+    model_dir, tokenizer = await load_tokenizer(args)
     host: EngineHost | None = None
 
     def on_readiness(serving: bool) -> None:

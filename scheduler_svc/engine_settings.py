@@ -5,12 +5,14 @@ the engine core's own process, engine_main.py): the engine's settings from the c
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import cProfile
 import logging
 import pstats
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from pagedserve.core.link_security import (
     LinkSecurityError,
@@ -18,6 +20,7 @@ from pagedserve.core.link_security import (
     check_exposure,
     load_keypair,
 )
+from pagedserve.core.models import resolve_model
 from pagedserve.scheduler.executor_link import LinkConfig
 from pagedserve.scheduler.scheduler import SchedulerConfig
 from pagedserve.scheduler.telemetry import request_log
@@ -59,6 +62,16 @@ def setup_request_log() -> None:
 
 
 log = logging.getLogger("pagedserve.scheduler")
+
+
+async def load_tokenizer(args: argparse.Namespace) -> tuple[Path, Any]:
+    """--model's directory and the tokenizer (--tokenizer's, else the model's), loaded off
+    the event loop."""
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model(args.model)
+    tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
+    return model_dir, await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
 
 
 @contextlib.contextmanager

@@ -21,7 +21,6 @@ from pagedserve.core.memory import map_large_allocations
 from pagedserve.core.models import (
     read_generation_eos,
     read_max_position_embeddings,
-    resolve_model,
 )
 from pagedserve.core.readiness import mark_ready
 from pagedserve.core.wire import HEALTH_LIVENESS, HEALTH_READINESS
@@ -44,6 +43,7 @@ from pagedserve.scheduler.engine_host import local_only
 from pagedserve.scheduler.engine_remote import RemoteEngineClient
 from pagedserve.scheduler.engine_settings import (
     link_config,
+    load_tokenizer,
     profiled,
     scheduler_config,
     setup_request_log,
@@ -75,8 +75,6 @@ class HealthServicer(health.aio.HealthServicer):
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer
-
     link_cfg = link_config(args)  # before anything loads: a key problem fails at once
     check_addresses(args)  # and a busy port
     tenants = Tenants.from_file(args.api_keys) if args.api_keys else None
@@ -94,20 +92,13 @@ async def serve(args: argparse.Namespace) -> None:
                                 args.metrics_port, e) from None
         if tls is not None:
             tls.follow(reload_metrics_tls)
-    model_dir = resolve_model(args.model)
-    tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
+    model_dir, tokenizer = await load_tokenizer(args)
     model_len = await asyncio.to_thread(read_max_position_embeddings, model_dir)
     health_servicer = HealthServicer()
     loop = asyncio.get_running_loop()
 
     pending: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
-
-    def on_readiness(serving: bool) -> None:
-        task = loop.create_task(health_servicer.set(SERVICE, SERVING if serving else NOT_SERVING))
-        pending.add(task)
-        task.add_done_callback(pending.discard)
-        log.info("readiness: %s", "SERVING" if serving else "NOT_SERVING")
+    on_readiness = _readiness_setter(health_servicer, loop, pending)
 
     link = ExecutorLink(args.executor_bind, link_cfg)
     engine = Engine(scheduler_config(args), link, tokenizer,
@@ -161,8 +152,6 @@ async def serve_api(args: argparse.Namespace) -> None:
     """An API process (`pagedserve api`): gRPC and OpenAI HTTP on the engine core of
     --engine-address (engine_remote.py), sharing the ports with its sibling API processes.
     /metrics is the engine core's (with this process's counts added in)."""
-    from transformers import AutoTokenizer
-
     if not args.engine_address:
         raise BindError("--engine-address: give the engine core's ZeroMQ address")
     if not is_local(args.engine_address):
@@ -172,19 +161,12 @@ async def serve_api(args: argparse.Namespace) -> None:
     model_name = args.served_model_name or args.model
     metrics = Metrics(model_name, tenants=tuple(tenants.by_name) if tenants else ())
     disable_created_metrics()  # as the engine core's /metrics serves them
-    model_dir = resolve_model(args.model)
-    tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
+    model_dir, tokenizer = await load_tokenizer(args)
     model_len = await asyncio.to_thread(read_max_position_embeddings, model_dir)
     health_servicer = HealthServicer()
     loop = asyncio.get_running_loop()
-    pending: set[asyncio.Task] = set()
-
-    def on_readiness(serving: bool) -> None:
-        task = loop.create_task(health_servicer.set(SERVICE, SERVING if serving else NOT_SERVING))
-        pending.add(task)
-        task.add_done_callback(pending.discard)
-        log.info("readiness: %s", "SERVING" if serving else "NOT_SERVING")
+    pending: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+    on_readiness = _readiness_setter(health_servicer, loop, pending)
 
     client = RemoteEngineClient(args.engine_address, metrics,
                                 link_timeout_s=args.executor_link_timeout_s,
@@ -230,6 +212,19 @@ async def serve_api(args: argparse.Namespace) -> None:
         await http_task
     await client.close()
     log.info("stopped")
+
+
+def _readiness_setter(health_servicer: HealthServicer, loop: asyncio.AbstractEventLoop,
+                      pending: set[asyncio.Task]):
+    """on_readiness for the engine (client): the readiness health status follows it."""
+
+    def on_readiness(serving: bool) -> None:
+        task = loop.create_task(health_servicer.set(SERVICE, SERVING if serving else NOT_SERVING))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        log.info("readiness: %s", "SERVING" if serving else "NOT_SERVING")
+
+    return on_readiness
 
 
 def _front_ends(args: argparse.Namespace, client, tokenizer, model_len: int,
