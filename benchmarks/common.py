@@ -75,7 +75,9 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
             "executor_host_ms": per_step_ms("executor_host", "phase", EXECUTOR_PHASES),
             "device_ms": per_step_ms("executor_device", "state", ("busy", "gap")),
             # CPU time per step of each process (every thread): near step_ms, it is saturated
+            # scheduler: the engine core's alone when API processes run beside it (api: theirs)
             "cpu_ms": {"scheduler": round(1e3 * delta("process_cpu_seconds_total", "") / n, 4),
+                       "api": round(1e3 * delta("api_process_cpu_seconds_total") / n, 4),
                        "executor": round(1e3 * delta("executor_cpu_seconds_total") / n, 4)}}
 
 

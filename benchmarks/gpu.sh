@@ -46,6 +46,11 @@
 #   ab        before/after: W1 on 8B and 1B, throughput settings, an older tree (BASELINE=<dir>,
 #             its own harness, commit from BASELINE_COMMIT or <dir>/.commit) and this one
 #             alternated for AB_ROUNDS rounds (default 2); REPORT.md pairs them
+#   split     the engine core split (issue 30): SPLIT_W (default "W1:M1 W2:M1 W1:M8") at the
+#             default flags with --api-server-count 0 (the engine in the scheduler process) and
+#             SPLIT_N (default 2), alternated 0 N N 0 per workload; records carry ab=baseline (0)
+#             or current, api_server_count; SPLIT_W3=1 adds W3 8B at rate=inf (1,000 requests)
+#             and SPLIT_JSON=1 benchmarks.structured at 64 and 256 running, both at 0 then N
 #   curve     the executor link's CURVE keys against none: W1 on 1B, throughput settings,
 #             plain/curve/curve/plain; records carry curve and ab (baseline: no keys)
 #   tp        needs 2 GPUs (nvidia-h200-x2): 8B W1 at TP=1 then TP=2 (throughput settings);
@@ -193,6 +198,36 @@ curve() {  # W1 1B with and without CURVE keys on the executor link, alternated
   python3 -m benchmarks.common add --into $B/records --set ab=current --set curve=true \
     --set ab_session="$session" /tmp/curve_curve/throughput.jsonl
 }
+split_add() {  # api server count: its records so far into $B/records (a run held is skipped)
+  local side=current; [ "$1" = 0 ] && side=baseline
+  python3 -m benchmarks.common add --into $B/records --set ab=$side --set api_server_count="$1" \
+    --set ab_session="$SPLIT_SESSION" /tmp/split/"$1"/*.jsonl 2>/dev/null
+  save  # a call cut short keeps what ran
+}
+split_run() {  # api server count, then a benchmarks module and its flags
+  local n=$1; shift
+  mkdir -p /tmp/split/"$n"
+  echo "-- split api-server-count $n: $*"
+  PAGEDSERVE_RESULTS=/tmp/split/$n python3 -m "$@" --server-flag=--api-server-count \
+    --server-flag="$n" 2>&1 | tee -a $B/split.log | quiet 4
+  split_add "$n"
+}
+split() {
+  local spec n N=${SPLIT_N:-2} m
+  SPLIT_SESSION=$(date -u +%Y-%m-%dT%H%M)-split; rm -rf /tmp/split
+  for spec in ${SPLIT_W:-W1:M1 W2:M1 W1:M8}; do
+    declare -n m=${spec#*:}
+    for n in 0 "$N" "$N" 0; do
+      split_run "$n" benchmarks.throughput --workload "${spec%%:*}" "${m[@]}" "${DEFAULTS[@]}"
+    done
+  done
+  if [ -n "${SPLIT_W3:-}" ]; then for n in 0 "$N"; do
+    split_run "$n" benchmarks.serve "${M8[@]}" --workload W3 --num-requests 1000 --rate inf
+  done; fi
+  if [ -n "${SPLIT_JSON:-}" ]; then for n in 0 "$N"; do
+    split_run "$n" benchmarks.structured "${M8[@]}" --concurrency 64 --wide 256
+  done; fi
+}
 ab() {
   [ -d "${BASELINE:-}" ] || { echo "ab: set BASELINE=<dir of the older tree>"; return; }
   AB_BASE=${BASELINE_COMMIT:-$(cat "$BASELINE/.commit" 2>/dev/null || echo baseline)}
@@ -290,6 +325,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       --server-flag=fp8 --server-flag=--kv-cache-dtype --server-flag=fp8; done ;;
     ab) ab ;;
     curve) curve ;;
+    split) split ;;
     tp)
       fast W1 M8; fast W1 M8 "${TP2[@]}"
       for t in 1 2; do  # TPOT at one running request: 8B decode, 128 -> 512 tokens

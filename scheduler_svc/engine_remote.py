@@ -54,9 +54,14 @@ class _ApiFamilies:
     """The families an API process counts, for the hello that carries them to the engine."""
 
     def __init__(self, metrics: Metrics) -> None:
-        self.registry = metrics.registry
+        self.metrics, self.registry = metrics, metrics.registry
+        self._cpu = 0.0  # this process's CPU seconds counted so far
 
     def collect(self):
+        t = os.times()
+        cpu = t.user + t.system
+        self.metrics.api_process_cpu.inc(max(0.0, cpu - self._cpu))
+        self._cpu = max(self._cpu, cpu)
         return [f for f in self.registry.collect() if f.name in API_FAMILIES]
 
 

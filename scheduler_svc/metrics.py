@@ -61,7 +61,7 @@ TENANT_OUTCOMES = ("admitted", "denied", "throttled")  # denied: priority; throt
 # engine core in a process of its own, the API processes send theirs to it (engine_host.py)
 API_FAMILIES = frozenset(PREFIX + name for name in (
     "grpc_server_handled", "http_requests", "http_request_duration_seconds", "tenant_requests",
-    "tenant_generation_tokens", "num_requests_refused"))
+    "tenant_generation_tokens", "num_requests_refused", "api_process_cpu_seconds"))
 _LATENCY = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 _LONG = (.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TOKENS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # 1 .. 5M, as vLLM's 1-2-5
@@ -147,6 +147,10 @@ class Metrics:
                              registry=r).labels(m)
 
         self.running = gauge("num_requests_running", "Requests in the running batch")
+        # every API process's CPU time, summed (serve --api-server-count N >= 1): the engine
+        # core's own is process_cpu_seconds_total; 0 while the API runs in the scheduler process
+        self.api_process_cpu = counter("api_process_cpu_seconds",
+                                       "CPU seconds of the API processes (every thread)")
         self.waiting = gauge("num_requests_waiting", "Requests queued")
         self.swapped = gauge("num_requests_swapped", "Requests whose KV is in host memory")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use")

@@ -108,6 +108,9 @@ def test_output_equals_hf_greedy_through_both_api_processes(split, hf_greedy):
                  '"Generate",grpc_service="pagedserve.v1.Generation"}', 0)
     http = m.get('pagedserve_http_requests_total{route="/v1/completions",status="200"}', 0)
     assert (rpcs, http) == (16, 3)
+    # both API processes' CPU time (their start-up alone is seconds each), summed in
+    api_cpu = [v for k, v in m.items() if k.startswith("pagedserve_api_process_cpu_seconds_total")]
+    assert len(api_cpu) == 1 and api_cpu[0] > 1.0
     for c in cs:
         c.close()
 
