@@ -12,6 +12,7 @@ that history: throughput and fraction of the bound over commits. Plots need matp
 from __future__ import annotations
 
 import argparse
+import datetime
 import io
 import json
 import lzma
@@ -188,8 +189,22 @@ def defaults_section(throughput: list[dict], serve: list[dict]) -> list[str]:
         table(["what", "target", "newest run", "commit", "", "per step (ms)"], rows))
 
 
+def _days_before(stamp: str, days: int) -> str:
+    """An ISO recorded_at `days` before `stamp`, in the same format (compares as text)."""
+    t = datetime.datetime.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S") - datetime.timedelta(days)
+    return t.strftime("%Y-%m-%dT%H:%M:%S")
+
+
 def throughput_section(records: list[dict]) -> list[str]:
     ours = [r for r in records if r["engine"] == "pagedserve" and r.get("ab") != "baseline"]
+    # settings superseded: a run 2 days older than its workload and model's newest on that
+    # machine stays in the records (and the history plots), not in this table
+    latest: dict[tuple, str] = {}
+    for r in ours:
+        key = (r["workload"], r["model"], machine(r))
+        latest[key] = max(latest.get(key, ""), r["recorded_at"])
+    ours = [r for r in ours if r["recorded_at"] >= _days_before(
+        latest[r["workload"], r["model"], machine(r)], 2)]
     rows = [[r["workload"], r["model"], machine(r), settings(r), num(r["output_tok_s"]),
              num(r.get("bound_output_tok_s")),
              f"{num(r.get('roofline_fraction'), '.2f')}"
@@ -234,10 +249,16 @@ def ab_section(records: list[dict]) -> list[str]:
     ab = [r for r in records if "ab" in r and r["engine"] == "pagedserve"]
     if not ab:
         return []
-    session = max(ab, key=lambda r: r["recorded_at"]).get("ab_session", "-")
+    newest = max(ab, key=lambda r: r["recorded_at"])["recorded_at"][:10]
+    # each workload and model's newest session, of those of the newest session's day
+    latest: dict[tuple, str] = {}
+    for r in sorted(ab, key=lambda r: r["recorded_at"]):
+        if r["recorded_at"][:10] == newest:
+            latest[(r["workload"], r["model"])] = r.get("ab_session", "-")
+    session = ", ".join(dict.fromkeys(latest.values()))
     pairs: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in ab:
-        if r.get("ab_session", "-") == session:
+        if latest.get((r["workload"], r["model"])) == r.get("ab_session", "-"):
             pairs[(r["workload"], r["model"])][r["ab"]].append(r)
     rows = []
     for (workload, model), sides in pairs.items():
@@ -250,7 +271,7 @@ def ab_section(records: list[dict]) -> list[str]:
         ratio = fmean(r["output_tok_s"] for r in cur) / fmean(
             r["output_tok_s"] for r in base) if base and cur else None
         rows.append([workload, model, cell(base), cell(cur), num(ratio, ".3f")])
-    return section(f"Newest before / after session ({session}, runs alternated)",
+    return section(f"Newest before / after sessions ({session}, runs alternated)",
                    table(["workload", "model", "baseline out tok/s per round (commit)",
                           "current out tok/s per round (commit)", "current / baseline"], rows))
 

@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import model_flags, write_records
+from benchmarks.common import model_flags, step_breakdown, step_split, write_records
 
 SCHEMA = {  # long enough that random tokens fill most of max_tokens before it closes
     "type": "object",
@@ -76,7 +76,8 @@ def run(svc, constrained: bool, concurrency: int, max_tokens: int) -> dict:
             "tokens": sum(n for n, _ in outs), "wall_s": wall,
             "tpot_p50_ms": statistics.median(t for _, t in outs) * 1e3,
             "plan_ms_per_step": (after[plan + "_sum"] - before[plan + "_sum"]) / plans * 1e3,
-            "bitmask_ms_per_step": mask_s / steps * 1e3 if steps else 0.0}
+            "bitmask_ms_per_step": mask_s / steps * 1e3 if steps else 0.0,
+            **step_breakdown(before, after, wall)}
 
 
 def main() -> None:
@@ -104,9 +105,10 @@ def main() -> None:
                 rec = {"model": Path(args.model).name, "weights": args.load_format,
                        **run(svc, constrained, conc, args.max_tokens)}
                 records.append(rec)
-                print(rec, flush=True)
-        for conc in (args.concurrency, args.wide):
-            plain, json_ = (r for r in records if r["concurrency"] == conc)
+                print(f"{conc} running, constrained={constrained}: {rec['tokens']} tokens in "
+                      f"{rec['wall_s']:.1f} s; per step {step_split(rec)}", flush=True)
+        for conc in dict.fromkeys((args.concurrency, args.wide)):  # (the same twice: newest)
+            plain, json_ = [r for r in records if r["concurrency"] == conc][-2:]
             print(f"{conc} running: TPOT {plain['tpot_p50_ms']:.2f} ms plain, "
                   f"{json_['tpot_p50_ms']:.2f} ms JSON schema "
                   f"({json_['tpot_p50_ms'] / plain['tpot_p50_ms'] - 1:+.1%}); per step: bitmask "
