@@ -199,12 +199,11 @@ def throughput_section(records: list[dict]) -> list[str]:
     ours = [r for r in records if r["engine"] == "pagedserve" and r.get("ab") != "baseline"]
     # settings superseded: a run 2 days older than its workload and model's newest on that
     # machine stays in the records (and the history plots), not in this table
-    latest: dict[tuple, str] = {}
-    for r in ours:
-        key = (r["workload"], r["model"], machine(r))
-        latest[key] = max(latest.get(key, ""), r["recorded_at"])
-    ours = [r for r in ours if r["recorded_at"] >= _days_before(
-        latest[r["workload"], r["model"], machine(r)], 2)]
+    def kind(r: dict) -> tuple:
+        return r["workload"], r["model"], machine(r)
+
+    latest = {kind(r): r["recorded_at"] for r in newest(ours, kind)}
+    ours = [r for r in ours if r["recorded_at"] >= _days_before(latest[kind(r)], 2)]
     rows = [[r["workload"], r["model"], machine(r), settings(r), num(r["output_tok_s"]),
              num(r.get("bound_output_tok_s")),
              f"{num(r.get('roofline_fraction'), '.2f')}"
@@ -249,17 +248,18 @@ def ab_section(records: list[dict]) -> list[str]:
     ab = [r for r in records if "ab" in r and r["engine"] == "pagedserve"]
     if not ab:
         return []
-    newest = max(ab, key=lambda r: r["recorded_at"])["recorded_at"][:10]
+    def pair(r: dict) -> tuple:
+        return r["workload"], r["model"]
+
     # each workload and model's newest session, of those of the newest session's day
-    latest: dict[tuple, str] = {}
-    for r in sorted(ab, key=lambda r: r["recorded_at"]):
-        if r["recorded_at"][:10] == newest:
-            latest[(r["workload"], r["model"])] = r.get("ab_session", "-")
+    day = max(r["recorded_at"] for r in ab)[:10]
+    latest = {pair(r): r.get("ab_session", "-")
+              for r in newest((r for r in ab if r["recorded_at"][:10] == day), pair)}
     session = ", ".join(dict.fromkeys(latest.values()))
     pairs: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in ab:
-        if latest.get((r["workload"], r["model"])) == r.get("ab_session", "-"):
-            pairs[(r["workload"], r["model"])][r["ab"]].append(r)
+        if latest.get(pair(r)) == r.get("ab_session", "-"):
+            pairs[pair(r)][r["ab"]].append(r)
     rows = []
     for (workload, model), sides in pairs.items():
         base, cur = sides.get("baseline", []), sides.get("current", [])
