@@ -3,7 +3,9 @@ greedy or temperature / min-p / top-k / top-p sampling with per-request seeds, a
 
 A seeded request draws its randomness from (seed, position of the token being sampled) alone,
 so it gets the same tokens whatever else shares the batch, and after a preemption too.
-Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks i with probability p_i.
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks i with probability p_i;
+the whole batch draws in one launch from a counter-based generator keyed per row
+(kernels/sampling_reference.py), so a seeded row costs what an unseeded one does.
 
 Order (vLLM's): logprobs are taken from the raw logits; then logit_bias is added, the
 min_tokens ids masked, the penalties applied, and what is left is sampled. Every stage works on
@@ -36,9 +38,18 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _splitmix64_np(x: np.ndarray) -> np.ndarray:
+    """_splitmix64 over a uint64 array (numpy's array arithmetic wraps)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 def position_seed(seed: int, position: int) -> int:
-    """The generator seed of a seeded request's draw at a position: for a given position,
-    distinct 64-bit seeds give distinct generator seeds (no two seeds alias)."""
+    """The generator key of a seeded request's draw at a position: for a given position,
+    distinct 64-bit seeds give distinct keys (no two seeds alias). Sampler.keys computes the
+    same over a batch in numpy."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ position)
 
 
@@ -138,13 +149,16 @@ def read_logprobs(out: SampleOutput) -> HostLogprobs | None:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int | None = None) -> None:
+    def __init__(self, device: torch.device, seed: int | None = None,
+                 backend: str | None = None) -> None:
+        """backend: the kernels' ("triton" on a GPU, "torch" elsewhere by default)."""
+        from pagedserve.kernels import get_ops
+
         self.device = device
-        self.unseeded = torch.Generator(device=device)
-        if seed is not None:
-            self.unseeded.manual_seed(seed)
-        else:
-            self.unseeded.seed()
+        # the keys of the unseeded rows' draws (seeded rows' keys are position_seed's)
+        self.unseeded = np.random.default_rng(seed)
+        self._race = get_ops(backend or ("triton" if device.type == "cuda" else "torch")
+                             ).exponential_race
 
     def __call__(
         self,
@@ -230,15 +244,20 @@ class Sampler:
         if any(s.top_k > 0 or s.top_p < 1.0 for s in specs):
             logits = self._top_k_top_p(logits, specs)
         probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
+        return self._race(probs, to_device(self.keys(specs, positions), probs.device))
+
+    def keys(self, specs: list[SamplingSpec], positions: list[int]) -> np.ndarray:
+        """[R] int64: each row's generator key. A seeded row's is a function of its seed and
+        position alone (its draw is batch-invariant, and the same after a preemption); the
+        unseeded rows' come from this sampler's own generator."""
+        keys = self.unseeded.integers(-2**63, 2**63 - 1, len(specs), dtype=np.int64,
+                                      endpoint=True)
         seeded = [i for i, spec in enumerate(specs) if spec.seed is not None]
-        if len(seeded) < len(specs):  # the unseeded rows' draws: one launch for all of them
-            noise.exponential_(generator=self.unseeded)
-        for i in seeded:  # its own stream per row: a seeded row's draw is batch-invariant
-            gen = torch.Generator(device=probs.device)
-            gen.manual_seed(position_seed(specs[i].seed, positions[i]))
-            noise[i].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+        if seeded:
+            seeds = np.array([specs[i].seed & _MASK64 for i in seeded], np.uint64)
+            at = np.array([positions[i] for i in seeded], np.uint64)
+            keys[seeded] = _splitmix64_np(_splitmix64_np(seeds) ^ at).view(np.int64)
+        return keys
 
     @staticmethod
     def _min_p(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:

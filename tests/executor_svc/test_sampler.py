@@ -1,3 +1,4 @@
+import numpy as np
 import torch
 
 from pagedserve.executor.sampler import Sampler, SamplingSpec, position_seed
@@ -268,18 +269,32 @@ def test_bitmask_leaves_logprobs_those_of_the_raw_logits():
     assert torch.allclose(out.logprobs[0, 0], torch.log_softmax(logits, -1)[0, 7])
 
 
-def test_unseeded_rows_draw_in_one_launch(monkeypatch):
-    """Unseeded rows share one exponential_ call over the batch (a launch per row was per-request
-    work each step); seeded rows keep their own per-row stream."""
+def test_the_whole_batch_draws_in_one_launch(monkeypatch):
+    """Seeded and unseeded rows share one exponential race over the batch (a launch per seeded
+    row was per-request work each step), each row keyed as Sampler.keys says."""
     calls = []
-    real = torch.Tensor.exponential_
+    sampler = Sampler(CPU, seed=0)
+    real = sampler._race
 
-    def counting(self, *args, **kwargs):
-        calls.append(tuple(self.shape))
-        return real(self, *args, **kwargs)
+    def counting(probs, keys):
+        calls.append((tuple(probs.shape), keys.tolist()))
+        return real(probs, keys)
 
-    monkeypatch.setattr(torch.Tensor, "exponential_", counting)
+    monkeypatch.setattr(sampler, "_race", counting)
     x = logits(rows=6)
     specs = [SamplingSpec(temperature=1.0)] * 4 + [SamplingSpec(temperature=1.0, seed=3)] * 2
-    Sampler(CPU, seed=0)(x, specs, list(range(6)))
-    assert calls == [(6, 50), (50,), (50,)]
+    sampler(x, specs, list(range(6)))
+    assert [shape for shape, _ in calls] == [(6, 50)]
+    seeded = [k % 2**64 for k in calls[0][1][4:]]
+    assert seeded == [position_seed(3, 4), position_seed(3, 5)]
+
+
+def test_batch_keys_equal_position_seed():
+    """Sampler.keys (numpy, over the batch) equals position_seed for every seed, negative and
+    past 2**63 included; unseeded rows get keys of their own."""
+    seeds = [0, 1, 7, -1, 2**63, 2**64 - 1, 123456789]
+    specs = [SamplingSpec(temperature=1.0, seed=s) for s in seeds] + [SamplingSpec(1.0)] * 2
+    keys = Sampler(CPU, seed=0).keys(specs, list(range(len(specs))))
+    assert [int(k) % 2**64 for k in keys[:len(seeds)]] == [
+        position_seed(s, p) for p, s in enumerate(seeds)]
+    assert keys.dtype == np.int64 and keys[-1] != keys[-2]
