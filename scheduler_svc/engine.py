@@ -253,8 +253,10 @@ class Engine:
             loop["await_executor"].inc(came - t1)
             loop["other_tasks"].inc(t2 - came)
             sampled = self._apply(inflight, item)
+            t3 = now()
+            loop["update"].inc(t3 - t2)
             await self._send_bitmasks(inflight)
-            loop["update"].inc(now() - t2)
+            loop["bitmask"].inc(now() - t3)
 
     def _plan(self, sched: Scheduler, ahead: bool) -> InFlight | None:
         if not sched.has_work():

@@ -50,7 +50,8 @@ EXECUTION_MODES = ("eager", "cuda_graph")
 # its bookkeeping; encoding and sending plans and bitmasks; detokenizing and queueing tokens
 # for the streams; applying results; waiting for the executor's result; and the other tasks of
 # the process's event loop (gRPC and HTTP handlers writing streams) when they hold it
-LOOP_PHASES = ("plan", "send", "deliver", "update", "await_executor", "other_tasks")
+LOOP_PHASES = ("plan", "send", "deliver", "update", "bitmask", "await_executor",
+               "other_tasks")
 # the executor's host phases: pb.ExecutorTime's <phase>_seconds fields (and
 # pagedserve.executor.step_clock.HOST_PHASES; a test holds the three together)
 EXECUTOR_PHASES = ("idle", "wait", "recv", "launch", "bitmask", "finish", "send")
@@ -252,7 +253,8 @@ class Metrics:
         self.loop_time = by(Counter, "scheduler_loop_seconds",
                             "The scheduler's step loop while steps are in flight, by phase: "
                             "plan, send, deliver (detokenize, queue for streams), update "
-                            "(apply results), await_executor, other_tasks (the event loop's "
+                            "(apply results), bitmask (fill and send the token bitmasks a result "
+                            "let through), await_executor, other_tasks (the event loop's "
                             "other work, e.g. gRPC writes)", "phase", LOOP_PHASES)
         self.executor_time = by(Counter, "executor_host_seconds",
                                 "The executor process's time, by phase: idle (no step "

@@ -106,7 +106,8 @@ def test_the_step_loops_time_is_split_by_phase_and_idleness_left_out(service):
         return _delta(before, after, f'pagedserve_{family}_seconds_total{{{label}="{value}"}}')
 
     loop = {p: d("scheduler_loop", "phase", p) for p in
-            ("plan", "send", "deliver", "update", "await_executor", "other_tasks")}
+            ("plan", "send", "deliver", "update", "bitmask", "await_executor",
+             "other_tasks")}
     host = {p: d("executor_host", "phase", p) for p in
             ("idle", "wait", "recv", "launch", "bitmask", "finish", "send")}
     assert all(loop[p] > 0 for p in ("plan", "send", "deliver", "update", "await_executor"))
