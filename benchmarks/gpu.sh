@@ -19,6 +19,10 @@
 #             top_logprobs=5 / extras / plain; then the sampler alone (sampler_extras.py)
 #   structured 64 concurrent JSON-schema requests on 8B against 64 unconstrained (TPOT), then
 #             the bitmask's host time per step at 256 running (benchmarks/structured.py)
+#   sampler   the sampler's GPU tests (the exponential race kernel), then sampler_extras.py
+#             recorded: seeded and unseeded temperature sampling at 256 x 128,256
+#   structsplit benchmarks.structured with --api-server-count 2 (recorded), then at 256 running
+#             with the engine core under cProfile (not recorded): its functions by own time
 #   w1eager   W1 on 1B with --enforce-eager (compare with big: what CUDA graphs buy)
 #   w2        W2 on 1B and 8B, default step budget and streaming, no peer
 #   profile   torch profile of W1 on 8B (2 prefill steps, 4 graphed decodes): ops tables
@@ -277,6 +281,17 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         | tee -a $B/sampler_extras.log ;;
     structured) python3 -m benchmarks.structured "${M8[@]}" --concurrency 64 --wide 256 2>&1 \
       | tee -a $B/structured.log | quiet 8 ;;
+    sampler) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_sampling.py \
+      tests/executor_svc/test_sampler.py 2>&1 | tail -4
+      python3 benchmarks/sampler_extras.py --batch 256 --vocab 128256 --context 640 --record \
+        2>&1 | tee -a $B/sampler_extras.log ;;
+    structsplit) python3 -m benchmarks.structured "${M8[@]}" --concurrency 64 --wide 256 \
+      --server-flag=--api-server-count --server-flag=2 2>&1 | tee -a $B/structured.log | quiet 8
+      PAGEDSERVE_RESULTS=$B/profiled python3 -m benchmarks.structured "${M8[@]}" --concurrency \
+        256 --wide 256 --server-flag=--api-server-count --server-flag=2 --server-flag=--profile-dir \
+        --server-flag=$B/profile_engine_json 2>&1 | tee -a $B/structured.log | quiet 4
+      python3 -c "import pstats; pstats.Stats('$B/profile_engine_json/engine.prof').sort_stats(
+        'tottime').print_stats(30)" | tail -45; rm -f $B/profile_engine_json/engine.prof ;;
     w1eager) fast W1 M1 --server-flag=--enforce-eager ;;
     w2) for m in M1 M8; do tp W2 $m --hf none; done ;;
     profile) profile M8 8b ;;
