@@ -29,6 +29,18 @@ from pagedserve.executor.transfer import to_device
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
 
+@dataclass(frozen=True, slots=True)
+class Bitmask:
+    """A step's token bitmask rows (StepBitmask): req_ids and their rows' bytes, which travel
+    in the message or, to save the copies of a message that size, as a frame of their own."""
+    req_ids: list[int]
+    bits: bytes | memoryview
+
+    @classmethod
+    def of(cls, msg: pb.StepBitmask, frame: bytes | memoryview | None = None) -> Bitmask:
+        return cls(list(msg.req_ids), msg.token_bitmask if frame is None else frame)
+
+
 @dataclass(slots=True)
 class Launched:
     """A step whose forward pass and sampling are queued on the device, tokens unread."""
@@ -140,7 +152,7 @@ class ModelRunner:
         return launched.req_ids, tokens
 
     def launch(self, plan: pb.StepPlan,
-               await_bitmask: Callable[[], pb.StepBitmask | None] = lambda: None,
+               await_bitmask: Callable[[], Bitmask | pb.StepBitmask | None] = lambda: None,
                ) -> Launched | None:
         """Apply a plan and queue its forward pass and sampling on the device; None if nothing
         samples. A decode row whose input is the token of a step launched but not finished
@@ -156,7 +168,7 @@ class ModelRunner:
             self.device_time.close(launched.ready if launched is not None else None)
 
     def _launch(self, plan: pb.StepPlan,
-                await_bitmask: Callable[[], pb.StepBitmask | None]) -> Launched | None:
+                await_bitmask: Callable[[], Bitmask | pb.StepBitmask | None]) -> Launched | None:
         for rid in (*plan.finished_req_ids, *plan.preempted_req_ids):
             self._forget(rid)
         if plan.swap_out_src or plan.swap_in_src:
@@ -237,7 +249,7 @@ class ModelRunner:
         return row
 
     def _run(self, rows: np.ndarray, ns: np.ndarray, plan: pb.StepPlan,
-             await_bitmask: Callable[[], pb.StepBitmask | None]) -> Launched | None:
+             await_bitmask: Callable[[], Bitmask | pb.StepBitmask | None]) -> Launched | None:
         bs, dev, cols = self.block_size, self.device, self.cols
         b = len(rows)
         starts = cols.num_computed[rows]
@@ -392,12 +404,14 @@ class ModelRunner:
             if st.count_slot >= 0:
                 self.counts.release(st.count_slot)
 
-    def _add_bitmask(self, sampling: SamplingBatch, req_ids: list[int], bitmask: pb.StepBitmask,
-                     vocab: int) -> None:
+    def _add_bitmask(self, sampling: SamplingBatch, req_ids: list[int],
+                     bitmask: Bitmask | pb.StepBitmask, vocab: int) -> None:
         """The step's token bitmask rows, on the device in sampling-row order."""
-        words, ids = (vocab + 31) // 32, list(bitmask.req_ids)
-        if len(bitmask.token_bitmask) != 4 * words * len(ids):
-            raise ValueError(f"token_bitmask: {len(bitmask.token_bitmask)} bytes for {len(ids)} "
+        if isinstance(bitmask, pb.StepBitmask):
+            bitmask = Bitmask.of(bitmask)
+        words, ids, bits = (vocab + 31) // 32, bitmask.req_ids, bitmask.bits
+        if len(bits) != 4 * words * len(ids):
+            raise ValueError(f"token_bitmask: {len(bits)} bytes for {len(ids)} "
                              f"rows of {words} words")
         if not ids:  # every constrained request ended meanwhile
             return
@@ -407,8 +421,8 @@ class ModelRunner:
             raise ValueError("bitmask_req_ids: a request that does not sample in this step, or "
                              "twice")
         order = sorted(range(len(ids)), key=rows.__getitem__)  # ascending sampling rows
-        host = torch.frombuffer(bytearray(bitmask.token_bitmask), dtype=torch.int32)
-        mask = host.view(len(ids), words)[order]
+        # the gather copies the (read-only) rows once, into sampling-row order
+        mask = torch.from_numpy(np.frombuffer(bits, np.int32).reshape(len(ids), words)[order])
         sampling.bitmask = to_device(mask, self.device)
         sampling.bitmask_rows = [rows[i] for i in order]
 

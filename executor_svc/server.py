@@ -26,7 +26,7 @@ from pagedserve.core.link_security import (
 from pagedserve.core.readiness import EXIT_CONFIG, mark_ready
 from pagedserve.executor.jit_watch import JitWatch
 from pagedserve.executor.profiling import StepProfiler
-from pagedserve.executor.runner import Launched
+from pagedserve.executor.runner import Bitmask, Launched
 from pagedserve.executor.step_clock import PhaseClock, take
 from pagedserve.executor.worker import MemoryBudgetError, Worker, executor_config
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
@@ -55,7 +55,7 @@ class ExecutorServer:
         self.stopping = False
         self._refused = False  # told once in the log
         self._launched: tuple[int, Launched, float] | None = None
-        self._held: bytes | None = None  # a message received while awaiting a bitmask
+        self._held: list | None = None  # a message's frames received while awaiting a bitmask
         self.clock = PhaseClock()  # host time by phase, sent with each result
 
     def _hello(self) -> None:
@@ -77,10 +77,10 @@ class ExecutorServer:
                     self._hello()
                 continue
             if self._held is not None:
-                msg, self._held = _decode(self._held), None
+                msg, self._held = _decode(self._held[0]), None
             else:
                 with self._phase("recv"):
-                    msg = _decode(self.sock.recv())
+                    msg = _decode(self._recv()[0])
             if msg is not None:
                 self._handle(msg)
         self.sock.close()
@@ -156,7 +156,7 @@ class ExecutorServer:
             launched, self._launched = self._launched, None
             self._send(self._finish(*launched))
 
-    def _await_bitmask(self, step_id: int) -> pb.StepBitmask:
+    def _await_bitmask(self, step_id: int) -> Bitmask:
         """Called by the runner between a step's forward pass and its sampling: the result of
         the step before goes out (the masks may depend on its tokens), then this waits for
         the step's StepBitmask. While waiting it says hello every second, as when idle: a
@@ -171,21 +171,27 @@ class ExecutorServer:
                 if not self.sock.poll(int(HELLO_INTERVAL_S * 1000)):
                     self._hello()
                     continue
-                data = self.sock.recv()
-                if (msg := _decode(data)) is None:
+                frames = self._recv()
+                if (msg := _decode(frames[0])) is None:
                     continue
                 kind = msg.WhichOneof("kind")
                 if kind == "bitmask":
                     if msg.bitmask.step_id == step_id:
-                        return msg.bitmask
+                        return Bitmask.of(msg.bitmask, frames[1] if len(frames) > 1 else None)
                     log.debug("dropped the bitmask of step %d while awaiting step %d's",
                               msg.bitmask.step_id, step_id)
                     continue
-                self._held = data
+                self._held = frames
                 if kind == "plan":
                     raise ValueError(f"step {msg.plan.step_id}'s plan arrived before step "
                                      f"{step_id}'s token bitmask")
                 raise Abandoned
+
+    def _recv(self) -> list:
+        """One message's frames: its SchedulerMessage, then for a StepBitmask the mask rows as
+        a frame of their own (a buffer over ZeroMQ's memory, not copied)."""
+        frames = self.sock.recv_multipart(copy=False)
+        return [frames[0].bytes, *(f.buffer for f in frames[1:2])]
 
     def _send(self, result: pb.StepResult) -> None:
         with self._phase("send"):

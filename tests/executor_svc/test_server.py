@@ -44,6 +44,12 @@ class Scheduler:
         data = msg if isinstance(msg, bytes) else msg.SerializeToString()
         self.sock.send_multipart([self.ident, data])
 
+    def send_mask_frame(self, mask: pb.SchedulerMessage) -> None:
+        """As the scheduler's link sends a mask: its rows as a frame after the message."""
+        bits = mask.bitmask.token_bitmask
+        mask.bitmask.token_bitmask = b""
+        self.sock.send_multipart([self.ident, mask.SerializeToString(), bits])
+
     def welcome(self) -> None:
         while (msg := self.recv()).WhichOneof("kind") != "hello":
             pass
@@ -94,8 +100,8 @@ def test_the_mask_is_awaited_after_the_previous_result_goes_out(link):
     first = link.result()
     assert (first.step_id, list(first.req_ids), first.error) == (1, [1], "")
     assert link.result(timeout_s=0.3) is None  # step 2 waits for its mask
-    link.send(only(1, 1, 99))  # a stale one (of a step not awaited) is dropped
-    link.send(only(2, 1, 4000))  # bit 31 of its word: the sign bit
+    link.send_mask_frame(only(1, 1, 99))  # a stale one (of a step not awaited) is dropped
+    link.send_mask_frame(only(2, 1, 4000))  # bit 31 of its word: the sign bit
     second = link.result()
     assert (second.step_id, list(second.sampled_token_ids), second.error) == (2, [4000], "")
     link.send(pb.SchedulerMessage(plan=pb.StepPlan(step_id=3, finished_req_ids=[1])))
@@ -125,6 +131,13 @@ def test_a_malformed_mask_fails_its_step(link):
     got = link.result()
     assert (got.step_id, list(got.req_ids)) == (20, [])
     assert got.error == f"ValueError: token_bitmask: {4 * WORDS - 4} bytes for 1 rows of " \
+                        f"{WORDS} words"
+    link.send(new(21, 3, [2], bitmask_follows=True))  # the same, the rows as a frame
+    bad = only(21, 3, 1)
+    bad.bitmask.token_bitmask = bad.bitmask.token_bitmask + b"\0"
+    link.send_mask_frame(bad)
+    got = link.result()
+    assert got.error == f"ValueError: token_bitmask: {4 * WORDS + 1} bytes for 1 rows of " \
                         f"{WORDS} words"
 
 
