@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -152,13 +153,14 @@ class ExecutorLink:
         self._in_flight.append(step_id)
         await self.sock.send_multipart([self._ident, encode_plan(step_id, out)])
 
-    async def send_bitmask(self, step_id: int, req_ids: list[int], bits: bytes) -> None:
+    async def send_bitmask(self, step_id: int, req_ids: list[int],
+                           bits: bytes | np.ndarray) -> None:
         """A step's token bitmasks, after its plan (StepPlan.bitmask_follows): the rows go as a
         frame of their own, not copied (at 256 rows of a 128k vocabulary they are 4 MB, and
         putting them in the message and serializing it copied them twice on the loop)."""
         frames = [self._ident, encode_bitmask(step_id, req_ids, b"")]
-        if bits:
-            frames.append(bits)
+        if len(bits):
+            frames.append(memoryview(bits).cast("B"))
         await self.sock.send_multipart(frames, copy=False)
 
     # ----------------------------------------------------------------- incoming

@@ -136,17 +136,28 @@ class Grammars:
 
         return xgr.GrammarMatcher(compiled)
 
-    def fill(self, matchers: list[Any]) -> bytes:
-        """The bitmask rows of these matchers' next tokens, as StepBitmask.token_bitmask (none
-        may be terminated). One batched call: xgrammar spreads the rows over its threads and
-        releases the GIL once, where a call per row released and re-took it per row (with
-        another thread of this process running, each re-take can wait a GIL switch interval)."""
+    def fill(self, matchers: list[Any]) -> np.ndarray:
+        """The bitmask rows of these matchers' next tokens, [R, words] int32 (the bytes of
+        StepBitmask's rows, sent as they are: no copy; none may be terminated). One batched
+        call: xgrammar spreads the rows over its threads and releases the GIL once, where a
+        call per row released and re-took it per row (with another thread of this process
+        running, each re-take can wait a GIL switch interval)."""
         import torch
 
         mask = np.empty((len(matchers), self.words), np.int32)
         if matchers:  # xgrammar fills a tensor; this one shares the memory
             self._get_batch().batch_fill_next_token_bitmask(matchers, torch.from_numpy(mask))
-        return mask.tobytes()
+        return mask
+
+    @staticmethod
+    def accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
+        """Advance each matcher by its token in one call (a call per row cost ~34 us each on
+        the H200's host at 256 rows); whether each accepted it."""
+        import xgrammar as xgr
+
+        if not matchers:
+            return []
+        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
 
 
 def choice_grammar(choices: list[str]) -> str:

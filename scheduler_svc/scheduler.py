@@ -294,6 +294,7 @@ class Scheduler:
         the next plan. Before min_tokens only max_tokens ends one. Finished and aborted
         requests are skipped. logprobs: by row, for the requests that asked."""
         sampled = []
+        accepted = self._accept(req_ids, token_ids)
         for row, (rid, tok) in enumerate(zip(req_ids, token_ids, strict=True)):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -303,7 +304,7 @@ class Scheduler:
             params = req.params
             # the mask allowed only tokens the matcher accepts: a refusal means a broken
             # executor, and the request ends rather than go on off its grammar
-            refused = req.matcher is not None and not req.matcher.accept_token(tok)
+            refused = req.matcher is not None and not accepted[rid]
             if refused:
                 log.error("request %s: the executor sampled token %d, which its grammar "
                           "refuses; ending it", req.external_id, tok)
@@ -320,6 +321,19 @@ class Scheduler:
                 self.finish(rid)
             sampled.append(out)
         return sampled
+
+    def _accept(self, req_ids: list[int], token_ids: list[int]) -> dict[int, bool]:
+        """The running constrained requests' matchers advanced by their tokens, in one call
+        for the step: whether each accepted its token, by request id."""
+        rows = [(rid, req.matcher, tok) for rid, tok in zip(req_ids, token_ids, strict=True)
+                if (req := self.requests.get(rid)) is not None
+                and req.status == RequestStatus.RUNNING and req.matcher is not None]
+        if not rows:
+            return {}
+        from pagedserve.scheduler.grammar import Grammars
+
+        rids, matchers, tokens = zip(*rows, strict=True)
+        return dict(zip(rids, Grammars.accept(list(matchers), list(tokens)), strict=True))
 
     def expect_tokens(self, out: SchedulerOutput) -> None:
         """Async scheduling: give every request that samples in `out` a pending token, so the

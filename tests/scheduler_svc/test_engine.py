@@ -66,7 +66,8 @@ class FakeLink:
         self.new_plan.set()
 
     async def send_bitmask(self, step_id, req_ids, bits) -> None:
-        msg = pb.SchedulerMessage.FromString(encode_bitmask(step_id, req_ids, bits)).bitmask
+        msg = pb.SchedulerMessage.FromString(encode_bitmask(step_id, req_ids,
+                                                            bytes(bits))).bitmask
         self.masks[step_id] = msg
         self.events.append(("mask", step_id))
 

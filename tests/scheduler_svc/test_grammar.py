@@ -150,4 +150,27 @@ def test_the_batched_fill_gives_each_row_its_own_matchers_mask(grammars, tokeniz
         m.fill_next_token_bitmask(one, 0)
         assert np.array_equal(row, one[0].numpy())
     assert not np.array_equal(batched[0], batched[1])
-    assert grammars.fill([]) == b""
+    assert grammars.fill([]).shape == (0, words)
+
+
+def test_a_steps_constrained_tokens_are_accepted_in_one_call(monkeypatch):
+    """One batched accept for the step's constrained rows (not a call per row); each row's
+    refusal still ends only its own request."""
+    from pagedserve.scheduler.grammar import Grammars
+
+    calls = []
+    real = Grammars.accept
+
+    def counting(matchers, tokens):
+        calls.append(list(tokens))
+        return real(matchers, tokens)
+
+    monkeypatch.setattr(Grammars, "accept", staticmethod(counting))
+    s = make()
+    for rid in (1, 2):
+        s.add(constrained(rid, "ab"))
+    s.add(Request(3, "r3", 2, [0, 1], GenerationParams(max_tokens=10), arrival_seq=3))
+    s.schedule()
+    out = s.update([1, 2, 3], [0, 2, 2])  # "a" fits; "c" is refused; 3 is unconstrained
+    assert calls == [[0, 2]]
+    assert [o.finish_reason for o in out] == [None, "stop", None]
