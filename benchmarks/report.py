@@ -395,7 +395,8 @@ def _shape(r: dict) -> str:
 
 
 def kernels_section(records: list[dict]) -> list[str]:
-    plain = [r for r in records if "sweep" not in r["kind"] and r["kind"] != "decode_fp8kv"]
+    plain = [r for r in records if "sweep" not in r["kind"]
+             and r["kind"] not in ("decode_fp8kv", "sampler_step")]  # sampler: performance.md
     by: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in newest(plain, lambda r: (r["kind"], _shape(r), r["impl"])):
         by[(r["kind"], _shape(r))][r["impl"]] = r
