@@ -127,7 +127,8 @@ class ModelRunner:
     def execute(self, plan: pb.StepPlan, bitmask: pb.StepBitmask | None = None
                 ) -> tuple[list[int], list[int]]:
         """Run one step; return (req_ids, sampled token ids) of requests that sampled."""
-        launched = self.launch(plan, lambda: bitmask)
+        mask = Bitmask.of(bitmask) if bitmask is not None else None
+        launched = self.launch(plan, lambda: mask)
         return self.finish(launched) if launched is not None else ([], [])
 
     def finish(self, launched: Launched) -> tuple[list[int], list[int]]:
@@ -152,7 +153,7 @@ class ModelRunner:
         return launched.req_ids, tokens
 
     def launch(self, plan: pb.StepPlan,
-               await_bitmask: Callable[[], Bitmask | pb.StepBitmask | None] = lambda: None,
+               await_bitmask: Callable[[], Bitmask | None] = lambda: None,
                ) -> Launched | None:
         """Apply a plan and queue its forward pass and sampling on the device; None if nothing
         samples. A decode row whose input is the token of a step launched but not finished
@@ -168,7 +169,7 @@ class ModelRunner:
             self.device_time.close(launched.ready if launched is not None else None)
 
     def _launch(self, plan: pb.StepPlan,
-                await_bitmask: Callable[[], Bitmask | pb.StepBitmask | None]) -> Launched | None:
+                await_bitmask: Callable[[], Bitmask | None]) -> Launched | None:
         for rid in (*plan.finished_req_ids, *plan.preempted_req_ids):
             self._forget(rid)
         if plan.swap_out_src or plan.swap_in_src:
@@ -249,7 +250,7 @@ class ModelRunner:
         return row
 
     def _run(self, rows: np.ndarray, ns: np.ndarray, plan: pb.StepPlan,
-             await_bitmask: Callable[[], Bitmask | pb.StepBitmask | None]) -> Launched | None:
+             await_bitmask: Callable[[], Bitmask | None]) -> Launched | None:
         bs, dev, cols = self.block_size, self.device, self.cols
         b = len(rows)
         starts = cols.num_computed[rows]
@@ -404,11 +405,9 @@ class ModelRunner:
             if st.count_slot >= 0:
                 self.counts.release(st.count_slot)
 
-    def _add_bitmask(self, sampling: SamplingBatch, req_ids: list[int],
-                     bitmask: Bitmask | pb.StepBitmask, vocab: int) -> None:
+    def _add_bitmask(self, sampling: SamplingBatch, req_ids: list[int], bitmask: Bitmask,
+                     vocab: int) -> None:
         """The step's token bitmask rows, on the device in sampling-row order."""
-        if isinstance(bitmask, pb.StepBitmask):
-            bitmask = Bitmask.of(bitmask)
         words, ids, bits = (vocab + 31) // 32, bitmask.req_ids, bitmask.bits
         if len(bits) != 4 * words * len(ids):
             raise ValueError(f"token_bitmask: {len(bits)} bytes for {len(ids)} "

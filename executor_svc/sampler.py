@@ -26,23 +26,24 @@ import torch
 
 from pagedserve.executor.penalties import TokenCounts
 from pagedserve.executor.transfer import to_device
+from pagedserve.kernels.sampling_reference import GAMMA, MIX1, MIX2
 
 _MASK64 = (1 << 64) - 1
 
 
 def _splitmix64(x: int) -> int:
     """A bijection of 64-bit integers that scatters nearby inputs (SplitMix64's finalizer)."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + GAMMA) & _MASK64
+    x = ((x ^ (x >> 30)) * MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * MIX2) & _MASK64
     return x ^ (x >> 31)
 
 
 def _splitmix64_np(x: np.ndarray) -> np.ndarray:
     """_splitmix64 over a uint64 array (numpy's array arithmetic wraps)."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x + np.uint64(GAMMA)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(MIX1)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(MIX2)
     return x ^ (x >> np.uint64(31))
 
 

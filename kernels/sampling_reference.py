@@ -8,10 +8,10 @@ function of its seed and the position it samples, kernels-side nothing else):
     z = key + (v + 1) * GAMMA            (mod 2**64; SplitMix64's state after v + 1 steps)
     z = mix(z)                           (SplitMix64's finalizer, a bijection)
     u = ((z >> 41) + 0.5) / 2**23        (the top 23 bits: exact in a float32, in (0, 1))
-
-(the finalizer's last step, z ^ (z >> 31), does not change the top 23 bits: both paths skip
-it).
     E = -log(u)
+
+(The finalizer's last step, z ^ (z >> 31), does not change the top 23 bits: both paths skip
+it. The sampler's position_seed uses the same constants.)
 
 The integer part is bit-exact between this file and kernels/sampling.py; E is a float32 log, so
 the two may differ in the last bit, and an argmax can then differ only between two candidates
@@ -48,6 +48,7 @@ def race_uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     # SplitMix64's last step, z ^ (z >> 31), leaves the top 23 bits as they are
     z = _shr(z, 41).to(torch.float32)
     return z.add_(0.5).mul_(1.0 / (1 << 23))
+
 
 def exponential_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """[R, V] float32 probabilities (rows need not be normalized), [R] int64 keys -> [R] int64

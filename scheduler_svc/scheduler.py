@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagedserve.scheduler.block_manager import BlockManager, CachedPrefix, HostBlockPool
+from pagedserve.scheduler.grammar import Grammars
 from pagedserve.scheduler.outputs import (
     Sampled,
     ScheduledRequest,
@@ -330,8 +331,6 @@ class Scheduler:
                 and req.status == RequestStatus.RUNNING and req.matcher is not None]
         if not rows:
             return {}
-        from pagedserve.scheduler.grammar import Grammars
-
         rids, matchers, tokens = zip(*rows, strict=True)
         return dict(zip(rids, Grammars.accept(list(matchers), list(tokens)), strict=True))
 
