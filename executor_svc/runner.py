@@ -41,6 +41,19 @@ class Bitmask:
         return cls(list(msg.req_ids), msg.token_bitmask if frame is None else frame)
 
 
+SPEC_UNREAD = -2  # RowColumns.pending_launch of a drafted row until finish() verifies it
+
+
+@dataclass(frozen=True, slots=True)
+class Drafted:
+    """A step's drafted rows (speculative decoding): their RowColumns rows, where each one's
+    k + 1 samples start in the step's sampled tokens, and its k drafts."""
+
+    rows: list[int]
+    first: list[int]
+    drafts: list[list[int]]
+
+
 @dataclass(slots=True)
 class Launched:
     """A step whose forward pass and sampling are queued on the device, tokens unread."""
@@ -57,6 +70,7 @@ class Launched:
     # CUDA: tokens copied to pinned host memory behind the sampling, and the event after it
     host_tokens: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+    drafted: Drafted | None = None  # speculative rows, verified by finish()
 
 
 @dataclass(slots=True)
@@ -150,7 +164,31 @@ class ModelRunner:
             cols.last_token[rows[mine]] = host.numpy()[mine]
             cols.pending_launch[rows[mine]] = -1
         self._unread.pop(launched.launch_id, None)
-        return launched.req_ids, tokens
+        if launched.drafted is None:
+            return launched.req_ids, tokens
+        keep = self._verify(launched.drafted, tokens)
+        if launched.logprobs is not None:
+            launched.logprobs = launched.logprobs.select(keep)
+        return ([r for r, k in zip(launched.req_ids, keep, strict=True) if k],
+                [t for t, k in zip(tokens, keep, strict=True) if k])
+
+    def _verify(self, drafted: Drafted, tokens: list[int]) -> list[bool]:
+        """Keep each drafted row's samples up to and including the first that differs from its
+        draft (all k + 1 if none does); its computed tokens go back by the drafts rejected.
+        Which of the step's sampled tokens are kept."""
+        keep = [True] * len(tokens)
+        cols = self.cols
+        for row, first, drafts in zip(drafted.rows, drafted.first, drafted.drafts, strict=True):
+            k, a = len(drafts), 0
+            while a < k and tokens[first + a] == drafts[a]:
+                a += 1
+            for i in range(first + a + 1, first + k + 1):
+                keep[i] = False
+            cols.last_token[row] = tokens[first + a]
+            cols.known[row] += a + 1
+            cols.num_computed[row] -= k - a
+            cols.pending_launch[row] = -1
+        return keep
 
     def launch(self, plan: pb.StepPlan,
                await_bitmask: Callable[[], Bitmask | None] = lambda: None,
@@ -179,6 +217,7 @@ class ModelRunner:
             raise ValueError("the plan's new_requests and new_num_scheduled_tokens differ in "
                              "length")
         cached = self._cached_rows(plan)  # checked before anything changes
+        spec, drafts = self._drafts(plan, cached)
         arrivals = []  # (count slot, token ids, prompt tokens) of new penalized requests
         new_rows = [self._admit(new, arrivals) for new in plan.new_requests]
         self.counts.load(arrivals)
@@ -188,7 +227,35 @@ class ModelRunner:
         rows = np.concatenate([np.asarray(new_rows, np.int64), cached])
         ns = np.concatenate([np.array(plan.new_num_scheduled_tokens, np.int64),
                              np.array(plan.cached_num_scheduled_tokens, np.int64)])
-        return self._run(rows, ns, plan, await_bitmask)
+        if spec is not None:
+            spec = np.concatenate([np.zeros(n_new, np.int64), spec])
+            drafts = [[]] * n_new + drafts
+        return self._run(rows, ns, plan, await_bitmask, spec, drafts)
+
+    def _drafts(self, plan: pb.StepPlan, cached: np.ndarray
+                ) -> tuple[np.ndarray | None, list[list[int]]]:
+        """The cached requests' draft counts and drafts (speculative decoding); None if the
+        plan has none. Raises if they do not add up, or a drafted row is one this step cannot
+        verify (its last step's drafts unread, or sampling stages that count outputs)."""
+        if not plan.cached_num_spec_tokens:
+            return None, []
+        spec = np.array(plan.cached_num_spec_tokens, np.int64)
+        ids = list(plan.cached_spec_token_ids)
+        if len(spec) != len(cached) or spec.min() < 0 or int(spec.sum()) != len(ids):
+            raise ValueError("the plan's cached_num_spec_tokens and cached_spec_token_ids do "
+                             "not add up")
+        cols = self.cols
+        on = spec > 0
+        bad = on & ((cols.pending_launch[cached] != -1)
+                    | ((cols.features[cached] & (PENALTY | MIN_TOKENS)) != 0))
+        if bad.any():
+            rid = cols.req_id[cached[int(np.argmax(bad))]]
+            raise ValueError(f"request {rid}: drafted while its last token is unread, or with "
+                             f"penalties or min_tokens, which speculation does not cover")
+        if not on.any():
+            return None, []
+        ends = np.cumsum(spec)
+        return spec, [ids[e - n:e] for n, e in zip(spec.tolist(), ends.tolist(), strict=True)]
 
     def _cached_rows(self, plan: pb.StepPlan) -> np.ndarray:
         """The rows of the plan's cached requests, their new blocks appended; raises if one is
@@ -201,6 +268,9 @@ class ModelRunner:
         if len(rows) and rows.min() < 0:
             raise ValueError(f"request {ids[int(np.argmin(rows))]}: planned as cached, but this "
                              f"executor does not hold it")
+        if len(rows) and (self.cols.pending_launch[rows] == SPEC_UNREAD).any():
+            i = int(np.argmax(self.cols.pending_launch[rows] == SPEC_UNREAD))
+            raise ValueError(f"request {ids[i]}: planned before its drafts were verified")
         starts = np.array(plan.cached_num_computed_tokens, np.int64)
         if (drift := np.flatnonzero(self.cols.num_computed[rows] != starts)).size:
             i = int(drift[0])
@@ -250,14 +320,19 @@ class ModelRunner:
         return row
 
     def _run(self, rows: np.ndarray, ns: np.ndarray, plan: pb.StepPlan,
-             await_bitmask: Callable[[], Bitmask | None]) -> Launched | None:
+             await_bitmask: Callable[[], Bitmask | None],
+             spec: np.ndarray | None = None, drafts: list[list[int]] | None = None,
+             ) -> Launched | None:
+        """spec: drafts per row (speculative decoding), drafts: theirs; None: no row has any."""
         bs, dev, cols = self.block_size, self.device, self.cols
         b = len(rows)
         starts = cols.num_computed[rows]
         ends = starts + ns
-        known = cols.known[rows]
+        known = cols.known[rows] if spec is None else cols.known[rows] + spec
         num_blocks = self.tables.lengths[rows]
         bad = (ends > known) | (ends > num_blocks * bs)
+        if spec is not None:  # a drafted row runs its last token and its drafts, no less
+            bad |= (spec > 0) & (ends != known)
         if bad.any():
             rid = cols.req_id[rows[int(np.argmax(bad))]]
             raise ValueError(f"request {rid}: plan runs past its tokens or blocks")
@@ -269,7 +344,11 @@ class ModelRunner:
             seq_of_token = np.repeat(np.arange(b), ns)
             positions = starts[seq_of_token] + np.arange(cu_q[-1]) - cu_q[:-1][seq_of_token]
             token_rows = rows[seq_of_token]
-        input_ids, patch = self._inputs(rows, starts, ends, known, cu_q)
+        input_ids, patch = self._inputs(rows, starts, ends, known if spec is None else known -
+                                        spec, cu_q)
+        if spec is not None:
+            for i in np.flatnonzero(spec).tolist():
+                input_ids[cu_q[i] + 1:cu_q[i + 1]] = drafts[i]
         table = self.tables.array
         slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         sample = ends == known  # prompt (or chunk) complete: its last row's logits are needed
@@ -301,7 +380,8 @@ class ModelRunner:
             if patch is not None:
                 ids[patch[0]] = patch[1]
             pos = to_device(positions, dev)
-            last_rows = to_device(cu_q[1:][sample] - 1, dev)
+            last_rows = to_device(cu_q[1:][sample] - 1 if spec is None else
+                                  _logit_rows(cu_q[1:][sample], spec[sample]), dev)
             if scored is None:
                 logits = self.model(ids, pos, self.kv_caches, meta, last_rows)
             else:
@@ -315,7 +395,18 @@ class ModelRunner:
                 return None
             return Launched([], srows, -1, torch.empty(0, dtype=torch.int64, device=dev),
                             self.last_step_graphed, prompt=prompt)
-        sampling = self._sampling_batch(srows, ends[sample])
+        drafted = None
+        if spec is None:
+            sampling = self._sampling_batch(srows, ends[sample])
+        else:  # a drafted row samples at each of its k + 1 positions, k + 1 rows in a row
+            per = spec[sample]
+            positions = _logit_rows(ends[sample] + 1, per)  # where each sample goes
+            srows = np.repeat(srows, per + 1)
+            sampling = self._sampling_batch(srows, positions)
+            on = np.flatnonzero(per)
+            firsts = np.cumsum(per + 1) - (per + 1)
+            drafted = Drafted(srows[firsts[on]].tolist(), firsts[on].tolist(),
+                              [drafts[i] for i in np.flatnonzero(sample)[on].tolist()])
         req_ids = cols.req_id[srows].tolist()
         if plan.bitmask_follows:  # the device waits for the scheduler meanwhile: a gap
             self.device_time.close()
@@ -335,9 +426,18 @@ class ModelRunner:
             launched.host_tokens.copy_(sampled.tokens, non_blocking=True)
             launched.ready = torch.cuda.Event(enable_timing=self.device_time.on)
             launched.ready.record()
-        cols.known[srows] += 1
-        cols.pending_launch[srows] = launched.launch_id
-        cols.pending_index[srows] = np.arange(len(srows))
+        if drafted is None:
+            cols.known[srows] += 1
+            cols.pending_launch[srows] = launched.launch_id
+            cols.pending_index[srows] = np.arange(len(srows))
+        else:  # the drafted rows' known tokens move in finish(), once verified
+            plain = np.ones(len(srows), bool)
+            plain[_logit_rows(np.asarray(drafted.first) + per[on] + 1, per[on])] = False
+            cols.known[srows[plain]] += 1
+            cols.pending_launch[srows[plain]] = launched.launch_id
+            cols.pending_index[srows[plain]] = np.flatnonzero(plain)
+            cols.pending_launch[drafted.rows] = SPEC_UNREAD
+            launched.drafted = drafted
         self._unread[launched.launch_id] = sampled.tokens
         return launched
 
@@ -350,8 +450,8 @@ class ModelRunner:
         its steps are such) takes RowColumns.last_token, or the patch if it is pending; only
         prefill chunks read their request's token_ids."""
         cols = self.cols
-        last = cu_q[1:] - 1  # each row's last flat index
-        tail = starts == known - 1  # then it schedules one token (ends <= known)
+        last = cu_q[:-1]  # each row's first flat index: a row at its last token starts there
+        tail = starts == known - 1  # then it schedules one token (ends <= known), or drafts
         if tail.all() and cu_q[-1] == len(rows):
             input_ids = cols.last_token[rows]
         else:
@@ -437,3 +537,13 @@ class ModelRunner:
             batch.count_slots = cols.count_slot[rows].tolist()
             batch.counts = self.counts
         return batch
+
+
+def _logit_rows(ends: np.ndarray, per: np.ndarray) -> np.ndarray:
+    """For each row, the per + 1 indices ending at its end - 1: ends - per - 1 .. ends - 1, in
+    row order (a drafted row's k + 1 flat rows, or its k + 1 sampled positions' ends)."""
+    counts = per + 1
+    total = int(counts.sum())
+    starts = np.repeat(ends - counts, counts)
+    offsets = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    return starts + offsets

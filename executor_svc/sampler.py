@@ -19,6 +19,7 @@ those of the raw logits (the mask is not a model probability, as vLLM's default)
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -134,6 +135,22 @@ class HostLogprobs:
     num_top: list[int]
     top_ids: list[int]
     top_logprobs: list[float]
+
+    def select(self, keep: list[bool]) -> HostLogprobs:
+        """These logprobs for the sampled rows kept (speculative decoding drops the rejected
+        ones), their rows renumbered among those kept."""
+        index = list(itertools.accumulate(keep))  # a kept row's new index + 1
+        out = HostLogprobs([], [], [], [], [])
+        at = 0
+        for row, lp, k in zip(self.rows, self.sampled, self.num_top, strict=True):
+            if keep[row]:
+                out.rows.append(index[row] - 1)
+                out.sampled.append(lp)
+                out.num_top.append(k)
+                out.top_ids.extend(self.top_ids[at:at + k])
+                out.top_logprobs.extend(self.top_logprobs[at:at + k])
+            at += k
+        return out
 
 
 def read_logprobs(out: SampleOutput) -> HostLogprobs | None:

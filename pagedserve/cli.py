@@ -171,6 +171,15 @@ def _run(args: argparse.Namespace) -> int:
             check_addresses(args)
         except BindError as e:
             raise SystemExit(f"pagedserve {args.command}: {e}") from None
+    if args.command in ("serve", "scheduler", "engine"):  # a bad JSON fails before any import
+        from pagedserve.scheduler.speculative import SpeculativeConfig, SpeculativeConfigError
+
+        try:
+            spec = SpeculativeConfig.parse(args.speculative_config)
+            if spec is not None and args.max_num_batched_tokens:
+                spec.check(1 << 62, args.max_num_batched_tokens)
+        except SpeculativeConfigError as e:
+            raise SystemExit(f"pagedserve {args.command}: {e}") from None
     if args.command in ("serve", "scheduler", "engine", "api", "executor"):
         # before the server modules' imports (seconds): a bad --model fails at once; and serve
         # converts a GGUF here once, before two processes race for it

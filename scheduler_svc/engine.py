@@ -55,6 +55,7 @@ class InFlight:
     mask_rows: list[tuple[Request, int]] = field(default_factory=list)
     mask_sent: bool = True
     bitmask_s: float = 0.0  # filling them
+    drafted: bool = False  # some request in it has speculative drafts
 
 
 class Engine:
@@ -218,7 +219,8 @@ class Engine:
             t0 = now()
             self.streams.expire()
             self.telemetry.observe_scheduler(sched.stats())
-            if len(inflight) < depth and (step := self._plan(sched, ahead=bool(inflight))):
+            if len(inflight) < depth and self._may_plan(sched, inflight) and (
+                    step := self._plan(sched, ahead=bool(inflight))):
                 t1 = now()
                 inflight.append(step)
                 await self.link.send(step.step_id, step.out)
@@ -258,6 +260,14 @@ class Engine:
             await self._send_bitmasks(inflight)
             loop["bitmask"].inc(now() - t3)
 
+    @staticmethod
+    def _may_plan(sched: Scheduler, inflight: deque[InFlight]) -> bool:
+        """Whether to plan now: always with nothing in flight; ahead of a result (async
+        scheduling) only when no step in flight has drafts (how many tokens its requests keep
+        is unknown until it returns) and the next step would draft none (a step planned ahead
+        drafts nothing, so planning ahead while speculation is on would turn it off)."""
+        return not inflight or not (inflight[-1].drafted or sched.num_drafts())
+
     def _plan(self, sched: Scheduler, ahead: bool) -> InFlight | None:
         if not sched.has_work():
             return None
@@ -274,7 +284,9 @@ class Engine:
         for s in out.new:
             self.telemetry.scheduled(self.streams.get(s.req.req_id), time.monotonic(), s.start)
         step = InFlight(next(self._step_ids), out, self.link.generation, t0, time.perf_counter(),
-                        rows, not rows)
+                        rows, not rows,
+                        drafted=sched.proposer is not None
+                        and any(s.spec_token_ids for s in out.cached))
         self.metrics.plan_time.observe(step.t1 - t0)
         return step
 
@@ -327,8 +339,13 @@ class Engine:
                                     else ()):
             if (t := self.streams.get(rid)) is not None:
                 t.record_prompt_logprobs(start, entries)
-        sampled = self.scheduler.update(list(item.req_ids), list(item.sampled_token_ids),
-                                        logprobs_of(item) if item.logprob_rows else None)
+        try:
+            sampled = self.scheduler.update(list(item.req_ids), list(item.sampled_token_ids),
+                                            logprobs_of(item) if item.logprob_rows else None)
+        except ValueError as e:  # more tokens than a request's drafts allow: nothing changed
+            self.telemetry.step(item, timing, 0)
+            self._fail_step(step, "INTERNAL", f"executor step result refused: {e}")
+            return []
         self.telemetry.step(item, timing, len(sampled))
         return sampled
 
@@ -360,6 +377,13 @@ class Engine:
 
     # ----------------------------------------------------------------- executor
     def _joined(self, cap: pb.Capacity) -> None:
+        if (spec := self.cfg.speculative) is not None:
+            try:
+                spec.check(cap.max_model_len, self.cfg.max_num_batched_tokens
+                           or cap.max_num_batched_tokens or 1 << 62)
+            except ValueError as e:  # a flag no executor can serve: say so and stop
+                log.critical("%s", e)
+                os._exit(2)
         self.scheduler = adopt(self.scheduler, self.cfg, cap, self.kv_watermark,
                                self.eos_token_ids)
         if self.grammars is None or self.grammars.vocab_size != cap.vocab_size:

@@ -23,6 +23,7 @@ from pagedserve.core.link_security import (
 from pagedserve.core.models import resolve_model
 from pagedserve.scheduler.executor_link import LinkConfig
 from pagedserve.scheduler.scheduler import SchedulerConfig
+from pagedserve.scheduler.speculative import SpeculativeConfig
 from pagedserve.scheduler.telemetry import request_log
 
 
@@ -35,7 +36,8 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
                            max_waiting_requests=args.max_waiting_requests,
                            max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
                            preemption_mode=args.preemption_mode,
-                           swap_min_tokens=args.swap_min_tokens)
+                           swap_min_tokens=args.swap_min_tokens,
+                           speculative=SpeculativeConfig.parse(args.speculative_config))
 
 
 def link_config(args: argparse.Namespace) -> LinkConfig:

@@ -337,6 +337,9 @@ def encode_plan(step_id: int, out: SchedulerOutput) -> bytes:
         plan.cached_num_scheduled_tokens.extend([s.num_tokens for s in cached])
         plan.cached_num_new_blocks.extend([len(s.block_ids) for s in cached])
         plan.cached_new_block_ids.extend([i for s in cached for i in s.block_ids])
+        if any(s.spec_token_ids for s in cached):
+            plan.cached_num_spec_tokens.extend([len(s.spec_token_ids) for s in cached])
+            plan.cached_spec_token_ids.extend([t for s in cached for t in s.spec_token_ids])
     return pb.SchedulerMessage(plan=plan).SerializeToString()
 
 

@@ -185,6 +185,17 @@ class Metrics:
                                       "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found cached")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens admitted")
+        self.spec_drafts = counter("spec_decode_num_drafts",
+                                   "Speculative decoding: drafts verified (one per drafted "
+                                   "request per step)")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                         "Speculative decoding: draft tokens proposed")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Speculative decoding: draft tokens accepted")
+        self.spec_accepted_per_pos = by(
+            Counter, "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by position in the draft (0: first)",
+            "position", ())
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.success = by(Counter, "request_success",
                           "Requests that left the engine, by finish reason: stop, length; abort "

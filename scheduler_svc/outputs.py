@@ -20,6 +20,8 @@ class ScheduledRequest:
     num_tokens: int  # tokens this step computes
     start: int  # num_computed_tokens before the step: the mirrors on both sides must agree
     block_ids: list[int]  # a new request's whole block table; a cached one's gained blocks
+    # speculative drafts, the last len(spec_token_ids) of num_tokens (a cached request's)
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -108,3 +110,7 @@ class SchedulerStats:
     priority_preemptions: int
     prefix_queried_tokens: int
     prefix_hit_tokens: int
+    spec_drafts: int = 0  # speculative decoding: drafted requests, over all steps
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()  # drafts accepted at each position

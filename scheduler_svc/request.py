@@ -89,6 +89,9 @@ class Request:
     # prompt tokens not scored yet (params.prompt_logprobs): while so, the request reads no
     # prefix cache and the executor scores the positions it computes
     needs_prompt_logprobs: bool = False
+    # speculative decoding: the drafts of the step in flight (scheduled after its last token,
+    # never in token_ids); cleared when its result comes
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.sort_key = (self.priority, self.arrival_seq)

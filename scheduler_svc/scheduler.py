@@ -23,6 +23,12 @@ copied back on resume, so nothing is recomputed). With preemption_mode "auto", a
 swapped when it has at least swap_min_tokens computed tokens and the host pool has room: long
 contexts are expensive to recompute (quadratic attention, a prefill per token) and cheap to copy,
 short ones the reverse.
+
+Speculative decoding (cfg.speculative; scheduler_svc/speculative.py): a running request at its
+last token gets up to k drafts, scheduled with it as 1 + k tokens in the step's budget and its
+blocks; when the result comes, num_computed_tokens goes back by the drafts rejected (their KV
+slots are written over later). Drafts are never in token_ids, so prefix-cache hashes cover only
+accepted tokens. A step planned ahead of a result (async scheduling) drafts nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from pagedserve.scheduler.outputs import (
     TokenLogprob,
 )
 from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.speculative import NgramProposer, SpeculativeConfig
 from pagedserve.scheduler.waiting_queue import WaitingQueue
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -62,6 +69,7 @@ class SchedulerConfig:
     max_waiting_prompt_tokens: int = 0
     preemption_mode: str = "auto"  # "auto", "recompute" or "swap" (see the module doc)
     swap_min_tokens: int = 256
+    speculative: SpeculativeConfig | None = None  # None: one token per request per step
 
 
 INTEGRITY_CHECK_S = 10.0  # least time between two full block-accounting checks when idle
@@ -95,6 +103,13 @@ class Scheduler:
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of which found cached
         self._checked_at = -INTEGRITY_CHECK_S  # last full check of the block accounting
+        spec = cfg.speculative
+        self.proposer = None if spec is None else NgramProposer(spec.prompt_lookup_min,
+                                                                spec.prompt_lookup_max)
+        self.spec_drafts = 0  # drafted requests (one per request per step)
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * (spec.num_speculative_tokens if spec else 0)
 
     # ------------------------------------------------------------------ queue
     def admission_error(self, prompt_len: int) -> str | None:
@@ -125,6 +140,9 @@ class Scheduler:
         if req is None:
             return None
         req.drop_pending()  # an in-flight step's token for it will be ignored
+        req.spec_token_ids = []
+        if self.proposer is not None:
+            self.proposer.forget(req_id)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING:
@@ -142,6 +160,7 @@ class Scheduler:
         executor's block pools."""
         for req in self.requests.values():
             req.drop_pending()  # the steps that would have sampled them are lost
+            req.spec_token_ids = []
         for req in list(self.running):
             self._preempt(req, allow_swap=False)
         self._preempted_ids.clear()
@@ -168,7 +187,8 @@ class Scheduler:
         if not ahead:
             self._make_room_for_priority()
         budget, ran_out = self._schedule_running(out, self.cfg.max_num_batched_tokens,
-                                                 preempt=not ahead)
+                                                 preempt=not ahead,
+                                                 drafts=0 if ahead else self.num_drafts())
         if not ran_out:
             budget = self._admit_waiting(out, budget)
         out.preempted_req_ids, out.swap_out = self._preempted_ids, self._swap_out
@@ -176,11 +196,17 @@ class Scheduler:
         out.num_batched_tokens = self.cfg.max_num_batched_tokens - budget
         return out
 
+    def num_drafts(self) -> int:
+        """Drafts per request the next step would give (0: speculation is off, or the batch is
+        past the sizes that speculate)."""
+        spec = self.cfg.speculative
+        return 0 if spec is None else spec.tokens_for(max(len(self.running), 1))
+
     def _schedule_running(self, out: SchedulerOutput, budget: int,
-                          preempt: bool = True) -> tuple[int, bool]:
-        """Give running requests their tokens, preempting the least important when blocks run
-        out (unless preempt is False: then stop there). Returns the budget left and whether
-        blocks ran out."""
+                          preempt: bool = True, drafts: int = 0) -> tuple[int, bool]:
+        """Give running requests their tokens (and up to `drafts` speculative ones each),
+        preempting the least important when blocks run out (unless preempt is False: then stop
+        there). Returns the budget left and whether blocks ran out."""
         ran_out = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -189,7 +215,15 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            new_blocks = self.blocks.allocate_slots(req.req_id, req.num_computed_tokens + n)
+            spec = self._draft(req, min(drafts, budget - n)) if drafts and n == 1 else []
+            new_blocks = None
+            if spec:  # the drafts need blocks of their own; without room, the step goes on
+                new_blocks = self.blocks.allocate_slots(req.req_id,
+                                                        req.num_computed_tokens + n + len(spec))
+                if new_blocks is None:
+                    spec = []
+            if new_blocks is None:
+                new_blocks = self.blocks.allocate_slots(req.req_id, req.num_computed_tokens + n)
             if new_blocks is None and not preempt:
                 return budget, True
             while new_blocks is None:
@@ -201,10 +235,24 @@ class Scheduler:
                 new_blocks = self.blocks.allocate_slots(req.req_id, req.num_computed_tokens + n)
             if new_blocks is None:
                 break
-            self._emit(out, req, n, new_blocks)
-            budget -= n
+            self._emit(out, req, n, new_blocks, spec)
+            budget -= n + len(spec)
             i += 1
         return budget, ran_out
+
+    def _draft(self, req: Request, k: int) -> list[int]:
+        """Up to k drafts for a request whose step starts at its last token; none for what
+        speculation does not cover (docs/speculative_decoding.md): a grammar, penalties (their
+        counts would include rejected drafts), min_tokens not reached yet, prompt logprobs."""
+        p = req.params
+        if (req.num_pending or req.num_computed_tokens != req.num_tokens - 1
+                or req.matcher is not None or req.needs_prompt_logprobs
+                or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                or req.num_output_tokens < p.min_tokens):
+            return []
+        # the last of 1 + k outputs may be max_tokens' last
+        k = min(k, p.max_tokens - req.num_output_tokens - 1)
+        return self.proposer.propose(req.req_id, req.token_ids, k) if k > 0 else []
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
@@ -295,6 +343,8 @@ class Scheduler:
         the next plan. Before min_tokens only max_tokens ends one. Finished and aborted
         requests are skipped. logprobs: by row, for the requests that asked."""
         sampled = []
+        if self.proposer is not None:
+            self._verified(req_ids)
         accepted = self._accept(req_ids, token_ids)
         for row, (rid, tok) in enumerate(zip(req_ids, token_ids, strict=True)):
             req = self.requests.get(rid)
@@ -322,6 +372,28 @@ class Scheduler:
                 self.finish(rid)
             sampled.append(out)
         return sampled
+
+    def _verified(self, req_ids: list[int]) -> None:
+        """Speculation: a drafted request's result has a + 1 tokens for a drafts kept; its
+        computed tokens go back by the k - a rejected (their KV is overwritten later)."""
+        counts: dict[int, int] = {}
+        for rid in req_ids:
+            counts[rid] = counts.get(rid, 0) + 1
+        drafted = [(req, m) for rid, m in counts.items()
+                   if (req := self.requests.get(rid)) is not None and req.spec_token_ids]
+        for req, m in drafted:  # all checked before anything changes
+            if m > len(req.spec_token_ids) + 1:
+                raise ValueError(f"request {req.req_id}: {m} tokens for "
+                                 f"{len(req.spec_token_ids)} drafts")
+        for req, m in drafted:
+            k, a = len(req.spec_token_ids), m - 1
+            req.num_computed_tokens -= k - a
+            req.spec_token_ids = []
+            self.spec_drafts += 1
+            self.spec_draft_tokens += k
+            self.spec_accepted_tokens += a
+            for pos in range(a):
+                self.spec_accepted_per_pos[pos] += 1
 
     def _accept(self, req_ids: list[int], token_ids: list[int]) -> dict[int, bool]:
         """The running constrained requests' matchers advanced by their tokens, in one call
@@ -355,7 +427,10 @@ class Scheduler:
             preemptions=self.num_preemptions, swap_preemptions=self.num_swap_preemptions,
             priority_preemptions=self.num_priority_preemptions,
             prefix_queried_tokens=self.prefix_queried_tokens,
-            prefix_hit_tokens=self.prefix_hit_tokens)
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            spec_drafts=self.spec_drafts, spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec_accepted_per_pos))
 
     def check_idle(self, full: bool = False) -> None:
         """With no work left every block must be back on the free list (else a leak). The
@@ -381,8 +456,15 @@ class Scheduler:
             n = min(n, self.cfg.long_prefill_token_threshold)
         return n
 
-    def _emit(self, out: SchedulerOutput, req: Request, n: int, new_blocks: list[int]) -> None:
-        if req.on_executor:
+    def _emit(self, out: SchedulerOutput, req: Request, n: int, new_blocks: list[int],
+              spec: list[int] | None = None) -> None:
+        """n tokens of req in the step, and after them its drafts (spec) if any."""
+        if spec:  # (running, so on the executor)
+            out.cached.append(ScheduledRequest(req, n + len(spec), req.num_computed_tokens,
+                                               new_blocks, spec))
+            req.spec_token_ids = spec
+            req.num_computed_tokens += len(spec)
+        elif req.on_executor:
             out.cached.append(ScheduledRequest(req, n, req.num_computed_tokens, new_blocks))
         else:
             out.new.append(ScheduledRequest(req, n, req.num_computed_tokens,
@@ -396,6 +478,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, allow_swap: bool = True) -> None:
         self.running.remove(req)
+        req.spec_token_ids = []
         host = self._swap_target(req) if allow_swap else None
         if host is not None:  # keep num_computed_tokens: the KV comes back on resume
             self._swap_out.extend(zip(self.blocks.block_table(req.req_id), host, strict=False))

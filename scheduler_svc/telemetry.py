@@ -143,7 +143,12 @@ class Telemetry:
                                (m.preemptions["recompute"], st.preemptions - st.swap_preemptions),
                                (m.priority_preemptions, st.priority_preemptions),
                                (m.prefix_queries, st.prefix_queried_tokens),
-                               (m.prefix_hits, st.prefix_hit_tokens)):
+                               (m.prefix_hits, st.prefix_hit_tokens),
+                               (m.spec_drafts, st.spec_drafts),
+                               (m.spec_draft_tokens, st.spec_draft_tokens),
+                               (m.spec_accepted_tokens, st.spec_accepted_tokens),
+                               *((m.spec_accepted_per_pos[str(pos)], n)
+                                 for pos, n in enumerate(st.spec_accepted_per_pos))):
             counter.inc(value - seen.get(counter, 0))
             seen[counter] = value
 

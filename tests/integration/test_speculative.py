@@ -1,0 +1,121 @@
+"""Speculative decoding (n-gram prompt lookup) in the whole service: greedy outputs equal HF's
+token for token, one at a time and all at once, through chunked prefill, the prefix cache and
+swap preemption; seeded samples, stop strings inside an accepted run and n > 1 equal the service
+without speculation; the drafts are counted, and some are accepted and some rejected."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pagedserve.protos.v1 import generate_pb2 as api
+from tests.integration.conftest import BUDGET, TIGHT, _serving
+from tests.integration.test_generation import check_against_hf, run_all
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def spec_service(tmp_path_factory, model_dir):
+    """The tight KV pool (8 prompts at once must preempt), swapping, a budget that chunks the
+    long prompt, and n-gram drafts of up to 3 tokens from 1-grams up (so most steps draft)."""
+    yield from _serving(tmp_path_factory, "spec", *TIGHT[2:], "--max-num-batched-tokens",
+                        str(BUDGET), "--preemption-mode", "swap", "--swap-space-gib", "0.25",
+                        "--speculative-config", json.dumps(NGRAM))
+
+
+def test_greedy_one_at_a_time_matches_hf(spec_service, hf_greedy, tokenizer):
+    before = spec_service.metrics()
+    check_against_hf(run_all(spec_service, concurrently=False), hf_greedy, tokenizer)
+    m = spec_service.wait_idle()
+    drafts = m["pagedserve_spec_decode_num_draft_tokens_total"] - \
+        before["pagedserve_spec_decode_num_draft_tokens_total"]
+    accepted = m["pagedserve_spec_decode_num_accepted_tokens_total"] - \
+        before["pagedserve_spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted < drafts  # both ways through verification
+    assert m['pagedserve_spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] >= \
+        m['pagedserve_spec_decode_num_accepted_tokens_per_pos_total{position="1"}'] > 0
+
+
+def test_greedy_all_at_once_matches_hf_through_swap_preemption(spec_service, hf_greedy,
+                                                               tokenizer):
+    key = 'pagedserve_num_preemptions_total{mode="swap"}'
+    for _ in range(3):
+        check_against_hf(run_all(spec_service, concurrently=True), hf_greedy, tokenizer)
+        m = spec_service.wait_idle()
+        if m[key] > 0:
+            break
+    assert m[key] > 0
+    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"] == 10
+
+
+STORY = dict(chat=[("user", "Repeat exactly: the cat sat on the mat, the cat sat on the mat, "
+                            "the cat sat on the mat.")], max_tokens=20)
+
+
+def test_seeded_samples_equal_those_without_speculation(spec_service, service):
+    """A sample at a position is drawn with that position's seed from the target's
+    distribution either way, so the tokens are the same ones."""
+    kwargs = dict(**STORY, temperature=0.8, top_p=0.95, top_k=50, min_p=0.02, seed=11,
+                  timeout=120)
+    want = service.client.complete(**kwargs)[1]
+    assert spec_service.client.complete(**kwargs)[1] == want
+    with ThreadPoolExecutor(4) as pool:  # batched with others, the same
+        got = list(pool.map(lambda s: spec_service.client.complete(**{**kwargs, "seed": s})[1],
+                            [11, 12, 13, 14]))
+    assert got[0] == want
+
+
+def test_stop_strings_and_n_end_where_they_do_without_speculation(spec_service, service,
+                                                                  tokenizer):
+    ids = service.client.complete(**STORY, temperature=0, timeout=120)[1]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    stop = text[len(text) // 2:len(text) // 2 + 4]  # inside the run the drafts predict
+    for svc in (service, spec_service):
+        out, _, last = svc.client.complete(**STORY, temperature=0, stop=[stop], timeout=120)
+        assert out == text[:text.index(stop)]
+        assert last.finish_reason == api.FINISH_REASON_STOP
+    req = dict(**STORY, temperature=0.7, seed=5, n=3, timeout=120)
+    assert by_index(spec_service, req) == by_index(service, req)
+
+
+def by_index(svc, req: dict) -> dict[int, list[int]]:
+    """An n > 1 request's token ids, by completion."""
+    out: dict[int, list[int]] = {}
+    for r in svc.client.generate(**req):
+        out.setdefault(r.index, []).extend(r.token_ids)
+    return out
+
+
+def test_max_tokens_inside_an_accepted_run_ends_at_its_token(spec_service, service):
+    for n in (1, 2, 5, 7):
+        req = {**STORY, "max_tokens": n}
+        want = service.client.complete(**req, temperature=0, timeout=120)
+        got = spec_service.client.complete(**req, temperature=0, timeout=120)
+        assert got[1] == want[1] and len(got[1]) == n
+        assert got[2].finish_reason == api.FINISH_REASON_LENGTH
+
+
+@pytest.mark.parametrize("config, error", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "unknown method 'medusa'"),
+    ({"method": "ngram"}, "num_speculative_tokens must be an integer >= 1, got None"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2}, "prompt_lookup_min 4 is more than prompt_lookup_max 2"),
+    ({"method": "ngram", "num_speculative_tokens": 64}, "does not fit --max-num-batched-tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}, "unknown key 'lookup'"),
+])
+def test_a_bad_speculative_config_is_one_line_and_a_nonzero_exit(config, error):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "pagedserve.cli", "serve",
+                          "--max-num-batched-tokens", "64",
+                          "--speculative-config", json.dumps(config)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1].startswith("pagedserve serve: "
+                                                          "--speculative-config: ")
+    assert error in run.stderr
