@@ -11,7 +11,30 @@ version in fp8_reference.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
 from types import SimpleNamespace
+
+
+def _yield_top_level_name() -> None:
+    """Run from a checkout's root (``python -m pytest``, ``python -m benchmarks...``), this folder
+    is on sys.path as a top-level ``kernels`` and shadows Hugging Face's PyPI package of that name,
+    which transformers (>= 5.25 requires it) imports. Under that name, hand the import over to the
+    installed package; installed, ours is only ever ``pagedserve.kernels``."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+    if spec is None or spec.loader is None:
+        return  # nothing else is installed under the name: stay (transformers sees no version)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module  # the import statement returns what sys.modules holds
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _yield_top_level_name()
 
 _OP_MODULES = {
     "write_kv_cache": "kv_cache",
