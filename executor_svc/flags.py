@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.core.config import add_insecure_link_arg, add_link_timeout_arg, add_step_args
+from pagedserve.core.config import (
+    add_insecure_link_arg,
+    add_link_timeout_arg,
+    add_speculative_arg,
+    add_step_args,
+)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -68,3 +73,4 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="START:COUNT[,START:COUNT...]: the steps to profile, counted from the "
                         "first plan")
     add_step_args(p)
+    add_speculative_arg(p)

@@ -10,6 +10,7 @@ import torch
 
 from pagedserve.executor.block_table import BlockTableArray, RowColumns
 from pagedserve.executor.cuda_graphs import DecodeGraphs
+from pagedserve.executor.draft import DraftModel
 from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.penalties import TokenCounts
 from pagedserve.executor.prompt_logprobs import PromptLogprobs, PromptRows, score
@@ -71,6 +72,9 @@ class Launched:
     host_tokens: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
     drafted: Drafted | None = None  # speculative rows, verified by finish()
+    lookahead: int = 0  # a draft model's proposals per sampled row, made by finish()
+    # set by finish(): the requests given drafts, how many each, the drafts concatenated
+    proposals: tuple[list[int], list[int], list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -109,9 +113,13 @@ class ModelRunner:
         sampler: Sampler,
         swap: SwapSpace | None = None,
         counts: TokenCounts | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         self.model, self.kv_caches = model, kv_caches
         self.swap = swap or SwapSpace(0, [])
+        self.draft = draft  # speculative decoding's draft model (executor_svc/draft.py)
+        # what a swap copies: the target's layers, then the draft's (they share the blocks)
+        self.swap_kv = kv_caches + (draft.kv_caches if draft is not None else [])
         self.block_size, self.device, self.sampler = block_size, device, sampler
         self.requests: dict[int, RequestState] = {}
         # the held req_ids sorted, and their rows; None: to be rebuilt (requests came or went)
@@ -164,13 +172,35 @@ class ModelRunner:
             cols.last_token[rows[mine]] = host.numpy()[mine]
             cols.pending_launch[rows[mine]] = -1
         self._unread.pop(launched.launch_id, None)
-        if launched.drafted is None:
-            return launched.req_ids, tokens
-        keep = self._verify(launched.drafted, tokens)
-        if launched.logprobs is not None:
-            launched.logprobs = launched.logprobs.select(keep)
-        return ([r for r, k in zip(launched.req_ids, keep, strict=True) if k],
-                [t for t, k in zip(tokens, keep, strict=True) if k])
+        req_ids = launched.req_ids
+        if launched.drafted is not None:
+            keep = self._verify(launched.drafted, tokens)
+            if launched.logprobs is not None:
+                launched.logprobs = launched.logprobs.select(keep)
+            req_ids = [r for r, k in zip(req_ids, keep, strict=True) if k]
+            tokens = [t for t, k in zip(tokens, keep, strict=True) if k]
+        if launched.lookahead > 0 and self.draft is not None and len(rows):
+            launched.proposals = self._propose(rows, launched.lookahead)
+        return req_ids, tokens
+
+    def _propose(self, rows: np.ndarray, k: int) -> tuple[list[int], list[int], list[int]]:
+        """The draft model's proposals (up to k each) for the rows that sampled, each after
+        its last token, in the slots its blocks hold past it; none for rows whose sampling
+        counts outputs (penalties, min_tokens), which speculation does not cover."""
+        _, first = np.unique(rows, return_index=True)
+        rows = rows[np.sort(first)]
+        cols = self.cols
+        rows = rows[(cols.req_id[rows] >= 0) & (cols.pending_launch[rows] == -1)
+                    & ((cols.features[rows] & (PENALTY | MIN_TOKENS)) == 0)]
+        starts = cols.num_computed[rows]
+        room = self.tables.lengths[rows] * self.block_size - starts
+        ks = np.clip(np.minimum(room, k), 0, None)
+        if not len(rows) or not ks.any():
+            return [], [], []
+        drafts = self.draft.propose(self.tables.array, rows, starts, cols.last_token[rows], ks)
+        given = [i for i, d in enumerate(drafts) if d]
+        return (cols.req_id[rows[given]].tolist(), [len(drafts[i]) for i in given],
+                [t for i in given for t in drafts[i]])
 
     def _verify(self, drafted: Drafted, tokens: list[int]) -> list[bool]:
         """Keep each drafted row's samples up to and including the first that differs from its
@@ -211,8 +241,8 @@ class ModelRunner:
         for rid in (*plan.finished_req_ids, *plan.preempted_req_ids):
             self._forget(rid)
         if plan.swap_out_src or plan.swap_in_src:
-            self.swap.swap_out(self.kv_caches, list(plan.swap_out_src), list(plan.swap_out_dst))
-            self.swap.swap_in(self.kv_caches, list(plan.swap_in_src), list(plan.swap_in_dst))
+            self.swap.swap_out(self.swap_kv, list(plan.swap_out_src), list(plan.swap_out_dst))
+            self.swap.swap_in(self.swap_kv, list(plan.swap_in_src), list(plan.swap_in_dst))
         if len(plan.new_requests) != len(plan.new_num_scheduled_tokens):
             raise ValueError("the plan's new_requests and new_num_scheduled_tokens differ in "
                              "length")
@@ -362,6 +392,16 @@ class ModelRunner:
         if self.last_step_graphed:
             logits = graphs.run(input_ids, positions, slots, table[rows, :max_blocks], ends,
                                 patch)
+            if self.draft is not None:
+                ids = to_device(input_ids, dev)
+                if patch is not None:
+                    ids[patch[0]] = patch[1]
+                self.draft.mirror(ids, to_device(positions, dev), AttentionMetadata(
+                    slot_mapping=to_device(slots, dev),
+                    block_tables=to_device(table[rows, :max_blocks], dev),
+                    seq_lens=to_device(ends.astype(np.int32), dev),
+                    cu_seqlens_q=to_device(cu_q.astype(np.int32), dev),
+                    max_query_len=1, max_seq_len=int(ends.max())))
             if scored is not None:  # one token a row: flat rows are batch rows
                 full = logits
                 prompt = score(scored, lambda idx: full[idx], dev)
@@ -388,6 +428,8 @@ class ModelRunner:
                 hidden = self.model.hidden(ids, pos, self.kv_caches, meta)
                 logits = self.model.logits_of(hidden, last_rows)
                 prompt = score(scored, lambda idx: self.model.logits_of(hidden, idx), dev)
+            if self.draft is not None:
+                self.draft.mirror(ids, pos, meta)
         cols.num_computed[rows] += ns  # (a request is in a batch once: rows are distinct)
         srows = rows[sample]
         if not len(srows):
@@ -418,7 +460,8 @@ class ModelRunner:
         sampled = self.sampler.sample(logits, sampling)
         launched = Launched(req_ids, srows, self._next_launch, sampled.tokens,
                             self.last_step_graphed,
-                            sampled if sampled.logprobs is not None else None, prompt=prompt)
+                            sampled if sampled.logprobs is not None else None, prompt=prompt,
+                            lookahead=plan.num_lookahead_tokens if self.draft else 0)
         self._next_launch += 1
         if sampled.tokens.is_cuda:  # finish() reads them without waiting for later launches
             launched.host_tokens = torch.empty(sampled.tokens.shape, dtype=torch.int64,

@@ -24,6 +24,7 @@ from pagedserve.core.link_security import (
     load_public_key,
 )
 from pagedserve.core.readiness import EXIT_CONFIG, mark_ready
+from pagedserve.executor.draft import DraftModelError
 from pagedserve.executor.jit_watch import JitWatch
 from pagedserve.executor.profiling import StepProfiler
 from pagedserve.executor.runner import Bitmask, Launched
@@ -215,6 +216,9 @@ class ExecutorServer:
         except Exception as e:
             return self._failed(step_id, e)
         result = self._result(step_id, req_ids, tokens, start, launched.graphed)
+        if launched.proposals is not None:
+            (result.draft_req_ids[:], result.num_draft_tokens[:],
+             result.draft_token_ids[:]) = launched.proposals
         if (lp := launched.logprobs) is not None:
             result.logprob_rows[:], result.sampled_logprobs[:] = lp.rows, lp.sampled
             result.num_top_logprobs[:], result.top_logprob_token_ids[:] = lp.num_top, lp.top_ids
@@ -288,7 +292,7 @@ def run(args: argparse.Namespace) -> None:
         if group is not None:
             group.lead(worker)
         worker.warm_up()
-    except MemoryBudgetError as e:  # the same settings would fail the same way: no restart
+    except (MemoryBudgetError, DraftModelError) as e:  # the same settings fail the same way
         print(f"pagedserve executor: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
     mark_ready()

@@ -18,6 +18,7 @@ from pagedserve.core.config import step_bounds
 from pagedserve.core.progress import phase
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.cuda_graphs import DecodeGraphs
+from pagedserve.executor.draft import DraftModel, DraftModelError
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.penalties import TokenCounts
@@ -57,6 +58,7 @@ class ExecutorConfig:
     tensor_parallel_size: int = 1  # ranks of the group (executor_svc/distributed.py)
     tensor_parallel_rank: int = 0  # this process's rank: its share of the model and KV cache
     model_impl: str = "auto"  # "auto", "native", "transformers" (ModelConfig.from_pretrained)
+    draft_model: str = ""  # speculative decoding's draft (resolved directory; "": none)
 
 
 class MemoryBudgetError(RuntimeError):
@@ -149,7 +151,11 @@ class Worker:
         with phase(f"loading weights of {cfg.model} onto {self.device}"):
             model = build_model(self.model_cfg, load_ops(backend), self.dtype, self.device,
                                 max_len, weights, quant=quant)
+        self.draft_cfg, draft_model = self._load_draft(cfg, backend, max_len)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if draft_model is not None:
+            self.weight_bytes += sum(p.numel() * p.element_size()
+                                     for p in draft_model.parameters())
         if self.kv_dtype == torch.float8_e4m3fn:
             log.info("FP8 KV cache: %s", model.kv_scales_summary())
         log.info("model weights: %.2f GiB on %s%s", self.weight_bytes / GiB, self.device,
@@ -163,6 +169,9 @@ class Worker:
         # holds twice the tokens of a bf16 one in the same memory)
         self.block_bytes = per_block = cfg.block_size * self.model_cfg.kv_bytes_per_token(
             self.kv_dtype.itemsize)
+        if self.draft_cfg is not None:  # the draft's KV lives in the same blocks
+            self.block_bytes = per_block = per_block + cfg.block_size * \
+                self.draft_cfg.kv_bytes_per_token(self.kv_dtype.itemsize)
         self.num_blocks = self._num_blocks(cfg, model, max_len)
         if cfg.tensor_parallel_size > 1:  # every rank holds its heads of every block
             from pagedserve.executor.tp_layers import min_over_ranks
@@ -189,9 +198,16 @@ class Worker:
                  "max_model_len %d at once)", self.num_blocks, cfg.block_size, capacity_tokens,
                  self.num_blocks * per_block / GiB, dtype_str(self.kv_dtype),
                  capacity_tokens // self.max_model_len, self.max_model_len)
-        self.swap = SwapSpace(cfg.swap_space_bytes // per_block, kv)
+        draft = None
+        if draft_model is not None:
+            dc = self.draft_cfg
+            draft = DraftModel(draft_model, allocate_kv(
+                (self.num_blocks, cfg.block_size, dc.num_kv_heads, dc.head_dim), self.kv_dtype,
+                self.device, dc.num_layers), cfg.block_size, self.device, cfg.draft_model)
+        self.swap = SwapSpace(cfg.swap_space_bytes // per_block,
+                              kv + (draft.kv_caches if draft is not None else []))
         self.runner = ModelRunner(model, kv, cfg.block_size, self.device, self.sampler,
-                                  self.swap, self.counts)
+                                  self.swap, self.counts, draft)
         self.graphs: DecodeGraphs | None = None
         if on_cuda and backend == "triton" and not cfg.enforce_eager \
                 and self.model_cfg.impl == "native":  # HF's modeling code runs eagerly
@@ -206,11 +222,34 @@ class Worker:
             max_num_batched_tokens=cfg.max_num_batched_tokens if on_cuda else 0,
             max_num_seqs=cfg.max_num_seqs if on_cuda else 0,
             weight_bytes=self.weight_bytes, kv_cache_dtype=dtype_str(self.kv_dtype),
+            draft_model=cfg.draft_model,
         )
         self._memory_at, self._memory = 0.0, (0, 0)
         log.info("executor ready: %d KV blocks of %d tokens, max_model_len %d, %s on %s (%s)",
                  self.num_blocks, cfg.block_size, self.max_model_len, dtype_name, self.device,
                  backend)
+
+    def _load_draft(self, cfg: ExecutorConfig, backend: str, max_len: int
+                    ) -> tuple[ModelConfig | None, CausalLM | None]:
+        """The draft model (--speculative-config method draft_model), loaded as the target is
+        (same device, dtype and load format); DraftModelError if it cannot serve beside it."""
+        if not cfg.draft_model:
+            return None, None
+        if cfg.tensor_parallel_size > 1:
+            raise DraftModelError("--speculative-config: a draft model with "
+                                  "--tensor-parallel-size > 1 is not built yet")
+        dc = ModelConfig.from_pretrained(cfg.draft_model, cfg.model_impl)
+        if dc.vocab_size != self.model_cfg.vocab_size:
+            raise DraftModelError(
+                f"--speculative-config: the draft {cfg.draft_model} has a vocabulary of "
+                f"{dc.vocab_size} tokens, the target {self.model_cfg.vocab_size}: a draft must "
+                f"share the target's tokenizer")
+        weights = Path(cfg.draft_model) if cfg.load_format == "auto" else None
+        quant = resolve_quantization(cfg.draft_model, "auto", random=weights is None)
+        with phase(f"loading the draft model {cfg.draft_model} onto {self.device}"):
+            model = build_model(dc, load_ops(backend), self.dtype, self.device,
+                                max_len, weights, quant=quant)
+        return dc, model
 
     def warm_up(self) -> None:
         """One small forward pass and sample before the executor says hello, so that the first
@@ -392,5 +431,19 @@ def executor_config(args: argparse.Namespace, rank: int, size: int, device: str)
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager, tensor_parallel_size=size, tensor_parallel_rank=rank,
-        model_impl=args.model_impl,
+        model_impl=args.model_impl, draft_model=_draft_path(args),
     )
+
+
+def _draft_path(args: argparse.Namespace) -> str:
+    """The draft model's resolved path from --speculative-config ("" without one)."""
+    from pagedserve.core.models import resolve_model
+    from pagedserve.core.speculative import SpeculativeConfig, SpeculativeConfigError
+
+    try:
+        spec = SpeculativeConfig.parse(getattr(args, "speculative_config", ""))
+    except SpeculativeConfigError as e:
+        raise DraftModelError(str(e)) from None
+    if spec is None or not spec.drafts_in_executor:
+        return ""
+    return str(resolve_model(spec.model))

@@ -171,8 +171,8 @@ def _run(args: argparse.Namespace) -> int:
             check_addresses(args)
         except BindError as e:
             raise SystemExit(f"pagedserve {args.command}: {e}") from None
-    if args.command in ("serve", "scheduler", "engine"):  # a bad JSON fails before any import
-        from pagedserve.scheduler.speculative import SpeculativeConfig, SpeculativeConfigError
+    if args.command in ("serve", "scheduler", "engine", "executor"):  # bad JSON: before imports
+        from pagedserve.core.speculative import SpeculativeConfig, SpeculativeConfigError
 
         try:
             spec = SpeculativeConfig.parse(args.speculative_config)

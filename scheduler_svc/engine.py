@@ -32,6 +32,7 @@ from pagedserve.scheduler.outputs import (
     SchedulerOutput,
     logprobs_of,
     prompt_logprobs_of,
+    proposals_of,
 )
 from pagedserve.scheduler.request import Constraint, Request, RequestStatus
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -110,7 +111,8 @@ class Engine:
             return None
         return ModelInfo(cap.max_model_len, cap.vocab_size, tuple(sorted(self.eos_token_ids)),
                          cap.block_size, cap.num_kv_blocks, cap.dtype, cap.device,
-                         cap.attention_backend, cap.kv_cache_dtype)
+                         cap.attention_backend, cap.kv_cache_dtype,
+                         spec.to_json() if (spec := self.cfg.speculative) is not None else "")
 
     async def start(self) -> None:
         self._tasks = [*await self.link.start(),
@@ -285,7 +287,7 @@ class Engine:
             self.telemetry.scheduled(self.streams.get(s.req.req_id), time.monotonic(), s.start)
         step = InFlight(next(self._step_ids), out, self.link.generation, t0, time.perf_counter(),
                         rows, not rows,
-                        drafted=sched.proposer is not None
+                        drafted=sched.cfg.speculative is not None
                         and any(s.spec_token_ids for s in out.cached))
         self.metrics.plan_time.observe(step.t1 - t0)
         return step
@@ -341,7 +343,8 @@ class Engine:
                 t.record_prompt_logprobs(start, entries)
         try:
             sampled = self.scheduler.update(list(item.req_ids), list(item.sampled_token_ids),
-                                            logprobs_of(item) if item.logprob_rows else None)
+                                            logprobs_of(item) if item.logprob_rows else None,
+                                            proposals_of(item) if item.draft_req_ids else None)
         except ValueError as e:  # more tokens than a request's drafts allow: nothing changed
             self.telemetry.step(item, timing, 0)
             self._fail_step(step, "INTERNAL", f"executor step result refused: {e}")
@@ -383,6 +386,11 @@ class Engine:
                            or cap.max_num_batched_tokens or 1 << 62)
             except ValueError as e:  # a flag no executor can serve: say so and stop
                 log.critical("%s", e)
+                os._exit(2)
+            if spec.drafts_in_executor and not cap.draft_model:
+                log.critical("--speculative-config: method draft_model, but the executor that "
+                             "joined loaded no draft model (start it with the same "
+                             "--speculative-config)")
                 os._exit(2)
         self.scheduler = adopt(self.scheduler, self.cfg, cap, self.kv_watermark,
                                self.eos_token_ids)

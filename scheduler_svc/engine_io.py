@@ -73,3 +73,4 @@ class ModelInfo:
     device: str
     attention_backend: str
     kv_cache_dtype: str
+    speculative_config: str = ""  # --speculative-config as JSON ("": off)

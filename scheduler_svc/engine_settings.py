@@ -21,9 +21,9 @@ from pagedserve.core.link_security import (
     load_keypair,
 )
 from pagedserve.core.models import resolve_model
+from pagedserve.core.speculative import SpeculativeConfig
 from pagedserve.scheduler.executor_link import LinkConfig
 from pagedserve.scheduler.scheduler import SchedulerConfig
-from pagedserve.scheduler.speculative import SpeculativeConfig
 from pagedserve.scheduler.telemetry import request_log
 
 

@@ -129,12 +129,14 @@ def encode_model_info(i: ModelInfo) -> pb.ModelInfo:
     return pb.ModelInfo(max_model_len=i.max_model_len, vocab_size=i.vocab_size,
                         eos_token_ids=i.eos_token_ids, block_size=i.block_size,
                         num_kv_blocks=i.num_kv_blocks, dtype=i.dtype, device=i.device,
-                        attention_backend=i.attention_backend, kv_cache_dtype=i.kv_cache_dtype)
+                        attention_backend=i.attention_backend, kv_cache_dtype=i.kv_cache_dtype,
+                        speculative_config=i.speculative_config)
 
 
 def decode_model_info(w: pb.ModelInfo) -> ModelInfo:
     return ModelInfo(w.max_model_len, w.vocab_size, tuple(w.eos_token_ids), w.block_size,
-                     w.num_kv_blocks, w.dtype, w.device, w.attention_backend, w.kv_cache_dtype)
+                     w.num_kv_blocks, w.dtype, w.device, w.attention_backend, w.kv_cache_dtype,
+                     w.speculative_config)
 
 
 # ----------------------------------------------------------------- outputs

@@ -289,7 +289,8 @@ def decode_executor_message(frames: list, capacity: pb.Capacity | None,
         if r.sampled_token_ids and (min(r.sampled_token_ids) < 0
                                     or (vocab and max(r.sampled_token_ids) >= vocab)):
             return None, "a result with a token outside the vocabulary"
-        if why := _bad_logprobs(r, vocab) or _bad_prompt_logprobs(r, vocab):
+        if why := (_bad_logprobs(r, vocab) or _bad_prompt_logprobs(r, vocab)
+                   or _bad_proposals(r, vocab)):
             return None, why
     elif kind == "hello":
         cap = msg.hello.capacity
@@ -330,6 +331,7 @@ def encode_plan(step_id: int, out: SchedulerOutput) -> bytes:
         plan.new_num_scheduled_tokens.append(s.num_tokens)
     plan.bitmask_follows = out.bitmask_follows
     plan.after_idle = out.after_idle
+    plan.num_lookahead_tokens = out.num_lookahead_tokens
     if out.cached:  # column by column: one extend per field, not one append per request
         cached = out.cached
         plan.cached_req_ids.extend([s.req.req_id for s in cached])
@@ -346,6 +348,20 @@ def encode_plan(step_id: int, out: SchedulerOutput) -> bytes:
 def encode_bitmask(step_id: int, req_ids: list[int], bits: bytes = b"") -> bytes:
     return pb.SchedulerMessage(bitmask=pb.StepBitmask(step_id=step_id, req_ids=req_ids,
                                                       token_bitmask=bits)).SerializeToString()
+
+
+def _bad_proposals(r: pb.StepResult, vocab: int) -> str:
+    """Why a result's draft proposals do not fit together (see StepResult), or ""."""
+    if not (r.draft_req_ids or r.num_draft_tokens or r.draft_token_ids):
+        return ""
+    if (len(r.draft_req_ids) != len(r.num_draft_tokens) or min(r.num_draft_tokens) < 0
+            or sum(r.num_draft_tokens) != len(r.draft_token_ids)
+            or len(set(r.draft_req_ids)) != len(r.draft_req_ids)):
+        return "a result whose draft proposals do not add up"
+    if r.draft_token_ids and (min(r.draft_token_ids) < 0
+                              or (vocab and max(r.draft_token_ids) >= vocab)):
+        return "a result with a draft token outside the vocabulary"
+    return ""
 
 
 def _bad_logprobs(r: pb.StepResult, vocab: int) -> str:

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.core.config import add_insecure_link_arg, add_link_timeout_arg, add_step_args
+from pagedserve.core.config import (
+    add_insecure_link_arg,
+    add_link_timeout_arg,
+    add_speculative_arg,
+    add_step_args,
+)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -64,11 +69,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="plan and send step N+1 before step N's result arrives (hides the "
                         "scheduler's time per step; a request that stops costs one more token "
                         "of compute)")
-    p.add_argument("--speculative-config", default="",
-                   help="speculative decoding, vLLM's JSON: e.g. '{\"method\": \"ngram\", "
-                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5, "
-                        "\"prompt_lookup_min\": 2, \"num_speculative_tokens_per_batch_size\": "
-                        "[[17, 1024, 0]]}' (empty: off; docs/speculative_decoding.md)")
+    add_speculative_arg(p)
     p.add_argument("--profile-dir", default="",
                    help="profile the scheduler process with cProfile while it runs and write "
                         "scheduler.prof and scheduler_top.txt (the top functions by cumulative "

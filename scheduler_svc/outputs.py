@@ -38,6 +38,9 @@ class SchedulerOutput:
     bitmask_follows: bool = False
     # planned after the loop waited for work (StepPlan.after_idle)
     after_idle: bool = False
+    # speculative decoding by a draft model: drafts the executor proposes after this step
+    # (StepPlan.num_lookahead_tokens)
+    num_lookahead_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -71,6 +74,15 @@ def prompt_logprobs_of(result: pb.StepResult) -> list[tuple[int, int, list[Token
                                         tuple(floats[at + 1:at + 1 + k]), ints[at]))
             at += 1 + k
         out.append((rid, start, entries))
+    return out
+
+
+def proposals_of(result: pb.StepResult) -> dict[int, list[int]]:
+    """A draft model's proposals in a result, by request id; checked on arrival by the link."""
+    out, at = {}, 0
+    for rid, n in zip(result.draft_req_ids, result.num_draft_tokens, strict=True):
+        out[rid] = list(result.draft_token_ids[at:at + n])
+        at += n
     return out
 
 

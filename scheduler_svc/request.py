@@ -92,6 +92,9 @@ class Request:
     # speculative decoding: the drafts of the step in flight (scheduled after its last token,
     # never in token_ids); cleared when its result comes
     spec_token_ids: list[int] = field(default_factory=list)
+    # a draft model's proposals (StepResult.draft_*), good while num_tokens is proposed_at
+    proposed: list[int] = field(default_factory=list)
+    proposed_at: int = -1
 
     def __post_init__(self) -> None:
         self.sort_key = (self.priority, self.arrival_seq)

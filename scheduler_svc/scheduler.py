@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pagedserve.core.speculative import SpeculativeConfig
 from pagedserve.scheduler.block_manager import BlockManager, CachedPrefix, HostBlockPool
 from pagedserve.scheduler.grammar import Grammars
 from pagedserve.scheduler.outputs import (
@@ -49,7 +50,7 @@ from pagedserve.scheduler.outputs import (
     TokenLogprob,
 )
 from pagedserve.scheduler.request import Request, RequestStatus
-from pagedserve.scheduler.speculative import NgramProposer, SpeculativeConfig
+from pagedserve.scheduler.speculative import NgramProposer
 from pagedserve.scheduler.waiting_queue import WaitingQueue
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -104,8 +105,8 @@ class Scheduler:
         self.prefix_hit_tokens = 0  # of which found cached
         self._checked_at = -INTEGRITY_CHECK_S  # last full check of the block accounting
         spec = cfg.speculative
-        self.proposer = None if spec is None else NgramProposer(spec.prompt_lookup_min,
-                                                                spec.prompt_lookup_max)
+        self.proposer = None if spec is None or spec.drafts_in_executor else NgramProposer(
+            spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.spec_drafts = 0  # drafted requests (one per request per step)
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
@@ -186,9 +187,11 @@ class Scheduler:
         self.waiting.age(self.step)
         if not ahead:
             self._make_room_for_priority()
+        drafts = 0 if ahead else self.num_drafts()
+        if drafts and self.cfg.speculative.drafts_in_executor:
+            out.num_lookahead_tokens = drafts
         budget, ran_out = self._schedule_running(out, self.cfg.max_num_batched_tokens,
-                                                 preempt=not ahead,
-                                                 drafts=0 if ahead else self.num_drafts())
+                                                 preempt=not ahead, drafts=drafts)
         if not ran_out:
             budget = self._admit_waiting(out, budget)
         out.preempted_req_ids, out.swap_out = self._preempted_ids, self._swap_out
@@ -216,10 +219,12 @@ class Scheduler:
                 i += 1
                 continue
             spec = self._draft(req, min(drafts, budget - n)) if drafts and n == 1 else []
+            # a draft model proposes the next step's drafts in slots past this step's tokens
+            look = drafts if drafts and self.proposer is None and self._draftable(req) else 0
             new_blocks = None
-            if spec:  # the drafts need blocks of their own; without room, the step goes on
-                new_blocks = self.blocks.allocate_slots(req.req_id,
-                                                        req.num_computed_tokens + n + len(spec))
+            if spec or look:  # drafts need blocks of their own; without room, the step goes on
+                new_blocks = self.blocks.allocate_slots(
+                    req.req_id, req.num_computed_tokens + n + len(spec) + look)
                 if new_blocks is None:
                     spec = []
             if new_blocks is None:
@@ -244,15 +249,23 @@ class Scheduler:
         """Up to k drafts for a request whose step starts at its last token; none for what
         speculation does not cover (docs/speculative_decoding.md): a grammar, penalties (their
         counts would include rejected drafts), min_tokens not reached yet, prompt logprobs."""
-        p = req.params
-        if (req.num_pending or req.num_computed_tokens != req.num_tokens - 1
-                or req.matcher is not None or req.needs_prompt_logprobs
-                or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                or req.num_output_tokens < p.min_tokens):
+        if req.num_pending or req.num_computed_tokens != req.num_tokens - 1 or \
+                not self._draftable(req):
             return []
         # the last of 1 + k outputs may be max_tokens' last
-        k = min(k, p.max_tokens - req.num_output_tokens - 1)
-        return self.proposer.propose(req.req_id, req.token_ids, k) if k > 0 else []
+        k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        if self.proposer is None:  # a draft model's, made after the token they follow
+            return req.proposed[:k] if req.proposed_at == req.num_tokens else []
+        return self.proposer.propose(req.req_id, req.token_ids, k)
+
+    @staticmethod
+    def _draftable(req: Request) -> bool:
+        p = req.params
+        return not (req.matcher is not None or req.needs_prompt_logprobs
+                    or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                    or req.num_output_tokens < p.min_tokens)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
@@ -337,13 +350,15 @@ class Scheduler:
         return did
 
     def update(self, req_ids: list[int], token_ids: list[int],
-               logprobs: dict[int, TokenLogprob] | None = None) -> list[Sampled]:
+               logprobs: dict[int, TokenLogprob] | None = None,
+               proposals: dict[int, list[int]] | None = None) -> list[Sampled]:
         """Record a step's sampled tokens and decide, here and only here, which requests they
         end (EOS, a stop token, max_tokens): those are finished at once, so they are out of
         the next plan. Before min_tokens only max_tokens ends one. Finished and aborted
-        requests are skipped. logprobs: by row, for the requests that asked."""
+        requests are skipped. logprobs: by row, for the requests that asked; proposals: a
+        draft model's drafts to follow each request's last token here."""
         sampled = []
-        if self.proposer is not None:
+        if self.cfg.speculative is not None:
             self._verified(req_ids)
         accepted = self._accept(req_ids, token_ids)
         for row, (rid, tok) in enumerate(zip(req_ids, token_ids, strict=True)):
@@ -371,6 +386,10 @@ class Scheduler:
             if out.finish_reason is not None:
                 self.finish(rid)
             sampled.append(out)
+        for rid, drafts in (proposals or {}).items():
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                req.proposed, req.proposed_at = drafts, req.num_tokens
         return sampled
 
     def _verified(self, req_ids: list[int]) -> None:

@@ -99,6 +99,8 @@ class OpenAIApp:
                                 "created": self.created, "owned_by": "pagedserve"}
         if (cap := self.client.model_info()) is not None:
             card["max_model_len"] = cap.max_model_len
+            if cap.speculative_config:  # as vLLM's engine args spell it
+                card["speculative_config"] = json.loads(cap.speculative_config)
         return JSONResponse({"object": "list", "data": [card]})
 
     async def tokenize(self, request: Request) -> Response:

@@ -65,6 +65,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             block_size=info.block_size, num_kv_blocks=info.num_kv_blocks,
             eos_token_ids=info.eos_token_ids, dtype=info.dtype, device=info.device,
             attention_backend=info.attention_backend, kv_cache_dtype=info.kv_cache_dtype,
+            speculative_config=info.speculative_config,
         )
 
 

@@ -143,3 +143,50 @@ def test_drafts_that_do_not_add_up_or_come_before_the_last_are_verified_fail(tin
     with pytest.raises(ValueError, match="request 1: planned before its drafts were verified"):
         run.launch(spec_plan(4, 2 + kept + 3, []))
     assert run.finish(launched)[0][0] == 1
+
+
+def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(tiny, tmp_path):
+    """The draft-model path with the target as its own draft: its greedy proposals are the
+    target's greedy tokens, so verification keeps every one (a rejected correct draft fails
+    here), and the tokens equal HF's greedy ones."""
+    path, hf = tiny
+    run = Worker(ExecutorConfig(model=str(path), device="cpu", num_kv_blocks=4, block_size=16,
+                                draft_model=str(path))).runner
+    want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False,
+                       pad_token_id=0)[0, len(PROMPT):].tolist()
+    plan = pb.StepPlan(step_id=1, num_lookahead_tokens=3)
+    plan.new_requests.add(req_id=7, token_ids=PROMPT, block_ids=[0, 1],
+                          sampling=sampling(0.0, None))
+    plan.new_num_scheduled_tokens.append(len(PROMPT))
+    launched = run.launch(plan)
+    got = run.finish(launched)[1]
+    steps, drafted, kept = 1, 0, 0
+    while len(got) < 20:
+        rids, n, drafts = launched.proposals
+        assert rids == [7] and n == [len(drafts)] and 1 <= len(drafts) <= 3
+        computed = len(PROMPT) + len(got) - 1
+        steps += 1
+        launched = run.launch(pb.StepPlan(
+            step_id=steps, cached_req_ids=[7], cached_num_computed_tokens=[computed],
+            cached_num_scheduled_tokens=[1 + len(drafts)], cached_num_new_blocks=[0],
+            cached_num_spec_tokens=[len(drafts)], cached_spec_token_ids=drafts,
+            num_lookahead_tokens=3))
+        out = run.finish(launched)[1]
+        drafted, kept = drafted + len(drafts), kept + len(out) - 1
+        got += out
+    assert got[:20] == want
+    assert kept == drafted > 0 and steps <= 1 + -(-19 // 4)
+    assert run.draft.proposed_tokens >= drafted
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny, tmp_path):
+    from pagedserve.executor.draft import DraftModelError
+
+    path, _ = tiny
+    cfg = AutoConfig.for_model("llama", vocab_size=VOCAB + 1, hidden_size=32,
+                               intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=2, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    with pytest.raises(DraftModelError, match="vocabulary of 9 tokens, the target 8"):
+        Worker(ExecutorConfig(model=str(path), device="cpu", num_kv_blocks=4,
+                              draft_model=str(tmp_path)))

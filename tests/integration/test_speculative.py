@@ -1,17 +1,21 @@
-"""Speculative decoding (n-gram prompt lookup) in the whole service: greedy outputs equal HF's
+"""Speculative decoding in the whole service. N-gram prompt lookup: greedy outputs equal HF's
 token for token, one at a time and all at once, through chunked prefill, the prefix cache and
 swap preemption; seeded samples, stop strings inside an accepted run and n > 1 equal the service
-without speculation; the drafts are counted, and some are accepted and some rejected."""
+without speculation; the drafts are counted, and some are accepted and some rejected. A draft
+model (the default model as its own draft): every draft is accepted, through recompute
+preemption and an executor killed with -9 mid-stream."""
 
 from __future__ import annotations
 
 import json
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from pagedserve.client import build_request
 from pagedserve.protos.v1 import generate_pb2 as api
-from tests.integration.conftest import BUDGET, TIGHT, _serving
+from tests.integration.conftest import BUDGET, PROMPTS, TIGHT, _serving
 from tests.integration.test_generation import check_against_hf, run_all
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
@@ -25,6 +29,23 @@ def spec_service(tmp_path_factory, model_dir):
     yield from _serving(tmp_path_factory, "spec", *TIGHT[2:], "--max-num-batched-tokens",
                         str(BUDGET), "--preemption-mode", "swap", "--swap-space-gib", "0.25",
                         "--speculative-config", json.dumps(NGRAM))
+
+
+@pytest.fixture(scope="module")
+def draft_service(tmp_path_factory, model_dir):
+    """The default model as its own draft, 3 drafts a step, in the tight KV pool with
+    recompute preemption."""
+    yield from _serving(tmp_path_factory, "draft", *TIGHT[2:], "--max-num-batched-tokens",
+                        str(BUDGET), "--preemption-mode", "recompute",
+                        "--speculative-config", json.dumps(DRAFT))
+
+
+DRAFT = {"method": "draft_model", "model": "default", "num_speculative_tokens": 3}
+
+
+def spec_counts(m: dict[str, float]) -> tuple[float, float]:
+    return (m["pagedserve_spec_decode_num_draft_tokens_total"],
+            m["pagedserve_spec_decode_num_accepted_tokens_total"])
 
 
 def test_greedy_one_at_a_time_matches_hf(spec_service, hf_greedy, tokenizer):
@@ -50,6 +71,41 @@ def test_greedy_all_at_once_matches_hf_through_swap_preemption(spec_service, hf_
             break
     assert m[key] > 0
     assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"] == 10
+
+
+def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(draft_service, hf_greedy,
+                                                                    tokenizer):
+    """All at once, recomputing the preempted (the draft's KV with them); a verification that
+    rejected a correct draft would leave accepted below drafted."""
+    key = 'pagedserve_num_preemptions_total{mode="recompute"}'
+    for _ in range(3):
+        before = spec_counts(draft_service.metrics())
+        check_against_hf(run_all(draft_service, concurrently=True), hf_greedy, tokenizer)
+        m = draft_service.wait_idle()
+        drafted, accepted = (a - b for a, b in zip(spec_counts(m), before, strict=True))
+        assert accepted == drafted > 100
+        if m[key] > 0:
+            break
+    assert m[key] > 0
+    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"] == 10
+    info = draft_service.client.stub.GetModelInfo(api.GetModelInfoRequest(), timeout=10)
+    assert json.loads(info.speculative_config) == DRAFT
+    with urllib.request.urlopen(draft_service.http_url + "/v1/models", timeout=10) as r:
+        assert json.load(r)["data"][0]["speculative_config"] == DRAFT
+
+
+@pytest.mark.timeout(180)
+def test_a_draft_model_stream_survives_its_executor_killed(draft_service, hf_greedy):
+    from tests.integration.test_faults import processes
+
+    stream = draft_service.client.stub.Generate(
+        build_request(chat=[("user", PROMPTS[4][1])], temperature=0, max_tokens=24), timeout=150)
+    ids = list(next(stream).token_ids)
+    processes(draft_service)["executor"].kill()
+    for chunk in stream:
+        ids.extend(chunk.token_ids)
+    assert ids == hf_greedy[4]
+    draft_service.wait_serving()
 
 
 STORY = dict(chat=[("user", "Repeat exactly: the cat sat on the mat, the cat sat on the mat, "

@@ -6,15 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pagedserve.core.speculative import SpeculativeConfig, SpeculativeConfigError
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.request import GenerationParams, Request
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from pagedserve.scheduler.speculative import (
-    NgramProposer,
-    SpeculativeConfig,
-    SpeculativeConfigError,
-    propose,
-)
+from pagedserve.scheduler.speculative import NgramProposer, propose
 
 
 def test_the_longest_latest_match_gives_the_drafts():
@@ -56,15 +52,27 @@ def test_config_keys_defaults_and_ranges():
                        ' [[4, 2, 1]]}',
                        r"num_speculative_tokens_per_batch_size: \[4, 2, 1\] is not"),
                       ('{"num_speculative_tokens": true}',
-                       "num_speculative_tokens must be an integer >= 1, got True")]:
+                       "num_speculative_tokens must be an integer >= 1, got True"),
+                      ('{"method": "draft_model", "num_speculative_tokens": 2}',
+                       "method 'draft_model' needs \"model\""),
+                      ('{"method": "ngram", "model": "x", "num_speculative_tokens": 2}',
+                       "method 'ngram' takes no \"model\""),
+                      ('{"model": "x", "num_speculative_tokens": 2, '
+                       '"draft_tensor_parallel_size": 2}',
+                       "draft_tensor_parallel_size 2: only 1 is built")]:
         with pytest.raises(SpeculativeConfigError, match="^--speculative-config: " + why):
             SpeculativeConfig.parse(text)
+    draft = SpeculativeConfig.parse('{"model": "default", "num_speculative_tokens": 3}')
+    assert (draft.method, draft.model, draft.drafts_in_executor) == ("draft_model", "default",
+                                                                     True)
+    assert not c.drafts_in_executor
     with pytest.raises(SpeculativeConfigError, match="does not fit max_model_len 4"):
         c.check(4, 100)
 
 
-def make(k=3, budget=16, blocks=8, per_batch=(), caching=True):
-    spec = SpeculativeConfig("ngram", k, 1, 3, per_batch)
+def make(k=3, budget=16, blocks=8, per_batch=(), caching=True, method="ngram"):
+    spec = SpeculativeConfig(method, k, 1, 3, per_batch,
+                             model="draft" if method == "draft_model" else "")
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget,
                           enable_prefix_caching=caching, speculative=spec)
     return Scheduler(cfg, BlockManager(blocks, 4, 0, caching))
@@ -137,3 +145,25 @@ def test_a_result_with_more_tokens_than_drafts_is_refused():
     assert s.schedule().cached[0].spec_token_ids == [5, 6]  # the array's end: fewer than k
     with pytest.raises(ValueError, match="request 1: 4 tokens for 2 drafts"):
         s.update([1] * 4, [1] * 4)
+
+
+def test_a_draft_models_proposals_are_planned_once_after_the_token_they_follow():
+    s = make(method="draft_model", blocks=4)
+    r = running(s, 1, [5, 6, 7, 8, 9])  # 6 tokens known, 5 computed
+    assert s.proposer is None
+    out = s.schedule()  # no proposals yet: one token, and blocks for 3 drafts after it
+    (c,) = out.cached
+    assert (c.num_tokens, c.spec_token_ids, out.num_lookahead_tokens) == (1, [], 3)
+    assert s.blocks.block_table(1) == [0, 1, 2]  # positions 0..8: the token, 3 lookahead
+    s.update([1], [4], proposals={1: [3, 2, 1]})
+    assert (r.proposed, r.proposed_at) == ([3, 2, 1], 7)
+    out = s.schedule()
+    (c,) = out.cached
+    assert (c.start, c.num_tokens, c.spec_token_ids) == (6, 4, [3, 2, 1])
+    assert s.blocks.block_table(1) == [0, 1, 2, 3]  # 3 drafts and 3 lookahead: up to 12
+    s.update([1, 1], [3, 7], proposals={1: [8]})  # one kept
+    assert r.num_computed_tokens == 8 and r.token_ids[-2:] == [3, 7]
+    assert s.schedule().cached[0].spec_token_ids == [8]
+    s.update([1], [6])  # rejected; no proposals came: none planned
+    assert s.schedule().cached[0].spec_token_ids == []
+    assert (s.spec_drafts, s.spec_draft_tokens, s.spec_accepted_tokens) == (2, 4, 1)

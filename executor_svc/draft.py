@@ -1,0 +1,79 @@
+"""Speculative decoding by a draft model (--speculative-config method draft_model): a smaller
+model with the target's vocabulary, loaded beside it in this process, that proposes the drafts
+the scheduler plans into the next step; the target then verifies them (ModelRunner._verify).
+
+Its paged KV cache lives in the target's blocks: the same block ids and slots, in tensors of its
+own (the worker sizes both into one budget, so a block costs the two models' bytes). Whatever
+the target computes in a step, the draft computes too, over the same flat batch (mirror), so its
+cache holds the same tokens at the same slots; prefix-cache hits, swaps and recomputes then need
+nothing of their own (swaps copy both caches). After the step's tokens are read back, each
+request that sampled gets up to k greedy drafts (propose): its sampled token at its next
+position, then each draft after it, one single-token pass per draft, writing the draft's KV in
+slots the request's blocks already hold. Those slots lie past its computed tokens, so the
+target's next step writes over them.
+
+The drafts are the draft model's argmax, one token with certainty each: verifying them by the
+target's own sample is rejection sampling, and outputs follow the target's distribution
+whatever the draft proposes. The draft's cache only decides how many are accepted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedserve.executor.model import AttentionMetadata, CausalLM
+from pagedserve.executor.transfer import to_device
+
+
+class DraftModelError(RuntimeError):
+    """The draft cannot serve beside this target (its vocabulary differs, or the settings do
+    not allow it): the same settings fail the same way, so the executor exits without a
+    restart, as for MemoryBudgetError."""
+
+
+class DraftModel:
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, device: torch.device, path: str = "") -> None:
+        self.model, self.kv_caches = model, kv_caches
+        self.block_size, self.device, self.path = block_size, device, path
+        self.proposed_tokens = 0  # drafts proposed since start (tests, logs)
+
+    def mirror(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """The step's tokens through the draft, for its KV cache only."""
+        self.model.hidden(ids, positions, self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def propose(self, table: np.ndarray, rows: np.ndarray, starts: np.ndarray,
+                tokens: np.ndarray, ks: np.ndarray) -> list[list[int]]:
+        """Up to ks[i] greedy drafts after tokens[i], the token at position starts[i] of the
+        request in block-table row rows[i]; ks[i] never reaches past its blocks (the caller
+        caps it). The drafts of each row, in row order."""
+        bs, dev = self.block_size, self.device
+        out: list[list[int]] = [[] for _ in range(len(rows))]
+        live = np.flatnonzero(ks > 0)
+        cur = tokens[live].astype(np.int64)
+        for j in range(int(ks.max()) if len(ks) else 0):
+            live_rows = rows[live]
+            pos = starts[live] + j
+            slots = table[live_rows, pos // bs].astype(np.int64) * bs + pos % bs
+            width = int((pos // bs).max()) + 1
+            n = len(live)
+            meta = AttentionMetadata(
+                slot_mapping=to_device(slots, dev),
+                block_tables=to_device(np.ascontiguousarray(table[live_rows, :width]), dev),
+                seq_lens=to_device((pos + 1).astype(np.int32), dev),
+                cu_seqlens_q=to_device(np.arange(n + 1, dtype=np.int32), dev),
+                max_query_len=1, max_seq_len=int(pos.max()) + 1)
+            index = torch.arange(n, device=dev)
+            logits = self.model(to_device(cur, dev), to_device(pos, dev), self.kv_caches, meta,
+                                index)
+            nxt = logits.argmax(dim=-1).cpu().numpy()
+            for i, t in zip(live.tolist(), nxt.tolist(), strict=True):
+                out[i].append(t)
+            more = ks[live] > j + 1
+            live, cur = live[more], nxt[more]
+            if not len(live):
+                break
+        self.proposed_tokens += sum(len(d) for d in out)
+        return out
