@@ -384,29 +384,33 @@ class ModelRunner:
         sample = ends == known  # prompt (or chunk) complete: its last row's logits are needed
         max_blocks = int(num_blocks.max())
         graphs = self.graphs
-        self.last_step_graphed = (graphs is not None and cu_q[-1] == b
-                                  and graphs.fits(b, max_blocks))
+        # decode graphs run one query token per row: a drafted row's 1 + k tokens become 1 + k
+        # rows with its block table, each attending up to its own position (the step writes
+        # every row's K/V before attention reads it), so a verification step replays them too
+        one = ns == 1 if spec is None else ns - spec == 1
+        self.last_step_graphed = (graphs is not None and bool(one.all())
+                                  and graphs.fits(int(cu_q[-1]), max_blocks))
         scored = self._prompt_rows(rows, starts, ends, cu_q)
         prompt = None
         self.device_time.begin(plan.after_idle)  # the device's part starts here
         if self.last_step_graphed:
-            logits = graphs.run(input_ids, positions, slots, table[rows, :max_blocks], ends,
-                                patch)
+            flat_tables, flat_lens = table[token_rows, :max_blocks], positions + 1
+            logits = graphs.run(input_ids, positions, slots, flat_tables, flat_lens, patch)
             if self.draft is not None:
                 ids = to_device(input_ids, dev)
                 if patch is not None:
                     ids[patch[0]] = patch[1]
                 self.draft.mirror(ids, to_device(positions, dev), AttentionMetadata(
-                    slot_mapping=to_device(slots, dev),
-                    block_tables=to_device(table[rows, :max_blocks], dev),
-                    seq_lens=to_device(ends.astype(np.int32), dev),
-                    cu_seqlens_q=to_device(cu_q.astype(np.int32), dev),
-                    max_query_len=1, max_seq_len=int(ends.max())))
-            if scored is not None:  # one token a row: flat rows are batch rows
+                    slot_mapping=to_device(slots, dev), block_tables=to_device(flat_tables, dev),
+                    seq_lens=to_device(flat_lens.astype(np.int32), dev),
+                    cu_seqlens_q=to_device(np.arange(len(slots) + 1, dtype=np.int32), dev),
+                    max_query_len=1, max_seq_len=int(flat_lens.max())))
+            if scored is not None:  # one token a row: flat rows are the logits' rows
                 full = logits
                 prompt = score(scored, lambda idx: full[idx], dev)
             if not sample.all():  # a one-token prefill chunk shares the step: no logits wanted
-                logits = logits[to_device(np.flatnonzero(sample), dev)]
+                logits = logits[to_device(cu_q[1:][sample] - 1 if spec is None else
+                                          _logit_rows(cu_q[1:][sample], spec[sample]), dev)]
         else:
             meta = AttentionMetadata(
                 slot_mapping=to_device(slots, dev),

@@ -2,6 +2,7 @@
 
 import gc
 
+import numpy as np
 import pytest
 import torch
 
@@ -154,3 +155,54 @@ def test_launching_the_next_step_before_reading_tokens_changes_nothing(tmp_path)
         runs.append(got)
     assert runs[0] == runs[1]
     assert all(len(t) == 10 for t in runs[0].values())
+
+
+def spec_greedy_run(worker, prompts, new_tokens, k=3):
+    """Greedy decoding with the worker's draft model proposing k drafts a step (its own
+    proposals fed back as the next step's drafts); tokens per request, and the steps that
+    replayed a graph, that drafted, and the drafts and kept drafts."""
+    run = worker.runner
+    plan = pb.StepPlan(step_id=1, num_lookahead_tokens=k)
+    for i, p in enumerate(prompts):
+        plan.new_requests.add(req_id=i, token_ids=p, block_ids=list(range(i * 20, i * 20 + 20)))
+        plan.new_num_scheduled_tokens.append(len(p))
+    got = {i: [] for i in range(len(prompts))}
+    graphed = drafted = kept = 0
+    for step in range(2, 4 * new_tokens):
+        launched = run.launch(plan)
+        before = {r: len(t) for r, t in got.items()}
+        for rid, tok in zip(*run.finish(launched), strict=True):
+            got[rid].append(tok)
+        graphed += run.last_step_graphed
+        kept += sum(len(got[r]) - before[r] - 1 for r in got)
+        live = [r for r in got if len(got[r]) < new_tokens]
+        if not live:
+            break
+        rids, counts, flat = launched.proposals
+        ends = np.cumsum(counts)
+        drafts = {r: flat[e - n:e][:new_tokens - len(got[r]) - 1]
+                  for r, n, e in zip(rids, counts, ends.tolist(), strict=True)}
+        assert set(live) <= set(drafts)
+        drafted += sum(len(drafts[r]) for r in live)
+        plan = pb.StepPlan(
+            step_id=step, cached_req_ids=live,
+            cached_num_computed_tokens=[len(prompts[r]) + len(got[r]) - 1 for r in live],
+            cached_num_scheduled_tokens=[1 + len(drafts[r]) for r in live],
+            cached_num_new_blocks=[0] * len(live),
+            cached_num_spec_tokens=[len(drafts[r]) for r in live],
+            cached_spec_token_ids=[t for r in live for t in drafts[r]], num_lookahead_tokens=k)
+    return got, graphed, drafted, kept
+
+
+@cuda
+def test_verification_steps_replay_graphs_and_keep_the_targets_tokens(tmp_path):
+    """The target as its own draft (fp32): verification steps of 1 + 3 tokens a request replay
+    the decode graphs one row per token, every draft is kept, and the tokens are HF's."""
+    hf = save_random_llama(tmp_path, "d128", init=0.1).cuda()
+    worker = Worker(ExecutorConfig(model=str(tmp_path), device="cuda", dtype="float32",
+                                   num_kv_blocks=64, max_num_seqs=16, draft_model=str(tmp_path)))
+    worker.warm_up()
+    prompts, want = hf_greedy_tokens(hf)
+    got, graphed, drafted, kept = spec_greedy_run(worker, prompts, len(want[0]))
+    assert [got[i] for i in range(len(prompts))] == [w[:len(want[0])] for w in want]
+    assert kept == drafted > 0 and graphed > 0

@@ -5,6 +5,7 @@ min-p; a step's rejected positions are rolled back on the executor's side."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -123,6 +124,45 @@ def test_greedy_and_seeded_rows_keep_the_tokens_they_get_without_drafts(tiny):
         assert [t[0] for t in got] == want
         kept = sum(len(t) - 1 for t in got)
         assert kept > 0  # some rows' first draft is theirs
+
+
+class EagerDecodeGraphs:
+    """What DecodeGraphs replays (one query token per row, each attending up to its own
+    position), run eagerly: the runner's flattening of verification steps into decode rows is
+    checked here on the CPU, the captured graphs on the GPU (test_cuda_graphs)."""
+
+    def __init__(self, run):
+        self.run_of, self.batches = run, []
+
+    def fits(self, batch, num_blocks):
+        return True
+
+    def run(self, input_ids, positions, slots, tables, seq_lens, patch=None):
+        from pagedserve.executor.model import AttentionMetadata
+
+        b, r = len(input_ids), self.run_of
+        self.batches.append(b)
+        ids = torch.as_tensor(np.array(input_ids, np.int64))
+        if patch is not None:
+            ids[patch[0]] = patch[1]
+        meta = AttentionMetadata(
+            slot_mapping=torch.as_tensor(np.asarray(slots, np.int64)),
+            block_tables=torch.as_tensor(np.ascontiguousarray(tables, np.int32)),
+            seq_lens=torch.as_tensor(np.asarray(seq_lens, np.int32)),
+            cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32), max_query_len=1,
+            max_seq_len=int(np.max(seq_lens)))
+        return r.model(ids, torch.as_tensor(np.asarray(positions, np.int64)), r.kv_caches, meta,
+                       torch.arange(b)).float()
+
+
+def test_verification_steps_replay_the_decode_graphs_one_row_per_token(tiny):
+    path, _ = tiny
+    for temperature in (0.0, 1.0):
+        eager = draft_step(runner(path, 16), 16, [3, 0, 3], temperature=temperature)
+        run = runner(path, 16)
+        run.graphs = graphs = EagerDecodeGraphs(run)
+        assert draft_step(run, 16, [3, 0, 3], temperature=temperature) == eager
+        assert graphs.batches == [16 * 4] and run.last_step_graphed
 
 
 def spec_plan(step_id, computed, drafts, ids=None):
