@@ -94,6 +94,11 @@
 #             its own (GGUF_A=1: only copies it to /tmp) then .gguf_b/ with this part
 #             (NUM_FLAGS=--ablate: each kernel's share of the drift), e.g.
 #               split -b 58M -d SmolLM2-135M-Instruct.Q4_1.gguf; mv x00 .gguf_a/; mv x01 .gguf_b/
+#   spectests the CUDA-graph tests, verification steps replayed a row per token among them
+#   spec      speculative decoding (benchmarks/spec_decode.py): TPOT with SPEC_JSON (default
+#             n-gram, k=4) against none at 1 and 16 running on input-grounded chat prompts, on
+#             the default model's real weights (its GGUF in two halves, as numerics), then on
+#             8B random weights
 #   remeasure the runs the old warm-up flattered: 8B 128 -> 512 at 1 and 16 running (LAT_SEQS;
 #             twice as many requests; bf16 and AWQ)
 #             and one 130,000-token prompt with prefix caching on (it must not hit), FP8 W1
@@ -390,6 +395,17 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       --max-num-batched-tokens 0 ;;
     profilemoe) profile MQ30 moe30b "${DEFAULTS[@]}" ;;
     qwen3) for m in M8 MQ8; do tp W1 $m "${DEFAULTS[@]}"; done ;;
+    spectests) python3 -m pytest -q -rs tests/executor_svc/test_cuda_graphs.py 2>&1 \
+      | tee $B/pytest_spec.log | tail -8 ;;
+    spec)  # the real default model (its GGUF joined from the two halves), then 8B random
+      cat /tmp/gguf_a/* .gguf_b/* > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+      python3 -m benchmarks.spec_decode --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --spec "${SPEC_JSON:-{\"method\": \"ngram\", \"num_speculative_tokens\": 4\}}" \
+        2>&1 | tee -a $B/spec.log | quiet 4
+      save
+      python3 -m benchmarks.spec_decode "${M8[@]}" --rounds 1 \
+        --spec "${SPEC_JSON:-{\"method\": \"ngram\", \"num_speculative_tokens\": 4\}}" \
+        2>&1 | tee -a $B/spec.log | quiet 4 ;;
     remeasure)
       latency ${LAT_SEQS:-1 16}
       tp "" M8 --hf none --requests 1 --prompt 130000 --output 1 --max-num-batched-tokens 0 \

@@ -504,6 +504,21 @@ def structured_section(records: list[dict]) -> list[str]:
         if rows else []
 
 
+def spec_decode_section(records: list[dict]) -> list[str]:
+    rows = [[machine(r), r["model"], r["method"], r["running"], num(r["tpot_ms_baseline"], ".2f"),
+             num(r["tpot_ms"], ".2f"),
+             f"{r['speedup']:.2f}x" if r["speedup"] else "outputs differ",
+             num(r["acceptance_rate"], ".2f"), num(r["mean_accepted_tokens"], ".2f"),
+             r["commit"], when(r)]
+            for r in newest(records, lambda r: (machine(r), r["model"], r["method"],
+                                                r["speculative_config"], r["running"]))]
+    return section(
+        "Speculative decoding: TPOT against the same flags without (input-grounded chat, greedy)",
+        table(["machine", "model", "method", "running", "TPOT without ms", "TPOT with ms",
+               "speedup", "acceptance", "mean accepted", "commit", "recorded (UTC)"], rows)) \
+        if rows else []
+
+
 def perplexity_section(records: list[dict]) -> list[str]:
     # records before the FP8 KV cache ran over a float cache ("auto")
     rows = [[r["model"], r["method"], num(r["group_size"], "d") if r["group_size"] else "-",
@@ -605,6 +620,7 @@ def report(folder: Path = RESULTS) -> str:
              *kernels_section(kernels), *w4a16_section(load("w4a16_gemm", folder)),
              *fp8_gemm_section(load("fp8_gemm", folder)),
              *structured_section(load("structured", folder)),
+             *spec_decode_section(load("spec_decode", folder)),
              *perplexity_section(load("perplexity", folder)),
              "## History", "", *(f"![{title}]({name})" for name, title in PLOTS.items())]
     return "\n".join(lines) + "\n"

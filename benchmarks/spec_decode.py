@@ -1,0 +1,173 @@
+"""Speculative decoding (docs/speculative_decoding.md): TPOT with drafts against the same server
+flags without, at 1 and 16 running, through the real gRPC API.
+
+Prompts are input-grounded chat requests (summarise or edit a given passage, answer from a
+given document, repeat code with a change), where n-gram drafts find their tokens; greedy, EOS
+honoured (so outputs stay real text), at most --max-tokens each. Per request TPOT = (E2EL -
+TTFT) / (output tokens - 1) (../shared/BENCHMARKS.md), averaged over the requests of a run; the
+acceptance rate and mean accepted length come from the server's spec_decode counters over the
+same run. Greedy outputs must equal the baseline's token for token (lossless): a run where
+they do not is reported as such, never as a speedup.
+
+    python -m benchmarks.spec_decode --running 1 --running 16 \\
+        --spec '{"method": "ngram", "num_speculative_tokens": 4}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from benchmarks.common import model_flags, write_records
+from pagedserve.client import build_request
+from pagedserve.protos.v1 import generate_pb2_grpc
+
+PASSAGE = (
+    "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 "
+    "individual reefs and 900 islands stretching for over 2,300 kilometres over an area of "
+    "approximately 344,400 square kilometres. The reef is located in the Coral Sea, off the "
+    "coast of Queensland, Australia. It can be seen from outer space and is the world's "
+    "biggest single structure made by living organisms. This reef structure is composed of "
+    "and built by billions of tiny organisms, known as coral polyps.")
+CODE = '''def moving_average(values, window):
+    """The mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = sum(values[:window])
+    out.append(total / window)
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        out.append(total / window)
+    return out
+'''
+DOCUMENT = (
+    "Release notes, version 2.4. The scheduler now preempts the least important request when "
+    "the cache is full. The default block size is 16 tokens. Swap space defaults to 4 GiB of "
+    "host memory. The metrics port is 8000 and the gRPC port is 50051. Requests with a "
+    "priority of 0 are served first; the default priority is 10.")
+PROMPTS = [
+    f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
+    f"Summarise this passage in two sentences, reusing its wording:\n\n{PASSAGE}",
+    f"Rewrite this passage, replacing 'reef' with 'Reef':\n\n{PASSAGE}",
+    f"Rename the function to rolling_mean and return the code in full:\n\n{CODE}",
+    f"Add type hints to this function and return it in full:\n\n{CODE}",
+    f"Copy this code exactly:\n\n{CODE}",
+    f"{DOCUMENT}\n\nFrom the notes above: what are the default block size, swap space, "
+    "metrics port and gRPC port? Quote the notes.",
+    f"{DOCUMENT}\n\nList every default the notes above state, one per line, in their words.",
+]
+
+
+async def one(stub, prompt: str, max_tokens: int, timeout: float) -> tuple[list[int], float,
+                                                                           float]:
+    """(token ids, TTFT, E2EL) of one greedy chat request."""
+    req = build_request(chat=[("user", prompt)], max_tokens=max_tokens, temperature=0)
+    ids: list[int] = []
+    sent = time.perf_counter()
+    ttft = math.nan
+    async for chunk in stub.Generate(req, timeout=timeout):
+        if math.isnan(ttft):
+            ttft = time.perf_counter() - sent
+        ids.extend(chunk.token_ids)
+    return ids, ttft, time.perf_counter() - sent
+
+
+async def drive(address: str, running: int, max_tokens: int, timeout: float = 1800):
+    """`running` requests at once (the prompts in turn); their outcomes in prompt order."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        return await asyncio.gather(*(one(stub, PROMPTS[i % len(PROMPTS)], max_tokens, timeout)
+                                      for i in range(running)))
+
+
+def tpot_ms(outcomes) -> float:
+    tpots = [(e2el - ttft) / (len(ids) - 1) for ids, ttft, e2el in outcomes if len(ids) > 8]
+    return statistics.fmean(tpots) * 1e3 if tpots else math.nan
+
+
+SPEC_KEYS = ("pagedserve_spec_decode_num_drafts_total",
+             "pagedserve_spec_decode_num_draft_tokens_total",
+             "pagedserve_spec_decode_num_accepted_tokens_total")
+
+
+def measure(flags: list[str], runnings: list[int], max_tokens: int, rounds: int) -> dict:
+    """Per running: the outcomes of the last round, mean TPOT over the rounds, and the
+    spec_decode counters' increase over them."""
+    from tests.integration.service import Service
+
+    svc = Service(Path(tempfile.mkdtemp()) / "serve.log", *flags)
+    out = {}
+    try:
+        svc.wait_serving(timeout=900)
+        asyncio.run(drive(svc.address, 2, 16))  # warm-up: first kernels, graphs in use
+        for running in runnings:
+            asyncio.run(drive(svc.address, running, max_tokens))  # this batch's shapes
+            before = svc.metrics()
+            tpots, outcomes = [], None
+            for _ in range(rounds):
+                outcomes = asyncio.run(drive(svc.address, running, max_tokens))
+                tpots.append(tpot_ms(outcomes))
+            after = svc.metrics()
+            counts = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_KEYS}
+            out[running] = (outcomes, statistics.fmean(tpots), counts)
+    finally:
+        svc.stop()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="default")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--tokenizer", default="")
+    p.add_argument("--spec", action="append", default=[],
+                   help="a --speculative-config JSON to measure (repeatable)")
+    p.add_argument("--running", type=int, action="append", default=[])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--server-flag", action="append", default=[])
+    args = p.parse_args()
+    runnings = args.running or [1, 16]
+    specs = args.spec or ['{"method": "ngram", "num_speculative_tokens": 4}']
+    flags = [*model_flags(args.model, args.load_format, args.tokenizer), *args.server_flag]
+    base = measure(flags, runnings, args.max_tokens, args.rounds)
+    records = []
+    for spec in specs:
+        cfg = json.loads(spec)
+        got = measure([*flags, "--speculative-config", spec], runnings, args.max_tokens,
+                      args.rounds)
+        for running in runnings:
+            b_out, b_tpot, _ = base[running]
+            s_out, s_tpot, c = got[running]
+            drafts, drafted, accepted = (c[k] for k in SPEC_KEYS)
+            equal = [ids for ids, _, _ in b_out] == [ids for ids, _, _ in s_out]
+            rec = {"kind": "spec_decode", "method": cfg.get("method", "ngram"),
+                   "speculative_config": spec, "model": Path(args.model).name,
+                   "weights": args.load_format, "running": running,
+                   "max_tokens": args.max_tokens, "prompts": "input-grounded chat",
+                   "output_tokens": sum(len(ids) for ids, _, _ in s_out),
+                   "tpot_ms": s_tpot, "tpot_ms_baseline": b_tpot,
+                   "speedup": b_tpot / s_tpot if equal else None,
+                   "outputs_equal": equal,
+                   "acceptance_rate": accepted / drafted if drafted else 0.0,
+                   "mean_accepted_tokens": 1 + accepted / drafts if drafts else 1.0,
+                   "server_flags": " ".join(args.server_flag)}
+            records.append(rec)
+            print(f"{rec['method']} running={running}: TPOT {s_tpot:.2f} ms vs {b_tpot:.2f} "
+                  f"(x{b_tpot / s_tpot:.2f}), acceptance {rec['acceptance_rate']:.2f}, mean "
+                  f"accepted {rec['mean_accepted_tokens']:.2f}, outputs equal: {equal}",
+                  flush=True)
+    print(write_records("spec_decode", records))
+
+
+if __name__ == "__main__":
+    main()
