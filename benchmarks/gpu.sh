@@ -99,6 +99,8 @@
 #             n-gram, k=4) against none at 1 and 16 running on input-grounded chat prompts, on
 #             the default model's real weights (its GGUF in two halves, as numerics), then on
 #             8B random weights
+#   spec32    spec's runs in float32 (the 8B at 1 running, 64 tokens): outputs must equal
+#   specw1    W1 on 8B at the default flags, then with n-gram drafts off past 16 running
 #   remeasure the runs the old warm-up flattered: 8B 128 -> 512 at 1 and 16 running (LAT_SEQS;
 #             twice as many requests; bf16 and AWQ)
 #             and one 130,000-token prompt with prefix caching on (it must not hit), FP8 W1
@@ -406,6 +408,22 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       python3 -m benchmarks.spec_decode "${M8[@]}" --rounds 1 \
         --spec "${SPEC_JSON:-{\"method\": \"ngram\", \"num_speculative_tokens\": 4\}}" \
         2>&1 | tee -a $B/spec.log | quiet 4 ;;
+    spec32)  # losslessness on the GPU: float32, where outputs must equal the baseline's
+      cat /tmp/gguf_a/* .gguf_b/* > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+      python3 -m benchmarks.spec_decode --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --server-flag=--dtype --server-flag=float32 \
+        --spec "${SPEC_JSON:-{\"method\": \"ngram\", \"num_speculative_tokens\": 4\}}" \
+        2>&1 | tee -a $B/spec.log | quiet 4
+      save
+      python3 -m benchmarks.spec_decode "${M8[@]}" --rounds 1 --running 1 --max-tokens 64 \
+        --server-flag=--dtype --server-flag=float32 \
+        --spec "${SPEC_JSON:-{\"method\": \"ngram\", \"num_speculative_tokens\": 4\}}" \
+        2>&1 | tee -a $B/spec.log | quiet 4 ;;
+    specw1)  # what speculation off past 16 running costs at 256: W1 8B, default flags
+      tp W1 M8 "${DEFAULTS[@]}"
+      tp W1 M8 "${DEFAULTS[@]}" --server-flag=--speculative-config "--server-flag={\"method\": \
+\"ngram\", \"num_speculative_tokens\": 4, \"num_speculative_tokens_per_batch_size\": \
+[[17, 100000, 0]]}" ;;
     remeasure)
       latency ${LAT_SEQS:-1 16}
       tp "" M8 --hf none --requests 1 --prompt 130000 --output 1 --max-num-batched-tokens 0 \
