@@ -505,16 +505,19 @@ def structured_section(records: list[dict]) -> list[str]:
 
 
 def spec_decode_section(records: list[dict]) -> list[str]:
-    rows = [[machine(r), r["model"], r["method"], r["running"], num(r["tpot_ms_baseline"], ".2f"),
+    rows = [[machine(r), r["model"], r["method"], r.get("dtype", "auto"), r["running"],
+             num(r["tpot_ms_baseline"], ".2f"),
              num(r["tpot_ms"], ".2f"),
-             f"{r['speedup']:.2f}x" + ("" if r["outputs_equal"] else " (outputs differ)"),
+             (f"{r['speedup']:.2f}x" if r["speedup"] else "-")
+             + ("" if r["outputs_equal"] else " (outputs differ)"),
              num(r["acceptance_rate"], ".2f"), num(r["mean_accepted_tokens"], ".2f"),
              r["commit"], when(r)]
             for r in newest(records, lambda r: (machine(r), r["model"], r["method"],
-                                                r["speculative_config"], r["running"]))]
+                                                r["speculative_config"], r.get("dtype", "auto"),
+                                                r["running"]))]
     return section(
         "Speculative decoding: TPOT against the same flags without (input-grounded chat, greedy)",
-        table(["machine", "model", "method", "running", "TPOT without ms", "TPOT with ms",
+        table(["machine", "model", "method", "dtype", "running", "TPOT without ms", "TPOT with ms",
                "speedup", "acceptance", "mean accepted", "commit", "recorded (UTC)"], rows)) \
         if rows else []
 
