@@ -95,17 +95,21 @@ def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(draft_servic
 
 
 @pytest.mark.timeout(180)
-def test_a_draft_model_stream_survives_its_executor_killed(draft_service, hf_greedy):
+@pytest.mark.parametrize("name", ["spec_service", "draft_service"])
+def test_a_speculating_stream_survives_its_executor_killed(name, request, hf_greedy):
+    """Each method: the drafts in flight are lost with the executor, the stream is recomputed
+    on the one serve restarts, and it ends with HF's tokens."""
     from tests.integration.test_faults import processes
 
-    stream = draft_service.client.stub.Generate(
+    svc = request.getfixturevalue(name)
+    stream = svc.client.stub.Generate(
         build_request(chat=[("user", PROMPTS[4][1])], temperature=0, max_tokens=24), timeout=150)
     ids = list(next(stream).token_ids)
-    processes(draft_service)["executor"].kill()
+    processes(svc)["executor"].kill()
     for chunk in stream:
         ids.extend(chunk.token_ids)
     assert ids == hf_greedy[4]
-    draft_service.wait_serving()
+    svc.wait_serving()
 
 
 STORY = dict(chat=[("user", "Repeat exactly: the cat sat on the mat, the cat sat on the mat, "
@@ -162,16 +166,18 @@ def test_max_tokens_inside_an_accepted_run_ends_at_its_token(spec_service, servi
       "prompt_lookup_max": 2}, "prompt_lookup_min 4 is more than prompt_lookup_max 2"),
     ({"method": "ngram", "num_speculative_tokens": 64}, "does not fit --max-num-batched-tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}, "unknown key 'lookup'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
 ])
 def test_a_bad_speculative_config_is_one_line_and_a_nonzero_exit(config, error):
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "pagedserve.cli", "serve",
-                          "--max-num-batched-tokens", "64",
-                          "--speculative-config", json.dumps(config)],
-                         capture_output=True, text=True, timeout=60)
-    assert run.returncode != 0
-    assert run.stderr.strip().splitlines()[-1].startswith("pagedserve serve: "
-                                                          "--speculative-config: ")
-    assert error in run.stderr
+    for command in ("serve", "executor"):  # (the executor reads it too: draft_model)
+        run = subprocess.run([sys.executable, "-m", "pagedserve.cli", command,
+                              "--max-num-batched-tokens", "64",
+                              "--speculative-config", json.dumps(config)],
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode != 0
+        assert run.stderr.strip().splitlines()[-1].startswith(f"pagedserve {command}: "
+                                                              "--speculative-config: ")
+        assert error in run.stderr
