@@ -297,3 +297,47 @@ def test_step_bounds_left_to_the_device_take_the_executors(limit, seqs, want):
     cfg = SchedulerConfig(max_num_seqs=0, max_num_batched_tokens=0)
     got = fit_step_bounds(cfg, pb.Capacity(max_num_batched_tokens=limit, max_num_seqs=seqs))
     assert (got.max_num_batched_tokens, got.max_num_seqs) == want
+
+
+def test_a_draft_models_proposals_reach_the_next_plan_and_need_its_executor(monkeypatch):
+    """--speculative-config draft_model: an executor without the draft stops the engine (one
+    line, exit 2); one with it gets each step's lookahead, and its proposals come back as the
+    next step's drafts."""
+    import pagedserve.scheduler.engine as engine_module
+    from pagedserve.core.speculative import SpeculativeConfig
+
+    exits: list[int] = []
+    monkeypatch.setattr(engine_module.os, "_exit", exits.append)
+
+    async def main():
+        link = FakeLink()
+        spec = SpeculativeConfig.parse('{"model": "d", "num_speculative_tokens": 2}')
+        engine = Engine(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
+                                        speculative=spec), link, CharTokenizer(),
+                        eos_token_ids=[2])
+        await engine.start()
+        link.join()  # CAP names no draft
+        assert exits == [2]
+        engine._joined(pb.Capacity(num_kv_blocks=32, block_size=4, max_model_len=64,
+                                   vocab_size=100, draft_model="d"))
+        assert exits == [2]
+        _outputs[id(engine)] = OutputProcessor(EngineClient(engine), CharTokenizer())
+        stream = submit(engine, "r", [10] * 5, GenerationParams(max_tokens=8, temperature=0))
+        await link.wait_sent(1)
+        step_id, plan, _ = link.sent[0]
+        assert plan.num_lookahead_tokens == 2
+        link.results.put_nowait(pb.StepResult(step_id=step_id, req_ids=[1],
+                                              sampled_token_ids=[TOKEN], draft_req_ids=[1],
+                                              num_draft_tokens=[2], draft_token_ids=[5, 6]))
+        await link.wait_sent(2)
+        plan = link.sent[1][1]
+        assert list(plan.cached_spec_token_ids) == [5, 6]
+        assert list(plan.cached_num_scheduled_tokens) == [3]
+        link.results.put_nowait(pb.StepResult(step_id=link.sent[1][0], req_ids=[1, 1],
+                                              sampled_token_ids=[5, TOKEN]))  # one kept
+        await link.wait_sent(3)
+        assert list(link.sent[2][1].cached_num_computed_tokens) == [7]
+        assert not link.sent[2][1].cached_spec_token_ids  # no proposals came
+        assert stream.queue.qsize() > 0  # the tokens reached the front end
+
+    run(main())
