@@ -28,7 +28,10 @@ Speculative decoding (cfg.speculative; scheduler_svc/speculative.py): a running 
 last token gets up to k drafts, scheduled with it as 1 + k tokens in the step's budget and its
 blocks; when the result comes, num_computed_tokens goes back by the drafts rejected (their KV
 slots are written over later). Drafts are never in token_ids, so prefix-cache hashes cover only
-accepted tokens. A step planned ahead of a result (async scheduling) drafts nothing.
+accepted tokens. A step planned ahead of a result (async scheduling) drafts nothing. The
+drafts come from the n-gram proposer here, or from a draft model in the executor: then each
+result carries the next step's proposals (update(proposals=...)), and a speculating request
+gets k lookahead slots past its step's tokens for the draft's KV (StepPlan.num_lookahead_tokens).
 """
 
 from __future__ import annotations
