@@ -86,7 +86,9 @@ class Prometheus:
 
 @pytest.fixture
 def stack(tmp_path, model_dir):
-    svc = Service(tmp_path / "serve.log", "--served-model-name", MODEL)
+    # n-gram drafts from 1-grams up: the load feeds the speculative-decoding panel too
+    svc = Service(tmp_path / "serve.log", "--served-model-name", MODEL, "--speculative-config",
+                  '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}')
     prom = Prometheus(tmp_path, f"127.0.0.1:{svc.metrics_port}")
     try:
         svc.wait_serving()
