@@ -193,7 +193,9 @@ class ModelRunner:
         rows = rows[(cols.req_id[rows] >= 0) & (cols.pending_launch[rows] == -1)
                     & ((cols.features[rows] & (PENALTY | MIN_TOKENS)) == 0)]
         starts = cols.num_computed[rows]
-        room = self.tables.lengths[rows] * self.block_size - starts
+        # its blocks' slots past its token, and no position its RoPE tables do not reach
+        reach = getattr(self.draft.model, "max_pos", 1 << 62)
+        room = np.minimum(self.tables.lengths[rows] * self.block_size, reach) - starts
         ks = np.clip(np.minimum(room, k), 0, None)
         if not len(rows) or not ks.any():
             return [], [], []

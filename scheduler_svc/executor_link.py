@@ -354,7 +354,8 @@ def _bad_proposals(r: pb.StepResult, vocab: int) -> str:
     """Why a result's draft proposals do not fit together (see StepResult), or ""."""
     if not (r.draft_req_ids or r.num_draft_tokens or r.draft_token_ids):
         return ""
-    if (len(r.draft_req_ids) != len(r.num_draft_tokens) or min(r.num_draft_tokens) < 0
+    if (len(r.draft_req_ids) != len(r.num_draft_tokens)
+            or min(r.num_draft_tokens, default=0) < 0
             or sum(r.num_draft_tokens) != len(r.draft_token_ids)
             or len(set(r.draft_req_ids)) != len(r.draft_req_ids)):
         return "a result whose draft proposals do not add up"

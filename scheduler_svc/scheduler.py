@@ -222,8 +222,12 @@ class Scheduler:
                 i += 1
                 continue
             spec = self._draft(req, min(drafts, budget - n)) if drafts and n == 1 else []
-            # a draft model proposes the next step's drafts in slots past this step's tokens
+            # a draft model proposes the next step's drafts in slots past this step's tokens,
+            # never past the last position the request can reach (within max_model_len)
             look = drafts if drafts and self.proposer is None and self._draftable(req) else 0
+            if look:
+                look = max(0, min(look, req.prompt_len + req.params.max_tokens
+                                  - (req.num_computed_tokens + n + len(spec))))
             new_blocks = None
             if spec or look:  # drafts need blocks of their own; without room, the step goes on
                 new_blocks = self.blocks.allocate_slots(
@@ -250,8 +254,7 @@ class Scheduler:
 
     def _draft(self, req: Request, k: int) -> list[int]:
         """Up to k drafts for a request whose step starts at its last token; none for what
-        speculation does not cover (docs/speculative_decoding.md): a grammar, penalties (their
-        counts would include rejected drafts), min_tokens not reached yet, prompt logprobs."""
+        speculation does not cover (_draftable, docs/speculative_decoding.md)."""
         if req.num_pending or req.num_computed_tokens != req.num_tokens - 1 or \
                 not self._draftable(req):
             return []
@@ -265,10 +268,13 @@ class Scheduler:
 
     @staticmethod
     def _draftable(req: Request) -> bool:
+        """Whether speculation covers the request: not with a grammar, penalties (their
+        counts would include rejected drafts), min_tokens (the executor masks by a request's
+        output count, one per step) or prompt logprobs."""
         p = req.params
         return not (req.matcher is not None or req.needs_prompt_logprobs
                     or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                    or req.num_output_tokens < p.min_tokens)
+                    or p.min_tokens)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
@@ -392,7 +398,9 @@ class Scheduler:
         for rid, drafts in (proposals or {}).items():
             req = self.requests.get(rid)
             if req is not None and req.status == RequestStatus.RUNNING:
-                req.proposed, req.proposed_at = drafts, req.num_tokens
+                # (they follow the token sampled here: a step planned ahead may have added a
+                # placeholder after it)
+                req.proposed, req.proposed_at = drafts, req.num_tokens - req.num_pending
         return sampled
 
     def _verified(self, req_ids: list[int]) -> None:

@@ -181,3 +181,13 @@ def test_a_bad_speculative_config_is_one_line_and_a_nonzero_exit(config, error):
         assert run.stderr.strip().splitlines()[-1].startswith(f"pagedserve {command}: "
                                                               "--speculative-config: ")
         assert error in run.stderr
+
+
+def test_a_request_with_min_tokens_is_not_drafted_and_ends_as_without(spec_service, service):
+    """The executor masks by a request's output count, one per step: such a request decodes
+    undrafted (a draft past min_tokens used to fail its whole step)."""
+    req = {**STORY, "min_tokens": 2, "temperature": 0, "timeout": 120}
+    before = spec_service.metrics()["pagedserve_spec_decode_num_drafts_total"]
+    got, want = spec_service.client.complete(**req), service.client.complete(**req)
+    assert (got[1], got[2].finish_reason) == (want[1], want[2].finish_reason)
+    assert spec_service.wait_idle()["pagedserve_spec_decode_num_drafts_total"] == before

@@ -286,6 +286,27 @@ def test_a_result_whose_logprobs_do_not_fit_together_is_refused():
                                                                   "outside the vocabulary")
 
 
+def test_a_result_whose_draft_proposals_do_not_fit_together_is_refused():
+    from zmq import Frame
+
+    from pagedserve.scheduler.executor_link import decode_executor_message
+
+    def why(**fields):
+        result = pb.StepResult(step_id=1, req_ids=[1], sampled_token_ids=[5], **fields)
+        frame = Frame(pb.ExecutorMessage(result=result).SerializeToString())
+        return decode_executor_message([frame], pb.Capacity(vocab_size=100))[1]
+
+    good = dict(draft_req_ids=[1, 2], num_draft_tokens=[2, 1], draft_token_ids=[5, 6, 7])
+    assert why(**good) == "" and why() == ""
+    bad = "a result whose draft proposals do not add up"
+    for fields in (dict(draft_token_ids=[3]), dict(num_draft_tokens=[1]),
+                   {**good, "num_draft_tokens": [2, 2]}, {**good, "draft_req_ids": [1, 1]},
+                   {**good, "num_draft_tokens": [4, -1]}):
+        assert why(**fields) == bad, fields
+    assert why(**{**good, "draft_token_ids": [5, 6, 100]}) == ("a result with a draft token "
+                                                               "outside the vocabulary")
+
+
 def test_a_result_whose_prompt_logprobs_do_not_fit_together_is_refused():
     from zmq import Frame
 

@@ -119,7 +119,7 @@ def test_no_drafts_where_speculation_does_not_reach():
     assert s.schedule().cached[0].spec_token_ids == [5, 6]  # the budget's 3 tokens
     s.update([1, 1, 1], [5, 6, 5])
     for params in (dict(presence_penalty=0.5), dict(repetition_penalty=1.2),
-                   dict(min_tokens=10), dict(max_tokens=3)):
+                   dict(min_tokens=10), dict(min_tokens=1), dict(max_tokens=3)):
         s2 = make()
         running(s2, 2, [5, 6, 5, 6, 5], first=6, **params)
         out = s2.schedule()  # max_tokens 3: the step's own token and one draft
@@ -167,3 +167,8 @@ def test_a_draft_models_proposals_are_planned_once_after_the_token_they_follow()
     s.update([1], [6])  # rejected; no proposals came: none planned
     assert s.schedule().cached[0].spec_token_ids == []
     assert (s.spec_drafts, s.spec_draft_tokens, s.spec_accepted_tokens) == (2, 4, 1)
+    # lookahead stops at the last position the request can reach: prompt + max_tokens
+    s2 = make(method="draft_model", blocks=4)
+    running(s2, 2, [5, 6, 7, 8, 9], max_tokens=2)  # 6 known, the last reachable 7th
+    assert s2.schedule().num_lookahead_tokens == 3
+    assert s2.blocks.block_table(2) == [0, 1]  # 7 slots, not 6 + 3
