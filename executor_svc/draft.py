@@ -34,9 +34,9 @@ class DraftModelError(RuntimeError):
 
 class DraftModel:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device, path: str = "") -> None:
+                 block_size: int, device: torch.device) -> None:
         self.model, self.kv_caches = model, kv_caches
-        self.block_size, self.device, self.path = block_size, device, path
+        self.block_size, self.device = block_size, device
         self.proposed_tokens = 0  # drafts proposed since start (tests, logs)
 
     def mirror(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:

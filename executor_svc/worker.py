@@ -203,7 +203,7 @@ class Worker:
             dc = self.draft_cfg
             draft = DraftModel(draft_model, allocate_kv(
                 (self.num_blocks, cfg.block_size, dc.num_kv_heads, dc.head_dim), self.kv_dtype,
-                self.device, dc.num_layers), cfg.block_size, self.device, cfg.draft_model)
+                self.device, dc.num_layers), cfg.block_size, self.device)
         self.swap = SwapSpace(cfg.swap_space_bytes // per_block,
                               kv + (draft.kv_caches if draft is not None else []))
         self.runner = ModelRunner(model, kv, cfg.block_size, self.device, self.sampler,
