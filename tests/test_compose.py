@@ -161,8 +161,9 @@ def test_compose_services_run_and_answer(compose, model_dir, tmp_path):
                                          temperature=0, max_tokens=16)
         assert text == "The capital of France is Paris."
         http_port = svc["scheduler"]["environment"]["PAGEDSERVE_HTTP_PORT"]
-        assert urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health",
-                                      timeout=10).status == 200  # the OpenAI API's readiness
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10) as r:
+            assert r.status == 200  # the OpenAI API's readiness
+            r.read()  # the whole body: urlopen returns at the headers, before it is counted
         metrics_port = int(svc["scheduler"]["environment"]["PAGEDSERVE_METRICS_PORT"])
         scraped = {key.split("{")[0] for key in scrape(metrics_port)}
         assert dashboard_metric_names() <= scraped  # what Prometheus would get
