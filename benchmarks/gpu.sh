@@ -100,6 +100,8 @@
 #             the default model's real weights (its GGUF in two halves, as numerics), then on
 #             8B random weights
 #   spec32    spec's runs in float32 (the 8B at 1 running, 64 tokens): outputs must equal
+#   specdraft 8B at 1 running: a 1B draft (k 4, 2), the 8B as its own draft, n-gram; each
+#             record with a step's time by part (per_step_ms)
 #   specw1    W1 on 8B at the default flags, then with n-gram drafts off past 16 running
 #   remeasure the runs the old warm-up flattered: 8B 128 -> 512 at 1 and 16 running (LAT_SEQS;
 #             twice as many requests; bf16 and AWQ)
@@ -419,6 +421,15 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         --server-flag=--dtype --server-flag=float32 \
         --spec "${SPEC_JSON:-{\"method\": \"ngram\", \"num_speculative_tokens\": 4\}}" \
         2>&1 | tee -a $B/spec.log | quiet 4 ;;
+    specdraft)  # 8B single stream: a 1B draft (k 4 and 2), the 8B as its own draft (the
+      # ceiling: every draft kept), n-gram; each record breaks a step's time down
+      D1=benchmarks/models/llama3.2-1b D8=benchmarks/models/llama3.1-8b
+      python3 -m benchmarks.spec_decode "${M8[@]}" --rounds 1 --running 1 \
+        --spec "{\"method\": \"draft_model\", \"model\": \"$D1\", \"num_speculative_tokens\": 4}" \
+        --spec "{\"method\": \"draft_model\", \"model\": \"$D1\", \"num_speculative_tokens\": 2}" \
+        --spec "{\"method\": \"draft_model\", \"model\": \"$D8\", \"num_speculative_tokens\": 4}" \
+        --spec "{\"method\": \"ngram\", \"num_speculative_tokens\": 4}" \
+        2>&1 | tee -a $B/spec.log | quiet 12 ;;
     specw1)  # what speculation off past 16 running costs at 256: W1 8B, default flags
       tp W1 M8 "${DEFAULTS[@]}"
       tp W1 M8 "${DEFAULTS[@]}" --server-flag=--speculative-config "--server-flag={\"method\": \

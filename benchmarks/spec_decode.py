@@ -6,7 +6,9 @@ given document, repeat code with a change), where n-gram drafts find their token
 honoured (so outputs stay real text), at most --max-tokens each; every prompt runs, `running`
 requests at a time. Per request TPOT = (E2EL - TTFT) / (output tokens - 1)
 (../shared/BENCHMARKS.md), averaged over the requests of a run; the acceptance rate and mean
-accepted length come from the server's spec_decode counters over the same run.
+accepted length come from the server's spec_decode counters over the same run, and so does
+where a step's time goes (`per_step_ms`: the executor's device busy and gap time and the
+scheduler loop's phases, per executor step; device times on CUDA only).
 
 outputs_equal says whether the greedy outputs equal the baseline's token for token. In float32
 they must (verification is lossless). In bfloat16 a verification step's logits come from a
@@ -110,9 +112,31 @@ SPEC_KEYS = ("pagedserve_spec_decode_num_drafts_total",
              "pagedserve_spec_decode_num_accepted_tokens_total")
 
 
+STEP_PARTS = {"device_busy": 'pagedserve_executor_device_seconds_total{state="busy"}',
+              "device_gap": 'pagedserve_executor_device_seconds_total{state="gap"}'}
+LOOP = "pagedserve_scheduler_loop_seconds_total"
+STEPS = "pagedserve_executor_steps_total"
+
+
+def per_step_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The counters' increase, in ms per executor step: device busy and gap, and each phase of
+    the scheduler's loop (loop_<phase>)."""
+    def grew(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    steps = sum(grew(k) for k in after if k.startswith(STEPS + "{"))
+    if not steps:
+        return {}
+    out = {name: grew(key) * 1e3 / steps for name, key in STEP_PARTS.items()}
+    for key in after:
+        if key.startswith(LOOP + "{"):
+            out["loop_" + key.split('"')[1]] = grew(key) * 1e3 / steps
+    return {"steps": steps, **{k: round(v, 4) for k, v in out.items()}}
+
+
 def measure(flags: list[str], runnings: list[int], max_tokens: int, rounds: int) -> dict:
-    """Per running: the outcomes of the last round, mean TPOT over the rounds, and the
-    spec_decode counters' increase over them."""
+    """Per running: the outcomes of the last round, mean TPOT over the rounds, the
+    spec_decode counters' increase over them, and where a step's time went."""
     from tests.integration.service import Service
 
     svc = Service(Path(tempfile.mkdtemp()) / "serve.log", *flags)
@@ -129,7 +153,8 @@ def measure(flags: list[str], runnings: list[int], max_tokens: int, rounds: int)
                 tpots.append(tpot_ms(outcomes))
             after = svc.metrics()
             counts = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_KEYS}
-            out[running] = (outcomes, statistics.fmean(tpots), counts)
+            out[running] = (outcomes, statistics.fmean(tpots), counts,
+                            per_step_ms(before, after))
     finally:
         svc.stop()
     return out
@@ -157,8 +182,8 @@ def main() -> None:
         got = measure([*flags, "--speculative-config", spec], runnings, args.max_tokens,
                       args.rounds)
         for running in runnings:
-            b_out, b_tpot, _ = base[running]
-            s_out, s_tpot, c = got[running]
+            b_out, b_tpot, _, b_steps = base[running]
+            s_out, s_tpot, c, s_steps = got[running]
             drafts, drafted, accepted = (c[k] for k in SPEC_KEYS)
             equal = [ids for ids, _, _ in b_out] == [ids for ids, _, _ in s_out]
             rec = {"kind": "spec_decode", "method": cfg.get("method", "ngram"),
@@ -173,12 +198,14 @@ def main() -> None:
                    "mean_accepted_tokens": 1 + accepted / drafts if drafts else 1.0,
                    "dtype": next((v for f, v in zip(args.server_flag, args.server_flag[1:],
                                                      strict=False) if f == "--dtype"), "auto"),
-                   "server_flags": " ".join(args.server_flag)}
+                   "server_flags": " ".join(args.server_flag),
+                   "per_step_ms": s_steps, "per_step_ms_baseline": b_steps}
             records.append(rec)
             print(f"{rec['method']} running={running}: TPOT {s_tpot:.2f} ms vs {b_tpot:.2f} "
                   f"(x{b_tpot / s_tpot:.2f}), acceptance {rec['acceptance_rate']:.2f}, mean "
                   f"accepted {rec['mean_accepted_tokens']:.2f}, outputs equal: {equal}",
                   flush=True)
+            print(f"  per step (ms): {s_steps}\n  baseline: {b_steps}", flush=True)
     print(write_records("spec_decode", records))
 
 

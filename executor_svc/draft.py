@@ -12,6 +12,10 @@ position, then each draft after it, one single-token pass per draft, writing the
 slots the request's blocks already hold. Those slots lie past its computed tokens, so the
 target's next step writes over them.
 
+On CUDA the draft has decode graphs of its own (`graphs`, captured after the target's): a
+graphed step's mirror and each proposal pass replay them, one launch a pass, where eagerly the
+host would launch each of the draft's kernels.
+
 The drafts are the draft model's argmax, one token with certainty each: verifying them by the
 target's own sample is rejection sampling, and outputs follow the target's distribution
 whatever the draft proposes. The draft's cache only decides how many are accepted.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.transfer import to_device
 
@@ -38,10 +43,29 @@ class DraftModel:
         self.model, self.kv_caches = model, kv_caches
         self.block_size, self.device = block_size, device
         self.proposed_tokens = 0  # drafts proposed since start (tests, logs)
+        self.graphs: DecodeGraphs | None = None  # set by the worker (CUDA, not eager)
 
     def mirror(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """The step's tokens through the draft, for its KV cache only."""
         self.model.hidden(ids, positions, self.kv_caches, meta)
+
+    def mirror_graphed(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                       tables: np.ndarray, seq_lens: np.ndarray,
+                       patch: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """A decode-shaped step (one token a row, the target's graphed step) through the
+        draft: by its graphs where they fit, else eagerly."""
+        if self.graphs is not None and self.graphs.fits(len(input_ids), tables.shape[1]):
+            self.graphs.run(input_ids, positions, slots, tables, seq_lens, patch)
+            return
+        dev = self.device
+        ids = to_device(input_ids, dev)
+        if patch is not None:
+            ids[patch[0]] = patch[1]
+        self.mirror(ids, to_device(positions, dev), AttentionMetadata(
+            slot_mapping=to_device(slots, dev), block_tables=to_device(tables, dev),
+            seq_lens=to_device(seq_lens.astype(np.int32), dev),
+            cu_seqlens_q=to_device(np.arange(len(slots) + 1, dtype=np.int32), dev),
+            max_query_len=1, max_seq_len=int(seq_lens.max())))
 
     @torch.inference_mode()
     def propose(self, table: np.ndarray, rows: np.ndarray, starts: np.ndarray,
@@ -59,15 +83,18 @@ class DraftModel:
             slots = table[live_rows, pos // bs].astype(np.int64) * bs + pos % bs
             width = int((pos // bs).max()) + 1
             n = len(live)
-            meta = AttentionMetadata(
-                slot_mapping=to_device(slots, dev),
-                block_tables=to_device(np.ascontiguousarray(table[live_rows, :width]), dev),
-                seq_lens=to_device((pos + 1).astype(np.int32), dev),
-                cu_seqlens_q=to_device(np.arange(n + 1, dtype=np.int32), dev),
-                max_query_len=1, max_seq_len=int(pos.max()) + 1)
-            index = torch.arange(n, device=dev)
-            logits = self.model(to_device(cur, dev), to_device(pos, dev), self.kv_caches, meta,
-                                index)
+            tables = np.ascontiguousarray(table[live_rows, :width])
+            if self.graphs is not None and self.graphs.fits(n, width):
+                logits = self.graphs.run(cur, pos, slots, tables, pos + 1)
+            else:
+                meta = AttentionMetadata(
+                    slot_mapping=to_device(slots, dev), block_tables=to_device(tables, dev),
+                    seq_lens=to_device((pos + 1).astype(np.int32), dev),
+                    cu_seqlens_q=to_device(np.arange(n + 1, dtype=np.int32), dev),
+                    max_query_len=1, max_seq_len=int(pos.max()) + 1)
+                index = torch.arange(n, device=dev)
+                logits = self.model(to_device(cur, dev), to_device(pos, dev), self.kv_caches,
+                                    meta, index)
             nxt = logits.argmax(dim=-1).cpu().numpy()
             for i, t in zip(live.tolist(), nxt.tolist(), strict=True):
                 out[i].append(t)

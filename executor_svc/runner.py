@@ -399,14 +399,8 @@ class ModelRunner:
             flat_tables, flat_lens = table[token_rows, :max_blocks], positions + 1
             logits = graphs.run(input_ids, positions, slots, flat_tables, flat_lens, patch)
             if self.draft is not None:
-                ids = to_device(input_ids, dev)
-                if patch is not None:
-                    ids[patch[0]] = patch[1]
-                self.draft.mirror(ids, to_device(positions, dev), AttentionMetadata(
-                    slot_mapping=to_device(slots, dev), block_tables=to_device(flat_tables, dev),
-                    seq_lens=to_device(flat_lens.astype(np.int32), dev),
-                    cu_seqlens_q=to_device(np.arange(len(slots) + 1, dtype=np.int32), dev),
-                    max_query_len=1, max_seq_len=int(flat_lens.max())))
+                self.draft.mirror_graphed(input_ids, positions, slots, flat_tables, flat_lens,
+                                          patch)
             if scored is not None:  # one token a row: flat rows are the logits' rows
                 full = logits
                 prompt = score(scored, lambda idx: full[idx], dev)

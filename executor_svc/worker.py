@@ -172,7 +172,7 @@ class Worker:
         if self.draft_cfg is not None:  # the draft's KV lives in the same blocks
             self.block_bytes = per_block = per_block + cfg.block_size * \
                 self.draft_cfg.kv_bytes_per_token(self.kv_dtype.itemsize)
-        self.num_blocks = self._num_blocks(cfg, model, max_len)
+        self.num_blocks = self._num_blocks(cfg, model, max_len, draft_model)
         if cfg.tensor_parallel_size > 1:  # every rank holds its heads of every block
             from pagedserve.executor.tp_layers import min_over_ranks
 
@@ -213,6 +213,9 @@ class Worker:
                 and self.model_cfg.impl == "native":  # HF's modeling code runs eagerly
             self.graphs = DecodeGraphs(model, kv, cfg.max_num_seqs, self.max_model_len,
                                        cfg.block_size, self.device)
+            if draft is not None:  # its mirror of a graphed step and its proposal passes
+                draft.graphs = DecodeGraphs(draft_model, draft.kv_caches, cfg.max_num_seqs,
+                                            self.max_model_len, cfg.block_size, self.device)
         self.capacity = pb.Capacity(
             num_kv_blocks=self.num_blocks, block_size=cfg.block_size,
             max_model_len=self.max_model_len, vocab_size=self.model_cfg.vocab_size,
@@ -271,19 +274,24 @@ class Worker:
                                                 new_num_scheduled_tokens=[n]))
                 self.runner.reset()  # the slots hold garbage now; nothing reads them unwritten
         if self.graphs is not None:
-            with phase(f"capturing CUDA graphs of decode batches up to {self.graphs.max_batch}"):
-                try:
-                    self.graphs.capture()
-                except torch.OutOfMemoryError as e:  # the profile's estimate fell short
-                    raise MemoryBudgetError(
-                        f"capturing the decode CUDA graphs of up to {self.graphs.max_batch} "
-                        f"sequences ran out of GPU memory ({str(e).splitlines()[0]}); lower "
-                        f"--max-num-seqs or --gpu-memory-utilization, or pass "
-                        f"--enforce-eager") from e
-            if 0 < self._graph_estimate < self.graphs.capture_bytes - MARGIN:
+            draft = self.runner.draft
+            sets = [("decode", self.graphs)]
+            if draft is not None and draft.graphs is not None:
+                sets.append(("the draft model's decode", draft.graphs))
+            for what, graphs in sets:
+                with phase(f"capturing {what} CUDA graphs of batches up to {graphs.max_batch}"):
+                    try:
+                        graphs.capture()
+                    except torch.OutOfMemoryError as e:  # the profile's estimate fell short
+                        raise MemoryBudgetError(
+                            f"capturing {what} CUDA graphs of up to {graphs.max_batch} "
+                            f"sequences ran out of GPU memory ({str(e).splitlines()[0]}); "
+                            f"lower --max-num-seqs or --gpu-memory-utilization, or pass "
+                            f"--enforce-eager") from e
+            took = sum(graphs.capture_bytes for _, graphs in sets)
+            if 0 < self._graph_estimate < took - MARGIN:
                 log.warning("the decode graphs took %.2f GiB, more than the memory profile's "
-                            "%.2f GiB and its margin", self.graphs.capture_bytes / GiB,
-                            self._graph_estimate / GiB)
+                            "%.2f GiB and its margin", took / GiB, self._graph_estimate / GiB)
             self.runner.graphs = self.graphs
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -297,7 +305,8 @@ class Worker:
             self._memory_at, self._memory = now, _memory_of(self.device)
         return self._memory
 
-    def _num_blocks(self, cfg: ExecutorConfig, model: CausalLM, max_len: int) -> int:
+    def _num_blocks(self, cfg: ExecutorConfig, model: CausalLM, max_len: int,
+                    draft: CausalLM | None = None) -> int:
         if cfg.num_kv_blocks > 0:
             return cfg.num_kv_blocks
         per_block = self.block_bytes
@@ -309,6 +318,14 @@ class Worker:
                 graph_peak = 0 if cfg.enforce_eager else self._profile(
                     model, cfg, max_len, prefill=False) + DecodeGraphs.static_bytes(
                     cfg.max_num_seqs, max_len, cfg.block_size, self.model_cfg.vocab_size)
+                if draft is not None:
+                    peak = max(peak, self._profile(draft, cfg, max_len, prefill=True,
+                                                   mc=self.draft_cfg))
+                    if not cfg.enforce_eager:  # the draft's graphs have a pool of their own
+                        graph_peak += self._profile(
+                            draft, cfg, max_len, prefill=False, mc=self.draft_cfg) + \
+                            DecodeGraphs.static_bytes(cfg.max_num_seqs, max_len,
+                                                      cfg.block_size, self.model_cfg.vocab_size)
             except torch.OutOfMemoryError as e:  # the card cannot run the largest step at all
                 raise MemoryBudgetError(
                     f"--max-num-seqs {cfg.max_num_seqs} and --max-num-batched-tokens "
@@ -333,14 +350,15 @@ class Worker:
 
     @torch.inference_mode()
     def _profile(self, model: CausalLM, cfg: ExecutorConfig, max_len: int,
-                 prefill: bool) -> int:
+                 prefill: bool, mc: ModelConfig | None = None) -> int:
         """Peak bytes allocated beyond what is held now by the largest step the scheduler may
         plan: prefill=True runs max_num_batched_tokens tokens over as many sequences as may
         sample (logits and top-k/top-p sampling of each); prefill=False one decode token for
         each of max_num_seqs sequences (what a CUDA graph's private pool holds). K/V writes
         are skipped and attention reads a one-block dummy cache: memory, not values, matters.
+        mc: the model's config (the draft's for a draft model).
         """
-        dev, mc = self.device, self.model_cfg
+        dev, mc = self.device, mc or self.model_cfg
         seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         tokens = cfg.max_num_batched_tokens if prefill else seqs
         seqs = max(seqs, -(-tokens // max_len))

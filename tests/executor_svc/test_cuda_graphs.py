@@ -197,12 +197,18 @@ def spec_greedy_run(worker, prompts, new_tokens, k=3):
 @cuda
 def test_verification_steps_replay_graphs_and_keep_the_targets_tokens(tmp_path):
     """The target as its own draft (fp32): verification steps of 1 + 3 tokens a request replay
-    the decode graphs one row per token, every draft is kept, and the tokens are HF's."""
+    the decode graphs one row per token, every draft is kept, and the tokens are HF's. The
+    draft's mirror of those steps and its proposal passes replay its own graphs."""
     hf = save_random_llama(tmp_path, "d128", init=0.1).cuda()
     worker = Worker(ExecutorConfig(model=str(tmp_path), device="cuda", dtype="float32",
                                    num_kv_blocks=64, max_num_seqs=16, draft_model=str(tmp_path)))
     worker.warm_up()
+    draft_graphs = worker.runner.draft.graphs
+    assert draft_graphs is not None and sorted(draft_graphs.graphs) == draft_graphs.sizes
+    rows, replay = [], draft_graphs.run
+    draft_graphs.run = lambda ids, *rest: rows.append(len(ids)) or replay(ids, *rest)
     prompts, want = hf_greedy_tokens(hf)
     got, graphed, drafted, kept = spec_greedy_run(worker, prompts, len(want[0]))
     assert [got[i] for i in range(len(prompts))] == [w[:len(want[0])] for w in want]
     assert kept == drafted > 0 and graphed > 0
+    assert len(prompts) in rows and max(rows) > len(prompts)  # proposal passes, mirrors

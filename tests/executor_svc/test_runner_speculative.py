@@ -131,8 +131,8 @@ class EagerDecodeGraphs:
     position), run eagerly: the runner's flattening of verification steps into decode rows is
     checked here on the CPU, the captured graphs on the GPU (test_cuda_graphs)."""
 
-    def __init__(self, run):
-        self.run_of, self.batches = run, []
+    def __init__(self, model, kv_caches):
+        self.model, self.kv_caches, self.batches = model, kv_caches, []
 
     def fits(self, batch, num_blocks):
         return True
@@ -140,7 +140,7 @@ class EagerDecodeGraphs:
     def run(self, input_ids, positions, slots, tables, seq_lens, patch=None):
         from pagedserve.executor.model import AttentionMetadata
 
-        b, r = len(input_ids), self.run_of
+        b = len(input_ids)
         self.batches.append(b)
         ids = torch.as_tensor(np.array(input_ids, np.int64))
         if patch is not None:
@@ -151,8 +151,8 @@ class EagerDecodeGraphs:
             seq_lens=torch.as_tensor(np.asarray(seq_lens, np.int32)),
             cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32), max_query_len=1,
             max_seq_len=int(np.max(seq_lens)))
-        return r.model(ids, torch.as_tensor(np.asarray(positions, np.int64)), r.kv_caches, meta,
-                       torch.arange(b)).float()
+        return self.model(ids, torch.as_tensor(np.asarray(positions, np.int64)), self.kv_caches,
+                          meta, torch.arange(b)).float()
 
 
 def test_verification_steps_replay_the_decode_graphs_one_row_per_token(tiny):
@@ -160,7 +160,7 @@ def test_verification_steps_replay_the_decode_graphs_one_row_per_token(tiny):
     for temperature in (0.0, 1.0):
         eager = draft_step(runner(path, 16), 16, [3, 0, 3], temperature=temperature)
         run = runner(path, 16)
-        run.graphs = graphs = EagerDecodeGraphs(run)
+        run.graphs = graphs = EagerDecodeGraphs(run.model, run.kv_caches)
         assert draft_step(run, 16, [3, 0, 3], temperature=temperature) == eager
         assert graphs.batches == [16 * 4] and run.last_step_graphed
 
@@ -185,13 +185,19 @@ def test_drafts_that_do_not_add_up_or_come_before_the_last_are_verified_fail(tin
     assert run.finish(launched)[0][0] == 1
 
 
-def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(tiny, tmp_path):
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(tiny, graphed):
     """The draft-model path with the target as its own draft: its greedy proposals are the
     target's greedy tokens, so verification keeps every one (a rejected correct draft fails
-    here), and the tokens equal HF's greedy ones."""
+    here), and the tokens equal HF's greedy ones. Graphed: the target's verification steps,
+    the draft's mirror of them and its proposal passes go through (eager stand-ins of) the
+    decode graphs."""
     path, hf = tiny
     run = Worker(ExecutorConfig(model=str(path), device="cpu", num_kv_blocks=4, block_size=16,
                                 draft_model=str(path))).runner
+    if graphed:
+        run.graphs = EagerDecodeGraphs(run.model, run.kv_caches)
+        run.draft.graphs = EagerDecodeGraphs(run.draft.model, run.draft.kv_caches)
     want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False,
                        pad_token_id=0)[0, len(PROMPT):].tolist()
     plan = pb.StepPlan(step_id=1, num_lookahead_tokens=3)
@@ -217,6 +223,9 @@ def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(tiny, tmp_pa
     assert got[:20] == want
     assert kept == drafted > 0 and steps <= 1 + -(-19 // 4)
     assert run.draft.proposed_tokens >= drafted
+    if graphed:  # verification steps of 1 + k rows; the mirror of each, then passes of 1 row
+        assert run.graphs.batches and all(b > 1 for b in run.graphs.batches)
+        assert sorted(set(run.draft.graphs.batches)) == sorted({1} | set(run.graphs.batches))
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny, tmp_path):
