@@ -426,7 +426,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       D1=benchmarks/models/llama3.2-1b D8=benchmarks/models/llama3.1-8b
       python3 -m benchmarks.spec_decode "${M8[@]}" --rounds 1 --running 1 \
         --spec "{\"method\": \"draft_model\", \"model\": \"$D1\", \"num_speculative_tokens\": 4}" \
-        --spec "{\"method\": \"draft_model\", \"model\": \"$D1\", \"num_speculative_tokens\": 2}" \
+        --spec "{\"method\": \"draft_model\", \"model\": \"$D1\", \"num_speculative_tokens\": ${SPEC_K2:-2}}" \
         --spec "{\"method\": \"draft_model\", \"model\": \"$D8\", \"num_speculative_tokens\": 4}" \
         --spec "{\"method\": \"ngram\", \"num_speculative_tokens\": 4}" \
         2>&1 | tee -a $B/spec.log | quiet 12 ;;

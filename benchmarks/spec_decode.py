@@ -7,8 +7,8 @@ honoured (so outputs stay real text), at most --max-tokens each; every prompt ru
 requests at a time. Per request TPOT = (E2EL - TTFT) / (output tokens - 1)
 (../shared/BENCHMARKS.md), averaged over the requests of a run; the acceptance rate and mean
 accepted length come from the server's spec_decode counters over the same run, and so does
-where a step's time goes (`per_step_ms`: the executor's device busy and gap time and the
-scheduler loop's phases, per executor step; device times on CUDA only).
+where a step's time goes (`per_step_ms`: the executor's device busy and gap time, its host
+time and the scheduler loop's, by phase, per executor step; device times on CUDA only).
 
 outputs_equal says whether the greedy outputs equal the baseline's token for token. In float32
 they must (verification is lossless). In bfloat16 a verification step's logits come from a
@@ -115,12 +115,13 @@ SPEC_KEYS = ("pagedserve_spec_decode_num_drafts_total",
 STEP_PARTS = {"device_busy": 'pagedserve_executor_device_seconds_total{state="busy"}',
               "device_gap": 'pagedserve_executor_device_seconds_total{state="gap"}'}
 LOOP = "pagedserve_scheduler_loop_seconds_total"
+EXECUTOR = "pagedserve_executor_host_seconds_total"
 STEPS = "pagedserve_executor_steps_total"
 
 
 def per_step_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The counters' increase, in ms per executor step: device busy and gap, and each phase of
-    the scheduler's loop (loop_<phase>)."""
+    """The counters' increase, in ms per executor step: device busy and gap, each phase of
+    the scheduler's loop (loop_<phase>) and of the executor's host time (executor_<phase>)."""
     def grew(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)
 
@@ -128,9 +129,10 @@ def per_step_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     if not steps:
         return {}
     out = {name: grew(key) * 1e3 / steps for name, key in STEP_PARTS.items()}
-    for key in after:
-        if key.startswith(LOOP + "{"):
-            out["loop_" + key.split('"')[1]] = grew(key) * 1e3 / steps
+    for prefix, name in ((LOOP, "loop_"), (EXECUTOR, "executor_")):
+        for key in after:
+            if key.startswith(prefix + "{"):
+                out[name + key.split('"')[1]] = grew(key) * 1e3 / steps
     return {"steps": steps, **{k: round(v, 4) for k, v in out.items()}}
 
 

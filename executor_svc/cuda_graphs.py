@@ -48,7 +48,8 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         n = self.max_batch
-        before = torch.cuda.mem_get_info(device)[0]
+        cuda = device.type == "cuda"  # (tests build one on the CPU, replaying eagerly)
+        before = torch.cuda.mem_get_info(device)[0] if cuda else 0
         i64, i32 = torch.int64, torch.int32
         self.input_ids = torch.zeros(n, dtype=i64, device=device)
         self.positions = torch.zeros(n, dtype=i64, device=device)
@@ -66,7 +67,7 @@ class DecodeGraphs:
         # pinned staging rows (ids, positions, slots, seq lens), two sets used in turn: with
         # async scheduling step N+1 is staged before step N's tokens are read, so N's copy may
         # not have run yet; N-1's has (its tokens were read before N+1 is launched)
-        self._stages = [torch.zeros((4, n), dtype=i64, pin_memory=True) for _ in range(2)]
+        self._stages = [torch.zeros((4, n), dtype=i64, pin_memory=cuda) for _ in range(2)]
         self._turn = 0
         self._stage_dev = torch.zeros((4, n), dtype=i64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -75,7 +76,7 @@ class DecodeGraphs:
         # graphs hold the NCCL all-reduces and all-gather, captured on every rank in one order
         self.before_replay: Callable[[int, int, int], None] | None = None
         # device memory the graphs hold: these buffers, then the capture's pool and graphs
-        self.capture_bytes = before - torch.cuda.mem_get_info(device)[0]
+        self.capture_bytes = before - torch.cuda.mem_get_info(device)[0] if cuda else 0
 
     @staticmethod
     def static_bytes(max_batch: int, max_model_len: int, block_size: int, vocab_size: int) -> int:
@@ -124,13 +125,42 @@ class DecodeGraphs:
     def fits(self, batch: int, num_blocks: int) -> bool:
         return batch <= self.max_batch and num_blocks <= self.max_blocks
 
+    def padded(self, batch: int) -> int:
+        """The captured size a batch of this many rows replays."""
+        return self.sizes[bisect.bisect_left(self.sizes, batch)]
+
+    def greedy_chain(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                     tables: np.ndarray, seq_lens: np.ndarray) -> torch.Tensor:
+        """K decode passes of the same B rows, each pass's input the argmax of the pass before
+        it (a draft model's proposals): tokens [B] go into the first pass; positions, slots
+        and seq_lens [K, B] are every pass's (slot -1 and length 0 where a row sits a pass
+        out); tables [B, width] hold every pass's blocks. All inputs go to the device at once
+        and the passes replay back to back, the host waiting for none of them. The argmaxes,
+        [K, B] on the device."""
+        passes, b = positions.shape
+        bs = self.padded(b)
+        dev = self.device
+        steps = to_device(np.stack([positions, slots, seq_lens]).astype(np.int64), dev)
+        self.input_ids[:b].copy_(to_device(tokens.astype(np.int64), dev))
+        self.slot_mapping[b:bs], self.seq_lens[b:bs] = -1, 0
+        self.block_tables[:b, :tables.shape[1]].copy_(to_device(tables, dev))
+        out = torch.empty((passes, b), dtype=torch.int64, device=dev)
+        for j in range(passes):
+            self.positions[:b].copy_(steps[0, j])
+            self.slot_mapping[:b].copy_(steps[1, j])
+            self.seq_lens[:b].copy_(steps[2, j])
+            self.graphs[bs].replay()
+            torch.argmax(self.logits[:b], dim=-1, out=out[j])
+            self.input_ids[:b].copy_(out[j])
+        return out
+
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
             tables: np.ndarray, seq_lens: np.ndarray,
             patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [B, vocab] float32 of a decode step of B = len(input_ids) requests;
         patch = (rows, ids on the device) overrides those rows' input ids."""
         b = len(input_ids)
-        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        bs = self.padded(b)
         pinned = self._stages[self._turn]
         self._turn ^= 1
         stage = pinned.numpy()

@@ -13,8 +13,9 @@ slots the request's blocks already hold. Those slots lie past its computed token
 target's next step writes over them.
 
 On CUDA the draft has decode graphs of its own (`graphs`, captured after the target's): a
-graphed step's mirror and each proposal pass replay them, one launch a pass, where eagerly the
-host would launch each of the draft's kernels.
+graphed step's mirror replays them, and so do the proposal passes, back to back, each pass's
+argmax copied on the device into the next one's input (DecodeGraphs.greedy_chain): the host
+launches one graph a pass and waits once, for the drafts of all of them.
 
 The drafts are the draft model's argmax, one token with certainty each: verifying them by the
 target's own sample is rejection sampling, and outputs follow the target's distribution
@@ -73,34 +74,49 @@ class DraftModel:
         """Up to ks[i] greedy drafts after tokens[i], the token at position starts[i] of the
         request in block-table row rows[i]; ks[i] never reaches past its blocks (the caller
         caps it). The drafts of each row, in row order."""
-        bs, dev = self.block_size, self.device
-        out: list[list[int]] = [[] for _ in range(len(rows))]
-        live = np.flatnonzero(ks > 0)
-        cur = tokens[live].astype(np.int64)
-        for j in range(int(ks.max()) if len(ks) else 0):
-            live_rows = rows[live]
-            pos = starts[live] + j
-            slots = table[live_rows, pos // bs].astype(np.int64) * bs + pos % bs
-            width = int((pos // bs).max()) + 1
+        n, live = len(rows), np.flatnonzero(ks > 0)
+        if not len(live):
+            return [[] for _ in range(n)]
+        rows, starts, tokens, ks, bs = rows[live], starts[live], tokens[live], ks[live], \
+            self.block_size
+        passes = int(ks.max())
+        pos = starts[None, :] + np.arange(passes)[:, None]  # [pass, row]
+        on = np.arange(passes)[:, None] < ks[None, :]  # the row still drafts in this pass
+        pos = np.where(on, pos, starts[None, :])  # (a row sitting out: a position it has)
+        slots = np.where(on, table[rows[None, :], pos // bs].astype(np.int64) * bs + pos % bs,
+                         -1)
+        width = int(pos.max()) // bs + 1
+        tables = np.ascontiguousarray(table[rows, :width])
+        if self.graphs is not None and self.graphs.fits(len(rows), width):
+            drafts = self.graphs.greedy_chain(tokens, pos, slots, tables,
+                                              np.where(on, pos + 1, 0))
+        else:
+            drafts = self._eager_chain(tokens, pos, slots, tables, on)
+        drafts = drafts.cpu().numpy()  # the one wait for the device
+        out: list[list[int]] = [[] for _ in range(n)]
+        for i, row, k in zip(range(len(live)), live.tolist(), ks.tolist(), strict=True):
+            out[row] = drafts[:k, i].tolist()
+        self.proposed_tokens += int(ks.sum())
+        return out
+
+    def _eager_chain(self, tokens: np.ndarray, pos: np.ndarray, slots: np.ndarray,
+                     tables: np.ndarray, on: np.ndarray) -> torch.Tensor:
+        """greedy_chain's passes run eagerly, each over the rows still drafting."""
+        dev = self.device
+        out = torch.zeros(pos.shape, dtype=torch.int64, device=dev)
+        cur = to_device(tokens.astype(np.int64), dev)
+        for j in range(len(pos)):
+            live = np.flatnonzero(on[j])
             n = len(live)
-            tables = np.ascontiguousarray(table[live_rows, :width])
-            if self.graphs is not None and self.graphs.fits(n, width):
-                logits = self.graphs.run(cur, pos, slots, tables, pos + 1)
-            else:
-                meta = AttentionMetadata(
-                    slot_mapping=to_device(slots, dev), block_tables=to_device(tables, dev),
-                    seq_lens=to_device((pos + 1).astype(np.int32), dev),
-                    cu_seqlens_q=to_device(np.arange(n + 1, dtype=np.int32), dev),
-                    max_query_len=1, max_seq_len=int(pos.max()) + 1)
-                index = torch.arange(n, device=dev)
-                logits = self.model(to_device(cur, dev), to_device(pos, dev), self.kv_caches,
-                                    meta, index)
-            nxt = logits.argmax(dim=-1).cpu().numpy()
-            for i, t in zip(live.tolist(), nxt.tolist(), strict=True):
-                out[i].append(t)
-            more = ks[live] > j + 1
-            live, cur = live[more], nxt[more]
-            if not len(live):
-                break
-        self.proposed_tokens += sum(len(d) for d in out)
+            meta = AttentionMetadata(
+                slot_mapping=to_device(slots[j, live], dev),
+                block_tables=to_device(np.ascontiguousarray(tables[live]), dev),
+                seq_lens=to_device((pos[j, live] + 1).astype(np.int32), dev),
+                cu_seqlens_q=to_device(np.arange(n + 1, dtype=np.int32), dev),
+                max_query_len=1, max_seq_len=int(pos[j, live].max()) + 1)
+            index = to_device(live, dev)
+            logits = self.model(cur[index], to_device(pos[j, live], dev), self.kv_caches, meta,
+                                torch.arange(n, device=dev))
+            out[j, index] = logits.argmax(dim=-1)
+            cur = out[j].clone()
         return out

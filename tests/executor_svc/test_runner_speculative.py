@@ -5,11 +5,13 @@ min-p; a step's rejected positions are rolled back on the executor's side."""
 
 from __future__ import annotations
 
-import numpy as np
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.worker import ExecutorConfig, Worker
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
@@ -126,33 +128,25 @@ def test_greedy_and_seeded_rows_keep_the_tokens_they_get_without_drafts(tiny):
         assert kept > 0  # some rows' first draft is theirs
 
 
-class EagerDecodeGraphs:
-    """What DecodeGraphs replays (one query token per row, each attending up to its own
-    position), run eagerly: the runner's flattening of verification steps into decode rows is
-    checked here on the CPU, the captured graphs on the GPU (test_cuda_graphs)."""
+class EagerDecodeGraphs(DecodeGraphs):
+    """DecodeGraphs on the CPU, each 'graph' replaying eagerly what capture() would record
+    (the model over the static buffers, one query token per row): the runner's flattening of
+    verification steps into decode rows and the draft's chained proposal passes are checked
+    here, the captured graphs on the GPU (test_cuda_graphs). batches: each replay's rows."""
 
-    def __init__(self, model, kv_caches):
-        self.model, self.kv_caches, self.batches = model, kv_caches, []
+    def __init__(self, model, kv_caches, max_batch=64):
+        super().__init__(model, kv_caches, max_batch, 64, 16, torch.device("cpu"))
+        self.batches = []
+        for bs in self.sizes:
+            self.graphs[bs] = SimpleNamespace(replay=lambda bs=bs: self.model(*self._args(bs)))
 
-    def fits(self, batch, num_blocks):
-        return True
+    def run(self, input_ids, *rest, **kw):
+        self.batches.append(len(input_ids))
+        return super().run(input_ids, *rest, **kw)
 
-    def run(self, input_ids, positions, slots, tables, seq_lens, patch=None):
-        from pagedserve.executor.model import AttentionMetadata
-
-        b = len(input_ids)
-        self.batches.append(b)
-        ids = torch.as_tensor(np.array(input_ids, np.int64))
-        if patch is not None:
-            ids[patch[0]] = patch[1]
-        meta = AttentionMetadata(
-            slot_mapping=torch.as_tensor(np.asarray(slots, np.int64)),
-            block_tables=torch.as_tensor(np.ascontiguousarray(tables, np.int32)),
-            seq_lens=torch.as_tensor(np.asarray(seq_lens, np.int32)),
-            cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32), max_query_len=1,
-            max_seq_len=int(np.max(seq_lens)))
-        return self.model(ids, torch.as_tensor(np.asarray(positions, np.int64)), self.kv_caches,
-                          meta, torch.arange(b)).float()
+    def greedy_chain(self, tokens, positions, *rest):
+        self.batches += [len(tokens)] * len(positions)
+        return super().greedy_chain(tokens, positions, *rest)
 
 
 def test_verification_steps_replay_the_decode_graphs_one_row_per_token(tiny):
