@@ -504,8 +504,19 @@ def structured_section(records: list[dict]) -> list[str]:
         if rows else []
 
 
+def _spec_method(r: dict) -> str:
+    """The method, its draft (a draft model's directory name) and k."""
+    try:
+        cfg = json.loads(r["speculative_config"])
+    except (TypeError, ValueError):
+        return r["method"]
+    draft = f" {Path(cfg['model']).name}" if cfg.get("model") else ""
+    k = cfg.get("num_speculative_tokens")
+    return f"{r['method']}{draft}" + (f" k={k}" if k else "")
+
+
 def spec_decode_section(records: list[dict]) -> list[str]:
-    rows = [[machine(r), r["model"], r["method"], r.get("dtype", "auto"), r["running"],
+    rows = [[machine(r), r["model"], _spec_method(r), r.get("dtype", "auto"), r["running"],
              num(r["tpot_ms_baseline"], ".2f"),
              num(r["tpot_ms"], ".2f"),
              (f"{r['speedup']:.2f}x" if r["speedup"] else "-")
