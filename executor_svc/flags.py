@@ -37,9 +37,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=0,
                    help="exact number of KV blocks (overrides the memory budgets; 0: derive)")
     p.add_argument("--swap-space-gib", "--swap-space", dest="swap_space_gib", type=float,
-                   default=4.0,
-                   help="host memory for KV blocks of requests preempted by swap, GiB (0: none); "
-                        "--swap-space / swap_space is vLLM's name")
+                   default=None,
+                   help="host memory for KV blocks of requests preempted by swap, GiB, "
+                        "committed at start (0: none; default: 4 on CUDA, none on the CPU, "
+                        "whose KV cache is host memory already); --swap-space / swap_space is "
+                        "vLLM's name")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU this process may use (CUDA)")
     p.add_argument("--load-format", choices=["auto", "random"], default="auto",

@@ -4,6 +4,10 @@ The scheduler decides what moves where; this copies. Layout mirrors the device c
 per layer, K and V tensors of [num_swap_blocks, block_size, num_kv_heads, head_dim], pinned when
 the device is a GPU so that copies run at full PCIe speed. Blocks move as raw bytes (uint8
 views), so an FP8 cache swaps like any other: torch has no CPU index_copy_ for float8 dtypes.
+
+The space is committed when made (pinned memory is; plain host memory is written through once),
+so the executor's resident memory at start is its memory under load: a container's limit is
+met at start, not when requests are first swapped out mid-service.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ class SwapSpace:
                   for t in layer)
             for layer in like
         ] if num_blocks > 0 else []
+        if not pin:
+            for layer in self.host:
+                for t in layer:
+                    t.zero_()
 
     def swap_out(self, device_kv: list[tuple[torch.Tensor, torch.Tensor]], src: list[int],
                  dst: list[int]) -> None:

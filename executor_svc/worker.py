@@ -30,6 +30,7 @@ from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
+DEFAULT_SWAP_SPACE_BYTES = 4 * GiB  # --swap-space-gib on CUDA when not set (vLLM's default)
 # CUDA: what the profile cannot see: cuBLAS workspaces of the capture stream, the graphs'
 # own allocations, pinned staging buffers (on the H200, a profile of allocated rather than
 # reserved memory left a test process 40 MiB over its limit)
@@ -47,7 +48,8 @@ class ExecutorConfig:
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     kv_cache_bytes: int = GiB  # CPU budget for the KV cache
     num_kv_blocks: int = 0  # exact block count; overrides both budgets when > 0
-    swap_space_bytes: int = 4 * GiB  # host memory for swapped-out KV blocks
+    swap_space_bytes: int | None = None  # host memory for swapped-out KV blocks (None: by
+    # device, DEFAULT_SWAP_SPACE_BYTES on CUDA, none on the CPU)
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the card this process may use
     max_num_batched_tokens: int = 2048  # the largest step, profiled at start (0: by device)
     max_num_seqs: int = 128  # most sequences in a step; decode graphs up to it (0: by device)
@@ -106,6 +108,15 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     if device.type == "cpu":
         commit(t for layer in kv for t in layer)
     return kv
+
+
+def swap_space_bytes(cfg: ExecutorConfig, device: torch.device) -> int:
+    """The swap space's size: as configured, or by device. On a GPU it is pinned host memory
+    beside the device's cache; on the CPU the cache is host memory already, and swapping would
+    copy it into more of the same, which the KV cache itself could have used."""
+    if cfg.swap_space_bytes is not None:
+        return cfg.swap_space_bytes
+    return DEFAULT_SWAP_SPACE_BYTES if device.type == "cuda" else 0
 
 
 def commit(tensors: Iterable[torch.Tensor]) -> None:
@@ -204,7 +215,7 @@ class Worker:
             draft = DraftModel(draft_model, allocate_kv(
                 (self.num_blocks, cfg.block_size, dc.num_kv_heads, dc.head_dim), self.kv_dtype,
                 self.device, dc.num_layers), cfg.block_size, self.device)
-        self.swap = SwapSpace(cfg.swap_space_bytes // per_block,
+        self.swap = SwapSpace(swap_space_bytes(cfg, self.device) // per_block,
                               kv + (draft.kv_caches if draft is not None else []))
         self.runner = ModelRunner(model, kv, cfg.block_size, self.device, self.sampler,
                                   self.swap, self.counts, draft)
@@ -443,7 +454,8 @@ def executor_config(args: argparse.Namespace, rank: int, size: int, device: str)
         model=str(resolve_model(args.model)), load_format=args.load_format, device=device,
         dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
         kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)), num_kv_blocks=args.num_kv_blocks,
-        swap_space_bytes=int(args.swap_space_gib * (1 << 30)),
+        swap_space_bytes=None if args.swap_space_gib is None
+        else int(args.swap_space_gib * (1 << 30)),
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,

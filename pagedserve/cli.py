@@ -314,7 +314,7 @@ def _forward(add_args, args: argparse.Namespace) -> list[str]:
         value, flag = getattr(args, action.dest), action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
             flags.append(flag if value else flag.replace("--", "--no-", 1))
-        else:
+        elif value is not None:  # None: left to the process's own default
             flags += [flag, str(value)]
     return flags
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pagedserve.executor.swap import SwapSpace
+from pagedserve.executor.worker import ExecutorConfig, swap_space_bytes
 
 
 def test_blocks_round_trip_through_host_memory():
@@ -49,8 +50,9 @@ def test_fp8_blocks_round_trip_bit_for_bit():
         assert (k[0].view(torch.uint8) == 0x7F).all()
 
 
-RESIDENT_AFTER_KV = """
-import os, torch
+RESIDENT_AFTER = """
+import os, sys, torch
+from pagedserve.executor.swap import SwapSpace
 from pagedserve.executor.worker import allocate_kv
 def rss_mib():
     with open("/proc/self/statm") as f:
@@ -58,15 +60,29 @@ def rss_mib():
 before = rss_mib()
 kv = allocate_kv((128, 16, 8, 64), torch.bfloat16, torch.device("cpu"), 16)  # 64 MiB
 assert len(kv) == 16 and not kv[3][1].any()
-print(rss_mib() - before)
+kv_mib = rss_mib() - before
+swap = SwapSpace(64, kv)  # half the blocks: 32 MiB
+print(kv_mib, rss_mib() - before - kv_mib)
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/statm")
-def test_a_host_kv_cache_is_resident_from_the_start():
-    """On the CPU the KV cache is committed when made: the resident memory at start is the
-    memory under load (a pod's limit is met at start, not as the blocks are first written).
-    In a fresh process: in this one, freed pages of earlier tests would serve the allocation."""
-    out = subprocess.run([sys.executable, "-c", RESIDENT_AFTER_KV], capture_output=True,
+def test_the_host_kv_cache_and_swap_space_are_resident_from_the_start():
+    """On the CPU the KV cache and the swap space are committed when made: the resident memory
+    at start is the memory under load (a pod's limit is met at start, not as blocks are first
+    written or swapped out). In a fresh process: in this one, freed pages of earlier tests would
+    serve the allocation."""
+    out = subprocess.run([sys.executable, "-c", RESIDENT_AFTER], capture_output=True,
                          text=True, check=True, timeout=120)
-    assert float(out.stdout) > 60
+    kv_mib, swap_mib = map(float, out.stdout.split())
+    assert kv_mib > 60 and swap_mib > 30, (kv_mib, swap_mib)
+
+
+def test_the_swap_space_defaults_by_device():
+    """4 GiB of pinned memory beside a GPU's cache, none on the CPU (the cache is host memory
+    already); a size given is kept on either."""
+    cfg = ExecutorConfig(model="m")
+    assert swap_space_bytes(cfg, torch.device("cuda")) == 4 << 30
+    assert swap_space_bytes(cfg, torch.device("cpu")) == 0
+    given = ExecutorConfig(model="m", swap_space_bytes=1 << 20)
+    assert swap_space_bytes(given, torch.device("cpu")) == 1 << 20
