@@ -205,10 +205,13 @@ def test_verification_steps_replay_graphs_and_keep_the_targets_tokens(tmp_path):
     worker.warm_up()
     draft_graphs = worker.runner.draft.graphs
     assert draft_graphs is not None and sorted(draft_graphs.graphs) == draft_graphs.sizes
-    rows, replay = [], draft_graphs.run
+    rows, chains, replay, chain = [], [], draft_graphs.run, draft_graphs.greedy_chain
     draft_graphs.run = lambda ids, *rest: rows.append(len(ids)) or replay(ids, *rest)
+    draft_graphs.greedy_chain = lambda tokens, pos, *rest: chains.append(pos.shape) or chain(
+        tokens, pos, *rest)
     prompts, want = hf_greedy_tokens(hf)
     got, graphed, drafted, kept = spec_greedy_run(worker, prompts, len(want[0]))
     assert [got[i] for i in range(len(prompts))] == [w[:len(want[0])] for w in want]
     assert kept == drafted > 0 and graphed > 0
-    assert len(prompts) in rows and max(rows) > len(prompts)  # proposal passes, mirrors
+    # mirrors of verification steps (a row per token), and proposals of 3 passes for them all
+    assert max(rows) > len(prompts) and (3, len(prompts)) in chains
