@@ -5,7 +5,8 @@ rms_norm, rotary_embedding, silu_and_mul, gelu_tanh_and_mul, w4a16_gemm (4-bit w
 torch version lives in w4a16_reference) and the sampler's exponential_race (its torch version in
 sampling_reference). Submodules import lazily, so importing the package costs nothing until an
 op is asked for. fp8_gemm (FP8 weights and activations) has its torch
-version in fp8_reference.
+version in fp8_reference. lora_shrink and lora_expand (multi-LoRA, segment-grouped) have theirs
+in lora_reference.
 """
 
 from __future__ import annotations
@@ -50,12 +51,17 @@ _OP_MODULES = {
     "fused_moe": "fused_moe",
     # the sampler's draw (its generator and the torch path: sampling_reference)
     "exponential_race": "sampling",
+    # multi-LoRA over a step's segments (layout and the torch path: lora_reference)
+    "lora_shrink": "lora",
+    "lora_expand": "lora",
 }
 _TORCH_MODULES = {"w4a16_gemm": "w4a16_reference",  # default: reference
                   "fp8_gemm": "fp8_reference",
                   "moe_route": "moe_reference",
                   "fused_moe": "moe_reference",
-                  "exponential_race": "sampling_reference"}
+                  "exponential_race": "sampling_reference",
+                  "lora_shrink": "lora_reference",
+                  "lora_expand": "lora_reference"}
 
 
 def get_ops(backend: str) -> SimpleNamespace:

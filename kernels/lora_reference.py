@@ -1,0 +1,122 @@
+"""Multi-LoRA in torch, punica's segment-grouped way (the CPU path and the test oracle of
+kernels/lora.py).
+
+A step's flat batch of T tokens is G segments (one a request: its tokens are contiguous), each
+with one adapter slot or none (-1). For one LoRA-wrapped linear layer of a step:
+
+    x          [T, H_in]     activations (fp32/bf16/fp16)
+    a          [S, R, H_in]  lora_A of the S loaded adapters (x's dtype); a rank below R is
+                             padded with zero rows
+    b          [S, H_out, R] lora_B, the scaling folded in (y's dtype); zero columns past a rank
+    seg_starts [G + 1] int32 non-decreasing, seg_starts[0] == 0, seg_starts[G] == T; segment g
+                             is tokens [seg_starts[g], seg_starts[g + 1]), empty ones allowed
+    seg_slots  [G] int32     each in [-1, S); -1: no adapter
+
+    lora_shrink   t[tok] = x[tok] @ a[slot].T, float32            t: [T, R]
+    lora_expand   y[tok, offset:offset + H_out] += (t[tok] @ b[slot].T).to(y.dtype)
+
+A fused projection (qkv, gate_up) calls expand once per sub-module, each into its column slice
+of the one output y [T, N]. Checks of shapes and dtypes live here for both paths; the values of
+seg_starts and seg_slots are checked here only (the Triton path never syncs with the host).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels._checks import FLOAT_DTYPES, check_inner_contiguous, check_out, check_tensor
+
+MAX_RANK = 128  # R the Triton kernels hold in one tile (adapters in practice: ranks 8 to 64)
+
+
+def check_segments(seg_starts: torch.Tensor, seg_slots: torch.Tensor,
+                   device: torch.device) -> int:
+    """G of a valid [G + 1] / [G] pair of int32 tensors on device."""
+    check_tensor("seg_starts", seg_starts, 1, (torch.int32,), device)
+    check_tensor("seg_slots", seg_slots, 1, (torch.int32,), device)
+    g = seg_slots.shape[0]
+    if seg_starts.shape[0] != g + 1:
+        raise ValueError(f"seg_starts has {seg_starts.shape[0]} entries, expected G + 1 = "
+                         f"{g + 1} (seg_slots has G = {g})")
+    return g
+
+
+def check_shrink_args(x, a, seg_starts, seg_slots, out) -> tuple[int, int, int, int]:
+    """(T, H_in, S, R) of a valid lora_shrink call; anything else raises ValueError."""
+    check_tensor("x", x, 2, FLOAT_DTYPES)
+    check_inner_contiguous("x", x)
+    dev, (t, h_in) = x.device, x.shape
+    check_tensor("a", a, 3, (x.dtype,), dev)
+    check_inner_contiguous("a", a)
+    s, r, a_in = a.shape
+    if a_in != h_in or not 1 <= r <= MAX_RANK:
+        raise ValueError(f"a {tuple(a.shape)} must be [S, R, {h_in}] (H_in: x's last dim), "
+                         f"1 <= R <= {MAX_RANK}")
+    check_segments(seg_starts, seg_slots, dev)
+    check_out("out", out, (t, r), torch.float32, dev)
+    return t, h_in, s, r
+
+
+def check_expand_args(t, b, seg_starts, seg_slots, y, offset) -> tuple[int, int, int, int]:
+    """(T, R, S, H_out) of a valid lora_expand call; anything else raises ValueError."""
+    check_tensor("t", t, 2, (torch.float32,))
+    check_inner_contiguous("t", t)
+    dev, (num_tokens, r) = t.device, t.shape
+    check_tensor("y", y, 2, FLOAT_DTYPES, dev)
+    check_inner_contiguous("y", y)
+    check_tensor("b", b, 3, (y.dtype,), dev)
+    check_inner_contiguous("b", b)
+    s, h_out, b_r = b.shape
+    if b_r != r or not 1 <= r <= MAX_RANK:
+        raise ValueError(f"b {tuple(b.shape)} must be [S, H_out, {r}] (R: t's last dim), "
+                         f"1 <= R <= {MAX_RANK}")
+    check_segments(seg_starts, seg_slots, dev)
+    if y.shape[0] != num_tokens or not 0 <= offset <= y.shape[1] - h_out:
+        raise ValueError(f"y {tuple(y.shape)} must be [{num_tokens}, N] with columns "
+                         f"offset {offset} .. offset + H_out {h_out} inside N")
+    return num_tokens, r, s, h_out
+
+
+def segments(seg_starts: torch.Tensor, seg_slots: torch.Tensor, num_tokens: int,
+             num_slots: int) -> list[tuple[int, int, int]]:
+    """[(start, end, slot)] of every segment, after checking the values (a host sync)."""
+    starts, slots = seg_starts.tolist(), seg_slots.tolist()
+    if starts[0] != 0 or starts[-1] != num_tokens or any(
+            lo > hi for lo, hi in zip(starts, starts[1:], strict=False)):
+        raise ValueError(f"seg_starts {starts} must rise from 0 to T = {num_tokens}")
+    if any(not -1 <= s < num_slots for s in slots):
+        raise ValueError(f"seg_slots {slots} must lie in [-1, {num_slots})")
+    return list(zip(starts, starts[1:], slots, strict=False))
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, H_in]
+    a: torch.Tensor,  # [S, R, H_in] x.dtype
+    seg_starts: torch.Tensor,  # [G + 1] int32
+    seg_slots: torch.Tensor,  # [G] int32
+    out: torch.Tensor,  # [T, R] float32, written
+) -> None:
+    """out[tok] = x[tok] @ a[slot].T in float32 (exact products of half inputs, float32 sums);
+    rows of segments without an adapter are 0."""
+    t, _, s, _ = check_shrink_args(x, a, seg_starts, seg_slots, out)
+    out.zero_()
+    for lo, hi, slot in segments(seg_starts, seg_slots, t, s):
+        if slot >= 0 and hi > lo:
+            out[lo:hi] = x[lo:hi].float() @ a[slot].float().T
+
+
+def lora_expand(
+    t: torch.Tensor,  # [T, R] float32
+    b: torch.Tensor,  # [S, H_out, R] y.dtype
+    seg_starts: torch.Tensor,  # [G + 1] int32
+    seg_slots: torch.Tensor,  # [G] int32
+    y: torch.Tensor,  # [T, N], N >= offset + H_out; updated in place
+    offset: int,
+) -> None:
+    """y[tok, offset:offset + H_out] += (t[tok] @ b[slot].T).to(y.dtype), the product in
+    float32; rows without an adapter and the other columns stay as they are."""
+    num_tokens, _, s, h_out = check_expand_args(t, b, seg_starts, seg_slots, y, offset)
+    for lo, hi, slot in segments(seg_starts, seg_slots, num_tokens, s):
+        if slot >= 0 and hi > lo:
+            delta = t[lo:hi] @ b[slot].float().T  # [hi - lo, H_out]
+            y[lo:hi, offset:offset + h_out] += delta.to(y.dtype)
