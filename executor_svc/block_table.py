@@ -69,10 +69,11 @@ class RowColumns:
         count_slot      its TokenCounts slot; -1: no penalty
         features        its SamplingSpec.features (which sampler stages it needs)
         spec            its SamplingSpec (object column)
+        lora_slot       the device slot of its LoRA adapter; 0: the base model
     """
 
     INT_FIELDS = ("req_id", "num_computed", "known", "num_prompt", "last_token",
-                  "pending_launch", "pending_index", "count_slot", "features")
+                  "pending_launch", "pending_index", "count_slot", "features", "lora_slot")
     FREE = {"req_id": -1, "pending_launch": -1, "count_slot": -1}
 
     def __init__(self, rows: int = 64) -> None:

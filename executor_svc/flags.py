@@ -11,6 +11,7 @@ from pagedserve.core.config import (
     add_speculative_arg,
     add_step_args,
 )
+from pagedserve.core.lora import add_lora_args
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -76,3 +77,4 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "first plan")
     add_step_args(p)
     add_speculative_arg(p)
+    add_lora_args(p)

@@ -11,6 +11,7 @@ import torch
 from pagedserve.executor.block_table import BlockTableArray, RowColumns
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.draft import DraftModel
+from pagedserve.executor.lora import LoraRuntime
 from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.penalties import TokenCounts
 from pagedserve.executor.prompt_logprobs import PromptLogprobs, PromptRows, score
@@ -114,8 +115,10 @@ class ModelRunner:
         swap: SwapSpace | None = None,
         counts: TokenCounts | None = None,
         draft: DraftModel | None = None,
+        lora: LoraRuntime | None = None,
     ) -> None:
         self.model, self.kv_caches = model, kv_caches
+        self.lora = lora  # LoRA adapters and their device slots (executor_svc/lora.py)
         self.swap = swap or SwapSpace(0, [])
         self.draft = draft  # speculative decoding's draft model (executor_svc/draft.py)
         # what a swap copies: the target's layers, then the draft's (they share the blocks)
@@ -145,6 +148,8 @@ class ModelRunner:
         self.tables = BlockTableArray()
         self.cols = RowColumns(self.tables.array.shape[0])
         self.counts.reset()
+        if self.lora is not None:  # a new scheduler loads what its requests need
+            self.lora.reset()
 
     def execute(self, plan: pb.StepPlan, bitmask: pb.StepBitmask | None = None
                 ) -> tuple[list[int], list[int]]:
@@ -245,6 +250,11 @@ class ModelRunner:
         if plan.swap_out_src or plan.swap_in_src:
             self.swap.swap_out(self.swap_kv, list(plan.swap_out_src), list(plan.swap_out_dst))
             self.swap.swap_in(self.swap_kv, list(plan.swap_in_src), list(plan.swap_in_dst))
+        if plan.lora_loads:
+            if self.lora is None:
+                raise ValueError("the plan loads LoRA adapters; this executor has none")
+            for load in plan.lora_loads:
+                self.lora.load(load.slot, load.adapter_id)
         if len(plan.new_requests) != len(plan.new_num_scheduled_tokens):
             raise ValueError("the plan's new_requests and new_num_scheduled_tokens differ in "
                              "length")
@@ -329,6 +339,11 @@ class ModelRunner:
 
     def _admit(self, new: pb.NewRequest, arrivals: list) -> int:
         """Take a new request's state and row; its row."""
+        if new.lora_slot:
+            if self.lora is None:
+                raise ValueError(f"request {new.req_id} names LoRA slot {new.lora_slot}; this "
+                                 "executor has no LoRA adapters")
+            self.lora.check_slot(new.lora_slot)
         self._forget(new.req_id)  # none unless the mirror drifted
         token_ids = list(new.token_ids)
         row = self.tables.add(list(new.block_ids))
@@ -349,6 +364,7 @@ class ModelRunner:
         cols.last_token[row] = token_ids[-1] if token_ids else 0
         cols.pending_launch[row] = -1
         cols.features[row], cols.spec[row] = st.sampling.features, st.sampling
+        cols.lora_slot[row] = new.lora_slot
         return row
 
     def _run(self, rows: np.ndarray, ns: np.ndarray, plan: pb.StepPlan,
@@ -422,12 +438,18 @@ class ModelRunner:
             pos = to_device(positions, dev)
             last_rows = to_device(cu_q[1:][sample] - 1 if spec is None else
                                   _logit_rows(cu_q[1:][sample], spec[sample]), dev)
-            if scored is None:
-                logits = self.model(ids, pos, self.kv_caches, meta, last_rows)
-            else:
-                hidden = self.model.hidden(ids, pos, self.kv_caches, meta)
-                logits = self.model.logits_of(hidden, last_rows)
-                prompt = score(scored, lambda idx: self.model.logits_of(hidden, idx), dev)
+            if self.lora is not None:
+                self.lora.step.begin(cu_q, cols.lora_slot[rows])
+            try:
+                if scored is None:
+                    logits = self.model(ids, pos, self.kv_caches, meta, last_rows)
+                else:
+                    hidden = self.model.hidden(ids, pos, self.kv_caches, meta)
+                    logits = self.model.logits_of(hidden, last_rows)
+                    prompt = score(scored, lambda idx: self.model.logits_of(hidden, idx), dev)
+            finally:
+                if self.lora is not None:
+                    self.lora.step.end()
             if self.draft is not None:
                 self.draft.mirror(ids, pos, meta)
         cols.num_computed[rows] += ns  # (a request is in a batch once: rows are distinct)

@@ -15,11 +15,14 @@ import numpy as np
 import torch
 
 from pagedserve.core.config import step_bounds
+from pagedserve.core.lora import LoraConfig, lora_config
 from pagedserve.core.progress import phase
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.draft import DraftModel, DraftModelError
 from pagedserve.executor.loader import build_model
+from pagedserve.executor.lora import LoraRuntime
+from pagedserve.executor.lora import build as build_lora
 from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.penalties import TokenCounts
 from pagedserve.executor.quantization import resolve_quantization
@@ -48,6 +51,7 @@ class ExecutorConfig:
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     kv_cache_bytes: int = GiB  # CPU budget for the KV cache
     num_kv_blocks: int = 0  # exact block count; overrides both budgets when > 0
+    lora: LoraConfig | None = None  # --enable-lora: adapters, slots, rank
     swap_space_bytes: int | None = None  # host memory for swapped-out KV blocks (None: by
     # device, DEFAULT_SWAP_SPACE_BYTES on CUDA, none on the CPU)
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the card this process may use
@@ -163,7 +167,10 @@ class Worker:
             model = build_model(self.model_cfg, load_ops(backend), self.dtype, self.device,
                                 max_len, weights, quant=quant)
         self.draft_cfg, draft_model = self._load_draft(cfg, backend, max_len)
+        self.lora = self._load_lora(cfg, model, backend)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if self.lora is not None:  # its slots are device memory the KV cache cannot have
+            self.weight_bytes += self.lora.slots.nbytes()
         if draft_model is not None:
             self.weight_bytes += sum(p.numel() * p.element_size()
                                      for p in draft_model.parameters())
@@ -218,10 +225,11 @@ class Worker:
         self.swap = SwapSpace(swap_space_bytes(cfg, self.device) // per_block,
                               kv + (draft.kv_caches if draft is not None else []))
         self.runner = ModelRunner(model, kv, cfg.block_size, self.device, self.sampler,
-                                  self.swap, self.counts, draft)
+                                  self.swap, self.counts, draft, self.lora)
         self.graphs: DecodeGraphs | None = None
         if on_cuda and backend == "triton" and not cfg.enforce_eager \
-                and self.model_cfg.impl == "native":  # HF's modeling code runs eagerly
+                and self.model_cfg.impl == "native" \
+                and self.lora is None:  # HF's modeling code and LoRA steps run eagerly
             self.graphs = DecodeGraphs(model, kv, cfg.max_num_seqs, self.max_model_len,
                                        cfg.block_size, self.device)
             if draft is not None:  # its mirror of a graphed step and its proposal passes
@@ -238,10 +246,29 @@ class Worker:
             weight_bytes=self.weight_bytes, kv_cache_dtype=dtype_str(self.kv_dtype),
             draft_model=cfg.draft_model,
         )
+        if cfg.lora is not None:
+            self.capacity.lora_adapters.extend(cfg.lora.names)
+            self.capacity.max_loras, self.capacity.max_lora_rank = (cfg.lora.max_loras,
+                                                                    cfg.lora.max_lora_rank)
         self._memory_at, self._memory = 0.0, (0, 0)
         log.info("executor ready: %d KV blocks of %d tokens, max_model_len %d, %s on %s (%s)",
                  self.num_blocks, cfg.block_size, self.max_model_len, dtype_name, self.device,
                  backend)
+
+    def _load_lora(self, cfg: ExecutorConfig, model: CausalLM, backend: str
+                   ) -> LoraRuntime | None:
+        """The LoRA adapters (--enable-lora), read and checked against the model, and their
+        device slots; LoraError naming the first that cannot serve."""
+        if cfg.lora is None:
+            return None
+        with phase(f"loading {len(cfg.lora.modules)} LoRA adapters"):
+            runtime = build_lora(model, self.model_cfg, cfg.lora, self.dtype, self.device,
+                                 load_ops(backend))
+        log.info("LoRA: %d adapters in host memory, %d device slots of rank %d (%.1f MiB)%s",
+                 len(runtime.adapters), cfg.lora.max_loras, cfg.lora.max_lora_rank,
+                 runtime.slots.nbytes() / (1 << 20),
+                 "; steps run eagerly (no CUDA graphs)" if self.device.type == "cuda" else "")
+        return runtime
 
     def _load_draft(self, cfg: ExecutorConfig, backend: str, max_len: int
                     ) -> tuple[ModelConfig | None, CausalLM | None]:
@@ -454,6 +481,7 @@ def executor_config(args: argparse.Namespace, rank: int, size: int, device: str)
         model=str(resolve_model(args.model)), load_format=args.load_format, device=device,
         dtype=args.dtype, block_size=args.block_size, max_model_len=args.max_model_len,
         kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)), num_kv_blocks=args.num_kv_blocks,
+        lora=lora_config(args),
         swap_space_bytes=None if args.swap_space_gib is None
         else int(args.swap_space_gib * (1 << 30)),
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -181,6 +181,13 @@ def _run(args: argparse.Namespace) -> int:
         except SpeculativeConfigError as e:
             raise SystemExit(f"pagedserve {args.command}: {e}") from None
     if args.command in ("serve", "scheduler", "engine", "api", "executor"):
+        from pagedserve.core.lora import lora_config
+
+        try:
+            lora_config(args)
+        except ValueError as e:
+            raise SystemExit(f"pagedserve {args.command}: {e}") from None
+    if args.command in ("serve", "scheduler", "engine", "api", "executor"):
         # before the server modules' imports (seconds): a bad --model fails at once; and serve
         # converts a GGUF here once, before two processes race for it
         resolve_model(args.model)
@@ -314,6 +321,8 @@ def _forward(add_args, args: argparse.Namespace) -> list[str]:
         value, flag = getattr(args, action.dest), action.option_strings[0]
         if isinstance(action, argparse.BooleanOptionalAction):
             flags.append(flag if value else flag.replace("--", "--no-", 1))
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)] if value else []
         elif value is not None:  # None: left to the process's own default
             flags += [flag, str(value)]
     return flags

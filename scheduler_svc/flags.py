@@ -11,6 +11,7 @@ from pagedserve.core.config import (
     add_speculative_arg,
     add_step_args,
 )
+from pagedserve.core.lora import add_lora_args
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +71,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "scheduler's time per step; a request that stops costs one more token "
                         "of compute)")
     add_speculative_arg(p)
+    add_lora_args(p)
     p.add_argument("--profile-dir", default="",
                    help="profile the scheduler process with cProfile while it runs and write "
                         "scheduler.prof and scheduler_top.txt (the top functions by cumulative "

@@ -113,3 +113,30 @@ def test_serve_forwards_the_resolved_values_to_each_process():
     execu = parse(["executor", *_forward(executor.add_args, args)])
     assert (sched.max_num_seqs, sched.drain_timeout_s) == (7, 5.0)
     assert (execu.swap_space_gib, execu.enforce_eager) == (2.0, True)
+
+
+def test_lora_modules_come_as_a_list_from_each_source_and_reach_both_processes():
+    from pagedserve.executor import flags as executor
+    from pagedserve.scheduler import flags as scheduler
+
+    from_file = parse(["serve"], {"enable_lora": True, "lora_modules": ["a=/x", "b=/y"]})
+    from_env = parse(["serve"], {}, {"PAGEDSERVE_LORA_MODULES": "a=/x b=/y"})
+    assert from_file.lora_modules == from_env.lora_modules == ["a=/x", "b=/y"]
+    for add_args, command in ((scheduler.add_args, "scheduler"),
+                              (executor.add_args, "executor")):
+        args = parse([command, *_forward(add_args, from_file)])
+        assert (args.enable_lora, args.lora_modules) == (True, ["a=/x", "b=/y"])
+    assert "--lora-modules" not in _forward(executor.add_args, parse(["serve"]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "a"], "expected NAME=PATH, got 'a'"),
+    (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "a named more than once"),
+    (["--enable-lora", "--max-loras", "0"], "--max-loras must be at least 1"),
+])
+def test_contradictory_lora_flags_are_one_line(argv, message):
+    from pagedserve.core.lora import lora_config
+
+    with pytest.raises(ValueError, match=message):
+        lora_config(parse(["serve", *argv]))

@@ -97,6 +97,13 @@ def _convert(action: argparse.Action, raw: Any, where: str) -> Any:
             return text in _TRUE
         raise ConfigError(f"{where}: expected true or false, got {raw!r}")
     convert = action.type if callable(action.type) else str
+    if action.nargs in ("*", "+"):  # a YAML list, or words separated by spaces
+        items = raw if isinstance(raw, list | tuple) else str(raw).split()
+        return [_convert_one(action, convert, item, where) for item in items]
+    return _convert_one(action, convert, raw, where)
+
+
+def _convert_one(action: argparse.Action, convert: Any, raw: Any, where: str) -> Any:
     try:
         value = convert(str(raw))
     except (TypeError, ValueError) as e:

@@ -1,0 +1,174 @@
+"""LoRA in the executor: PEFT checkpoints (written here as PEFT writes them: adapter_config.json
+and adapter_model.safetensors) applied per request, adapters and the base mixed in one batch,
+equal HF transformers on the merged weights (W + scale * B @ A); bad adapters refused with the
+reason."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pagedserve.core.lora import LoraConfig
+from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.loader import build_model
+from pagedserve.executor.lora import LoraError, build, load_adapter
+from pagedserve.kernels import get_ops
+from tests.executor_svc.test_model import TINY, assert_paged_equals_hf, run_paged
+
+_PLACE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+          "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def write_adapter(out: Path, base, seed: int, rank: int, targets: list[str], alpha: float,
+                  rslora: bool = False, std: float = 0.05) -> Path:
+    """A seeded random PEFT LoRA adapter of the HF model `base` (B nonzero, unlike PEFT's
+    initialisation, so that it changes the outputs)."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i, layer in enumerate(base.model.layers):
+        for m in targets:
+            w = getattr(getattr(layer, _PLACE[m]), m).weight  # [out, in]
+            key = f"base_model.model.model.layers.{i}.{_PLACE[m]}.{m}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, w.shape[1], generator=g) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(w.shape[0], rank, generator=g) * std
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors")
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets,
+        "use_rslora": rslora, "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": "base"}))
+    return out
+
+
+def merged(base, adapter: Path):
+    """A copy of the HF model with the adapter merged into its weights."""
+    conf = json.loads((adapter / "adapter_config.json").read_text())
+    r = conf["r"]
+    scale = conf["lora_alpha"] / (math.sqrt(r) if conf.get("use_rslora") else r)
+    from safetensors.torch import load_file
+
+    w = load_file(adapter / "adapter_model.safetensors")
+    model = type(base)(base.config).eval()
+    state = base.state_dict()
+    for key in w:
+        if key.endswith("lora_A.weight"):
+            name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b = w[key.replace("lora_A", "lora_B")]
+            state[f"{name}.weight"] = state[f"{name}.weight"] + scale * b @ w[key]
+    model.load_state_dict(state)
+    return model
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    torch.manual_seed(0)
+    d = dict(TINY)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **d),
+                                          dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path / "base")
+    return hf, ModelConfig.from_pretrained(tmp_path / "base")
+
+
+class WithSlots:
+    """The model with each sequence of a step run under its slot (0: the base)."""
+
+    def __init__(self, model, step, slots: list[int]) -> None:
+        self.model, self.step, self.slots = model, step, np.array(slots, np.int64)
+
+    def __call__(self, ids, pos, kv, meta, rows):
+        self.step.begin(meta.cu_seqlens_q.numpy().astype(np.int64), self.slots)
+        try:
+            return self.model(ids, pos, kv, meta, rows)
+        finally:
+            self.step.end()
+
+
+def test_adapters_and_the_base_in_one_batch_equal_hf_on_merged_weights(tiny, tmp_path):
+    """Four sequences in chunked steps, under the base, adapter 1, adapter 2 and adapter 1
+    again; adapter 2 (rank 4, rsLoRA, every module) in a slot of rank 8, loaded over a slot
+    that held adapter 1 before."""
+    hf, cfg = tiny
+    one = write_adapter(tmp_path / "one", hf, 1, 8, ["q_proj", "v_proj", "down_proj"], 16)
+    two = write_adapter(tmp_path / "two", hf, 2, 4, list(_PLACE), 8, rslora=True)
+    ops = get_ops("torch")
+    ours = build_model(cfg, ops, torch.float32, torch.device("cpu"), 512, tmp_path / "base")
+    lora = build(ours, cfg, LoraConfig((("one", str(one)), ("two", str(two))), 2, 8),
+                 torch.float32, torch.device("cpu"), ops)
+    lora.load(2, 1)
+    lora.load(1, 1)
+    lora.load(2, 2)  # slot 2: adapter one's weights replaced whole
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 12, 7, 10)]
+    chunks = [[4, 5, 3, 6], [5, 7, 4, 4]]
+    outs = run_paged(WithSlots(ours, lora.step, [0, 1, 2, 1]), cfg, seqs, chunks)
+    for b, ref in enumerate((hf, merged(hf, one), merged(hf, two), merged(hf, one))):
+        assert_paged_equals_hf(ref, [outs[b]], [seqs[b]], [[c[b]] for c in chunks])
+    with torch.no_grad():  # and the adapters do change the outputs
+        ids = torch.tensor([seqs[1]])
+        assert not torch.allclose(hf(ids).logits, merged(hf, one)(ids).logits, atol=1e-3)
+
+
+def refusal(tiny, tmp_path, **edit) -> str:
+    hf, cfg = tiny
+    path = write_adapter(tmp_path / "bad", hf, 1, edit.pop("rank", 4),
+                         edit.pop("targets", ["q_proj"]), 8)
+    for name, change in edit.items():
+        change(path / name)
+    with pytest.raises(LoraError) as e:
+        load_adapter("bad", path, cfg, 8)
+    return str(e.value)
+
+
+def _json(update):
+    def change(f: Path) -> None:
+        f.write_text(json.dumps({**json.loads(f.read_text()), **update}))
+    return change
+
+
+@pytest.mark.parametrize("case, edit, says", [
+    ("rank", {"rank": 16}, "rank 16 is more than --max-lora-rank 8"),
+    ("target", {"adapter_config.json": _json({"target_modules": ["q_proj", "lm_head"]})},
+     "unknown target modules lm_head"),
+    ("dora", {"adapter_config.json": _json({"use_dora": True})}, "DoRA is not supported"),
+    ("corrupt", {"adapter_model.safetensors": lambda f: f.write_bytes(f.read_bytes()[:40])},
+     "adapter_model.safetensors:"),
+    ("no config", {"adapter_config.json": lambda f: f.unlink()}, "no adapter_config.json"),
+    ("bad json", {"adapter_config.json": lambda f: f.write_text("{")}, "adapter_config.json:"),
+])
+def test_a_bad_adapter_is_refused_with_the_reason(tiny, tmp_path, case, edit, says):
+    assert says in refusal(tiny, tmp_path, **edit)
+
+
+def test_an_adapter_of_another_model_is_refused(tiny, tmp_path):
+    hf, cfg = tiny
+    torch.manual_seed(1)
+    other = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", **{**TINY, "hidden_size": 32})).eval()
+    path = write_adapter(tmp_path / "other", other, 1, 4, ["q_proj"], 8)
+    with pytest.raises(LoraError, match=r"q_proj.lora_A.weight is \[4, 32\], the base model "
+                                        r"takes \[4, 64\]: not an adapter of this model"):
+        load_adapter("other", path, cfg, 8)
+
+
+def test_slots_and_adapter_ids_out_of_range_are_refused(tiny, tmp_path):
+    hf, cfg = tiny
+    one = write_adapter(tmp_path / "one", hf, 1, 4, ["q_proj"], 8)
+    ops = get_ops("torch")
+    ours = build_model(cfg, ops, torch.float32, torch.device("cpu"), 512, tmp_path / "base")
+    lora = build(ours, cfg, LoraConfig((("one", str(one)),), 1, 8), torch.float32,
+                 torch.device("cpu"), ops)
+    with pytest.raises(ValueError, match="LoRA slot 2 is not one of 1..1"):
+        lora.load(2, 1)
+    with pytest.raises(ValueError, match="LoRA adapter id 2 is not one of 1..1"):
+        lora.load(1, 2)
+    with pytest.raises(ValueError, match="LoRA slot 1 holds no adapter"):
+        lora.check_slot(1)
+    lora.load(1, 1)
+    lora.check_slot(1)
