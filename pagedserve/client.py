@@ -50,8 +50,9 @@ def build_request(
     grammar: str | None = None,
     lark_grammar: str | None = None,
     prompt_logprobs: int | None = None,
+    adapter: str = "",
 ) -> api.GenerateRequest:
-    req = api.GenerateRequest(request_id=request_id, priority=priority)
+    req = api.GenerateRequest(request_id=request_id, priority=priority, adapter=adapter)
     if sum(x is not None for x in (text, chat, token_ids)) != 1:
         raise ValueError("give exactly one of text, chat or token_ids")
     if text is not None:

@@ -27,6 +27,12 @@ BlockKey = tuple[int, tuple[int, ...]]  # (parent block's hash, this block's tok
 _ROOT_HASH = 0
 
 
+def prefix_root(lora_id: int) -> int:
+    """The hash a request's chain of block keys starts from: the base model's, or one per
+    LoRA adapter, so that the same tokens under two adapters (whose KV differs) share no block."""
+    return _ROOT_HASH if not lora_id else hash(("lora", lora_id))
+
+
 @dataclass(frozen=True, slots=True)
 class CachedPrefix:
     """The blocks holding a cached prompt prefix (opaque to the scheduler but for num_tokens)."""
@@ -79,12 +85,13 @@ class BlockManager:
         included)."""
         return self.blocks_for(num_tokens) + self.watermark_blocks
 
-    def cached_prefix(self, token_ids: list[int]) -> CachedPrefix:
-        """The longest cached prefix of token_ids. At most len(token_ids) - 1 tokens are
-        covered: the last prompt token is always computed, so that its logits exist."""
+    def cached_prefix(self, token_ids: list[int], root: int = _ROOT_HASH) -> CachedPrefix:
+        """The longest cached prefix of token_ids (its chain of keys from `root`, see
+        prefix_root). At most len(token_ids) - 1 tokens are covered: the last prompt token is
+        always computed, so that its logits exist."""
         if not self.enable_caching:
             return CachedPrefix()
-        bs, parent, hit = self.block_size, _ROOT_HASH, []
+        bs, parent, hit = self.block_size, root, []
         for i in range((len(token_ids) - 1) // bs):
             key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
             block = self._cached.get(key)
@@ -123,14 +130,16 @@ class BlockManager:
             self._hashes[req_id] = [self._chain(req_id, i) for i in range(len(prefix))]
         return new
 
-    def cache_full_blocks(self, req_id: int, token_ids: list[int], num_computed: int) -> None:
-        """Register req_id's blocks that are full and computed (num_computed tokens)."""
+    def cache_full_blocks(self, req_id: int, token_ids: list[int], num_computed: int,
+                          root: int = _ROOT_HASH) -> None:
+        """Register req_id's blocks that are full and computed (num_computed tokens), their
+        chain of keys from `root` (prefix_root)."""
         if not self.enable_caching:
             return
         table, hashes = self._tables[req_id], self._hashes[req_id]
         bs = self.block_size
         for i in range(len(hashes), num_computed // bs):
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else root
             key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]))
             block = table[i]
             if key not in self._cached and self._key[block] is None:

@@ -175,12 +175,13 @@ class Engine:
         rid = next(self._ids)
         external_id = sibling.req.external_id if sibling is not None else \
             request.request_id or f"req-{rid}"
+        lora_id = self._lora_id(request.adapter)
         matcher = None if grammar is None else Grammars.matcher(grammar)
         for token in request.resume_tokens if matcher is not None else ():
             matcher.accept_token(token)  # where the earlier engine core's had got to
         req = Request(rid, external_id, len(prompt), [*prompt, *request.resume_tokens],
                       params, request.priority, arrival_seq=rid, matcher=matcher,
-                      first_sibling=None if sibling is None else sibling.req)
+                      first_sibling=None if sibling is None else sibling.req, lora_id=lora_id)
         tracked = Tracked.open(req, request.timeout, request.tenant)
         tracked.sent_first = bool(request.resume_tokens)  # its first output went out before
         self.streams.add(tracked)
@@ -190,6 +191,14 @@ class Engine:
             self.metrics.prompt_tokens.inc(len(prompt))
         self._wake.set()
         return rid
+
+    def _lora_id(self, adapter: str) -> int:
+        """The adapter's id (0: the base model); the front ends validated the name."""
+        if not adapter:
+            return 0
+        if adapter not in self.cfg.lora_adapters:
+            raise EngineError("INVALID_ARGUMENT", f"unknown LoRA adapter {adapter!r}")
+        return self.cfg.lora_adapters.index(adapter) + 1
 
     def abort(self, req_id: int, reason: str = "abort") -> None:
         """Drop a request (client gone, a stop string matched: reason "stop", or
@@ -392,6 +401,14 @@ class Engine:
                              "joined loaded no draft model (start it with the same "
                              "--speculative-config)")
                 os._exit(2)
+        if (tuple(cap.lora_adapters), cap.max_loras) != (self.cfg.lora_adapters,
+                                                         self.cfg.max_loras):
+            log.critical("LoRA: the executor that joined holds adapters %s in %d slots, this "
+                         "scheduler was started with %s in %d (start both with the same "
+                         "--enable-lora, --lora-modules and --max-loras)",
+                         list(cap.lora_adapters) or "none", cap.max_loras,
+                         list(self.cfg.lora_adapters) or "none", self.cfg.max_loras)
+            os._exit(2)
         self.scheduler = adopt(self.scheduler, self.cfg, cap, self.kv_watermark,
                                self.eos_token_ids)
         if self.grammars is None or self.grammars.vocab_size != cap.vocab_size:

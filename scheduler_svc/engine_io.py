@@ -41,6 +41,7 @@ class EngineRequest:
     resume_tokens: tuple[int, ...] = ()
     resubmitted: bool = False  # admitted before, by an engine core now gone: past the queue
     # bounds (it was queued already), its prompt not counted again
+    adapter: str = ""  # a LoRA adapter's name (--lora-modules); "": the base model
 
 
 @dataclass(slots=True)

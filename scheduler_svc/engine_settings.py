@@ -20,6 +20,7 @@ from pagedserve.core.link_security import (
     check_exposure,
     load_keypair,
 )
+from pagedserve.core.lora import lora_config
 from pagedserve.core.models import resolve_model
 from pagedserve.core.speculative import SpeculativeConfig
 from pagedserve.scheduler.executor_link import LinkConfig
@@ -37,7 +38,9 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
                            max_waiting_prompt_tokens=args.max_waiting_prompt_tokens,
                            preemption_mode=args.preemption_mode,
                            swap_min_tokens=args.swap_min_tokens,
-                           speculative=SpeculativeConfig.parse(args.speculative_config))
+                           speculative=SpeculativeConfig.parse(args.speculative_config),
+                           max_loras=lora.max_loras if (lora := lora_config(args)) else 0,
+                           lora_adapters=lora.names if lora else ())
 
 
 def link_config(args: argparse.Namespace) -> LinkConfig:

@@ -58,7 +58,8 @@ def encode_submit(local_id: int, r: EngineRequest, sibling_of: int | None = None
     is left of its deadline; resubmitted: to a new session, with its tokens so far."""
     s = pb.Submit(id=local_id, request_id=r.request_id, prompt=r.prompt,
                   params=encode_params(r.params), priority=r.priority, tenant=r.tenant,
-                  resume_tokens=resume_tokens or (), resubmitted=resubmitted)
+                  resume_tokens=resume_tokens or (), resubmitted=resubmitted,
+                  adapter=r.adapter)
     if timeout_s is not None:
         s.timeout_s = timeout_s
     if sibling_of is not None:
@@ -105,7 +106,8 @@ def check_submit(s: pb.Submit, info: ModelInfo | None) -> str:
 def decode_submit(s: pb.Submit) -> EngineRequest:
     """The EngineRequest of a checked Submit (sibling_of: mapped by the engine's caller)."""
     return EngineRequest(s.request_id, list(s.prompt), decode_params(s.params), s.priority,
-                         s.tenant, s.timeout_s if s.HasField("timeout_s") else None)
+                         s.tenant, s.timeout_s if s.HasField("timeout_s") else None,
+                         adapter=s.adapter)
 
 
 # ----------------------------------------------------------------- errors, facts

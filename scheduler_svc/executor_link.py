@@ -327,11 +327,14 @@ def encode_plan(step_id: int, out: SchedulerOutput) -> bytes:
     for s in out.new:
         plan.new_requests.add(req_id=s.req.req_id, token_ids=s.req.token_ids,
                               num_computed_tokens=s.start, block_ids=s.block_ids,
-                              sampling=wire_sampling(s.req), num_prompt_tokens=s.req.prompt_len)
+                              sampling=wire_sampling(s.req), num_prompt_tokens=s.req.prompt_len,
+                              lora_slot=s.req.lora_slot)
         plan.new_num_scheduled_tokens.append(s.num_tokens)
     plan.bitmask_follows = out.bitmask_follows
     plan.after_idle = out.after_idle
     plan.num_lookahead_tokens = out.num_lookahead_tokens
+    for slot, adapter_id in out.lora_loads:
+        plan.lora_loads.add(slot=slot, adapter_id=adapter_id)
     if out.cached:  # column by column: one extend per field, not one append per request
         cached = out.cached
         plan.cached_req_ids.extend([s.req.req_id for s in cached])

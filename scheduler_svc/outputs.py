@@ -41,6 +41,8 @@ class SchedulerOutput:
     # speculative decoding by a draft model: drafts the executor proposes after this step
     # (StepPlan.num_lookahead_tokens)
     num_lookahead_tokens: int = 0
+    # LoRA: (slot, adapter id) to load before this step runs (StepPlan.lora_loads)
+    lora_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -95,6 +95,10 @@ class Request:
     # a draft model's proposals (StepResult.draft_*), good while num_tokens is proposed_at
     proposed: list[int] = field(default_factory=list)
     proposed_at: int = -1
+    # LoRA: its adapter (1-based, --lora-modules; 0: the base model) and, while it is on the
+    # executor, the device slot holding it (scheduler_svc/lora_slots.py)
+    lora_id: int = 0
+    lora_slot: int = 0
 
     def __post_init__(self) -> None:
         self.sort_key = (self.priority, self.arrival_seq)

@@ -43,8 +43,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagedserve.core.speculative import SpeculativeConfig
-from pagedserve.scheduler.block_manager import BlockManager, CachedPrefix, HostBlockPool
+from pagedserve.scheduler.block_manager import (
+    BlockManager,
+    CachedPrefix,
+    HostBlockPool,
+    prefix_root,
+)
 from pagedserve.scheduler.grammar import Grammars
+from pagedserve.scheduler.lora_slots import LoraSlots
 from pagedserve.scheduler.outputs import (
     Sampled,
     ScheduledRequest,
@@ -72,6 +78,8 @@ class SchedulerConfig:
     max_waiting_requests: int = 1024
     max_waiting_prompt_tokens: int = 0
     preemption_mode: str = "auto"  # "auto", "recompute" or "swap" (see the module doc)
+    max_loras: int = 0  # LoRA device slots (--max-loras with --enable-lora); 0: no LoRA
+    lora_adapters: tuple[str, ...] = ()  # their names; adapter id i + 1 is lora_adapters[i]
     swap_min_tokens: int = 256
     speculative: SpeculativeConfig | None = None  # None: one token per request per step
 
@@ -114,6 +122,7 @@ class Scheduler:
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * (spec.num_speculative_tokens if spec else 0)
+        self.lora = LoraSlots(cfg.max_loras) if cfg.max_loras else None
 
     # ------------------------------------------------------------------ queue
     def admission_error(self, prompt_len: int) -> str | None:
@@ -154,6 +163,7 @@ class Scheduler:
         self.blocks.free(req_id)
         self.host_blocks.free(req.swapped_blocks)
         req.swapped_blocks = []
+        self._release_lora(req)
         if req.on_executor:
             self._finished_ids.append(req_id)
         req.status = RequestStatus.FINISHED
@@ -175,6 +185,8 @@ class Scheduler:
             req.swapped_blocks = []
             req.num_computed_tokens = 0
         self.blocks, self.host_blocks = blocks, host_blocks
+        if self.lora is not None:
+            self.lora.reset()
 
     # ------------------------------------------------------------------ planning
     def schedule(self, ahead: bool = False) -> SchedulerOutput:
@@ -199,6 +211,8 @@ class Scheduler:
             budget = self._admit_waiting(out, budget)
         out.preempted_req_ids, out.swap_out = self._preempted_ids, self._swap_out
         self._preempted_ids, self._swap_out = [], []
+        if self.lora is not None:
+            out.lora_loads = self.lora.take_loads()
         out.num_batched_tokens = self.cfg.max_num_batched_tokens - budget
         return out
 
@@ -281,9 +295,14 @@ class Scheduler:
             req = self.waiting.head
             if self._waits_for_first(req):
                 break
+            if req.lora_id and not self.lora.can_take(req.lora_id):
+                break  # every slot runs another adapter: the head waits for one
             admit = self._resume_swapped if req.swapped_blocks else self._admit_fresh
+            if req.lora_id:  # its slot before the plan's NewRequest is encoded
+                req.lora_slot = self.lora.take(req.lora_id)
             n = admit(out, req, budget)
             if n is None:
+                self._release_lora(req)
                 break
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
@@ -305,7 +324,7 @@ class Scheduler:
         """Start (or restart) a request from its cached prefix; None if it does not fit."""
         # positions found in the cache would not be computed, so not scored (vLLM: the same)
         prefix = CachedPrefix() if req.needs_prompt_logprobs else \
-            self.blocks.cached_prefix(req.token_ids)
+            self.blocks.cached_prefix(req.token_ids, prefix_root(req.lora_id))
         req.num_computed_tokens = prefix.num_tokens
         n = self._chunk(req, budget)
         new_blocks = self.blocks.allocate_slots(req.req_id, req.num_computed_tokens + n,
@@ -504,7 +523,8 @@ class Scheduler:
         # blocks holding a placeholder are registered once its token is known (a later step)
         known = req.num_tokens - req.num_pending
         self.blocks.cache_full_blocks(req.req_id, req.token_ids,
-                                      min(req.num_computed_tokens, known))
+                                      min(req.num_computed_tokens, known),
+                                      prefix_root(req.lora_id))
 
     def _preempt(self, req: Request, allow_swap: bool = True) -> None:
         self.running.remove(req)
@@ -517,6 +537,7 @@ class Scheduler:
         else:
             req.num_computed_tokens = 0
         self.blocks.free(req.req_id)
+        self._release_lora(req)
         if req.on_executor:
             self._preempted_ids.append(req.req_id)
         req.on_executor = False
@@ -533,6 +554,11 @@ class Scheduler:
         if mode == "auto" and req.num_computed_tokens < self.cfg.swap_min_tokens:
             return None
         return self.host_blocks.allocate(self.blocks.blocks_for(req.num_computed_tokens))
+
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot:
+            self.lora.release(req.lora_slot)
+            req.lora_slot = 0
 
     def _enqueue(self, req: Request) -> None:
         self.waiting.push(req, self.step)

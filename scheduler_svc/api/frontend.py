@@ -20,6 +20,7 @@ from pagedserve.scheduler.api.parallel import submit_parallel
 from pagedserve.scheduler.api.streams import Chunk, OutputProcessor, RequestStream
 from pagedserve.scheduler.api.tenants import Admission, Tenant, Tenants
 from pagedserve.scheduler.engine_io import EngineError, EngineRequest
+from pagedserve.scheduler.invalid import InvalidRequest
 
 NO_EXECUTOR = ("no executor has joined the scheduler yet (readiness, health service "
                "'pagedserve.v1.Generation', turns SERVING when one does)")
@@ -113,11 +114,15 @@ class CallBatch:
 
 class Frontend:
     def __init__(self, outputs: OutputProcessor, inputs: InputProcessor,
-                 tenants: Tenants | None = None) -> None:
-        """tenants: API keys and what each tenant may ask for; None: open to everyone."""
+                 tenants: Tenants | None = None,
+                 lora_modules: tuple[tuple[str, str], ...] = ()) -> None:
+        """tenants: API keys and what each tenant may ask for; None: open to everyone;
+        lora_modules: the LoRA adapters a request may name, (name, path) each."""
         self.outputs, self.client = outputs, outputs.client
         self.inputs = inputs
         self.tenants = tenants
+        self.lora_modules = lora_modules
+        self.lora_adapters = tuple(name for name, _ in lora_modules)
         self.trim = TrimAfterBurst()
         self._large = ThreadPoolExecutor(1, thread_name_prefix="tokenize-large")
 
@@ -176,9 +181,13 @@ class Frontend:
         prompt = await self.tokenized(self.inputs.prompt_ids, request.prompt,
                                       limits.max_model_len)
         params = validate(request, prompt, limits)
+        if request.adapter and request.adapter not in self.lora_adapters:
+            served = ", ".join(self.lora_adapters) or "none"
+            raise InvalidRequest("adapter", f"unknown LoRA adapter {request.adapter!r} "
+                                 f"(this server serves: {served})")
         return await self.submit(EngineRequest(request.request_id, prompt, params,
-                                               request.priority, timeout=request.timeout),
-                                 tenant)
+                                               request.priority, timeout=request.timeout,
+                                               adapter=request.adapter), tenant)
 
     async def submit(self, request: EngineRequest, tenant: Tenant | None) -> Call:
         """Admit a validated request for an authenticated tenant (which bounds its priority

@@ -109,6 +109,7 @@ class GenerationInput:
     request_id: str = ""  # the client's ("": the engine names it)
     priority: int = 0  # lower is served first; the tenant bounds it
     timeout: float | None = None  # seconds the request may live (the client's deadline)
+    adapter: str = ""  # a LoRA adapter's name; "": the base model
 
 
 @dataclass(frozen=True, slots=True)

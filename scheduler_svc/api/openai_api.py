@@ -12,6 +12,7 @@ validation, admission, deadline), to the engine client.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -101,7 +102,9 @@ class OpenAIApp:
             card["max_model_len"] = cap.max_model_len
             if cap.speculative_config:  # as vLLM's engine args spell it
                 card["speculative_config"] = json.loads(cap.speculative_config)
-        return JSONResponse({"object": "list", "data": [card]})
+        adapters = [{**card, "id": name, "root": path, "parent": self.model_name}
+                    for name, path in self.gen.lora_modules]  # vLLM's LoRA cards
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: {count, max_model_len, tokens, token_strs}."""
@@ -167,14 +170,14 @@ class OpenAIApp:
             return req, openai_responses.to_chat(req)
 
         req, chat = await _off_loop_if(len(body) >= LARGE_BODY_BYTES, read)
-        self._check_model(req.model)
+        adapter = self._check_model(req.model)
         rid = request.headers.get("x-request-id") or f"resp_{uuid.uuid4().hex}"
         try:
             tools = tool_mode(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
-            batch = await self._start(chat, rid, tools, tenant, _timeout(request))
+            batch = await self._start(chat, rid, tools, tenant, _timeout(request), adapter)
         except OpenAIError as e:
             raise openai_responses.renamed(e) from None
-        shape = openai_responses.ResponseShape(rid, req, self.model_name, tools)
+        shape = openai_responses.ResponseShape(rid, req, req.model, tools)
         headers = {"x-request-id": rid}
         if req.stream:
             return _EventStream(openai_responses.events(shape, batch), batch,
@@ -188,10 +191,16 @@ class OpenAIApp:
             batch.close()
         return JSONResponse(openai_responses.whole(shape, batch, wholes[0]), headers=headers)
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise OpenAIError(404, f"The model '{model}' does not exist; this server "
-                              f"serves '{self.model_name}'", "model", "model_not_found")
+    def _check_model(self, model: str) -> str:
+        """The LoRA adapter a request's `model` names ("": the base model); 404 for a model
+        this server does not serve."""
+        if model == self.model_name:
+            return ""
+        if model in self.gen.lora_adapters:
+            return model
+        served = ", ".join(f"'{m}'" for m in (self.model_name, *self.gen.lora_adapters))
+        raise OpenAIError(404, f"The model '{model}' does not exist; this server serves "
+                          f"{served}", "model", "model_not_found")
 
     async def _body(self, request: Request) -> bytes:
         """The request body, read as it arrives and refused (413) as soon as it is known to be
@@ -226,7 +235,7 @@ class OpenAIApp:
     async def _generate(self, request: Request, model: type) -> Response:
         tenant = self._authenticate(request)
         req = await self._parsed(request, model)
-        self._check_model(req.model)
+        adapter = self._check_model(req.model)
         if req.stream_options is not None and not req.stream:
             raise OpenAIError(400, "stream_options: only allowed with stream: true",
                               "stream_options")
@@ -234,10 +243,10 @@ class OpenAIApp:
         rid = request.headers.get("x-request-id") or \
             f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         tools = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls) if chat else None
-        batch = await self._start(req, rid, tools, tenant, _timeout(request))
+        batch = await self._start(req, rid, tools, tenant, _timeout(request), adapter)
         usage = req.stream_options is not None and req.stream_options.include_usage
         first = batch.calls[0].stream.params
-        shape = _Shape(rid, self.model_name, chat, usage, batch.n, len(batch.calls),
+        shape = _Shape(rid, req.model, chat, usage, batch.n, len(batch.calls),
                        self.token_text if first.logprobs is not None else None,
                        self.token_text, tools)
         if not chat and req.echo:
@@ -252,10 +261,13 @@ class OpenAIApp:
                             headers={**headers, "cache-control": "no-cache"})
 
     async def _start(self, req: Any, rid: str, tools: ToolMode | None, tenant: Any,
-                     timeout: float | None) -> CallBatch:
+                     timeout: float | None, adapter: str = "") -> CallBatch:
         """Start the request: a Call per prompt of a completions batch (in order; if one is
-        refused, those started are closed and its error is the response's)."""
-        batch, gens = CallBatch(), to_inputs(req, rid, tools, timeout)
+        refused, those started are closed and its error is the response's); adapter: the
+        LoRA adapter its `model` names."""
+        batch = CallBatch()
+        gens = [dataclasses.replace(g, adapter=adapter)
+                for g in to_inputs(req, rid, tools, timeout)]
         if tenant is not None and 0 < tenant.max_concurrent < len(gens):  # would never fit
             raise OpenAIError(400, f"prompt: a batch of {len(gens)} prompts, more than the "
                               f"{tenant.max_concurrent} requests this API key may run at once",

@@ -17,6 +17,7 @@ from pagedserve.core.link_security import (
     LinkSecurityError,
     is_local,
 )
+from pagedserve.core.lora import lora_config
 from pagedserve.core.memory import map_large_allocations
 from pagedserve.core.models import (
     read_generation_eos,
@@ -235,8 +236,9 @@ def _front_ends(args: argparse.Namespace, client, tokenizer, model_len: int,
     health and reflection; nothing bound yet but the HTTP socket."""
     model_name = args.served_model_name or args.model
     outputs = OutputProcessor(client, tokenizer, args.stream_interval)
+    lora = lora_config(args)
     frontend = Frontend(outputs, InputProcessor(tokenizer, args.max_input_bytes, model_len),
-                        tenants)
+                        tenants, lora.modules if lora else ())
     server = grpc_server(RpcMetrics(metrics.rpcs, model_name), reuse_port=reuse_port)
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, model_name),
                                                        server)

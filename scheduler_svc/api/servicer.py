@@ -66,6 +66,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             eos_token_ids=info.eos_token_ids, dtype=info.dtype, device=info.device,
             attention_backend=info.attention_backend, kv_cache_dtype=info.kv_cache_dtype,
             speculative_config=info.speculative_config,
+            lora_adapters=self.frontend.lora_adapters,
         )
 
 
@@ -73,7 +74,7 @@ def generation_input(request: api.GenerateRequest, timeout: float | None = None
                      ) -> GenerationInput:
     """The request as the front ends' neutral input; timeout: the call's deadline, seconds."""
     return GenerationInput(prompt_of(request), _sampling(request.sampling),
-                           request.request_id, request.priority, timeout)
+                           request.request_id, request.priority, timeout, request.adapter)
 
 
 def prompt_of(request: api.GenerateRequest | api.TokenizeRequest) -> Prompt:

@@ -1,0 +1,137 @@
+"""Multi-LoRA through the service on the default model: three seeded random PEFT adapters
+(written as PEFT writes them) and the base, interleaved in one batch through gRPC (`adapter`)
+and the OpenAI API (`model`), with fewer device slots than adapters (--max-loras 2: slots are
+reloaded): greedy ids equal HF transformers on the merged weights (W + scale * B @ A). The
+prefix cache keeps adapters apart; names the server does not serve are refused; a bad adapter
+stops the start with the reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from tests.executor_svc.test_lora_adapters import merged, write_adapter
+from tests.integration.service import Service
+
+ADAPTERS = {  # name: (seed, rank, targets, alpha, rsLoRA)
+    "alpha": (1, 8, ["q_proj", "v_proj"], 16, False),
+    "beta": (2, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                     "down_proj"], 8, True),
+    "gamma": (3, 4, ["o_proj", "gate_proj", "down_proj"], 8, False),
+}
+MAX_TOKENS = 10
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small"]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, hf_model):
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: write_adapter(root / name, hf_model, seed, rank, targets, alpha, rslora,
+                                std=0.03)
+            for name, (seed, rank, targets, alpha, rslora) in ADAPTERS.items()}
+
+
+@pytest.fixture(scope="module")
+def lora_service(tmp_path_factory, adapters, model_dir):
+    svc = Service(tmp_path_factory.mktemp("lora") / "serve.log", "--enable-lora",
+                  "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()),
+                  "--max-loras", "2", "--max-lora-rank", "16", "--max-num-seqs", "16")
+    svc.wait_serving()
+    yield svc
+    assert svc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model, adapters, tokenizer):
+    """HF's greedy ids for every (model, prompt): the base and each adapter merged."""
+    models = {"": hf_model, **{n: merged(hf_model, p) for n, p in adapters.items()}}
+    out = {}
+    for name, model in models.items():
+        for text in PROMPTS:
+            ids = tokenizer(text)["input_ids"]
+            with torch.no_grad():
+                gen = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS,
+                                     do_sample=False, pad_token_id=2)
+            out[name, text] = (ids, gen[0, len(ids):].tolist())
+    for text in PROMPTS:  # each adapter changes what the base says
+        assert len({tuple(out[n, text][1]) for n in models}) > 1
+    return out
+
+
+def http(svc, path: str, body: dict | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(svc.http_url + path, data,
+                                 {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
+
+
+def test_adapters_and_the_base_in_one_batch_equal_hf_on_merged_weights(lora_service,
+                                                                       expected, tokenizer):
+    """Every (model, prompt) at once, half through gRPC and half through HTTP: 12 requests of
+    three adapters and the base on two device slots."""
+    def grpc_run(name, text):
+        ids, _ = expected[name, text]
+        return lora_service.client.complete(token_ids=ids, max_tokens=MAX_TOKENS,
+                                            temperature=0, adapter=name)[1]
+
+    def http_run(name, text):
+        ids, _ = expected[name, text]
+        body = {"model": name or "default", "prompt": ids, "max_tokens": MAX_TOKENS,
+                "temperature": 0}
+        return http(lora_service, "/v1/completions", body)["choices"][0]["text"]
+
+    jobs = [(run, name, text) for i, (name, text) in enumerate(sorted(expected))
+            for run in ((grpc_run, http_run)[i % 2],)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda j: j[0](j[1], j[2]), jobs))
+    for (run, name, text), out in zip(jobs, got, strict=True):
+        want = expected[name, text][1]
+        if run is http_run:  # the API's text: the ids decoded
+            want = tokenizer.decode(want, skip_special_tokens=True)
+        assert out == want, (name, text)
+
+
+def test_the_prefix_cache_keeps_adapters_apart(lora_service, tokenizer):
+    prompt = "A long shared system prompt. " * 12  # some full blocks
+
+    def cached(model):
+        body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        return http(lora_service, "/v1/completions", body)["usage"]["prompt_tokens_details"][
+            "cached_tokens"]
+
+    assert cached("alpha") == 0
+    assert cached("alpha") > 0  # the same prompt, the same adapter: its blocks
+    assert cached("beta") == 0  # another adapter's KV differs: nothing shared
+    assert cached("default") == 0
+
+
+def test_the_adapters_are_listed_and_unknown_names_refused(lora_service, adapters):
+    cards = {c["id"]: c for c in http(lora_service, "/v1/models")["data"]}
+    assert sorted(cards) == ["alpha", "beta", "default", "gamma"]
+    assert cards["beta"]["parent"] == "default" and cards["beta"]["root"] == str(
+        adapters["beta"])
+    assert list(lora_service.client.model_info().lora_adapters) == ["alpha", "beta", "gamma"]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        http(lora_service, "/v1/completions", {"model": "delta", "prompt": "Hi"})
+    assert e.value.code == 404 and "'delta' does not exist" in e.value.read().decode()
+    with pytest.raises(grpc.RpcError) as e:
+        lora_service.client.complete("Hi", max_tokens=2, adapter="delta")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "adapter: unknown LoRA adapter 'delta'" in e.value.details()
+
+
+def test_a_bad_adapter_stops_the_start_with_the_reason(adapters):
+    run = subprocess.run([sys.executable, "-m", "pagedserve.cli", "serve", "--port", "0",
+                          "--http-port", "0", "--metrics-port", "0", "--enable-lora",
+                          "--lora-modules", f"beta={adapters['beta']}", "--max-lora-rank", "8"],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode != 0
+    assert "rank 16 is more than --max-lora-rank 8" in run.stdout + run.stderr

@@ -1,0 +1,82 @@
+"""LoRA slots in the scheduler: which adapter each device slot holds, loads in the plan,
+least-recently-used reuse of free slots only, admission waiting for a slot, prefix-cache keys
+per adapter."""
+
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
+from pagedserve.scheduler.block_manager import BlockManager
+from pagedserve.scheduler.executor_link import encode_plan
+from pagedserve.scheduler.lora_slots import LoraSlots
+from pagedserve.scheduler.request import GenerationParams, Request
+from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+def test_slots_are_reused_least_recently_used_first_and_never_while_held():
+    s = LoraSlots(2)
+    assert (s.take(7), s.take(8), s.take(7)) == (1, 2, 1)
+    assert s.take_loads() == [(1, 7), (2, 8)]  # adapter 7 once, however many requests
+    assert not s.can_take(9)  # both slots held
+    s.release(2)
+    assert s.can_take(9) and s.take(9) == 2  # the free one, though slot 1 was used earlier
+    assert s.take_loads() == [(2, 9)]
+    s.release(1)
+    s.release(1)
+    s.release(2)
+    assert s.take(8) == 1  # slot 1 is the least recently used now
+    assert s.take(9) == 2 and s.take_loads() == [(1, 8)]  # 9 still in slot 2: no load
+    assert s.residents() == {8: 1, 9: 2} and s.in_use() == {8, 9}
+
+
+def make(max_loras=1, caching=False):
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                          enable_prefix_caching=caching, max_loras=max_loras,
+                          lora_adapters=("a", "b"))
+    return Scheduler(cfg, BlockManager(32, 4, 0, caching))
+
+
+def req(rid, lora_id, tokens=None):
+    tokens = tokens or [100 * rid + i for i in range(6)]
+    return Request(rid, f"r{rid}", len(tokens), tokens, GenerationParams(max_tokens=4),
+                   arrival_seq=rid, lora_id=lora_id)
+
+
+def test_a_request_waits_for_a_slot_and_the_plan_loads_it():
+    s = make(max_loras=1)
+    for r in (req(1, 1), req(2, 0), req(3, 2), req(4, 1)):
+        s.add(r)
+    out = s.schedule()
+    # the base needs no slot; adapter 2 finds the only slot running adapter 1: the queue's
+    # head waits there (order kept), and request 4 behind it too
+    assert [x.req.req_id for x in out.new] == [1, 2]
+    assert out.lora_loads == [(1, 1)]
+    plan = pb.SchedulerMessage.FromString(encode_plan(1, out)).plan
+    assert [(n.req_id, n.lora_slot) for n in plan.new_requests] == [(1, 1), (2, 0)]
+    assert [(x.slot, x.adapter_id) for x in plan.lora_loads] == [(1, 1)]
+    s.finish(1)
+    out = s.schedule()
+    assert [x.req.req_id for x in out.new] == [3] and out.lora_loads == [(1, 2)]
+    assert s.requests[3].lora_slot == 1
+    s.finish(3)
+    out = s.schedule()
+    assert [x.req.req_id for x in out.new] == [4] and out.lora_loads == [(1, 1)]
+
+
+def test_a_preempted_request_gives_its_slot_back():
+    s = make(max_loras=1)
+    s.add(req(1, 1))
+    s.schedule()
+    s._preempt(s.requests[1])
+    assert s.requests[1].lora_slot == 0 and s.lora.can_take(2)
+
+
+def test_the_same_tokens_under_two_adapters_share_no_block():
+    s = make(max_loras=2, caching=True)
+    tokens = list(range(10, 26))  # four full blocks of 4
+    s.add(req(1, 1, tokens))
+    s.schedule()
+    s.finish(1)  # its blocks stay cached
+    s.add(req(2, 2, tokens))
+    s.schedule()
+    assert s.requests[2].num_computed_tokens == 16 and s.prefix_hit_tokens == 0
+    s.add(req(3, 1, tokens))
+    s.schedule()
+    assert s.prefix_hit_tokens == 12  # adapter 1's blocks (all but the last prompt token's)
