@@ -103,6 +103,9 @@
 #   specdraft 8B at 1 running: a 1B draft (k 4, 2), the 8B as its own draft, n-gram; each
 #             record with a step's time by part (per_step_ms)
 #   specw1    W1 on 8B at the default flags, then with n-gram drafts off past 16 running
+#   lora      multi-LoRA (benchmarks/lora.py): the kernels' GPU tests; W1 8B with LORA_N (8)
+#             rank-16 adapters over the requests against the base alone; 8B single stream
+#             128 -> 512 with one adapter against without
 #   remeasure the runs the old warm-up flattered: 8B 128 -> 512 at 1 and 16 running (LAT_SEQS;
 #             twice as many requests; bf16 and AWQ)
 #             and one 130,000-token prompt with prefix caching on (it must not hit), FP8 W1
@@ -399,6 +402,14 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       --max-num-batched-tokens 0 ;;
     profilemoe) profile MQ30 moe30b "${DEFAULTS[@]}" ;;
     qwen3) for m in M8 MQ8; do tp W1 $m "${DEFAULTS[@]}"; done ;;
+    lora)  # multi-LoRA: the kernels' GPU tests, W1 8B with LORA_N (8) rank-16 adapters
+      # against the base alone, then 8B single stream (128 -> 512) with one adapter and without
+      python3 -m pytest -q -rs tests/kernels/test_lora.py 2>&1 | tail -4
+      python3 -m benchmarks.lora "${M8[@]}" --workload W1 --adapters "${LORA_N:-8}" --rank 16 \
+        2>&1 | tee -a $B/lora.log | quiet 3
+      save
+      python3 -m benchmarks.lora "${M8[@]}" --requests 2 --prompt 128 --output 512 \
+        --adapters 1 --rank 16 --max-num-seqs 1 2>&1 | tee -a $B/lora.log | quiet 3 ;;
     spectests) python3 -m pytest -q -rs tests/executor_svc/test_cuda_graphs.py 2>&1 \
       | tee $B/pytest_spec.log | tail -8 ;;
     spec)  # the real default model (its GGUF joined from the two halves), then 8B random

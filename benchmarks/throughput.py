@@ -73,16 +73,18 @@ EXTRAS = {"repetition_penalty": 1.1, "logprobs": 5}
 
 
 async def _send_all(address: str, prompts: list[list[int]], outputs: list[int],
-                    extras: dict | None = None) -> tuple[list[tuple[float, float]], float]:
+                    extras: dict | None = None, adapters: list[str] | None = None,
+                    ) -> tuple[list[tuple[float, float]], float]:
     """All requests at once from one asyncio client (threads would contend for the GIL and
-    read tokens later than the server sends them); (TTFT, E2EL) each, and the wall time."""
+    read tokens later than the server sends them); (TTFT, E2EL) each, and the wall time.
+    adapters: LoRA adapter names given to the requests in turn."""
     import grpc
 
     from pagedserve.protos.v1 import generate_pb2 as api
     from pagedserve.protos.v1 import generate_pb2_grpc
 
-    async def one(stub, ids: list[int], n_out: int) -> tuple[float, float]:
-        req = api.GenerateRequest(token_ids=api.TokenIds(ids=ids),
+    async def one(stub, ids: list[int], n_out: int, adapter: str) -> tuple[float, float]:
+        req = api.GenerateRequest(token_ids=api.TokenIds(ids=ids), adapter=adapter,
                                   sampling=api.SamplingParams(max_tokens=n_out, temperature=0.0,
                                                               ignore_eos=True, **(extras or {})))
         sent = time.perf_counter()
@@ -98,13 +100,14 @@ async def _send_all(address: str, prompts: list[list[int]], outputs: list[int],
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         start = time.perf_counter()
-        lat = await asyncio.gather(*(one(stub, p, o) for p, o in zip(prompts, outputs,
-                                                                        strict=True)))
+        names = adapters or [""]
+        lat = await asyncio.gather(*(one(stub, p, o, names[i % len(names)]) for i, (p, o) in
+                                     enumerate(zip(prompts, outputs, strict=True))))
         return lat, time.perf_counter() - start
 
 
 def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str],
-                   extras: dict | None = None) -> dict:
+                   extras: dict | None = None, adapters: list[str] | None = None) -> dict:
     from tests.integration.service import Service, scrape
 
     log_path = Path(tempfile.mkdtemp()) / "serve.log"
@@ -114,10 +117,11 @@ def run_pagedserve(prompts: list[list[int]], outputs: list[int], flags: list[str
         info = svc.client.model_info()
         # the same warm-up as the peers: one full-size call of unmeasured prompts
         warm = warmup_prompts(prompts)
-        asyncio.run(_send_all(svc.address, warm, [WARMUP_TOKENS] * len(warm), extras))
+        asyncio.run(_send_all(svc.address, warm, [WARMUP_TOKENS] * len(warm), extras,
+                              adapters))
         before = scrape(svc.metrics_port, info.model)
 
-        lat, wall = asyncio.run(_send_all(svc.address, prompts, outputs, extras))
+        lat, wall = asyncio.run(_send_all(svc.address, prompts, outputs, extras, adapters))
         after = scrape(svc.metrics_port, info.model)
     finally:
         svc.stop()
