@@ -533,6 +533,25 @@ def spec_decode_section(records: list[dict]) -> list[str]:
         if rows else []
 
 
+def lora_section(records: list[dict]) -> list[str]:
+    runs = {}  # run -> (base, lora): the two halves of one call
+    for r in records:
+        runs.setdefault(r["run"], {})[r["lora"]] = r
+    pairs = [(run[False], run[True]) for run in runs.values() if len(run) == 2]
+    newest_pairs = {(machine(lo), lo["model"], lo["workload"], lo["adapters"], lo["rank"]):
+                    (base, lo) for base, lo in pairs}  # runs are in recorded order
+    rows = [[machine(lo), lo["model"], lo["workload"], lo["adapters"], lo["rank"],
+             num(base["output_tok_s"], ".0f"), num(lo["output_tok_s"], ".0f"),
+             num(base["tpot_p50_ms"], ".2f"), num(lo["tpot_p50_ms"], ".2f"),
+             num(lo["lora_vs_base"], ".2f"), lo["commit"], when(lo)]
+            for base, lo in newest_pairs.values()]
+    return section(
+        "Multi-LoRA: adapters spread over the requests against the base alone (one call)",
+        table(["machine", "model", "workload", "adapters", "rank", "base tok/s", "LoRA tok/s",
+               "base TPOT p50 ms", "LoRA TPOT p50 ms", "lora_vs_base", "commit",
+               "recorded (UTC)"], rows)) if rows else []
+
+
 def perplexity_section(records: list[dict]) -> list[str]:
     # records before the FP8 KV cache ran over a float cache ("auto")
     rows = [[r["model"], r["method"], num(r["group_size"], "d") if r["group_size"] else "-",
@@ -635,6 +654,7 @@ def report(folder: Path = RESULTS) -> str:
              *fp8_gemm_section(load("fp8_gemm", folder)),
              *structured_section(load("structured", folder)),
              *spec_decode_section(load("spec_decode", folder)),
+             *lora_section(load("lora", folder)),
              *perplexity_section(load("perplexity", folder)),
              "## History", "", *(f"![{title}]({name})" for name, title in PLOTS.items())]
     return "\n".join(lines) + "\n"
