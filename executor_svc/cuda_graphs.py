@@ -10,6 +10,11 @@ Padding rows have slot -1 (their K/V is not written) and context length 0 (atten
 key); their outputs are garbage nobody reads. The graphs were captured with max_seq_len =
 max_model_len, so the attention kernels' split decision covers any context the cache can hold,
 and a block-table width of max_model_len / block_size.
+
+With LoRA adapters (executor_svc/lora.py) each size is captured twice: without the adapters'
+kernels, for steps of the base model alone, and with them over static buffers holding every
+row of the padded batch sorted by slot, one segment per slot (the base's and the padding's:
+computed as zero), so that the kernels' grid is the same whichever slots a step uses.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from pagedserve.executor.lora import LoraStep
 from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.transfer import to_device
 
@@ -41,7 +47,8 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  max_batch: int, max_model_len: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, lora: LoraStep | None = None,
+                 max_loras: int = 0) -> None:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
@@ -71,6 +78,14 @@ class DecodeGraphs:
         self._turn = 0
         self._stage_dev = torch.zeros((4, n), dtype=i64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # LoRA: the step's rows sorted by slot and the segments' starts, one per slot 0..S
+        # (slot 0, the base, as the kernels' -1: nothing added); graphs that run the adapters
+        self.lora, self.lora_graphs = lora, {}
+        if lora is not None:
+            self.lora_rows = torch.arange(n, dtype=i64, device=device)
+            self.lora_starts = torch.zeros(max_loras + 2, dtype=i32, device=device)
+            self.lora_slots = torch.tensor([-1, *range(1, max_loras + 1)], dtype=i32,
+                                           device=device)
         # tensor parallelism: rank 0 hands the staged inputs (padded batch, batch, table width)
         # to the other ranks, which replay their own graphs (executor_svc/distributed.py); the
         # graphs hold the NCCL all-reduces and all-gather, captured on every rank in one order
@@ -94,6 +109,17 @@ class DecodeGraphs:
         return (self.input_ids[:bs], self.positions[:bs], self.kv_caches, meta,
                 self.logits_indices[:bs], self.logits[:bs])
 
+    def forward(self, bs: int, with_lora: bool = False) -> None:
+        """What a graph of bs rows records: the model over the static buffers, with the
+        adapters' kernels over the static LoRA segments or without."""
+        if with_lora:
+            self.lora.current = (self.lora_rows[:bs], self.lora_starts, self.lora_slots)
+        try:
+            self.model(*self._args(bs))
+        finally:
+            if self.lora is not None:
+                self.lora.current = None
+
     def capture(self) -> None:
         """Capture every size, largest first so the smaller graphs reuse its memory pool."""
         start = time.perf_counter()
@@ -103,14 +129,17 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for bs in reversed(self.sizes):
-                args = self._args(bs)
-                self.model(*args)  # compiles and autotunes this shape outside the capture
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.model(*args)
-                pool = graph.pool()
-                self.graphs[bs] = graph
+                for with_lora in (False, True) if self.lora is not None else (False,):
+                    if with_lora:  # every row in the base's segment: valid, adds nothing
+                        self.lora_starts.fill_(bs)
+                        self.lora_starts[0] = 0
+                    self.forward(bs, with_lora)  # compiles and autotunes outside the capture
+                    torch.cuda.synchronize(self.device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self.forward(bs, with_lora)
+                    pool = graph.pool()
+                    (self.lora_graphs if with_lora else self.graphs)[bs] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         # the eager warm-up runs above left free segments in the ordinary pool, which neither
@@ -156,9 +185,11 @@ class DecodeGraphs:
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
             tables: np.ndarray, seq_lens: np.ndarray,
-            patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            patch: tuple[torch.Tensor, torch.Tensor] | None = None,
+            lora_slots: np.ndarray | None = None) -> torch.Tensor:
         """Logits [B, vocab] float32 of a decode step of B = len(input_ids) requests;
-        patch = (rows, ids on the device) overrides those rows' input ids."""
+        patch = (rows, ids on the device) overrides those rows' input ids; lora_slots: each
+        row's LoRA slot (0: the base)."""
         b = len(input_ids)
         bs = self.padded(b)
         pinned = self._stages[self._turn]
@@ -178,5 +209,21 @@ class DecodeGraphs:
         self.block_tables[:b, :nb].copy_(to_device(tables, self.block_tables.device))
         if self.before_replay is not None:
             self.before_replay(bs, b, nb)
-        self.graphs[bs].replay()
+        if lora_slots is not None and lora_slots.any():
+            self._stage_lora(lora_slots, bs)
+            self.lora_graphs[bs].replay()
+        else:
+            self.graphs[bs].replay()
         return self.logits[:b]
+
+    def _stage_lora(self, lora_slots: np.ndarray, bs: int) -> None:
+        """The padded batch's rows sorted by slot (padding with the base) and the segments'
+        starts, into the LoRA graphs' static buffers."""
+        by_row = np.zeros(bs, np.int64)
+        by_row[:len(lora_slots)] = lora_slots
+        rows = np.argsort(by_row, kind="stable")
+        counts = np.bincount(by_row, minlength=len(self.lora_slots))
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        dev = self.device
+        self.lora_rows[:bs].copy_(to_device(rows, dev))
+        self.lora_starts.copy_(to_device(starts, dev))

@@ -413,7 +413,8 @@ class ModelRunner:
         self.device_time.begin(plan.after_idle)  # the device's part starts here
         if self.last_step_graphed:
             flat_tables, flat_lens = table[token_rows, :max_blocks], positions + 1
-            logits = graphs.run(input_ids, positions, slots, flat_tables, flat_lens, patch)
+            logits = graphs.run(input_ids, positions, slots, flat_tables, flat_lens, patch,
+                                None if self.lora is None else cols.lora_slot[token_rows])
             if self.draft is not None:
                 self.draft.mirror_graphed(input_ids, positions, slots, flat_tables, flat_lens,
                                           patch)

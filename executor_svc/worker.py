@@ -228,10 +228,10 @@ class Worker:
                                   self.swap, self.counts, draft, self.lora)
         self.graphs: DecodeGraphs | None = None
         if on_cuda and backend == "triton" and not cfg.enforce_eager \
-                and self.model_cfg.impl == "native" \
-                and self.lora is None:  # HF's modeling code and LoRA steps run eagerly
-            self.graphs = DecodeGraphs(model, kv, cfg.max_num_seqs, self.max_model_len,
-                                       cfg.block_size, self.device)
+                and self.model_cfg.impl == "native":  # HF's modeling code runs eagerly
+            self.graphs = DecodeGraphs(
+                model, kv, cfg.max_num_seqs, self.max_model_len, cfg.block_size, self.device,
+                *((self.lora.step, cfg.lora.max_loras) if self.lora is not None else ()))
             if draft is not None:  # its mirror of a graphed step and its proposal passes
                 draft.graphs = DecodeGraphs(draft_model, draft.kv_caches, cfg.max_num_seqs,
                                             self.max_model_len, cfg.block_size, self.device)
@@ -264,10 +264,9 @@ class Worker:
         with phase(f"loading {len(cfg.lora.modules)} LoRA adapters"):
             runtime = build_lora(model, self.model_cfg, cfg.lora, self.dtype, self.device,
                                  load_ops(backend))
-        log.info("LoRA: %d adapters in host memory, %d device slots of rank %d (%.1f MiB)%s",
+        log.info("LoRA: %d adapters in host memory, %d device slots of rank %d (%.1f MiB)",
                  len(runtime.adapters), cfg.lora.max_loras, cfg.lora.max_lora_rank,
-                 runtime.slots.nbytes() / (1 << 20),
-                 "; steps run eagerly (no CUDA graphs)" if self.device.type == "cuda" else "")
+                 runtime.slots.nbytes() / (1 << 20))
         return runtime
 
     def _load_draft(self, cfg: ExecutorConfig, backend: str, max_len: int

@@ -1,6 +1,7 @@
 """Decode CUDA graphs and the start-up memory profile (CUDA parts skip without a GPU)."""
 
 import gc
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -215,3 +216,34 @@ def test_verification_steps_replay_graphs_and_keep_the_targets_tokens(tmp_path):
     assert kept == drafted > 0 and graphed > 0
     # mirrors of verification steps (a row per token), and proposals of 3 passes for them all
     assert max(rows) > len(prompts) and (3, len(prompts)) in chains
+
+
+@cuda
+def test_lora_decode_steps_replay_their_graphs_and_keep_the_eager_tokens(tmp_path):
+    """LoRA: each size captured with the adapters' kernels too; decode steps mixing two
+    adapters and the base replay those graphs and give the eager run's tokens (float32)."""
+    from pagedserve.core.lora import LoraConfig
+    from tests.executor_svc.test_lora_adapters import _PLACE, write_adapter
+    from tests.executor_svc.test_lora_adapters import greedy_run as lora_greedy_run
+
+    hf = save_random_llama(tmp_path / "base", "d64", init=0.1)
+    one = write_adapter(tmp_path / "one", hf, 1, 8, ["q_proj", "o_proj", "up_proj"], 16)
+    two = write_adapter(tmp_path / "two", hf, 2, 16, list(_PLACE), 8)
+    lora = LoraConfig((("one", str(one)), ("two", str(two))), 2, 16)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (5, 9, 6, 7, 12)]
+    slots = [1, 0, 2, 1, 0]
+    runs, replays = [], []
+    for eager in (True, False):
+        worker = Worker(ExecutorConfig(model=str(tmp_path / "base"), device="cuda",
+                                       dtype="float32", num_kv_blocks=32, block_size=16,
+                                       max_num_seqs=8, enforce_eager=eager, lora=lora))
+        worker.warm_up()
+        if not eager:
+            graphs = worker.graphs.lora_graphs
+            assert sorted(graphs) == sorted(worker.graphs.graphs)
+            for bs, graph in list(graphs.items()):
+                graphs[bs] = SimpleNamespace(replay=lambda graph=graph: replays.append(1)
+                                             or graph.replay())
+        runs.append(lora_greedy_run(worker.runner, prompts, slots, 10))
+    assert runs[0] == runs[1] and len(replays) == 9

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,9 +18,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagedserve.core.lora import LoraConfig
 from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.lora import LoraError, build, load_adapter
+from pagedserve.executor.worker import ExecutorConfig, Worker
 from pagedserve.kernels import get_ops
+from pagedserve.protos.internal.v1 import executor_pb2 as pb
 from tests.executor_svc.test_model import TINY, assert_paged_equals_hf, run_paged
 
 _PLACE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
@@ -172,3 +176,62 @@ def test_slots_and_adapter_ids_out_of_range_are_refused(tiny, tmp_path):
         lora.check_slot(1)
     lora.load(1, 1)
     lora.check_slot(1)
+
+
+def greedy_run(run, prompts: list[list[int]], slots: list[int], steps: int) -> list[list[int]]:
+    """Greedy tokens of each prompt under its slot: one prefill step, then decode steps."""
+    plan = pb.StepPlan(step_id=1)
+    plan.lora_loads.add(slot=1, adapter_id=1)
+    plan.lora_loads.add(slot=2, adapter_id=2)
+    for i, (p, slot) in enumerate(zip(prompts, slots, strict=True)):
+        plan.new_requests.add(req_id=i + 1, token_ids=p, block_ids=[2 * i, 2 * i + 1],
+                              sampling=pb.Sampling(temperature=0.0), lora_slot=slot)
+        plan.new_num_scheduled_tokens.append(len(p))
+    out = [[] for _ in prompts]
+    for rid, tok in zip(*run.execute(plan), strict=True):
+        out[rid - 1].append(tok)
+    for step in range(2, steps + 1):
+        ids = list(range(1, len(prompts) + 1))
+        plan = pb.StepPlan(step_id=step, cached_req_ids=ids,
+                           cached_num_computed_tokens=[len(p) + step - 2 for p in prompts],
+                           cached_num_scheduled_tokens=[1] * len(ids),
+                           cached_num_new_blocks=[0] * len(ids))
+        for rid, tok in zip(*run.execute(plan), strict=True):
+            out[rid - 1].append(tok)
+    return out
+
+
+def test_decode_steps_through_the_lora_graphs_keep_the_eager_tokens(tiny, tmp_path):
+    """The runner's decode steps replay the graphs captured with the adapters (an eager
+    stand-in here: the same static buffers and segments; the captured ones run on the GPU),
+    rows of two adapters and the base mixed: the eager path's tokens, which equal HF's."""
+    hf, _ = tiny
+    one = write_adapter(tmp_path / "one", hf, 1, 8, ["q_proj", "o_proj", "up_proj"], 16)
+    two = write_adapter(tmp_path / "two", hf, 2, 4, list(_PLACE), 8)
+    lora = LoraConfig((("one", str(one)), ("two", str(two))), 2, 8)
+
+    def worker():
+        return Worker(ExecutorConfig(model=str(tmp_path / "base"), device="cpu",
+                                     num_kv_blocks=16, block_size=16, lora=lora))
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 9, 6, 7)]
+    slots = [1, 0, 2, 1]
+    eager = greedy_run(worker().runner, prompts, slots, 8)
+    run = worker().runner
+    graphs = DecodeGraphs(run.model, run.kv_caches, 8, 64, 16, torch.device("cpu"),
+                          run.lora.step, 2)
+    replays = []
+    for bs in graphs.sizes:
+        graphs.graphs[bs] = SimpleNamespace(replay=lambda bs=bs: replays.append("base") or
+                                            graphs.forward(bs))
+        graphs.lora_graphs[bs] = SimpleNamespace(replay=lambda bs=bs: replays.append("lora") or
+                                                 graphs.forward(bs, True))
+    run.graphs = graphs
+    assert greedy_run(run, prompts, slots, 8) == eager
+    assert replays == ["lora"] * 7
+    for p, slot, got in zip(prompts, slots, eager, strict=True):
+        ref = hf if not slot else merged(hf, (one, two)[slot - 1])
+        want = ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                            pad_token_id=0)[0, len(p):].tolist()
+        assert got == want
