@@ -225,6 +225,13 @@ class Metrics:
                                        "room up to max_model_len when unset)", _TOKENS)
         self.inference_time = hist("request_inference_time_seconds",
                                    "First scheduled to last token, per finished request", _LONG)
+        self.lora_info = Gauge(PREFIX + "lora_requests_info",
+                               "LoRA (vLLM's lora_requests_info): the adapters of the running "
+                               "and of the waiting requests, comma-separated, and the device "
+                               "slots; its value is when that last changed (Unix seconds), one "
+                               "series at a time", ["model_name", "max_lora",
+                                                    "running_lora_adapters",
+                                                    "waiting_lora_adapters"], registry=r)
         self.cache_config = Gauge(PREFIX + "cache_config_info",
                                   "The KV cache of the executor now joined (value 1); vLLM's "
                                   "label names: num_gpu_blocks are device blocks, num_cpu_blocks "

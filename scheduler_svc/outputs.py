@@ -128,3 +128,6 @@ class SchedulerStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()  # drafts accepted at each position
+    max_loras: int = 0  # LoRA: device slots (0: LoRA off), the adapters of the running and of
+    running_lora: tuple[str, ...] = ()  # the waiting requests, by name
+    waiting_lora: tuple[str, ...] = ()

@@ -479,7 +479,20 @@ class Scheduler:
             prefix_hit_tokens=self.prefix_hit_tokens,
             spec_drafts=self.spec_drafts, spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
-            spec_accepted_per_pos=tuple(self.spec_accepted_per_pos))
+            spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),
+            **self._lora_stats())
+
+    def _lora_stats(self) -> dict:
+        """The adapters of the running and of the waiting requests, by name."""
+        if self.lora is None:
+            return {}
+        names = self.cfg.lora_adapters
+
+        def of(requests) -> tuple[str, ...]:
+            return tuple(sorted({names[r.lora_id - 1] for r in requests if r.lora_id}))
+
+        return {"max_loras": self.lora.max_loras, "running_lora": of(self.running),
+                "waiting_lora": of(self.waiting)}
 
     def check_idle(self, full: bool = False) -> None:
         """With no work left every block must be back on the free list (else a leak). The

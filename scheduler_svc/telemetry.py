@@ -44,6 +44,7 @@ class Telemetry:
         self.timings: deque[StepTiming] = deque(maxlen=4096)
         self._peak_blocks_used = 0
         self._counters_seen: dict = {}  # scheduler totals already added to counters
+        self._lora_labels: tuple[str, ...] | None = None  # lora_requests_info's series now
 
     def scheduled(self, stream: Tracked, now: float, cached_tokens: int = 0) -> None:
         """First scheduled, with cached_tokens of its prompt found in the prefix cache."""
@@ -128,6 +129,8 @@ class Telemetry:
         m = self.metrics
         m.running.set(st.running)
         m.waiting.set(st.waiting)
+        if st.max_loras:
+            self._lora_info(st)
         m.swapped.set(st.swapped)
         m.kv_usage.set(1.0 - st.free_blocks / st.num_blocks)
         m.free_blocks.set(st.free_blocks)
@@ -151,6 +154,18 @@ class Telemetry:
                                  for pos, n in enumerate(st.spec_accepted_per_pos))):
             counter.inc(value - seen.get(counter, 0))
             seen[counter] = value
+
+    def _lora_info(self, st: SchedulerStats) -> None:
+        """One series, replaced when the adapters in use change (the Inference Extension's
+        endpoint picker reads the newest)."""
+        labels = (self.metrics.model_name, str(st.max_loras), ",".join(st.running_lora),
+                  ",".join(st.waiting_lora))
+        if labels == self._lora_labels:
+            return
+        if self._lora_labels is not None:
+            self.metrics.lora_info.remove(*self._lora_labels)
+        self.metrics.lora_info.labels(*labels).set(time.time())
+        self._lora_labels = labels
 
     def _record(self, stream: Tracked, reason: str, now: float) -> dict[str, Any]:
         req = stream.req

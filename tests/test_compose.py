@@ -96,6 +96,9 @@ def test_grafana_provisions_the_datasource_and_dashboard(compose):
         assert topic in titles
 
 
+LORA_ONLY = {"pagedserve_lora_requests_info"}  # exported with --enable-lora only
+
+
 def dashboard_metric_names() -> set[str]:
     dash = json.loads((ROOT / "deploy/grafana/dashboards/pagedserve.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
@@ -166,7 +169,9 @@ def test_compose_services_run_and_answer(compose, model_dir, tmp_path):
             r.read()  # the whole body: urlopen returns at the headers, before it is counted
         metrics_port = int(svc["scheduler"]["environment"]["PAGEDSERVE_METRICS_PORT"])
         scraped = {key.split("{")[0] for key in scrape(metrics_port)}
-        assert dashboard_metric_names() <= scraped  # what Prometheus would get
+        # what Prometheus would get (the LoRA gauge only with --enable-lora, which the compose
+        # services do not give: the real-Prometheus test's stack serves an adapter)
+        assert dashboard_metric_names() - LORA_ONLY <= scraped
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)

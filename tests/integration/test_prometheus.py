@@ -22,6 +22,7 @@ import grpc
 import pytest
 
 from pagedserve.client import build_request
+from tests.executor_svc.test_lora_adapters import write_adapter
 from tests.integration.service import Service, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,10 +86,13 @@ class Prometheus:
 
 
 @pytest.fixture
-def stack(tmp_path, model_dir):
-    # n-gram drafts from 1-grams up: the load feeds the speculative-decoding panel too
+def stack(tmp_path, model_dir, hf_model):
+    # n-gram drafts from 1-grams up, and a LoRA adapter one chat uses: the load feeds the
+    # speculative-decoding and LoRA panels too
+    adapter = write_adapter(tmp_path / "tuned", hf_model, 1, 4, ["q_proj", "v_proj"], 8)
     svc = Service(tmp_path / "serve.log", "--served-model-name", MODEL, "--speculative-config",
-                  '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}')
+                  '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
+                  "--enable-lora", "--lora-modules", f"tuned={adapter}")
     prom = Prometheus(tmp_path, f"127.0.0.1:{svc.metrics_port}")
     try:
         svc.wait_serving()
@@ -105,7 +109,7 @@ def drive_load(svc: Service) -> dict[str, str]:
 
     def chat(i: int) -> None:
         svc.client.complete(chat=[("system", SYSTEM), ("user", QUESTIONS[i])], max_tokens=16,
-                            temperature=0)
+                            temperature=0, adapter="tuned" if i == 5 else "")
         seen[f"chat{i}"] = "OK"
 
     def cancel() -> None:

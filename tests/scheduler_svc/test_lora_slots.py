@@ -80,3 +80,34 @@ def test_the_same_tokens_under_two_adapters_share_no_block():
     s.add(req(3, 1, tokens))
     s.schedule()
     assert s.prefix_hit_tokens == 12  # adapter 1's blocks (all but the last prompt token's)
+
+
+def test_the_adapters_in_use_are_one_lora_requests_info_series():
+    """vLLM's gauge, which the Inference Extension's endpoint picker reads: the running and the
+    waiting requests' adapters by name; a change replaces the series."""
+    from prometheus_client import CollectorRegistry
+
+    from pagedserve.scheduler.metrics import Metrics
+    from pagedserve.scheduler.telemetry import Telemetry
+
+    s = make(max_loras=1)
+    for r in (req(1, 1), req(2, 2), req(3, 0)):
+        s.add(r)
+    s.schedule()
+    st = s.stats()
+    assert (st.max_loras, st.running_lora, st.waiting_lora) == (1, ("a",), ("b",))
+    metrics = Metrics("m", CollectorRegistry())
+    telemetry = Telemetry(metrics)
+
+    def series():
+        [family] = metrics.lora_info.collect()
+        return [(x.labels["max_lora"], x.labels["running_lora_adapters"],
+                 x.labels["waiting_lora_adapters"]) for x in family.samples]
+
+    telemetry.observe_scheduler(st)
+    assert series() == [("1", "a", "b")]
+    s.finish(1)
+    s.schedule()
+    telemetry.observe_scheduler(s.stats())
+    assert series() == [("1", "b", "")]
+    assert make(max_loras=0).stats().max_loras == 0  # LoRA off: no series
