@@ -136,6 +136,16 @@ class Frontend:
             self.client.metrics.refused["unauthenticated"].inc()
             raise
 
+    def check_adapter(self, adapter: str, tenant: Tenant | None) -> None:
+        """An adapter this server serves (InvalidRequest) and the tenant may use
+        (PERMISSION_DENIED)."""
+        if adapter not in self.lora_adapters:
+            served = ", ".join(self.lora_adapters) or "none"
+            raise InvalidRequest("adapter", f"unknown LoRA adapter {adapter!r} (this server "
+                                 f"serves: {served})")
+        if tenant is not None:
+            tenant.check_adapter(adapter)
+
     def _admit(self, tenant: Tenant | None, priority: int, prompt_len: int) -> Admission | None:
         if tenant is None:
             return None
@@ -181,10 +191,8 @@ class Frontend:
         prompt = await self.tokenized(self.inputs.prompt_ids, request.prompt,
                                       limits.max_model_len)
         params = validate(request, prompt, limits)
-        if request.adapter and request.adapter not in self.lora_adapters:
-            served = ", ".join(self.lora_adapters) or "none"
-            raise InvalidRequest("adapter", f"unknown LoRA adapter {request.adapter!r} "
-                                 f"(this server serves: {served})")
+        if request.adapter:
+            self.check_adapter(request.adapter, tenant)
         return await self.submit(EngineRequest(request.request_id, prompt, params,
                                                request.priority, timeout=request.timeout,
                                                adapter=request.adapter), tenant)

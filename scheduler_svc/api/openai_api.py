@@ -95,7 +95,7 @@ class OpenAIApp:
         return JSONResponse({"status": "alive"})
 
     async def models(self, request: Request) -> Response:
-        self._authenticate(request)
+        tenant = self._authenticate(request)
         card: dict[str, Any] = {"id": self.model_name, "object": "model",
                                 "created": self.created, "owned_by": "pagedserve"}
         if (cap := self.client.model_info()) is not None:
@@ -103,7 +103,8 @@ class OpenAIApp:
             if cap.speculative_config:  # as vLLM's engine args spell it
                 card["speculative_config"] = json.loads(cap.speculative_config)
         adapters = [{**card, "id": name, "root": path, "parent": self.model_name}
-                    for name, path in self.gen.lora_modules]  # vLLM's LoRA cards
+                    for name, path in self.gen.lora_modules  # vLLM's LoRA cards: the key's
+                    if tenant is None or tenant.may_use(name)]  # tenant's only
         return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     async def tokenize(self, request: Request) -> Response:

@@ -40,12 +40,24 @@ class Tenant:
     default_priority: int
     max_concurrent: int = 0  # 0: no limit
     tokens_per_minute: int = 0  # 0: no limit
+    adapters: tuple[str, ...] | None = None  # the LoRA adapters it may use; None: any
     running: int = 0
     _bucket: float = 0.0
     _refilled_at: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self._bucket = float(self.tokens_per_minute)
+
+    def may_use(self, adapter: str) -> bool:
+        """Whether requests of this tenant may name this LoRA adapter ("": the base model,
+        always)."""
+        return not adapter or self.adapters is None or adapter in self.adapters
+
+    def check_adapter(self, adapter: str) -> None:
+        if not self.may_use(adapter):
+            raise EngineError("PERMISSION_DENIED", f"tenant {self.name} may not use LoRA "
+                              f"adapter {adapter!r} (its adapters: "
+                              f"{', '.join(self.adapters) or 'none'})")
 
     def tokens_available(self, now: float) -> float:
         if not self.tokens_per_minute:
@@ -155,5 +167,10 @@ def _tenant(name: str, spec: dict) -> Tenant:
     default = spec.get("default_priority", lo)
     if not lo <= default <= hi:
         raise TenantsError(f"tenant {name}: default_priority outside its priority range")
+    adapters = spec.get("adapters")
+    if adapters is not None and not (isinstance(adapters, list)
+                                     and all(isinstance(a, str) and a for a in adapters)):
+        raise TenantsError(f"tenant {name}: adapters must be a list of LoRA adapter names")
     return Tenant(name, lo, hi, default, int(spec.get("max_concurrent", 0)),
-                  int(spec.get("tokens_per_minute", 0)))
+                  int(spec.get("tokens_per_minute", 0)),
+                  None if adapters is None else tuple(adapters))

@@ -64,3 +64,19 @@ def test_bad_files_are_refused(tmp_path, text):
     (tmp_path / "k.yaml").write_text(text)
     with pytest.raises(TenantsError):
         Tenants.from_file(tmp_path / "k.yaml")
+
+
+def test_a_tenant_may_be_limited_to_its_lora_adapters(tmp_path):
+    (tmp_path / "k.yaml").write_text("tenants:\n  acme: {adapters: [acme-sql]}\n  any: {}\n"
+                                     "keys: [{key: k1, tenant: acme}, {key: k2, tenant: any}]")
+    tenants = Tenants.from_file(tmp_path / "k.yaml")
+    acme, anyone = tenants.by_name["acme"], tenants.by_name["any"]
+    assert acme.may_use("acme-sql") and acme.may_use("")  # its adapter, and the base
+    assert anyone.may_use("other")
+    acme.check_adapter("acme-sql")
+    assert code(acme.check_adapter, "other")[:2] == (
+        "PERMISSION_DENIED", "tenant acme may not use LoRA adapter 'other' (its adapters: "
+        "acme-sql)")
+    (tmp_path / "k.yaml").write_text("tenants: {a: {adapters: x}}\nkeys: [{key: k, tenant: a}]")
+    with pytest.raises(TenantsError, match="adapters must be a list"):
+        Tenants.from_file(tmp_path / "k.yaml")
