@@ -252,18 +252,31 @@ def attach(model: nn.Module, cfg: ModelConfig, slots: LoraSlots, step: LoraStep,
 
 
 class LoraRuntime:
-    """What the runner holds: the host adapters (by id, 1-based), the slots, the step."""
+    """What the runner holds: the host adapters by id (--lora-modules are 1..N, those added at
+    run time follow), the slots, the step."""
 
-    def __init__(self, adapters: list[HostAdapter], slots: LoraSlots, step: LoraStep) -> None:
+    def __init__(self, adapters: dict[int, HostAdapter], slots: LoraSlots, step: LoraStep,
+                 cfg: ModelConfig, max_rank: int) -> None:
         self.adapters, self.slots, self.step = adapters, slots, step
+        self.cfg, self.max_rank = cfg, max_rank
 
     def load(self, slot: int, adapter_id: int) -> None:
         if not 1 <= slot <= self.slots.max_loras:
             raise ValueError(f"LoRA slot {slot} is not one of 1..{self.slots.max_loras}")
-        if not 1 <= adapter_id <= len(self.adapters):
-            raise ValueError(f"LoRA adapter id {adapter_id} is not one of "
-                             f"1..{len(self.adapters)}")
-        self.slots.load(slot, adapter_id, self.adapters[adapter_id - 1])
+        if adapter_id not in self.adapters:
+            raise ValueError(f"LoRA adapter id {adapter_id} is not loaded")
+        self.slots.load(slot, adapter_id, self.adapters[adapter_id])
+
+    def add(self, adapter_id: int, name: str, path: str) -> None:
+        """Read an adapter at run time (LoraError naming the problem; nothing changes then)."""
+        if adapter_id in self.adapters:
+            raise LoraError(f"LoRA adapter id {adapter_id} is in use")
+        self.adapters[adapter_id] = load_adapter(name, path, self.cfg, self.max_rank)
+
+    def remove(self, adapter_id: int) -> None:
+        """Forget an adapter (no running request uses it: the scheduler saw to that)."""
+        self.adapters.pop(adapter_id, None)
+        self.slots.holds = [0 if a == adapter_id else a for a in self.slots.holds]
 
     def reset(self) -> None:
         self.slots.holds = [0] * len(self.slots.holds)
@@ -277,8 +290,8 @@ def build(model: nn.Module, cfg: ModelConfig, lora: LoraConfig, dtype: torch.dty
           device: torch.device, ops: Any) -> LoraRuntime:
     """Read every adapter (LoraError at the first bad one), make the slots, wrap the model."""
     check_model(cfg)
-    adapters = [load_adapter(name, path, cfg, lora.max_lora_rank)
-                for name, path in lora.modules]
+    adapters = {i + 1: load_adapter(name, path, cfg, lora.max_lora_rank)
+                for i, (name, path) in enumerate(lora.modules)}
     slots, step = LoraSlots(cfg, lora, dtype, device), LoraStep(device)
     attach(model, cfg, slots, step, ops)
-    return LoraRuntime(adapters, slots, step)
+    return LoraRuntime(adapters, slots, step, cfg, lora.max_lora_rank)

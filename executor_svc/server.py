@@ -129,8 +129,29 @@ class ExecutorServer:
             log.info("joined scheduler")
         elif kind == "plan":
             self._run_plan(msg.plan)
+        elif kind == "lora_update":
+            self._update_lora(msg.lora_update)
         elif kind == "bitmask":  # of a step that failed before it waited for it
             log.debug("dropped the bitmask of step %d, not awaited", msg.bitmask.step_id)
+
+    def _update_lora(self, u: pb.LoraUpdate) -> None:
+        """Add or remove a LoRA adapter at run time; the scheduler hears how it went."""
+        error = ""
+        lora = self.worker.runner.lora
+        try:
+            if lora is None:
+                raise LoraError("this executor was started without --enable-lora")
+            if u.remove:
+                lora.remove(u.adapter_id)
+            else:
+                lora.add(u.adapter_id, u.name, u.path)
+                log.info("LoRA adapter %r (id %d) added from %s", u.name, u.adapter_id, u.path)
+        except LoraError as e:
+            error = str(e)
+        except Exception as e:  # noqa: BLE001 (whatever a file provokes: refused, not fatal)
+            error = f"LoRA adapter {u.name!r}: {type(e).__name__}: {e}"
+        self.sock.send(pb.ExecutorMessage(lora_updated=pb.LoraUpdated(
+            adapter_id=u.adapter_id, error=error)).SerializeToString())
 
     def _run_plan(self, plan: pb.StepPlan) -> None:
         start = time.perf_counter()

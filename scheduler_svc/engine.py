@@ -26,6 +26,7 @@ from pagedserve.scheduler.delivery import Emit, StreamTable
 from pagedserve.scheduler.engine_io import EngineError, EngineRequest, ModelInfo
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkDown
 from pagedserve.scheduler.grammar import Grammars
+from pagedserve.scheduler.lora_registry import LoraAdmin, LoraRegistry
 from pagedserve.scheduler.metrics import Metrics
 from pagedserve.scheduler.outputs import (
     Sampled,
@@ -90,6 +91,7 @@ class Engine:
         self._busy_since_trim = False
         self._after_idle = True  # the loop waited for work since the last plan
         self.grammars: Grammars | None = None  # structured outputs; made when an executor joins
+        self.lora = LoraAdmin(LoraRegistry(cfg.lora_modules), link, lambda: self.scheduler)
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -193,12 +195,14 @@ class Engine:
         return rid
 
     def _lora_id(self, adapter: str) -> int:
-        """The adapter's id (0: the base model); the front ends validated the name."""
+        """The adapter's id (0: the base model); the front ends validated the name (an
+        unload may have come between)."""
         if not adapter:
             return 0
-        if adapter not in self.cfg.lora_adapters:
-            raise EngineError("INVALID_ARGUMENT", f"unknown LoRA adapter {adapter!r}")
-        return self.cfg.lora_adapters.index(adapter) + 1
+        adapter_id = self.lora.registry.id_of(adapter)
+        if adapter_id is None:
+            raise EngineError("INVALID_ARGUMENT", f"adapter: unknown LoRA adapter {adapter!r}")
+        return adapter_id
 
     def abort(self, req_id: int, reason: str = "abort") -> None:
         """Drop a request (client gone, a stop string matched: reason "stop", or
@@ -401,16 +405,19 @@ class Engine:
                              "joined loaded no draft model (start it with the same "
                              "--speculative-config)")
                 os._exit(2)
-        if (tuple(cap.lora_adapters), cap.max_loras) != (self.cfg.lora_adapters,
-                                                         self.cfg.max_loras):
+        static = tuple(name for name, _ in self.cfg.lora_modules)
+        if (tuple(cap.lora_adapters), cap.max_loras) != (static, self.cfg.max_loras):
             log.critical("LoRA: the executor that joined holds adapters %s in %d slots, this "
                          "scheduler was started with %s in %d (start both with the same "
                          "--enable-lora, --lora-modules and --max-loras)",
                          list(cap.lora_adapters) or "none", cap.max_loras,
-                         list(self.cfg.lora_adapters) or "none", self.cfg.max_loras)
+                         list(static) or "none", self.cfg.max_loras)
             os._exit(2)
         self.scheduler = adopt(self.scheduler, self.cfg, cap, self.kv_watermark,
                                self.eos_token_ids)
+        self.scheduler.lora_names = self.lora.registry.names
+        if self.lora.registry.added():  # (sent before any plan: the link keeps the order)
+            self._tasks.append(asyncio.get_running_loop().create_task(self.lora.rejoin()))
         if self.grammars is None or self.grammars.vocab_size != cap.vocab_size:
             if self.grammars is not None:  # (the running requests' matchers stay valid)
                 self.grammars.close()

@@ -64,6 +64,17 @@ class EngineClient:
         """The model's limits and facts; None before an executor has joined."""
         return self.engine.model_info()
 
+    def lora_modules(self) -> list[tuple[str, str]]:
+        """The LoRA adapters served now, (name, path) each."""
+        return self.engine.lora.registry.modules()
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve a LoRA adapter from now on (EngineError naming why not)."""
+        await self.engine.lora.load(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self.engine.lora.unload(name)
+
     @property
     def serving(self) -> bool:
         return self.engine.serving

@@ -135,6 +135,8 @@ class EngineHost:
                             leaving=e.leaving, session=peer.session)
         if (info := e.model_info()) is not None:
             st.model_info.CopyFrom(wire.encode_model_info(info))
+        for name, path in e.lora.registry.modules():
+            st.lora_adapters.add(name=name, path=path)
         return pb.EngineMessage(state=st).SerializeToString()
 
     def broadcast_state(self) -> None:
@@ -206,6 +208,20 @@ class EngineHost:
                 self._on_abort(peer, msg.abort)
             elif kind == "compile":
                 asyncio.get_running_loop().create_task(self._compile(peer, msg.compile))
+            elif kind == "lora_admin":
+                asyncio.get_running_loop().create_task(self._lora_admin(peer, msg.lora_admin))
+
+    async def _lora_admin(self, peer: ApiPeer, a: pb.LoraAdmin) -> None:
+        """Load or unload a LoRA adapter; every API process hears the new list (the state)
+        before the one that asked hears the answer."""
+        try:
+            await (self.engine.lora.load(a.name, a.path) if a.path else
+                   self.engine.lora.unload(a.name))
+        except EngineError as e:
+            self._reply(peer, a.id, e)
+            return
+        self.broadcast_state()
+        self._reply(peer, a.id)
 
     def _on_submit(self, peer: ApiPeer, s: pb.Submit) -> None:
         if s.id in peer.by_local:

@@ -188,6 +188,31 @@ class RemoteEngineClient:
         finally:
             self._replies.pop(local, None)
 
+    def lora_modules(self) -> list[tuple[str, str]]:
+        """The LoRA adapters the engine core serves, as its last state said."""
+        st = self._state
+        return [] if st is None else [(m.name, m.path) for m in st.lora_adapters]
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._lora_admin(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._lora_admin(name, "")
+
+    async def _lora_admin(self, name: str, path: str) -> None:
+        """Load (path) or unload a LoRA adapter in the engine core; its answer comes after
+        the state naming the adapters, so this process serves the change once it returns."""
+        if not self._connected:
+            raise EngineError("UNAVAILABLE", ENGINE_GONE, retry_after_s=1.0)
+        local = next(self._ids)
+        fut = self._replies[local] = asyncio.get_running_loop().create_future()
+        self._send(pb.ApiMessage(lora_admin=pb.LoraAdmin(id=local, name=name, path=path))
+                   .SerializeToString())
+        try:
+            await fut
+        finally:
+            self._replies.pop(local, None)
+
     def abort(self, req_id: int, reason: str = "abort") -> None:
         if self._inflight.pop(req_id, None) is not None:
             self._early.pop(req_id, None)

@@ -40,7 +40,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
                            swap_min_tokens=args.swap_min_tokens,
                            speculative=SpeculativeConfig.parse(args.speculative_config),
                            max_loras=lora.max_loras if (lora := lora_config(args)) else 0,
-                           lora_adapters=lora.names if lora else ())
+                           lora_modules=lora.modules if lora else ())
 
 
 def link_config(args: argparse.Namespace) -> LinkConfig:

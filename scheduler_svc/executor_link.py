@@ -81,6 +81,7 @@ class ExecutorLink:
         self.address, self.cfg = address, cfg or LinkConfig()
         self.on_joined: Callable[[pb.Capacity], None] = lambda cap: None
         self.on_lost: Callable[[str], None] = lambda why: None
+        self.on_lora_updated: Callable[[pb.LoraUpdated], None] = lambda u: None
         self.results: asyncio.Queue[pb.StepResult | LinkDown] = asyncio.Queue()
         # perf_counter when the oldest item now queued (or the last one taken) arrived
         self.result_at = 0.0
@@ -145,6 +146,13 @@ class ExecutorLink:
             self._auth.stop()
         self._ctx.term()
 
+    async def send_lora_update(self, update: pb.LoraUpdate) -> None:
+        """A LoRA adapter to add or remove (the executor answers with LoraUpdated)."""
+        if self._ident is None:
+            raise ConnectionError("no executor is joined")
+        await self.sock.send_multipart(
+            [self._ident, pb.SchedulerMessage(lora_update=update).SerializeToString()])
+
     async def send(self, step_id: int, out: SchedulerOutput) -> None:
         """Encode and send one step's plan to the executor (encoded before the first await,
         so the caller may change the requests once this returns)."""
@@ -185,6 +193,8 @@ class ExecutorLink:
                 log.warning("dropped the result of step %d from a peer that is not the "
                             "adopted executor (one lost before, or a stranger)",
                             msg.result.step_id)
+            elif kind == "lora_updated" and ident == self._ident:
+                self.on_lora_updated(msg.lora_updated)
 
     def _on_result(self, result: pb.StepResult) -> None:
         while self._in_flight and self._in_flight[0] <= result.step_id:

@@ -72,6 +72,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "of compute)")
     add_speculative_arg(p)
     add_lora_args(p)
+    p.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with "
+                        "--api-keys, to admin tenants only): a client names a directory the "
+                        "executor reads (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)"),
     p.add_argument("--profile-dir", default="",
                    help="profile the scheduler process with cProfile while it runs and write "
                         "scheduler.prof and scheduler_top.txt (the top functions by cumulative "

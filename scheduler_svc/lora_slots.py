@@ -44,6 +44,13 @@ class LoraSlots:
         assert self._users[slot] > 0, f"LoRA slot {slot} released more often than taken"
         self._users[slot] -= 1
 
+    def forget(self, adapter_id: int) -> None:
+        """An adapter unloaded (no request holds its slot): its slot is empty again."""
+        for slot in range(1, self.max_loras + 1):
+            if self._adapter[slot] == adapter_id:
+                assert not self._users[slot], "an adapter forgotten while its slot is held"
+                self._adapter[slot] = 0
+
     def take_loads(self) -> list[tuple[int, int]]:
         """The loads the next plan carries, in order."""
         loads, self._loads = self._loads, []

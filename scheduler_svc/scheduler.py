@@ -79,7 +79,8 @@ class SchedulerConfig:
     max_waiting_prompt_tokens: int = 0
     preemption_mode: str = "auto"  # "auto", "recompute" or "swap" (see the module doc)
     max_loras: int = 0  # LoRA device slots (--max-loras with --enable-lora); 0: no LoRA
-    lora_adapters: tuple[str, ...] = ()  # their names; adapter id i + 1 is lora_adapters[i]
+    # the adapters of --lora-modules, (name, path) each: adapter id i + 1 is lora_modules[i]
+    lora_modules: tuple[tuple[str, str], ...] = ()
     swap_min_tokens: int = 256
     speculative: SpeculativeConfig | None = None  # None: one token per request per step
 
@@ -123,6 +124,8 @@ class Scheduler:
         self.spec_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * (spec.num_speculative_tokens if spec else 0)
         self.lora = LoraSlots(cfg.max_loras) if cfg.max_loras else None
+        # adapter id -> name (the engine's LoraRegistry shares its own, loaded at run time too)
+        self.lora_names = {i + 1: name for i, (name, _) in enumerate(cfg.lora_modules)}
 
     # ------------------------------------------------------------------ queue
     def admission_error(self, prompt_len: int) -> str | None:
@@ -486,10 +489,10 @@ class Scheduler:
         """The adapters of the running and of the waiting requests, by name."""
         if self.lora is None:
             return {}
-        names = self.cfg.lora_adapters
+        names = self.lora_names
 
         def of(requests) -> tuple[str, ...]:
-            return tuple(sorted({names[r.lora_id - 1] for r in requests if r.lora_id}))
+            return tuple(sorted({names.get(r.lora_id, "") for r in requests if r.lora_id}))
 
         return {"max_loras": self.lora.max_loras, "running_lora": of(self.running),
                 "waiting_lora": of(self.waiting)}

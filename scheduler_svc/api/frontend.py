@@ -114,17 +114,23 @@ class CallBatch:
 
 class Frontend:
     def __init__(self, outputs: OutputProcessor, inputs: InputProcessor,
-                 tenants: Tenants | None = None,
-                 lora_modules: tuple[tuple[str, str], ...] = ()) -> None:
-        """tenants: API keys and what each tenant may ask for; None: open to everyone;
-        lora_modules: the LoRA adapters a request may name, (name, path) each."""
+                 tenants: Tenants | None = None) -> None:
+        """tenants: API keys and what each tenant may ask for; None: open to everyone."""
         self.outputs, self.client = outputs, outputs.client
         self.inputs = inputs
         self.tenants = tenants
-        self.lora_modules = lora_modules
-        self.lora_adapters = tuple(name for name, _ in lora_modules)
         self.trim = TrimAfterBurst()
         self._large = ThreadPoolExecutor(1, thread_name_prefix="tokenize-large")
+
+    @property
+    def lora_modules(self) -> list[tuple[str, str]]:
+        """The LoRA adapters a request may name now, (name, path) each (the engine's: those
+        of --lora-modules and those loaded at run time)."""
+        return self.client.lora_modules()
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        return [name for name, _ in self.client.lora_modules()]
 
     def authenticate(self, metadata: Metadata) -> Tenant | None:
         """The tenant of the request's API key (None when the service runs without keys)."""

@@ -23,9 +23,10 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from pagedserve.core.lora import parse_module
 from pagedserve.scheduler.api import openai_responses
 from pagedserve.scheduler.api.frontend import CallBatch, Frontend
 from pagedserve.scheduler.api.http_metrics import CLIENT_LEFT
@@ -64,8 +65,11 @@ _DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 class OpenAIApp:
-    def __init__(self, frontend: Frontend, model_name: str) -> None:
+    def __init__(self, frontend: Frontend, model_name: str,
+                 lora_updating: bool = False) -> None:
+        """lora_updating: serve /v1/load_lora_adapter and /v1/unload_lora_adapter."""
         self.gen, self.client, self.model_name = frontend, frontend.client, model_name
+        self.lora_updating = lora_updating
         self.created = int(time.time())
         self.token_text = TokenText(frontend.inputs.tok)
         self.app = Starlette(routes=[
@@ -73,6 +77,8 @@ class OpenAIApp:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -106,6 +112,52 @@ class OpenAIApp:
                     for name, path in self.gen.lora_modules  # vLLM's LoRA cards: the key's
                     if tenant is None or tenant.may_use(name)]  # tenant's only
         return JSONResponse({"object": "list", "data": [card, *adapters]})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: {"lora_name", "lora_path"} -> 200 and a line of text once every API
+        process serves it."""
+        name, path = await self._lora_admin(request, "lora_path")
+        try:
+            await self.client.load_lora(name, path)
+        except EngineError as e:
+            raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        name, _ = await self._lora_admin(request)
+        try:
+            await self.client.unload_lora(name)
+        except EngineError as e:
+            raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def _lora_admin(self, request: Request, path_key: str = "") -> tuple[str, str]:
+        """The body's adapter name (and path) of an admin's load or unload request."""
+        tenant = self._authenticate(request)
+        if not self.lora_updating:
+            raise OpenAIError(404, "loading LoRA adapters at run time is off (start the server "
+                              "with --allow-runtime-lora-updating)", code="not_found")
+        if tenant is not None and not tenant.admin:
+            raise OpenAIError(403, f"tenant {tenant.name} may not load or unload LoRA "
+                              "adapters (admin: true in the API keys file)",
+                              code="permission_denied")
+        try:
+            body = json.loads(await self._body(request))
+        except (ValueError, UnicodeDecodeError):
+            raise OpenAIError(400, "the body is not JSON") from None
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        path = body.get(path_key, "") if path_key and isinstance(body, dict) else ""
+        if not isinstance(name, str) or not name:
+            raise OpenAIError(400, "lora_name: a non-empty string is required", "lora_name")
+        if path_key and (not isinstance(path, str) or not path):
+            raise OpenAIError(400, f"{path_key}: a non-empty string is required", path_key)
+        if path_key:
+            try:
+                parse_module(f"{name}={path}")
+            except ValueError as e:
+                raise OpenAIError(400, str(e).removeprefix("--lora-modules: "),
+                                  "lora_name") from None
+        return name, path
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: {count, max_model_len, tokens, token_strs}."""

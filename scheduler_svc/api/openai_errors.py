@@ -9,6 +9,8 @@ STATUS = {  # an EngineError's gRPC code -> (HTTP status, OpenAI error type)
     "UNAUTHENTICATED": (401, "authentication_error"),
     "PERMISSION_DENIED": (403, "permission_error"),
     "NOT_FOUND": (404, "invalid_request_error"),
+    "ALREADY_EXISTS": (400, "invalid_request_error"),
+    "FAILED_PRECONDITION": (400, "invalid_request_error"),
     "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
     "DEADLINE_EXCEEDED": (504, "timeout_error"),
     "UNAVAILABLE": (503, "service_unavailable_error"),

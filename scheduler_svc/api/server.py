@@ -17,7 +17,6 @@ from pagedserve.core.link_security import (
     LinkSecurityError,
     is_local,
 )
-from pagedserve.core.lora import lora_config
 from pagedserve.core.memory import map_large_allocations
 from pagedserve.core.models import (
     read_generation_eos,
@@ -236,13 +235,13 @@ def _front_ends(args: argparse.Namespace, client, tokenizer, model_len: int,
     health and reflection; nothing bound yet but the HTTP socket."""
     model_name = args.served_model_name or args.model
     outputs = OutputProcessor(client, tokenizer, args.stream_interval)
-    lora = lora_config(args)
     frontend = Frontend(outputs, InputProcessor(tokenizer, args.max_input_bytes, model_len),
-                        tenants, lora.modules if lora else ())
+                        tenants)
     server = grpc_server(RpcMetrics(metrics.rpcs, model_name), reuse_port=reuse_port)
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, model_name),
                                                        server)
-    api = HTTPMetrics(OpenAIApp(frontend, model_name).app, metrics.http_requests,
+    api = HTTPMetrics(OpenAIApp(frontend, model_name, args.allow_runtime_lora_updating).app,
+                      metrics.http_requests,
                       metrics.http_duration, model_name)
     http = http_server(api, args, tls, reuse_port) if args.http_port else None
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)  # open: probes

@@ -41,6 +41,7 @@ class Tenant:
     max_concurrent: int = 0  # 0: no limit
     tokens_per_minute: int = 0  # 0: no limit
     adapters: tuple[str, ...] | None = None  # the LoRA adapters it may use; None: any
+    admin: bool = False  # may load and unload LoRA adapters at run time
     running: int = 0
     _bucket: float = 0.0
     _refilled_at: float = field(default_factory=time.monotonic)
@@ -171,6 +172,8 @@ def _tenant(name: str, spec: dict) -> Tenant:
     if adapters is not None and not (isinstance(adapters, list)
                                      and all(isinstance(a, str) and a for a in adapters)):
         raise TenantsError(f"tenant {name}: adapters must be a list of LoRA adapter names")
+    if not isinstance(spec.get("admin", False), bool):
+        raise TenantsError(f"tenant {name}: admin must be true or false")
     return Tenant(name, lo, hi, default, int(spec.get("max_concurrent", 0)),
                   int(spec.get("tokens_per_minute", 0)),
-                  None if adapters is None else tuple(adapters))
+                  None if adapters is None else tuple(adapters), spec.get("admin", False))

@@ -170,7 +170,7 @@ def test_slots_and_adapter_ids_out_of_range_are_refused(tiny, tmp_path):
                  torch.device("cpu"), ops)
     with pytest.raises(ValueError, match="LoRA slot 2 is not one of 1..1"):
         lora.load(2, 1)
-    with pytest.raises(ValueError, match="LoRA adapter id 2 is not one of 1..1"):
+    with pytest.raises(ValueError, match="LoRA adapter id 2 is not loaded"):
         lora.load(1, 2)
     with pytest.raises(ValueError, match="LoRA slot 1 holds no adapter"):
         lora.check_slot(1)
@@ -235,3 +235,24 @@ def test_decode_steps_through_the_lora_graphs_keep_the_eager_tokens(tiny, tmp_pa
         want = ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
                             pad_token_id=0)[0, len(p):].tolist()
         assert got == want
+
+
+def test_adapters_are_added_and_removed_at_run_time(tiny, tmp_path):
+    hf, cfg = tiny
+    one = write_adapter(tmp_path / "one", hf, 1, 4, ["q_proj"], 8)
+    big = write_adapter(tmp_path / "big", hf, 2, 16, ["q_proj"], 8)
+    ops = get_ops("torch")
+    ours = build_model(cfg, ops, torch.float32, torch.device("cpu"), 512, tmp_path / "base")
+    lora = build(ours, cfg, LoraConfig((), 1, 8), torch.float32, torch.device("cpu"), ops)
+    lora.add(5, "one", str(one))
+    lora.load(1, 5)
+    lora.check_slot(1)
+    with pytest.raises(LoraError, match="rank 16 is more than --max-lora-rank 8"):
+        lora.add(6, "big", str(big))
+    with pytest.raises(LoraError, match="id 5 is in use"):
+        lora.add(5, "again", str(one))
+    lora.remove(5)
+    with pytest.raises(ValueError, match="LoRA slot 1 holds no adapter"):
+        lora.check_slot(1)
+    with pytest.raises(ValueError, match="LoRA adapter id 5 is not loaded"):
+        lora.load(1, 5)

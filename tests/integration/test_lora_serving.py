@@ -42,7 +42,8 @@ def adapters(tmp_path_factory, hf_model):
 def lora_service(tmp_path_factory, adapters, model_dir):
     svc = Service(tmp_path_factory.mktemp("lora") / "serve.log", "--enable-lora",
                   "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()),
-                  "--max-loras", "2", "--max-lora-rank", "16", "--max-num-seqs", "16")
+                  "--max-loras", "2", "--max-lora-rank", "16", "--max-num-seqs", "16",
+                  "--allow-runtime-lora-updating", "--api-server-count", "2")
     svc.wait_serving()
     yield svc
     assert svc.stop() == 0
@@ -65,12 +66,18 @@ def expected(hf_model, adapters, tokenizer):
     return out
 
 
-def http(svc, path: str, body: dict | None = None) -> dict:
+def http(svc, path: str, body: dict | None = None, raw: bool = False):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(svc.http_url + path, data,
                                  {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
-        return json.load(r)
+        return r.read().decode() if raw else json.load(r)
+
+
+def refused(svc, path: str, body: dict) -> tuple[int, str]:
+    with pytest.raises(urllib.error.HTTPError) as e:
+        http(svc, path, body)
+    return e.value.code, json.loads(e.value.read())["error"]["message"]
 
 
 def test_adapters_and_the_base_in_one_batch_equal_hf_on_merged_weights(lora_service,
@@ -126,6 +133,40 @@ def test_the_adapters_are_listed_and_unknown_names_refused(lora_service, adapter
         lora_service.client.complete("Hi", max_tokens=2, adapter="delta")
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "adapter: unknown LoRA adapter 'delta'" in e.value.details()
+
+
+def test_adapters_unloaded_and_loaded_at_run_time(lora_service, adapters, expected,
+                                                   tokenizer):
+    """Through the two API processes: an unloaded adapter is gone from every one (its name
+    404s); loaded again (a new id: no block of the old one's is reused) it serves HF's merged
+    tokens over gRPC and HTTP; bad loads and unloads are refused with the reason and change
+    nothing."""
+    svc = lora_service
+    assert http(svc, "/v1/unload_lora_adapter", {"lora_name": "gamma"}, raw=True) == \
+        "Success: LoRA adapter 'gamma' removed successfully."
+    for _ in range(4):  # new connections: either API process
+        assert "gamma" not in {c["id"] for c in http(svc, "/v1/models")["data"]}
+        assert refused(svc, "/v1/completions", {"model": "gamma", "prompt": "Hi"})[0] == 404
+    assert http(svc, "/v1/load_lora_adapter", {"lora_name": "gamma",
+                                               "lora_path": str(adapters["gamma"])}, raw=True) \
+        == "Success: LoRA adapter 'gamma' added successfully."  # again: a new id
+    for text in PROMPTS:
+        ids, want = expected["gamma", text]
+        assert svc.client.complete(token_ids=ids, max_tokens=MAX_TOKENS, temperature=0,
+                                   adapter="gamma")[1] == want
+        body = {"model": "gamma", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0}
+        assert http(svc, "/v1/completions", body)["choices"][0]["text"] == \
+            tokenizer.decode(want, skip_special_tokens=True)
+    bad = svc.log_path.parent / "missing"
+    assert refused(svc, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(bad)}) \
+        == (400, f"LoRA adapter 'x' ({bad}): no adapter_config.json")
+    assert refused(svc, "/v1/load_lora_adapter", {"lora_name": "gamma",
+                                                  "lora_path": str(adapters["gamma"])}) == \
+        (400, "LoRA adapter 'gamma' is already loaded")
+    assert refused(svc, "/v1/unload_lora_adapter", {"lora_name": "delta"}) == \
+        (404, "LoRA adapter 'delta' is not loaded")
+    assert sorted(c["id"] for c in http(svc, "/v1/models")["data"]) == \
+        ["alpha", "beta", "default", "gamma"]
 
 
 def test_a_bad_adapter_stops_the_start_with_the_reason(adapters):

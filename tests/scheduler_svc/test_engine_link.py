@@ -15,10 +15,26 @@ import pytest
 from pagedserve.scheduler.engine_host import EngineBindError, EngineHost
 from pagedserve.scheduler.engine_io import EngineError, EngineOutput, EngineRequest, ModelInfo
 from pagedserve.scheduler.engine_remote import RemoteEngineClient
+from pagedserve.scheduler.lora_registry import LoraRegistry
 from pagedserve.scheduler.metrics import Metrics
 from pagedserve.scheduler.request import Constraint, GenerationParams
 
 INFO = ModelInfo(64, 100, (2,), 4, 32, "float32", "cpu", "torch", "float32")
+
+
+class StandInLora:
+    """The engine's LoraAdmin as the host uses it: a registry, load and unload."""
+
+    def __init__(self) -> None:
+        self.registry = LoraRegistry((("a", "/a"),))
+
+    async def load(self, name: str, path: str) -> None:
+        if path == "/bad":
+            raise EngineError("INVALID_ARGUMENT", "no adapter_config.json")
+        self.registry.add(self.registry.reserve(), name, path)
+
+    async def unload(self, name: str) -> None:
+        self.registry.remove(name)
 
 
 class StandInEngine:
@@ -33,6 +49,7 @@ class StandInEngine:
         self.compiling = asyncio.Event()
         self.compile_gate: asyncio.Event | None = None
         self.emit_on_submit: list[int] = []  # tokens of an output emitted right after submit
+        self.lora = StandInLora()
 
     def model_info(self) -> ModelInfo:
         return INFO
@@ -191,6 +208,30 @@ def test_the_engine_socket_stays_on_this_host():
             await host.start()
         assert str(e.value).startswith("--engine-address tcp://0.0.0.0:5999: the engine socket "
                                        "is for this host only")
+        await host.close()
+
+    run(main)
+
+
+def test_adapters_loaded_through_one_api_process_are_served_by_every_one(address):
+    """A load or unload answered to one API process is in every API process's list by then
+    (the host sends its state to all before the answer); a refused one changes nothing."""
+    async def main():
+        engine, host = await start(address)
+        clients = [RemoteEngineClient(address, Metrics(), hello_s=0.05) for _ in range(2)]
+        for c in clients:
+            await c.start()
+            await c.wait_connected(5)
+        assert [c.lora_modules() for c in clients] == [[("a", "/a")]] * 2
+        await clients[0].load_lora("b", "/b")
+        await until(lambda: clients[1].lora_modules() == [("a", "/a"), ("b", "/b")])
+        assert clients[0].lora_modules() == [("a", "/a"), ("b", "/b")]
+        with pytest.raises(EngineError, match="no adapter_config.json"):
+            await clients[1].load_lora("c", "/bad")
+        await clients[1].unload_lora("a")
+        await until(lambda: clients[0].lora_modules() == [("b", "/b")])
+        for c in clients:
+            await c.close()
         await host.close()
 
     run(main)

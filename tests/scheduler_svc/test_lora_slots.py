@@ -29,7 +29,7 @@ def test_slots_are_reused_least_recently_used_first_and_never_while_held():
 def make(max_loras=1, caching=False):
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
                           enable_prefix_caching=caching, max_loras=max_loras,
-                          lora_adapters=("a", "b"))
+                          lora_modules=(("a", "/a"), ("b", "/b")))
     return Scheduler(cfg, BlockManager(32, 4, 0, caching))
 
 

@@ -80,3 +80,14 @@ def test_a_tenant_may_be_limited_to_its_lora_adapters(tmp_path):
     (tmp_path / "k.yaml").write_text("tenants: {a: {adapters: x}}\nkeys: [{key: k, tenant: a}]")
     with pytest.raises(TenantsError, match="adapters must be a list"):
         Tenants.from_file(tmp_path / "k.yaml")
+
+
+def test_admin_tenants_are_named_in_the_file(tmp_path):
+    (tmp_path / "k.yaml").write_text("tenants: {ops: {admin: true}, user: {}}\n"
+                                     "keys: [{key: k1, tenant: ops}, {key: k2, tenant: user}]")
+    tenants = Tenants.from_file(tmp_path / "k.yaml")
+    assert (tenants.by_name["ops"].admin, tenants.by_name["user"].admin) == (True, False)
+    (tmp_path / "k.yaml").write_text("tenants: {a: {admin: yes please}}\n"
+                                     "keys: [{key: k, tenant: a}]")
+    with pytest.raises(TenantsError, match="admin must be true or false"):
+        Tenants.from_file(tmp_path / "k.yaml")
