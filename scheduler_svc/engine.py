@@ -416,8 +416,7 @@ class Engine:
         self.scheduler = adopt(self.scheduler, self.cfg, cap, self.kv_watermark,
                                self.eos_token_ids)
         self.scheduler.lora_names = self.lora.registry.names
-        if self.lora.registry.added():  # (sent before any plan: the link keeps the order)
-            self._tasks.append(asyncio.get_running_loop().create_task(self.lora.rejoin()))
+        self.lora.rejoin()
         if self.grammars is None or self.grammars.vocab_size != cap.vocab_size:
             if self.grammars is not None:  # (the running requests' matchers stay valid)
                 self.grammars.close()

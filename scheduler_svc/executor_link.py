@@ -82,6 +82,8 @@ class ExecutorLink:
         self.on_joined: Callable[[pb.Capacity], None] = lambda cap: None
         self.on_lost: Callable[[str], None] = lambda why: None
         self.on_lora_updated: Callable[[pb.LoraUpdated], None] = lambda u: None
+        # sent right after a new executor's Welcome, before any plan (on_joined fills it)
+        self.after_welcome: list[pb.SchedulerMessage] = []
         self.results: asyncio.Queue[pb.StepResult | LinkDown] = asyncio.Queue()
         # perf_counter when the oldest item now queued (or the last one taken) arrived
         self.result_at = 0.0
@@ -226,6 +228,9 @@ class ExecutorLink:
         self.sock.send_multipart(
             [ident, pb.SchedulerMessage(welcome=pb.Welcome(executor_id=hello.executor_id))
              .SerializeToString()])
+        for msg in self.after_welcome:
+            self.sock.send_multipart([ident, msg.SerializeToString()])
+        self.after_welcome = []
         self.connected.set()
 
     def _refuse(self, ident: bytes, executor_id: str) -> None:

@@ -119,13 +119,13 @@ class LoraAdmin:
                 await self.link.send_lora_update(pb.LoraUpdate(adapter_id=adapter_id,
                                                                name=name, remove=True))
 
-    async def rejoin(self) -> None:
-        """A new executor holds only --lora-modules: give it those loaded at run time (before
-        any plan: the link keeps the order). One that fails is logged; requests of it fail."""
-        for adapter_id, name, path in self.registry.added():
-            with contextlib.suppress(ConnectionError):
-                await self.link.send_lora_update(pb.LoraUpdate(adapter_id=adapter_id,
-                                                               name=name, path=path))
+    def rejoin(self) -> None:
+        """A new executor holds only --lora-modules: it is given those loaded at run time
+        right after its Welcome, before any plan. One that fails there is logged (requests of
+        it then fail their steps)."""
+        self.link.after_welcome = [
+            pb.SchedulerMessage(lora_update=pb.LoraUpdate(adapter_id=i, name=name, path=path))
+            for i, name, path in self.registry.added()]
 
     def _on_updated(self, u: pb.LoraUpdated) -> None:
         fut = self._waiters.pop(u.adapter_id, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -176,3 +177,29 @@ def test_a_bad_adapter_stops_the_start_with_the_reason(adapters):
                          capture_output=True, text=True, timeout=180)
     assert run.returncode != 0
     assert "rank 16 is more than --max-lora-rank 8" in run.stdout + run.stderr
+
+
+@pytest.mark.slow
+def test_an_executor_restarted_is_given_the_adapters_loaded_at_run_time(lora_service, expected):
+    """gamma was unloaded and loaded again (a new id, not in --lora-modules); after the
+    executor is killed -9, the one serve starts is given it before its first step."""
+    import psutil
+
+    svc = lora_service
+    [executor] = [p for p in psutil.Process(svc.proc.pid).children(recursive=True)
+                  if "executor" in p.cmdline()]
+    executor.kill()
+    executor.wait(30)
+    deadline = time.monotonic() + 180
+    while True:  # readiness drops once the link notices, then returns with the new executor
+        try:
+            ids, want = expected["gamma", PROMPTS[0]]
+            got = svc.client.complete(token_ids=ids, max_tokens=MAX_TOKENS, temperature=0,
+                                      adapter="gamma")[1]
+            break
+        except grpc.RpcError:
+            assert time.monotonic() < deadline
+            time.sleep(1)
+    assert got == want
+    assert [p.pid for p in psutil.Process(svc.proc.pid).children(recursive=True)
+            if "executor" in p.cmdline()] != [executor.pid]
