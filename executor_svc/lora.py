@@ -259,10 +259,12 @@ class LoraRuntime:
                  cfg: ModelConfig, max_rank: int) -> None:
         self.adapters, self.slots, self.step = adapters, slots, step
         self.cfg, self.max_rank = cfg, max_rank
+        self.num_static = len(adapters)  # --lora-modules: ids 1..num_static
 
     def load(self, slot: int, adapter_id: int) -> None:
         if not 1 <= slot <= self.slots.max_loras:
             raise ValueError(f"LoRA slot {slot} is not one of 1..{self.slots.max_loras}")
+        self.slots.holds[slot] = 0  # whatever follows, not the adapter it held before
         if adapter_id not in self.adapters:
             raise ValueError(f"LoRA adapter id {adapter_id} is not loaded")
         self.slots.load(slot, adapter_id, self.adapters[adapter_id])
@@ -279,11 +281,18 @@ class LoraRuntime:
         self.slots.holds = [0 if a == adapter_id else a for a in self.slots.holds]
 
     def reset(self) -> None:
+        """A new scheduler session: no slot holds anything it knows of, and the adapters
+        added at run time are forgotten (it adds those it serves again, ids of its own)."""
         self.slots.holds = [0] * len(self.slots.holds)
+        for adapter_id in [i for i in self.adapters if i > self.num_static]:
+            del self.adapters[adapter_id]
 
-    def check_slot(self, slot: int) -> None:
+    def check_slot(self, slot: int, adapter_id: int = 0) -> None:
         if not 0 <= slot <= self.slots.max_loras or (slot and not self.slots.holds[slot]):
             raise ValueError(f"LoRA slot {slot} holds no adapter")
+        if slot and adapter_id and self.slots.holds[slot] != adapter_id:
+            raise ValueError(f"LoRA slot {slot} holds adapter {self.slots.holds[slot]}, not "
+                             f"{adapter_id}")
 
 
 def build(model: nn.Module, cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype,

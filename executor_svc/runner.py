@@ -343,7 +343,7 @@ class ModelRunner:
             if self.lora is None:
                 raise ValueError(f"request {new.req_id} names LoRA slot {new.lora_slot}; this "
                                  "executor has no LoRA adapters")
-            self.lora.check_slot(new.lora_slot)
+            self.lora.check_slot(new.lora_slot, new.lora_adapter)
         self._forget(new.req_id)  # none unless the mirror drifted
         token_ids = list(new.token_ids)
         row = self.tables.add(list(new.block_ids))

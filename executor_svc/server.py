@@ -204,6 +204,9 @@ class ExecutorServer:
                     log.debug("dropped the bitmask of step %d while awaiting step %d's",
                               msg.bitmask.step_id, step_id)
                     continue
+                if kind == "lora_update":  # (an admin's, sent between the plan and its mask)
+                    self._update_lora(msg.lora_update)
+                    continue
                 self._held = frames
                 if kind == "plan":
                     raise ValueError(f"step {msg.plan.step_id}'s plan arrived before step "

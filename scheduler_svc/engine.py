@@ -79,7 +79,7 @@ class Engine:
                                    emit)
         self.on_readiness = on_readiness
         self.link = link
-        link.attach(self._joined, lambda why: self._notify_readiness())
+        link.attach(self._joined, self._lost)
         self.draining = False
         self.leaving = False  # SIGTERM with a shutdown delay: not ready, still serving
         self.refuse_when_unready = refuse_when_unready
@@ -431,6 +431,10 @@ class Engine:
         self._notify_readiness()
         self._wake.set()
 
+    def _lost(self, why: str) -> None:
+        self.lora.fail_pending(why)
+        self._notify_readiness()
+
     def _notify_readiness(self) -> None:
         self.metrics.executor_connected.set(1 if self.link.connected.is_set() else 0)
         if self.on_readiness is not None:
@@ -452,6 +456,8 @@ class Engine:
     def _fail_step(self, step: InFlight, code: str, message: str) -> None:
         self.streams.fail([self.streams.get(s.req.req_id) for s in step.out.scheduled()],
                           code, message)
+        if step.out.lora_loads and self.scheduler.lora is not None:
+            self.scheduler.lora.invalidate(step.out.lora_loads)
 
 
 def _crash_on_error(task: asyncio.Task) -> None:

@@ -62,6 +62,7 @@ class EngineHost:
     def __init__(self, engine: Engine, address: str, hello_timeout_s: float = 5.0,
                  link_timeout_s: float = 2.0) -> None:
         self.engine, self.address = engine, address
+        engine.lora.on_change = self.broadcast_state  # (an adapter a new executor lost too)
         self.hello_timeout_s = hello_timeout_s
         self.engine_id = uuid.uuid4().hex[:12]
         self.peers: dict[bytes, ApiPeer] = {}
@@ -219,6 +220,10 @@ class EngineHost:
                    self.engine.lora.unload(a.name))
         except EngineError as e:
             self._reply(peer, a.id, e)
+            return
+        except Exception as e:  # noqa: BLE001 (answered, never left waiting)
+            log.exception("LoRA %s of %r failed", "load" if a.path else "unload", a.name)
+            self._reply(peer, a.id, EngineError("INTERNAL", f"LoRA {a.name!r}: {e}"))
             return
         self.broadcast_state()
         self._reply(peer, a.id)

@@ -343,7 +343,7 @@ def encode_plan(step_id: int, out: SchedulerOutput) -> bytes:
         plan.new_requests.add(req_id=s.req.req_id, token_ids=s.req.token_ids,
                               num_computed_tokens=s.start, block_ids=s.block_ids,
                               sampling=wire_sampling(s.req), num_prompt_tokens=s.req.prompt_len,
-                              lora_slot=s.req.lora_slot)
+                              lora_slot=s.req.lora_slot, lora_adapter=s.req.lora_id)
         plan.new_num_scheduled_tokens.append(s.num_tokens)
     plan.bitmask_follows = out.bitmask_follows
     plan.after_idle = out.after_idle

@@ -127,10 +127,23 @@ class LoraAdmin:
             pb.SchedulerMessage(lora_update=pb.LoraUpdate(adapter_id=i, name=name, path=path))
             for i, name, path in self.registry.added()]
 
+    def fail_pending(self, why: str) -> None:
+        """The executor is gone: the loads it was reading get no answer."""
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"the executor was lost: {why}"))
+
     def _on_updated(self, u: pb.LoraUpdated) -> None:
         fut = self._waiters.pop(u.adapter_id, None)
         if fut is not None and not fut.done():
             fut.set_result(u.error)
-        elif u.error:
-            log.error("the executor could not add LoRA adapter id %d: %s", u.adapter_id,
-                      u.error)
+        elif u.error:  # a new executor could not read an adapter loaded at run time
+            name = self.registry.names.get(u.adapter_id)
+            log.error("LoRA adapter %r (id %d) is no longer served: the executor that joined "
+                      "could not read it: %s", name, u.adapter_id, u.error)
+            if name is not None and self.registry.id_of(name) == u.adapter_id:
+                sched = self._scheduler()
+                if sched is None or not any(r.lora_id == u.adapter_id
+                                            for r in sched.requests.values()):
+                    self.registry.remove(name)
+                    self.on_change()

@@ -51,6 +51,13 @@ class LoraSlots:
                 assert not self._users[slot], "an adapter forgotten while its slot is held"
                 self._adapter[slot] = 0
 
+    def invalidate(self, loads: list[tuple[int, int]]) -> None:
+        """The step that carried these loads failed: the executor may hold none of them, so
+        their slots count as empty (a request of the adapter loads it again)."""
+        for slot, adapter_id in loads:
+            if self._adapter[slot] == adapter_id:
+                self._adapter[slot] = 0
+
     def take_loads(self) -> list[tuple[int, int]]:
         """The loads the next plan carries, in order."""
         loads, self._loads = self._loads, []

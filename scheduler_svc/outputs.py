@@ -46,7 +46,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.new or self.cached or self.finished_req_ids or self.preempted_req_ids)
+        return not (self.new or self.cached or self.finished_req_ids or self.preempted_req_ids
+                    or self.lora_loads)
 
     def scheduled(self) -> list[ScheduledRequest]:
         return self.new + self.cached

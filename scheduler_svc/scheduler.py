@@ -301,12 +301,11 @@ class Scheduler:
             if req.lora_id and not self.lora.can_take(req.lora_id):
                 break  # every slot runs another adapter: the head waits for one
             admit = self._resume_swapped if req.swapped_blocks else self._admit_fresh
-            if req.lora_id:  # its slot before the plan's NewRequest is encoded
-                req.lora_slot = self.lora.take(req.lora_id)
             n = admit(out, req, budget)
             if n is None:
-                self._release_lora(req)
                 break
+            if req.lora_id:  # (the plan's NewRequest is encoded once the plan is sent)
+                req.lora_slot = self.lora.take(req.lora_id)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=_by_priority)

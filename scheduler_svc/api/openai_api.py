@@ -151,6 +151,8 @@ class OpenAIApp:
             raise OpenAIError(400, "lora_name: a non-empty string is required", "lora_name")
         if path_key and (not isinstance(path, str) or not path):
             raise OpenAIError(400, f"{path_key}: a non-empty string is required", path_key)
+        if name == self.model_name:
+            raise OpenAIError(400, f"lora_name: {name!r} is the base model's name", "lora_name")
         if path_key:
             try:
                 parse_module(f"{name}={path}")

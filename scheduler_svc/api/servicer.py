@@ -57,7 +57,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def GetModelInfo(  # noqa: N802
         self, request: api.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> api.ModelInfo:
-        self.frontend.authenticate(context.invocation_metadata())
+        tenant = self.frontend.authenticate(context.invocation_metadata())
         self.frontend.limits()  # UNAVAILABLE before an executor joined
         info = self.frontend.client.model_info()
         return api.ModelInfo(
@@ -66,7 +66,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             eos_token_ids=info.eos_token_ids, dtype=info.dtype, device=info.device,
             attention_backend=info.attention_backend, kv_cache_dtype=info.kv_cache_dtype,
             speculative_config=info.speculative_config,
-            lora_adapters=self.frontend.lora_adapters,
+            lora_adapters=[a for a in self.frontend.lora_adapters  # the key's tenant's only
+                           if tenant is None or tenant.may_use(a)],
         )
 
 

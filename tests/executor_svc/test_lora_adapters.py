@@ -256,3 +256,23 @@ def test_adapters_are_added_and_removed_at_run_time(tiny, tmp_path):
         lora.check_slot(1)
     with pytest.raises(ValueError, match="LoRA adapter id 5 is not loaded"):
         lora.load(1, 5)
+
+
+def test_a_slot_holding_another_adapter_is_refused_and_a_new_session_forgets_added_ones(
+        tiny, tmp_path):
+    hf, cfg = tiny
+    one = write_adapter(tmp_path / "one", hf, 1, 4, ["q_proj"], 8)
+    ops = get_ops("torch")
+    ours = build_model(cfg, ops, torch.float32, torch.device("cpu"), 512, tmp_path / "base")
+    lora = build(ours, cfg, LoraConfig((("one", str(one)),), 1, 8), torch.float32,
+                 torch.device("cpu"), ops)
+    lora.add(2, "two", str(one))
+    lora.load(1, 2)
+    with pytest.raises(ValueError, match="LoRA slot 1 holds adapter 2, not 1"):
+        lora.check_slot(1, 1)
+    with pytest.raises(ValueError, match="id 3 is not loaded"):
+        lora.load(1, 3)  # a failed load leaves the slot empty, not holding adapter 2
+    with pytest.raises(ValueError, match="LoRA slot 1 holds no adapter"):
+        lora.check_slot(1, 2)
+    lora.reset()  # a new scheduler session: its own ids for adapters added at run time
+    assert sorted(lora.adapters) == [1]

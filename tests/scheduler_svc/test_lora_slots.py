@@ -111,3 +111,24 @@ def test_the_adapters_in_use_are_one_lora_requests_info_series():
     telemetry.observe_scheduler(s.stats())
     assert series() == [("1", "b", "")]
     assert make(max_loras=0).stats().max_loras == 0  # LoRA off: no series
+
+
+def test_a_request_that_does_not_fit_takes_no_slot_and_queues_no_load():
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_loras=1,
+                          lora_modules=(("a", "/a"),))
+    s = Scheduler(cfg, BlockManager(2, 4, 0, False))  # 8 tokens of KV: a 12-token prompt
+    s.add(req(1, 1, list(range(12))))  # never fits
+    out = s.schedule()
+    assert out.new == [] and out.lora_loads == [] and s.requests[1].lora_slot == 0
+    assert s.lora.can_take(2)  # the slot is free for anyone
+
+
+def test_a_failed_step_empties_the_slots_it_was_to_load():
+    s = LoraSlots(2)
+    s.take(7)
+    loads = s.take_loads()
+    s.release(1)
+    s.invalidate(loads)
+    assert s.residents() == {}
+    slot = s.take(7)  # loaded again, in whichever slot
+    assert s.take_loads() == [(slot, 7)]
