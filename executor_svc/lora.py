@@ -1,6 +1,7 @@
-"""LoRA adapters in the executor: PEFT checkpoints read into host memory at start, copied into
-device slots when a plan says so (StepPlan.lora_loads), and applied to each token of a step by
-its request's slot (NewRequest.lora_slot), adapters and the base mixed in one batch.
+"""LoRA adapters in the executor: device slots that adapters are copied into when a plan says
+so (StepPlan.lora_loads), and each token of a step getting its request's slot
+(NewRequest.lora_slot), adapters and the base mixed in one batch. The adapters themselves, read
+from PEFT checkpoints and kept in host memory, are lora_host's.
 
 A slot holds, for every layer and target module, A [R, in] and B [out, R] with the adapter's
 scale folded into B and its rank zero-padded to R (--max-lora-rank): a module an adapter does not
@@ -13,11 +14,6 @@ of tokens with an adapter, grouped by slot (LoraStep):
 
 from __future__ import annotations
 
-import json
-import math
-import re
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,131 +22,15 @@ from torch import nn
 
 from pagedserve.core.lora import LoraConfig
 from pagedserve.executor.config import ModelConfig
-
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
-                  r"(\w+)\.lora_([AB])(?:\.default)?\.weight")
-_UNSUPPORTED = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights",
-                "modules_to_save": "modules_to_save (full weights beside the adapter)",
-                "rank_pattern": "a rank per module (rank_pattern)",
-                "alpha_pattern": "an alpha per module (alpha_pattern)"}
-
-
-class LoraError(ValueError):
-    """An adapter that cannot be served, with the reason (the service keeps serving)."""
-
-
-def module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """Each target module's (in, out) features in this model."""
-    h, q, kv, i = (cfg.hidden_size, cfg.num_heads * cfg.head_dim,
-                   cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size)
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-
-def check_model(cfg: ModelConfig) -> None:
-    """Refuse LoRA where this executor cannot apply it (one line, at start)."""
-    if cfg.impl != "native":
-        raise LoraError("LoRA needs a native model module (--model-impl native)")
-    if cfg.moe is not None:
-        raise LoraError(f"LoRA on mixture-of-experts models ({cfg.model_type}) is not "
-                        "supported yet")
-    if cfg.tp_size > 1:
-        raise LoraError("LoRA with --tensor-parallel-size > 1 is not supported yet")
-
-
-@dataclass(slots=True)
-class HostAdapter:
-    name: str
-    rank: int
-    # (layer, module) -> (A [rank, in], B [out, rank] times the scale), float32 on the host
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
-
-
-def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> HostAdapter:
-    """A PEFT LoRA checkpoint (adapter_config.json, adapter_model.safetensors), checked
-    against this model; LoraError naming the problem otherwise."""
-    where = f"LoRA adapter {name!r} ({path})"
-    conf = _read_config(Path(path), where)
-    rank, alpha = conf.get("r"), conf.get("lora_alpha", conf.get("r"))
-    if not isinstance(rank, int) or rank < 1:
-        raise LoraError(f"{where}: adapter_config.json: r must be a positive integer, "
-                        f"got {rank!r}")
-    if rank > max_rank:
-        raise LoraError(f"{where}: rank {rank} is more than --max-lora-rank {max_rank}")
-    if not isinstance(alpha, int | float):
-        raise LoraError(f"{where}: adapter_config.json: lora_alpha must be a number")
-    scale = alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
-    targets = conf.get("target_modules")
-    if isinstance(targets, list):
-        unknown = sorted(set(targets) - set(TARGETS))
-        if unknown:
-            raise LoraError(f"{where}: unknown target modules {', '.join(unknown)} "
-                            f"(supported: {', '.join(TARGETS)})")
-    tensors = _read_tensors(Path(path), where)
-    weights = _pair(tensors, cfg, rank, scale, where)
-    return HostAdapter(name, rank, weights)
-
-
-def _read_config(path: Path, where: str) -> dict[str, Any]:
-    try:
-        conf = json.loads((path / "adapter_config.json").read_text())
-    except FileNotFoundError:
-        raise LoraError(f"{where}: no adapter_config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LoraError(f"{where}: adapter_config.json: {e}") from None
-    if not isinstance(conf, dict):
-        raise LoraError(f"{where}: adapter_config.json is not a JSON object")
-    if conf.get("peft_type", "LORA") != "LORA":
-        raise LoraError(f"{where}: peft_type {conf['peft_type']!r} is not LORA")
-    for key, what in _UNSUPPORTED.items():
-        if conf.get(key):
-            raise LoraError(f"{where}: {what} is not supported")
-    if conf.get("bias", "none") != "none":
-        raise LoraError(f"{where}: bias {conf['bias']!r} is not supported (only 'none')")
-    return conf
-
-
-def _read_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    file = path / "adapter_model.safetensors"
-    if not file.exists():
-        raise LoraError(f"{where}: no adapter_model.safetensors")
-    try:
-        return load_file(str(file))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise LoraError(f"{where}: adapter_model.safetensors: {e}") from None
-
-
-def _pair(tensors: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, scale: float,
-          where: str) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    dims = module_dims(cfg)
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        m = _KEY.fullmatch(key)
-        if m is None or m.group(2) not in dims:
-            raise LoraError(f"{where}: weight {key} is not a LoRA A or B of "
-                            f"{', '.join(TARGETS)} in a decoder layer")
-        layer, module, half = int(m.group(1)), m.group(2), m.group(3)
-        if layer >= cfg.num_layers:
-            raise LoraError(f"{where}: {key}: the base model has {cfg.num_layers} layers")
-        fan_in, fan_out = dims[module]
-        want = (rank, fan_in) if half == "A" else (fan_out, rank)
-        if tuple(t.shape) != want:
-            raise LoraError(f"{where}: {key} is {list(t.shape)}, the base model takes "
-                            f"{list(want)}: not an adapter of this model")
-        halves.setdefault((layer, module), {})[half] = t.float()
-    weights = {}
-    for (layer, module), pair in sorted(halves.items()):
-        if len(pair) != 2:
-            raise LoraError(f"{where}: layer {layer} {module} has lora_{''.join(pair)} "
-                            "without its other half")
-        weights[layer, module] = (pair["A"], pair["B"] * scale)
-    if not weights:
-        raise LoraError(f"{where}: adapter_model.safetensors holds no LoRA weights")
-    return weights
+from pagedserve.executor.lora_host import (  # noqa: F401 (LoraError, load_adapter: its API)
+    TARGETS,
+    HostAdapter,
+    HostCache,
+    LoraError,
+    check_model,
+    load_adapter,
+    module_dims,
+)
 
 
 class LoraSlots:
@@ -252,40 +132,33 @@ def attach(model: nn.Module, cfg: ModelConfig, slots: LoraSlots, step: LoraStep,
 
 
 class LoraRuntime:
-    """What the runner holds: the host adapters by id (--lora-modules are 1..N, those added at
-    run time follow), the slots, the step."""
+    """What the runner holds: the adapters on the host (HostCache), the slots, the step."""
 
-    def __init__(self, adapters: dict[int, HostAdapter], slots: LoraSlots, step: LoraStep,
-                 cfg: ModelConfig, max_rank: int) -> None:
-        self.adapters, self.slots, self.step = adapters, slots, step
-        self.cfg, self.max_rank = cfg, max_rank
-        self.num_static = len(adapters)  # --lora-modules: ids 1..num_static
+    def __init__(self, host: HostCache, slots: LoraSlots, step: LoraStep) -> None:
+        self.host, self.slots, self.step = host, slots, step
+        self.num_static = len(host.sources)  # --lora-modules: ids 1..num_static
 
     def load(self, slot: int, adapter_id: int) -> None:
         if not 1 <= slot <= self.slots.max_loras:
             raise ValueError(f"LoRA slot {slot} is not one of 1..{self.slots.max_loras}")
         self.slots.holds[slot] = 0  # whatever follows, not the adapter it held before
-        if adapter_id not in self.adapters:
-            raise ValueError(f"LoRA adapter id {adapter_id} is not loaded")
-        self.slots.load(slot, adapter_id, self.adapters[adapter_id])
+        self.slots.load(slot, adapter_id, self.host.get(adapter_id))
 
     def add(self, adapter_id: int, name: str, path: str) -> None:
         """Read an adapter at run time (LoraError naming the problem; nothing changes then)."""
-        if adapter_id in self.adapters:
-            raise LoraError(f"LoRA adapter id {adapter_id} is in use")
-        self.adapters[adapter_id] = load_adapter(name, path, self.cfg, self.max_rank)
+        self.host.add(adapter_id, name, path)
 
     def remove(self, adapter_id: int) -> None:
         """Forget an adapter (no running request uses it: the scheduler saw to that)."""
-        self.adapters.pop(adapter_id, None)
+        self.host.remove(adapter_id)
         self.slots.holds = [0 if a == adapter_id else a for a in self.slots.holds]
 
     def reset(self) -> None:
         """A new scheduler session: no slot holds anything it knows of, and the adapters
         added at run time are forgotten (it adds those it serves again, ids of its own)."""
         self.slots.holds = [0] * len(self.slots.holds)
-        for adapter_id in [i for i in self.adapters if i > self.num_static]:
-            del self.adapters[adapter_id]
+        for adapter_id in [i for i in self.host.sources if i > self.num_static]:
+            self.host.remove(adapter_id)
 
     def check_slot(self, slot: int, adapter_id: int = 0) -> None:
         if not 0 <= slot <= self.slots.max_loras or (slot and not self.slots.holds[slot]):
@@ -299,8 +172,9 @@ def build(model: nn.Module, cfg: ModelConfig, lora: LoraConfig, dtype: torch.dty
           device: torch.device, ops: Any) -> LoraRuntime:
     """Read every adapter (LoraError at the first bad one), make the slots, wrap the model."""
     check_model(cfg)
-    adapters = {i + 1: load_adapter(name, path, cfg, lora.max_lora_rank)
-                for i, (name, path) in enumerate(lora.modules)}
+    host = HostCache(cfg, lora.max_lora_rank, lora.max_cpu_loras)
+    for i, (name, path) in enumerate(lora.modules):  # each checked at start
+        host.add(i + 1, name, path)
     slots, step = LoraSlots(cfg, lora, dtype, device), LoraStep(device)
     attach(model, cfg, slots, step, ops)
-    return LoraRuntime(adapters, slots, step, cfg, lora.max_lora_rank)
+    return LoraRuntime(host, slots, step)

@@ -265,7 +265,7 @@ class Worker:
             runtime = build_lora(model, self.model_cfg, cfg.lora, self.dtype, self.device,
                                  load_ops(backend))
         log.info("LoRA: %d adapters in host memory, %d device slots of rank %d (%.1f MiB)",
-                 len(runtime.adapters), cfg.lora.max_loras, cfg.lora.max_lora_rank,
+                 len(runtime.host.sources), cfg.lora.max_loras, cfg.lora.max_lora_rank,
                  runtime.slots.nbytes() / (1 << 20))
         return runtime
 

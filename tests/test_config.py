@@ -134,6 +134,8 @@ def test_lora_modules_come_as_a_list_from_each_source_and_reach_both_processes()
     (["--enable-lora", "--lora-modules", "a"], "expected NAME=PATH, got 'a'"),
     (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "a named more than once"),
     (["--enable-lora", "--max-loras", "0"], "--max-loras must be at least 1"),
+    (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"],
+     "--max-cpu-loras 1 is less than --max-loras 2"),
 ])
 def test_contradictory_lora_flags_are_one_line(argv, message):
     from pagedserve.core.lora import lora_config

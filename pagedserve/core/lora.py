@@ -17,6 +17,7 @@ class LoraConfig:
     modules: tuple[tuple[str, str], ...]  # (name, PEFT directory), adapter id i + 1 is modules[i]
     max_loras: int  # device slots
     max_lora_rank: int  # the largest rank a slot takes
+    max_cpu_loras: int = 0  # adapters kept in host memory (0: every one)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -41,6 +42,10 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
                         "requests of at most this many adapters)")
     p.add_argument("--max-lora-rank", type=int, default=16,
                    help="the largest adapter rank (each slot's size)")
+    p.add_argument("--max-cpu-loras", type=int, default=0,
+                   help="adapters kept in host memory, least recently used let go (read again "
+                        "from their directory when a slot needs one); at least --max-loras "
+                        "(0: every adapter)")
 
 
 def lora_config(args: argparse.Namespace) -> LoraConfig | None:
@@ -59,7 +64,10 @@ def lora_config(args: argparse.Namespace) -> LoraConfig | None:
         raise ValueError(f"--max-loras must be at least 1, got {args.max_loras}")
     if not 1 <= args.max_lora_rank <= MAX_RANK:
         raise ValueError(f"--max-lora-rank must be 1..{MAX_RANK}, got {args.max_lora_rank}")
-    return LoraConfig(modules, args.max_loras, args.max_lora_rank)
+    if args.max_cpu_loras and args.max_cpu_loras < args.max_loras:
+        raise ValueError(f"--max-cpu-loras {args.max_cpu_loras} is less than --max-loras "
+                         f"{args.max_loras}")
+    return LoraConfig(modules, args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
 
 def parse_module(entry: str) -> tuple[str, str]:

@@ -94,17 +94,21 @@ class WithSlots:
             self.step.end()
 
 
-def test_adapters_and_the_base_in_one_batch_equal_hf_on_merged_weights(tiny, tmp_path):
+@pytest.mark.parametrize("max_cpu_loras", [0, 1], ids=["all-on-host", "one-on-host"])
+def test_adapters_and_the_base_in_one_batch_equal_hf_on_merged_weights(tiny, tmp_path,
+                                                                       max_cpu_loras):
     """Four sequences in chunked steps, under the base, adapter 1, adapter 2 and adapter 1
     again; adapter 2 (rank 4, rsLoRA, every module) in a slot of rank 8, loaded over a slot
-    that held adapter 1 before."""
+    that held adapter 1 before. One-on-host: host memory keeps one adapter, the other is read
+    again from its directory when a slot needs it."""
     hf, cfg = tiny
     one = write_adapter(tmp_path / "one", hf, 1, 8, ["q_proj", "v_proj", "down_proj"], 16)
     two = write_adapter(tmp_path / "two", hf, 2, 4, list(_PLACE), 8, rslora=True)
     ops = get_ops("torch")
     ours = build_model(cfg, ops, torch.float32, torch.device("cpu"), 512, tmp_path / "base")
-    lora = build(ours, cfg, LoraConfig((("one", str(one)), ("two", str(two))), 2, 8),
-                 torch.float32, torch.device("cpu"), ops)
+    lora = build(ours, cfg, LoraConfig((("one", str(one)), ("two", str(two))), 2, 8,
+                                       max_cpu_loras), torch.float32, torch.device("cpu"), ops)
+    assert lora.host.held() == ([2] if max_cpu_loras else [1, 2])
     lora.load(2, 1)
     lora.load(1, 1)
     lora.load(2, 2)  # slot 2: adapter one's weights replaced whole
@@ -275,4 +279,22 @@ def test_a_slot_holding_another_adapter_is_refused_and_a_new_session_forgets_add
     with pytest.raises(ValueError, match="LoRA slot 1 holds no adapter"):
         lora.check_slot(1, 2)
     lora.reset()  # a new scheduler session: its own ids for adapters added at run time
-    assert sorted(lora.adapters) == [1]
+    assert sorted(lora.host.sources) == [1]
+
+
+def test_host_memory_keeps_the_most_recent_adapters_and_reads_the_others_again(tiny,
+                                                                              tmp_path):
+    hf, cfg = tiny
+    from pagedserve.executor.lora_host import HostCache
+
+    paths = [write_adapter(tmp_path / n, hf, i, 4, ["q_proj"], 8) for i, n in enumerate("ab")]
+    host = HostCache(cfg, 8, capacity=1)
+    host.add(1, "a", str(paths[0]))
+    host.add(2, "b", str(paths[1]))
+    assert host.held() == [2]
+    first = host.get(1).weights[0, "q_proj"][0]  # read again from its directory
+    assert host.held() == [1] and torch.equal(first, load_adapter(
+        "a", paths[0], cfg, 8).weights[0, "q_proj"][0])
+    (paths[1] / "adapter_model.safetensors").unlink()
+    with pytest.raises(LoraError, match="no adapter_model.safetensors"):
+        host.get(2)
