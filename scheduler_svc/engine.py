@@ -92,6 +92,7 @@ class Engine:
         self._after_idle = True  # the loop waited for work since the last plan
         self.grammars: Grammars | None = None  # structured outputs; made when an executor joins
         self.lora = LoraAdmin(LoraRegistry(cfg.lora_modules), link, lambda: self.scheduler)
+        self.telemetry.lora_names = self.lora.registry.names
 
     # ----------------------------------------------------------------- lifecycle
     @property

@@ -201,6 +201,10 @@ class Metrics:
                           "Requests that left the engine, by finish reason: stop, length; abort "
                           "(the client cancelled or left), deadline_exceeded, or a failure's "
                           "status (unavailable, internal)", "finished_reason", FINISH_REASONS)
+        self.lora_success = Counter(PREFIX + "lora_request_success",
+                                    "Requests of a LoRA adapter that left the engine, by "
+                                    "adapter and finish reason (as request_success)",
+                                    ["model_name", "lora_name", "finished_reason"], registry=r)
         self.rpcs = Counter(PREFIX + "grpc_server_handled",
                             "RPCs completed, by method and gRPC status code (OK, or why the "
                             "request was rejected or failed, e.g. INVALID_ARGUMENT)",

@@ -45,6 +45,7 @@ class Telemetry:
         self._peak_blocks_used = 0
         self._counters_seen: dict = {}  # scheduler totals already added to counters
         self._lora_labels: tuple[str, ...] | None = None  # lora_requests_info's series now
+        self.lora_names: dict[int, str] = {}  # LoRA adapter id -> name (the engine's registry)
 
     def scheduled(self, stream: Tracked, now: float, cached_tokens: int = 0) -> None:
         """First scheduled, with cached_tokens of its prompt found in the prefix cache."""
@@ -74,6 +75,9 @@ class Telemetry:
         m = self.metrics
         m.success[reason].inc()
         req = stream.req
+        if req.lora_id:  # (an adapter unloaded since counts under its id)
+            name = self.lora_names.get(req.lora_id, str(req.lora_id))
+            m.lora_success.labels(m.model_name, name, reason).inc()
         m.request_prompt_tokens.observe(req.prompt_len)
         m.request_generation_tokens.observe(req.num_output_tokens)
         m.request_max_tokens.observe(req.params.max_tokens)

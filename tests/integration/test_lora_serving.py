@@ -105,6 +105,12 @@ def test_adapters_and_the_base_in_one_batch_equal_hf_on_merged_weights(lora_serv
         if run is http_run:  # the API's text: the ids decoded
             want = tokenizer.decode(want, skip_special_tokens=True)
         assert out == want, (name, text)
+    m = lora_service.metrics()  # each adapter's requests counted under its name
+    for name in ADAPTERS:
+        assert sum(v for k, v in m.items() if k.startswith(
+            "pagedserve_lora_request_success_total{") and f'lora_name="{name}"' in k) == \
+            len(PROMPTS)
+    assert any(k.startswith("pagedserve_lora_requests_info{") for k in m)
 
 
 def test_the_prefix_cache_keeps_adapters_apart(lora_service, tokenizer):
