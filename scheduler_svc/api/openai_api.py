@@ -40,6 +40,7 @@ from pagedserve.scheduler.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
+    LoraAdapterBody,
     OpenAIError,
     TokenizeBody,
     completion_prompts,
@@ -116,23 +117,13 @@ class OpenAIApp:
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's: {"lora_name", "lora_path"} -> 200 and a line of text once every API
         process serves it."""
-        name, path = await self._lora_admin(request, "lora_path")
-        try:
-            await self.client.load_lora(name, path)
-        except EngineError as e:
-            raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+        return await self._lora_admin(request, load=True)
 
     async def unload_lora_adapter(self, request: Request) -> Response:
-        name, _ = await self._lora_admin(request)
-        try:
-            await self.client.unload_lora(name)
-        except EngineError as e:
-            raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+        return await self._lora_admin(request, load=False)
 
-    async def _lora_admin(self, request: Request, path_key: str = "") -> tuple[str, str]:
-        """The body's adapter name (and path) of an admin's load or unload request."""
+    async def _lora_admin(self, request: Request, load: bool) -> Response:
+        """An admin's load or unload of a LoRA adapter."""
         tenant = self._authenticate(request)
         if not self.lora_updating:
             raise OpenAIError(404, "loading LoRA adapters at run time is off (start the server "
@@ -141,25 +132,24 @@ class OpenAIApp:
             raise OpenAIError(403, f"tenant {tenant.name} may not load or unload LoRA "
                               "adapters (admin: true in the API keys file)",
                               code="permission_denied")
-        try:
-            body = json.loads(await self._body(request))
-        except (ValueError, UnicodeDecodeError):
-            raise OpenAIError(400, "the body is not JSON") from None
-        name = body.get("lora_name") if isinstance(body, dict) else None
-        path = body.get(path_key, "") if path_key and isinstance(body, dict) else ""
-        if not isinstance(name, str) or not name:
-            raise OpenAIError(400, "lora_name: a non-empty string is required", "lora_name")
-        if path_key and (not isinstance(path, str) or not path):
-            raise OpenAIError(400, f"{path_key}: a non-empty string is required", path_key)
+        body = await self._parsed(request, LoraAdapterBody)
+        name, path = body.lora_name, body.lora_path
+        if load and path is None:
+            raise OpenAIError(400, "lora_path: Field required", "lora_path")
         if name == self.model_name:
             raise OpenAIError(400, f"lora_name: {name!r} is the base model's name", "lora_name")
-        if path_key:
+        if load:
             try:
-                parse_module(f"{name}={path}")
+                parse_module(f"{name}={path}")  # a name the flag would take
             except ValueError as e:
                 raise OpenAIError(400, str(e).removeprefix("--lora-modules: "),
                                   "lora_name") from None
-        return name, path
+        try:
+            await (self.client.load_lora(name, path) if load else self.client.unload_lora(name))
+        except EngineError as e:
+            raise OpenAIError.from_grpc(e.code, str(e), e.retry_after_s) from None
+        done = "added" if load else "removed"
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' {done} successfully.")
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: {count, max_model_len, tokens, token_strs}."""

@@ -126,6 +126,14 @@ _UNSUPPORTED_DEFAULTS = {  # field -> its default (null is too); others refused 
 }
 
 
+class LoraAdapterBody(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter (lora_path given) and /v1/unload_lora_adapter
+    bodies; fields of vLLM's these do not use (load_inplace) are ignored."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str | None = Field(default=None, min_length=1)
+
+
 class TokenizeBody(BaseModel):
     """vLLM's POST /tokenize: a prompt (its special tokens added, as a completion's prompt), or
     chat messages (rendered with the template and a generation prompt, as a chat request's;

@@ -127,6 +127,18 @@ def test_the_prefix_cache_keeps_adapters_apart(lora_service, tokenizer):
     assert cached("default") == 0
 
 
+def test_the_official_sdk_lists_and_selects_adapters(lora_service, expected, tokenizer):
+    from openai import OpenAI
+
+    sdk = OpenAI(base_url=lora_service.http_url + "/v1", api_key="unused")
+    assert sorted(m.id for m in sdk.models.list()) == ["alpha", "beta", "default", "gamma"]
+    ids, want = expected["beta", PROMPTS[0]]
+    out = sdk.completions.create(model="beta", prompt=ids, max_tokens=MAX_TOKENS,
+                                 temperature=0)
+    assert out.model == "beta"
+    assert out.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+
+
 def test_the_adapters_are_listed_and_unknown_names_refused(lora_service, adapters):
     cards = {c["id"]: c for c in http(lora_service, "/v1/models")["data"]}
     assert sorted(cards) == ["alpha", "beta", "default", "gamma"]
@@ -172,6 +184,9 @@ def test_adapters_unloaded_and_loaded_at_run_time(lora_service, adapters, expect
         (400, "LoRA adapter 'gamma' is already loaded")
     assert refused(svc, "/v1/unload_lora_adapter", {"lora_name": "delta"}) == \
         (404, "LoRA adapter 'delta' is not loaded")
+    assert refused(svc, "/v1/load_lora_adapter", {"lora_name": "x"}) == \
+        (400, "lora_path: Field required")
+    assert refused(svc, "/v1/unload_lora_adapter", {"lora_name": ""})[0] == 400
     assert sorted(c["id"] for c in http(svc, "/v1/models")["data"]) == \
         ["alpha", "beta", "default", "gamma"]
 
