@@ -80,6 +80,15 @@ def tiny(tmp_path):
     return hf, ModelConfig.from_pretrained(tmp_path / "base")
 
 
+def runtime(cfg, tmp_path, modules, max_loras=1, max_cpu_loras=0):
+    """Our model of the tiny checkpoint with LoRA (rank 8) over these (name, path) adapters."""
+    ops = get_ops("torch")
+    ours = build_model(cfg, ops, torch.float32, torch.device("cpu"), 512, tmp_path / "base")
+    lora = build(ours, cfg, LoraConfig(tuple((n, str(p)) for n, p in modules), max_loras, 8,
+                                       max_cpu_loras), torch.float32, torch.device("cpu"), ops)
+    return ours, lora
+
+
 class WithSlots:
     """The model with each sequence of a step run under its slot (0: the base)."""
 
@@ -104,10 +113,7 @@ def test_adapters_and_the_base_in_one_batch_equal_hf_on_merged_weights(tiny, tmp
     hf, cfg = tiny
     one = write_adapter(tmp_path / "one", hf, 1, 8, ["q_proj", "v_proj", "down_proj"], 16)
     two = write_adapter(tmp_path / "two", hf, 2, 4, list(_PLACE), 8, rslora=True)
-    ops = get_ops("torch")
-    ours = build_model(cfg, ops, torch.float32, torch.device("cpu"), 512, tmp_path / "base")
-    lora = build(ours, cfg, LoraConfig((("one", str(one)), ("two", str(two))), 2, 8,
-                                       max_cpu_loras), torch.float32, torch.device("cpu"), ops)
+    ours, lora = runtime(cfg, tmp_path, [("one", one), ("two", two)], 2, max_cpu_loras)
     assert lora.host.held() == ([2] if max_cpu_loras else [1, 2])
     lora.load(2, 1)
     lora.load(1, 1)
@@ -168,10 +174,7 @@ def test_an_adapter_of_another_model_is_refused(tiny, tmp_path):
 def test_slots_and_adapter_ids_out_of_range_are_refused(tiny, tmp_path):
     hf, cfg = tiny
     one = write_adapter(tmp_path / "one", hf, 1, 4, ["q_proj"], 8)
-    ops = get_ops("torch")
-    ours = build_model(cfg, ops, torch.float32, torch.device("cpu"), 512, tmp_path / "base")
-    lora = build(ours, cfg, LoraConfig((("one", str(one)),), 1, 8), torch.float32,
-                 torch.device("cpu"), ops)
+    _, lora = runtime(cfg, tmp_path, [("one", one)])
     with pytest.raises(ValueError, match="LoRA slot 2 is not one of 1..1"):
         lora.load(2, 1)
     with pytest.raises(ValueError, match="LoRA adapter id 2 is not loaded"):
@@ -245,9 +248,7 @@ def test_adapters_are_added_and_removed_at_run_time(tiny, tmp_path):
     hf, cfg = tiny
     one = write_adapter(tmp_path / "one", hf, 1, 4, ["q_proj"], 8)
     big = write_adapter(tmp_path / "big", hf, 2, 16, ["q_proj"], 8)
-    ops = get_ops("torch")
-    ours = build_model(cfg, ops, torch.float32, torch.device("cpu"), 512, tmp_path / "base")
-    lora = build(ours, cfg, LoraConfig((), 1, 8), torch.float32, torch.device("cpu"), ops)
+    _, lora = runtime(cfg, tmp_path, [])
     lora.add(5, "one", str(one))
     lora.load(1, 5)
     lora.check_slot(1)
@@ -266,10 +267,7 @@ def test_a_slot_holding_another_adapter_is_refused_and_a_new_session_forgets_add
         tiny, tmp_path):
     hf, cfg = tiny
     one = write_adapter(tmp_path / "one", hf, 1, 4, ["q_proj"], 8)
-    ops = get_ops("torch")
-    ours = build_model(cfg, ops, torch.float32, torch.device("cpu"), 512, tmp_path / "base")
-    lora = build(ours, cfg, LoraConfig((("one", str(one)),), 1, 8), torch.float32,
-                 torch.device("cpu"), ops)
+    _, lora = runtime(cfg, tmp_path, [("one", one)])
     lora.add(2, "two", str(one))
     lora.load(1, 2)
     with pytest.raises(ValueError, match="LoRA slot 1 holds adapter 2, not 1"):
