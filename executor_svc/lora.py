@@ -102,15 +102,12 @@ class LoraLinear(nn.Module):
         y = self.base(x)  # [T, out of every part]
         if self.step.current is None:
             return y
-        rows, starts, seg_slots = self.step.current
-        xs = x.index_select(0, rows)  # [T', in]: the adapters' tokens, grouped by slot
+        rows, starts, seg_slots = self.step.current  # the adapters' tokens, grouped by slot
         t = torch.empty(len(rows), self.slots.rank, dtype=torch.float32, device=x.device)
-        for module, offset in self.parts:
-            b = self.slots.b[module][self.layer]  # [S + 1, out, R]
-            self.ops.lora_shrink(xs, self.slots.a[module][self.layer], starts, seg_slots, t)
-            delta = torch.zeros(len(rows), b.shape[1], dtype=y.dtype, device=y.device)
-            self.ops.lora_expand(t, b, starts, seg_slots, delta, 0)
-            y[:, offset:offset + b.shape[1]].index_add_(0, rows, delta)
+        for module, offset in self.parts:  # gathered from x, scattered into y: no copies
+            self.ops.lora_shrink(x, self.slots.a[module][self.layer], starts, seg_slots, t, rows)
+            self.ops.lora_expand(t, self.slots.b[module][self.layer], starts, seg_slots, y,
+                                 offset, rows)
         return y
 
 

@@ -21,11 +21,14 @@ ulps). Expand's K is the rank: one tl.dot per tile, float32 t against b widened 
 (tf32 on the tensor cores for half y), the delta rounded to y's dtype and added as torch's
 `+=` does.
 
-Cost: a tile reads its whole adapter, so decode's one-token segments read one adapter per token
-(from L2 when requests share adapters), as punica's BGMV does; grouping tokens by slot rather
-than by request would read each adapter once per step, and is the next step if decode's LoRA
-time matters (H200, rank 64, bf16, 4096 -> 4096: 256 one-token segments 71 us shrink + 58 us
-expand; one 8192-token segment 68 + 127 us, about a quarter of HBM bandwidth).
+Gathered: with `rows`, a position's x row is read from rows (shrink) and its delta added into
+y's row rows[pos] (expand), so the executor runs a step's adapter tokens grouped by slot (one
+segment per adapter: decode reads each adapter once, not once per token) straight from the
+layer's input and into its output, without copies (executor_svc/lora.py).
+
+Cost (H200, rank 64, bf16, 4096 -> 4096, one segment per token: the worst case): 256 one-token
+segments 71 us shrink + 58 us expand; one 8192-token segment 68 + 127 us, about a quarter of HBM
+bandwidth. benchmarks/kernels/bench_lora.py times them beside the GEMMs they ride on.
 """
 
 from __future__ import annotations
@@ -86,12 +89,14 @@ def _find_tile(starts_ptr, num_segs, tile, BLOCK_M: tl.constexpr, CHUNK: tl.cons
 
 @triton.jit(do_not_specialize=["num_segs", "h_in"])
 def _shrink_kernel(
-    x_ptr, a_ptr, starts_ptr, slots_ptr, out_ptr, num_segs, h_in, rank,
+    x_ptr, a_ptr, starts_ptr, slots_ptr, out_ptr, rows_ptr, num_segs, h_in, rank,
     stride_x, stride_as, stride_ar, stride_o,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, R_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    GATHER: tl.constexpr,
 ):
-    """out[rows] (+)= x[rows, k-split] @ a[slot][:, k-split].T for one tile's rows."""
+    """out[pos] (+)= x[row, k-split] @ a[slot][:, k-split].T for one tile's positions (row:
+    rows[pos] when GATHER, else pos)."""
     seg, row0, end = _find_tile(starts_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK)
     if seg < 0:
         return
@@ -110,7 +115,11 @@ def _shrink_kernel(
     k_lo = tl.program_id(1) * span
     k_hi = tl.minimum(k_lo + span, h_in)
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    if GATHER:
+        x_rows = tl.load(rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        x_rows = rows.to(tl.int64)
+    x_ptrs = x_ptr + x_rows[:, None] * stride_x + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     a_ptrs = a_ptr + slot * stride_as + offs_r[None, :] * stride_ar + offs_k[:, None]  # [K, R]
     r_ok = (offs_r < rank)[None, :]
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -133,9 +142,11 @@ def lora_shrink(
     seg_starts: torch.Tensor,  # [G + 1] int32, from 0 up to T
     seg_slots: torch.Tensor,  # [G] int32 in [-1, S)
     out: torch.Tensor,  # [T, R] float32, written
+    rows: torch.Tensor | None = None,  # [T] rows of x (gathered), or None: x's rows are T
 ) -> None:
-    """out[tok] = x[tok] @ a[slot].T for tokens of segments with slot >= 0, 0 for the rest."""
-    num_tokens, h_in, _, rank = check_shrink_args(x, a, seg_starts, seg_slots, out)
+    """out[tok] = x[tok] @ a[slot].T for tokens of segments with slot >= 0, 0 for the rest
+    (x[rows[tok]] with rows)."""
+    num_tokens, h_in, _, rank = check_shrink_args(x, a, seg_starts, seg_slots, out, rows)
     num_segs = seg_slots.shape[0]
     if num_tokens == 0:
         return
@@ -146,23 +157,25 @@ def lora_shrink(
         out.zero_()
     block_k = max(16, min(128 if block_m == 16 else 64, triton.next_power_of_2(h_in)))
     _shrink_kernel[(tiles, split)](
-        x, a, seg_starts, seg_slots, out, num_segs, h_in, rank,
+        x, a, seg_starts, seg_slots, out, seg_starts if rows is None else rows, num_segs, h_in,
+        rank,
         x.stride(0), a.stride(0), a.stride(1), out.stride(0),
         SPLIT_K=split, BLOCK_M=block_m, R_PAD=max(16, triton.next_power_of_2(rank)),
         BLOCK_K=block_k, CHUNK=min(1024, max(16, triton.next_power_of_2(num_segs))),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        DOT_FP32=INTERPRETED and x.dtype != torch.float32, num_warps=4)
+        DOT_FP32=INTERPRETED and x.dtype != torch.float32, GATHER=rows is not None,
+        num_warps=4)
 
 
 @triton.jit(do_not_specialize=["num_segs", "h_out"])
 def _expand_kernel(
-    t_ptr, b_ptr, starts_ptr, slots_ptr, y_ptr, num_segs, h_out, rank,
+    t_ptr, b_ptr, starts_ptr, slots_ptr, y_ptr, rows_ptr, num_segs, h_out, rank,
     stride_t, stride_bs, stride_bn, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SCATTER: tl.constexpr,
 ):
-    """y[rows, cols] += (t[rows] @ b[slot][cols].T).to(y.dtype) for one tile's rows; y_ptr
-    points at column `offset` already."""
+    """y[row, cols] += (t[pos] @ b[slot][cols].T).to(y.dtype) for one tile's positions (row:
+    rows[pos] when SCATTER, else pos); y_ptr points at column `offset` already."""
     seg, row0, end = _find_tile(starts_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK)
     if seg < 0:
         return
@@ -180,7 +193,11 @@ def _expand_kernel(
     bt = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
                  mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [R_PAD, BLOCK_N]
     delta = tl.dot(tt, bt.to(tl.float32), input_precision=PRECISION)
-    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
+    if SCATTER:
+        y_rows = tl.load(rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        y_rows = rows.to(tl.int64)
+    y_ptrs = y_ptr + y_rows[:, None] * stride_y + offs_n[None, :]
     y_ok = row_ok[:, None] & n_ok[None, :]
     y = tl.load(y_ptrs, mask=y_ok, other=0.0)
     delta = delta.to(y.dtype).to(tl.float32)  # torch's `y += delta.to(y.dtype)`: two roundings
@@ -194,10 +211,11 @@ def lora_expand(
     seg_slots: torch.Tensor,  # [G] int32 in [-1, S)
     y: torch.Tensor,  # [T, N], N >= offset + H_out; updated in place
     offset: int,
+    rows: torch.Tensor | None = None,  # [T] distinct rows of y (scattered), or None
 ) -> None:
     """y[tok, offset:offset + H_out] += (t[tok] @ b[slot].T).to(y.dtype) for tokens of segments
-    with slot >= 0; other rows and columns untouched."""
-    num_tokens, rank, _, h_out = check_expand_args(t, b, seg_starts, seg_slots, y, offset)
+    with slot >= 0 (y[rows[tok]] with rows); other rows and columns untouched."""
+    num_tokens, rank, _, h_out = check_expand_args(t, b, seg_starts, seg_slots, y, offset, rows)
     num_segs = seg_slots.shape[0]
     if num_tokens == 0 or h_out == 0:
         return
@@ -205,8 +223,10 @@ def lora_expand(
     block_n = max(16, min(64 if block_m == 16 else 128, triton.next_power_of_2(h_out)))
     grid = (max_tiles(num_tokens, num_segs, block_m), triton.cdiv(h_out, block_n))
     _expand_kernel[grid](
-        t, b, seg_starts, seg_slots, y[:, offset:], num_segs, h_out, rank,
+        t, b, seg_starts, seg_slots, y[:, offset:], seg_starts if rows is None else rows,
+        num_segs, h_out, rank,
         t.stride(0), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, R_PAD=max(16, triton.next_power_of_2(rank)),
         CHUNK=min(1024, max(16, triton.next_power_of_2(num_segs))),
-        PRECISION="ieee" if y.dtype == torch.float32 else "tf32", num_warps=4)
+        PRECISION="ieee" if y.dtype == torch.float32 else "tf32", SCATTER=rows is not None,
+        num_warps=4)

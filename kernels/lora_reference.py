@@ -15,6 +15,12 @@ with one adapter slot or none (-1). For one LoRA-wrapped linear layer of a step:
     lora_shrink   t[tok] = x[tok] @ a[slot].T, float32            t: [T, R]
     lora_expand   y[tok, offset:offset + H_out] += (t[tok] @ b[slot].T).to(y.dtype)
 
+Gathered (punica's indexed form): with `rows` [T] (int32/int64, distinct, each a row of x and
+y), the segments run over the T positions of rows, position p standing for row rows[p] of x and
+y: shrink reads x[rows[p]] into t[p], expand adds t[p]'s delta into y[rows[p]]. A layer then
+applies the adapters to the rows that have one, grouped by slot, with no copy of x or of the
+delta (rows must be distinct: expand's adds into y do not combine).
+
 A fused projection (qkv, gate_up) calls expand once per sub-module, each into its column slice
 of the one output y [T, N]. Checks of shapes and dtypes live here for both paths; the values of
 seg_starts and seg_slots are checked here only (the Triton path never syncs with the host).
@@ -41,11 +47,22 @@ def check_segments(seg_starts: torch.Tensor, seg_slots: torch.Tensor,
     return g
 
 
-def check_shrink_args(x, a, seg_starts, seg_slots, out) -> tuple[int, int, int, int]:
-    """(T, H_in, S, R) of a valid lora_shrink call; anything else raises ValueError."""
+def check_rows(rows: torch.Tensor | None, device: torch.device, num_rows: int) -> None:
+    if rows is not None:
+        check_tensor("rows", rows, 1, (torch.int32, torch.int64), device)
+        if rows.shape[0] > num_rows:
+            raise ValueError(f"rows has {rows.shape[0]} entries, more than the {num_rows} rows "
+                             f"they index (distinct rows)")
+
+
+def check_shrink_args(x, a, seg_starts, seg_slots, out, rows=None) -> tuple[int, int, int, int]:
+    """(T, H_in, S, R) of a valid lora_shrink call (T: the segments' positions, x's rows or
+    rows'); anything else raises ValueError."""
     check_tensor("x", x, 2, FLOAT_DTYPES)
     check_inner_contiguous("x", x)
     dev, (t, h_in) = x.device, x.shape
+    check_rows(rows, dev, t)
+    t = t if rows is None else rows.shape[0]
     check_tensor("a", a, 3, (x.dtype,), dev)
     check_inner_contiguous("a", a)
     s, r, a_in = a.shape
@@ -57,7 +74,8 @@ def check_shrink_args(x, a, seg_starts, seg_slots, out) -> tuple[int, int, int, 
     return t, h_in, s, r
 
 
-def check_expand_args(t, b, seg_starts, seg_slots, y, offset) -> tuple[int, int, int, int]:
+def check_expand_args(t, b, seg_starts, seg_slots, y, offset, rows=None
+                      ) -> tuple[int, int, int, int]:
     """(T, R, S, H_out) of a valid lora_expand call; anything else raises ValueError."""
     check_tensor("t", t, 2, (torch.float32,))
     check_inner_contiguous("t", t)
@@ -71,9 +89,12 @@ def check_expand_args(t, b, seg_starts, seg_slots, y, offset) -> tuple[int, int,
         raise ValueError(f"b {tuple(b.shape)} must be [S, H_out, {r}] (R: t's last dim), "
                          f"1 <= R <= {MAX_RANK}")
     check_segments(seg_starts, seg_slots, dev)
-    if y.shape[0] != num_tokens or not 0 <= offset <= y.shape[1] - h_out:
-        raise ValueError(f"y {tuple(y.shape)} must be [{num_tokens}, N] with columns "
-                         f"offset {offset} .. offset + H_out {h_out} inside N")
+    check_rows(rows, dev, y.shape[0])
+    if rows is not None and rows.shape[0] != num_tokens:
+        raise ValueError(f"rows has {rows.shape[0]} entries, t {num_tokens} rows")
+    if (rows is None and y.shape[0] != num_tokens) or not 0 <= offset <= y.shape[1] - h_out:
+        raise ValueError(f"y {tuple(y.shape)} must be [{num_tokens}, N] (any rows with `rows`) "
+                         f"with columns offset {offset} .. offset + H_out {h_out} inside N")
     return num_tokens, r, s, h_out
 
 
@@ -89,20 +110,38 @@ def segments(seg_starts: torch.Tensor, seg_slots: torch.Tensor, num_tokens: int,
     return list(zip(starts, starts[1:], slots, strict=False))
 
 
+def checked_rows(rows: torch.Tensor | None, num_rows: int) -> torch.Tensor | None:
+    """rows as int64 after checking that they are distinct and in range (a host sync)."""
+    if rows is None:
+        return None
+    rows = rows.long()
+    if len(rows.unique()) != len(rows) or (len(rows) and (
+            rows.min().item() < 0 or rows.max().item() >= num_rows)):
+        raise ValueError(f"rows {rows.tolist()} must be distinct rows in [0, {num_rows})")
+    return rows
+
+
+def span(rows: torch.Tensor | None, lo: int, hi: int):
+    """The rows of x / y that positions lo..hi stand for."""
+    return slice(lo, hi) if rows is None else rows[lo:hi]
+
+
 def lora_shrink(
     x: torch.Tensor,  # [T, H_in]
     a: torch.Tensor,  # [S, R, H_in] x.dtype
     seg_starts: torch.Tensor,  # [G + 1] int32
     seg_slots: torch.Tensor,  # [G] int32
     out: torch.Tensor,  # [T, R] float32, written
+    rows: torch.Tensor | None = None,  # [T] rows of x (gathered), or None: x's rows are T
 ) -> None:
     """out[tok] = x[tok] @ a[slot].T in float32 (exact products of half inputs, float32 sums);
     rows of segments without an adapter are 0."""
-    t, _, s, _ = check_shrink_args(x, a, seg_starts, seg_slots, out)
+    t, _, s, _ = check_shrink_args(x, a, seg_starts, seg_slots, out, rows)
+    rows = checked_rows(rows, x.shape[0])
     out.zero_()
     for lo, hi, slot in segments(seg_starts, seg_slots, t, s):
         if slot >= 0 and hi > lo:
-            out[lo:hi] = x[lo:hi].float() @ a[slot].float().T
+            out[lo:hi] = x[span(rows, lo, hi)].float() @ a[slot].float().T
 
 
 def lora_expand(
@@ -112,11 +151,13 @@ def lora_expand(
     seg_slots: torch.Tensor,  # [G] int32
     y: torch.Tensor,  # [T, N], N >= offset + H_out; updated in place
     offset: int,
+    rows: torch.Tensor | None = None,  # [T] distinct rows of y (scattered), or None
 ) -> None:
     """y[tok, offset:offset + H_out] += (t[tok] @ b[slot].T).to(y.dtype), the product in
     float32; rows without an adapter and the other columns stay as they are."""
-    num_tokens, _, s, h_out = check_expand_args(t, b, seg_starts, seg_slots, y, offset)
+    num_tokens, _, s, h_out = check_expand_args(t, b, seg_starts, seg_slots, y, offset, rows)
+    rows = checked_rows(rows, y.shape[0])
     for lo, hi, slot in segments(seg_starts, seg_slots, num_tokens, s):
         if slot >= 0 and hi > lo:
             delta = t[lo:hi] @ b[slot].float().T  # [hi - lo, H_out]
-            y[lo:hi, offset:offset + h_out] += delta.to(y.dtype)
+            y[span(rows, lo, hi), offset:offset + h_out] += delta.to(y.dtype)

@@ -183,6 +183,32 @@ def test_split_k(monkeypatch, device):
     run_and_check(lens, slots, 16, torch.float32, device, seed=6, h_in=200)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_rows(dtype, device):
+    """With `rows` (a shuffled subset of x's and y's rows, as the executor passes a step's
+    adapter tokens grouped by slot) both paths equal the dense call on the copied rows, and
+    the rows not named stay as they were; the reference equals the copied rows exactly."""
+    lens, slots = [4, 0, 9, 1, 3], [2, 0, -1, 0, 1]
+    xs, a, b, starts, seg_slots = step(lens, slots, 16, dtype, device, seed=11)
+    g = torch.Generator().manual_seed(12)
+    rows = torch.randperm(30, generator=g)[:17].to(device)  # 17 of 30 rows, any order
+    x = torch.randn(30, H_IN, generator=g).to(device, dtype)
+    x[rows] = xs
+    y0 = torch.randn(30, H_OUT + 8, generator=g).to(device, dtype)
+    want = reference(xs, a, b, starts, seg_slots, y0[rows], 5)  # the dense call on copies
+    for impl in (ref, lora):
+        out = torch.full((17, 16), float("nan"), device=device)
+        impl.lora_shrink(x, a, starts, seg_slots, out, rows)
+        y = y0.clone()
+        impl.lora_expand(want[0], b, starts, seg_slots, y, 5, rows)
+        check(lens, slots, (out, y[rows]), want, y0[rows], 5)
+        untouched = torch.ones(30, dtype=torch.bool, device=device)
+        untouched[rows] = False
+        assert torch.equal(y[untouched], y0[untouched])
+        if impl is ref:
+            assert torch.equal(out, want[0]) and torch.equal(y[rows], want[1])
+
+
 def test_grid_bounds_the_tiles_of_any_segmentation():
     """max_tiles (the grid, from T and G alone) covers every segmentation; decode's T
     one-token segments fill it exactly."""
@@ -221,9 +247,18 @@ def test_bad_arguments_raise(impl):
                         ((out, b, starts, slots, y[:4], 0), "y"),
                         ((out, b.half(), starts, slots, y, 0), "b dtype"),
                         ((out[:, :8], b, starts, slots, y, 0), "R: t's"),
-                        ((out.half(), b, starts, slots, y, 0), "t dtype")]:
+                        ((out.half(), b, starts, slots, y, 0), "t dtype"),
+                        ((out, b, starts, slots, y, 0, torch.arange(4)), "rows has 4"),
+                        ((out, b, starts, slots, y[:4], 0, torch.arange(5)), "more than"),
+                        ((out, b, starts, slots, y, 0, torch.arange(5.0)), "rows dtype")]:
         with pytest.raises(ValueError, match=match):
             expand(*args)
+    with pytest.raises(ValueError, match="out shape"):  # T is rows', not x's
+        shrink(x, a, starts, slots, out, torch.arange(4))
+    if shrink is ref.lora_shrink:  # the reference checks the values (a host sync)
+        for rows, match in [([0, 1, 1, 2, 3], "distinct"), ([0, 1, 2, 3, 5], "distinct")]:
+            with pytest.raises(ValueError, match=match):
+                shrink(x, a, starts, slots, out, torch.tensor(rows))
 
 
 # ---- model sizes and CUDA graphs (GPU only)
