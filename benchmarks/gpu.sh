@@ -103,7 +103,8 @@
 #   specdraft 8B at 1 running: a 1B draft (k 4, 2), the 8B as its own draft, n-gram; each
 #             record with a step's time by part (per_step_ms)
 #   specw1    W1 on 8B at the default flags, then with n-gram drafts off past 16 running
-#   lora      multi-LoRA (benchmarks/lora.py): the kernels' GPU tests; W1 8B with LORA_N (8)
+#   lora      multi-LoRA (benchmarks/lora.py): the kernels' and the graphed LoRA decode's GPU
+#             tests; the kernels beside their layers (bench_lora.py); W1 8B with LORA_N (8)
 #             rank-16 adapters over the requests against the base alone; 8B single stream
 #             128 -> 512 with one adapter against without
 #   remeasure the runs the old warm-up flattered: 8B 128 -> 512 at 1 and 16 running (LAT_SEQS;
@@ -404,7 +405,11 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     qwen3) for m in M8 MQ8; do tp W1 $m "${DEFAULTS[@]}"; done ;;
     lora)  # multi-LoRA: the kernels' GPU tests, W1 8B with LORA_N (8) rank-16 adapters
       # against the base alone, then 8B single stream (128 -> 512) with one adapter and without
-      python3 -m pytest -q -rs tests/kernels/test_lora.py 2>&1 | tail -4
+      python3 -m pytest -q -rs tests/kernels/test_lora.py \
+        "tests/executor_svc/test_cuda_graphs.py::test_lora_decode_steps_replay_their_graphs_and_keep_the_eager_tokens" \
+        2>&1 | tee $B/pytest_lora.log | tail -4
+      python3 benchmarks/kernels/bench_lora.py 2>&1 | tee -a $B/lora_kernels.log | tail -56
+      save
       python3 -m benchmarks.lora "${M8[@]}" --workload W1 --adapters "${LORA_N:-8}" --rank 16 \
         2>&1 | tee -a $B/lora.log | quiet 3
       save

@@ -536,7 +536,8 @@ def spec_decode_section(records: list[dict]) -> list[str]:
 def lora_section(records: list[dict]) -> list[str]:
     runs = {}  # run -> (base, lora): the two halves of one call
     for r in records:
-        runs.setdefault(r["run"], {})[r["lora"]] = r
+        if r["kind"] == "lora":
+            runs.setdefault(r["run"], {})[r["lora"]] = r
     pairs = [(run[False], run[True]) for run in runs.values() if len(run) == 2]
     newest_pairs = {(machine(lo), lo["model"], lo["workload"], lo["adapters"], lo["rank"]):
                     (base, lo) for base, lo in pairs}  # runs are in recorded order
@@ -545,11 +546,23 @@ def lora_section(records: list[dict]) -> list[str]:
              num(base["tpot_p50_ms"], ".2f"), num(lo["tpot_p50_ms"], ".2f"),
              num(lo["lora_vs_base"], ".2f"), lo["commit"], when(lo)]
             for base, lo in newest_pairs.values()]
+    kern = [[machine(r), r["module"], r["tokens"], r["rank"], r["adapters"],
+             "graph" if r["graph"] else "eager", num(r["base_ms"] * 1e3, ".1f"),
+             num(r["delta_ms"] * 1e3, ".1f"), num(r["delta_vs_base"], ".2f"), r["commit"]]
+            for r in newest((r for r in records if r["kind"] == "lora_kernel"
+                             and not r.get("smoke")),
+                            lambda r: (machine(r), r["rank"], r["module"], r["tokens"]))]
+    kernel_part = [
+        "### The LoRA kernels beside the layer they ride on (`bench_lora.py`, 8B shapes)",
+        "Microseconds: the base projection alone, and what wrapping it adds with every token "
+        "of the step under one of the adapters.",
+        table(["machine", "layer", "tokens", "rank", "adapters", "timed", "base us",
+               "+LoRA us", "LoRA / base", "commit"], kern)] if kern else []
     return section(
         "Multi-LoRA: adapters spread over the requests against the base alone (one call)",
         table(["machine", "model", "workload", "adapters", "rank", "base tok/s", "LoRA tok/s",
                "base TPOT p50 ms", "LoRA TPOT p50 ms", "lora_vs_base", "commit",
-               "recorded (UTC)"], rows)) if rows else []
+               "recorded (UTC)"], rows), *kernel_part) if rows or kern else []
 
 
 def perplexity_section(records: list[dict]) -> list[str]:

@@ -1,0 +1,133 @@
+"""Multi-LoRA kernels (kernels/lora.py) against the GEMMs they ride on.
+
+    python3 benchmarks/kernels/bench_lora.py                  # GPU: Llama-3.1-8B shapes, bf16
+    python3 benchmarks/kernels/bench_lora.py --smoke          # CPU interpreter, tiny shapes
+
+Each of a decoder layer's four projections (fused qkv, o, fused gate_up, down) is timed as the
+executor runs it: the base layer alone (F.linear, bf16) and the same layer wrapped in
+executor_svc.lora.LoraLinear with every token of the step carrying one of ADAPTERS adapters
+(spread uniformly, so the step's tokens form one segment per adapter: the worst case short of
+one adapter per token, which grouping by slot rules out). Decode at 1, 16, 64, 256 tokens,
+prefill at 2048 and 8192; ranks 16 and 64. Timing: medians of CUDA-graph replays
+(triton.testing.do_bench_cudagraph; decode steps are replayed as graphs in the executor) for
+decode, of do_bench for prefill (eager, as served). Records (family `lora`, kind
+`lora_kernel`): base_ms, lora_ms (the wrapped layer), delta_ms (their difference: what the
+adapters add) and delta_vs_base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
+    p.add_argument("--tokens", nargs="*", type=int, default=None)
+    p.add_argument("--ranks", nargs="*", type=int, default=None)
+    p.add_argument("--adapters", type=int, default=8)
+    return p.parse_args()
+
+
+ARGS = parse()
+if ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"
+    from pagedserve.kernels._interpreter import fix_interpreter_index
+
+    fix_interpreter_index()
+    os.environ.setdefault("PAGEDSERVE_RESULTS", tempfile.mkdtemp(prefix="bench_lora_"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import triton.testing  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks.common import write_records  # noqa: E402
+from pagedserve import kernels  # noqa: E402
+from pagedserve.executor.lora import LoraLinear, LoraStep  # noqa: E402
+
+DEV = torch.device("cpu" if ARGS.smoke else "cuda")
+DT = torch.float32 if ARGS.smoke else torch.bfloat16
+# Llama-3.1-8B: hidden 4096, 32 query and 8 KV heads of 128, MLP 14336
+HIDDEN, Q, KV, INTER = (64, 64, 16, 96) if ARGS.smoke else (4096, 4096, 1024, 14336)
+MODULES = {  # name: (in, [(part, out)])
+    "qkv": (HIDDEN, [("q_proj", Q), ("k_proj", KV), ("v_proj", KV)]),
+    "o": (Q, [("o_proj", HIDDEN)]),
+    "gate_up": (HIDDEN, [("gate_proj", INTER), ("up_proj", INTER)]),
+    "down": (INTER, [("down_proj", HIDDEN)]),
+}
+DECODE, PREFILL = (1, 16, 64, 256), (2048, 8192)
+
+
+def bench(fn, graph: bool) -> float:
+    if ARGS.smoke:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def layer(h_in: int, parts: list[tuple[str, int]], rank: int, step: LoraStep):
+    """(base, wrapped): one projection with ADAPTERS + 1 slots of N(0, 0.02) adapters."""
+    out = sum(n for _, n in parts)
+    base = nn.Linear(h_in, out, bias=False, device=DEV, dtype=DT)
+    nn.init.normal_(base.weight, 0, 0.02)
+    s = ARGS.adapters + 1
+    slots = SimpleNamespace(
+        rank=rank,
+        a={m: torch.empty(1, s, rank, h_in, device=DEV, dtype=DT).normal_(0, 0.02)
+           for m, _ in parts},
+        b={m: torch.empty(1, s, n, rank, device=DEV, dtype=DT).normal_(0, 0.02)
+           for m, n in parts})
+    offsets, at = [], 0
+    for m, n in parts:
+        offsets.append((m, at))
+        at += n
+    return base, LoraLinear(base, 0, offsets, slots, step, kernels.get_ops(
+        "torch" if ARGS.smoke else "triton"))
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    tokens = ARGS.tokens or ([1, 16] if ARGS.smoke else [*DECODE, *PREFILL])
+    ranks = ARGS.ranks or [16, 64]
+    records = []
+    for rank in ranks:
+        for name, (h_in, parts) in MODULES.items():
+            step = LoraStep(DEV)
+            base, wrapped = layer(h_in, parts, rank, step)
+            for t in tokens:
+                x = torch.randn(t, h_in, device=DEV, dtype=DT)
+                # every token with an adapter, uniformly over them: slots 1..ADAPTERS
+                slots = (np.arange(t) % ARGS.adapters + 1).astype(np.int64)
+                step.begin(np.arange(t + 1), slots)
+                graph = t <= max(DECODE)
+                with torch.no_grad():
+                    base_ms = bench(lambda base=base, x=x: base(x), graph)
+                    lora_ms = bench(lambda wrapped=wrapped, x=x: wrapped(x), graph)
+                step.end()
+                rec = {"kind": "lora_kernel", "module": name, "tokens": t, "rank": rank,
+                       "adapters": ARGS.adapters, "segments": min(t, ARGS.adapters),
+                       "graph": graph, "base_ms": base_ms, "lora_ms": lora_ms,
+                       "delta_ms": lora_ms - base_ms,
+                       "delta_vs_base": (lora_ms - base_ms) / base_ms,
+                       **({"smoke": True} if ARGS.smoke else {})}
+                records.append(rec)
+                print(f"rank {rank:3d} {name:8s} T={t:5d}: base {base_ms * 1e3:8.1f} us, "
+                      f"+LoRA {(lora_ms - base_ms) * 1e3:8.1f} us "
+                      f"({rec['delta_vs_base']:.2f}x)", flush=True)
+    print("wrote", write_records("lora", records))
+
+
+if __name__ == "__main__":
+    main()
