@@ -7,9 +7,11 @@ A slot holds, for every layer and target module, A [R, in] and B [out, R] with t
 scale folded into B and its rank zero-padded to R (--max-lora-rank): a module an adapter does not
 target stays zero. Slot 0 is the base model (all zeros, never computed). The projections are
 fused (qkv, gate_up), so a module's delta lands in its slice of the fused output; for the rows
-of tokens with an adapter, grouped by slot (LoraStep):
+of tokens with an adapter, grouped by slot (LoraStep), each module of a projection:
 
     y[rows, offset:offset + out] += (x[rows] @ A[slot].T) @ B[slot].T   (lora_shrink, expand)
+
+one shrink and one expand per projection (its modules' A stacked, their B side by side).
 """
 
 from __future__ import annotations
@@ -32,31 +34,43 @@ from pagedserve.executor.lora_host import (  # noqa: F401 (LoraError, load_adapt
     module_dims,
 )
 
+PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+               "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
 
 class LoraSlots:
-    """The device slots: per target module, A [layers, S + 1, R, in] and B [layers, S + 1, out,
-    R] in the model's dtype; index 0 stays zero (the base)."""
+    """The device slots, per projection (fused ones whole): A [layers, S + 1, P * R, in] (its
+    P parts' A stacked along the rank) and B [layers, S + 1, out, R] (their B along the
+    output, as the base's fused weight) in the model's dtype; slot 0 stays zero (the base)."""
 
     def __init__(self, cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
         s, r, n = lora.max_loras + 1, lora.max_lora_rank, cfg.num_layers
         self.max_loras, self.rank = lora.max_loras, r
-        self.a = {m: torch.zeros(n, s, r, i, dtype=dtype, device=device)
-                  for m, (i, _) in module_dims(cfg).items()}
-        self.b = {m: torch.zeros(n, s, o, r, dtype=dtype, device=device)
-                  for m, (_, o) in module_dims(cfg).items()}
+        dims = module_dims(cfg)
+        self.sizes = {p: tuple(dims[m][1] for m in ms) for p, ms in PROJECTIONS.items()}
+        self.a = {p: torch.zeros(n, s, len(ms) * r, dims[ms[0]][0], dtype=dtype, device=device)
+                  for p, ms in PROJECTIONS.items()}
+        self.b = {p: torch.zeros(n, s, sum(self.sizes[p]), r, dtype=dtype, device=device)
+                  for p in PROJECTIONS}
+        self.place = {}  # module -> (projection, part, its first output column)
+        for p, ms in PROJECTIONS.items():
+            for i, m in enumerate(ms):
+                self.place[m] = (p, i, sum(self.sizes[p][:i]))
         self.holds = [0] * s  # adapter id in each slot (0: none)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
 
     def load(self, slot: int, adapter_id: int, adapter: HostAdapter) -> None:
-        for m in TARGETS:
-            self.a[m][:, slot].zero_()
-            self.b[m][:, slot].zero_()
+        for p in PROJECTIONS:
+            self.a[p][:, slot].zero_()
+            self.b[p][:, slot].zero_()
+        r = self.rank
         for (layer, m), (a, b) in adapter.weights.items():
-            self.a[m][layer, slot, :adapter.rank].copy_(a)
-            self.b[m][layer, slot, :, :adapter.rank].copy_(b)
+            p, i, col = self.place[m]
+            self.a[p][layer, slot, i * r:i * r + adapter.rank].copy_(a)
+            self.b[p][layer, slot, col:col + b.shape[0], :adapter.rank].copy_(b)
         self.holds[slot] = adapter_id
 
 
@@ -90,42 +104,43 @@ class LoraStep:
 
 
 class LoraLinear(nn.Module):
-    """A projection (possibly fused) with each part's LoRA delta added to its output slice."""
+    """A projection (possibly fused) with its adapters' delta added to its output: one shrink
+    and one expand whatever its parts (LoraSlots stacks them)."""
 
-    def __init__(self, base: nn.Module, layer: int, parts: list[tuple[str, int]],
-                 slots: LoraSlots, step: LoraStep, ops: Any) -> None:
+    def __init__(self, base: nn.Module, layer: int, projection: str, slots: LoraSlots,
+                 step: LoraStep, ops: Any) -> None:
         super().__init__()
-        self.base, self.layer, self.parts = base, layer, parts
+        self.base, self.layer, self.projection = base, layer, projection
         self.slots, self.step, self.ops = slots, step, ops
+        sizes = slots.sizes[projection]
+        self.parts = sizes if len(sizes) > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in]
         y = self.base(x)  # [T, out of every part]
         if self.step.current is None:
             return y
         rows, starts, seg_slots = self.step.current  # the adapters' tokens, grouped by slot
-        t = torch.empty(len(rows), self.slots.rank, dtype=torch.float32, device=x.device)
-        for module, offset in self.parts:  # gathered from x, scattered into y: no copies
-            self.ops.lora_shrink(x, self.slots.a[module][self.layer], starts, seg_slots, t, rows)
-            self.ops.lora_expand(t, self.slots.b[module][self.layer], starts, seg_slots, y,
-                                 offset, rows)
+        a, b = self.slots.a[self.projection][self.layer], self.slots.b[self.projection][self.layer]
+        t = torch.empty(len(rows), a.shape[1], dtype=torch.float32, device=x.device)
+        # gathered from x, scattered into y: no copies
+        self.ops.lora_shrink(x, a, starts, seg_slots, t, rows)
+        self.ops.lora_expand(t, b, starts, seg_slots, y, 0, rows, self.parts)
         return y
 
 
 def attach(model: nn.Module, cfg: ModelConfig, slots: LoraSlots, step: LoraStep,
            ops: Any) -> None:
     """Wrap every decoder layer's projections (after the weights are loaded)."""
-    dims = module_dims(cfg)
-    q, kv, inter = dims["q_proj"][1], dims["k_proj"][1], dims["gate_proj"][1]
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
 
-        def wrap(base, parts, i=i):
-            return LoraLinear(base, i, parts, slots, step, ops)
+        def wrap(base, projection, i=i):
+            return LoraLinear(base, i, projection, slots, step, ops)
 
-        attn.qkv_proj = wrap(attn.qkv_proj, [("q_proj", 0), ("k_proj", q), ("v_proj", q + kv)])
-        attn.o_proj = wrap(attn.o_proj, [("o_proj", 0)])
-        mlp.gate_up_proj = wrap(mlp.gate_up_proj, [("gate_proj", 0), ("up_proj", inter)])
-        mlp.down_proj = wrap(mlp.down_proj, [("down_proj", 0)])
+        attn.qkv_proj = wrap(attn.qkv_proj, "qkv")
+        attn.o_proj = wrap(attn.o_proj, "o")
+        mlp.gate_up_proj = wrap(mlp.gate_up_proj, "gate_up")
+        mlp.down_proj = wrap(mlp.down_proj, "down")
 
 
 class LoraRuntime:
@@ -166,10 +181,12 @@ class LoraRuntime:
 
 
 def build(model: nn.Module, cfg: ModelConfig, lora: LoraConfig, dtype: torch.dtype,
-          device: torch.device, ops: Any) -> LoraRuntime:
-    """Read every adapter (LoraError at the first bad one), make the slots, wrap the model."""
+          device: torch.device, ops: Any, whole: ModelConfig | None = None) -> LoraRuntime:
+    """Read every adapter (LoraError at the first bad one), make the slots, wrap the model.
+    With tensor parallelism cfg is this rank's config and `whole` the model's: adapters are
+    checked against the model and each rank keeps its share (tp_layers.shard_lora)."""
     check_model(cfg)
-    host = HostCache(cfg, lora.max_lora_rank, lora.max_cpu_loras)
+    host = HostCache(cfg, lora.max_lora_rank, lora.max_cpu_loras, whole)
     for i, (name, path) in enumerate(lora.modules):  # each checked at start
         host.add(i + 1, name, path)
     slots, step = LoraSlots(cfg, lora, dtype, device), LoraStep(device)

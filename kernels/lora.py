@@ -42,7 +42,8 @@ import triton.language as tl
 from pagedserve.kernels.lora_reference import check_expand_args, check_shrink_args
 
 TARGET_PROGRAMS = 256  # about two waves of an H200's 132 SMs: shrink splits K below that
-MIN_K_PER_SPLIT = 1024  # columns of x a shrink program reads at least
+MIN_K_PER_SPLIT = 512  # columns of x a shrink program reads at least
+R_CHUNK = 64  # shrink's columns of out per program (a fused projection's stacked ranks: more)
 # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw 16-bit patterns in tl.dot
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -95,15 +96,16 @@ def _shrink_kernel(
     CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     GATHER: tl.constexpr,
 ):
-    """out[pos] (+)= x[row, k-split] @ a[slot][:, k-split].T for one tile's positions (row:
-    rows[pos] when GATHER, else pos)."""
+    """out[pos, r-chunk] (+)= x[row, k-split] @ a[slot][r-chunk, k-split].T for one tile's
+    positions (row: rows[pos] when GATHER, else pos); the rank in chunks of R_PAD (grid axis
+    2: a fused projection's parts stacked)."""
     seg, row0, end = _find_tile(starts_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK)
     if seg < 0:
         return
     slot = tl.load(slots_ptr + seg).to(tl.int64)
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < end
-    offs_r = tl.arange(0, R_PAD)
+    offs_r = tl.program_id(2) * R_PAD + tl.arange(0, R_PAD)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_o + offs_r[None, :]
     out_ok = row_ok[:, None] & (offs_r < rank)[None, :]
     acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
@@ -152,43 +154,64 @@ def lora_shrink(
         return
     block_m = block_m_for(num_tokens, num_segs)
     tiles = max_tiles(num_tokens, num_segs, block_m)
-    split = split_k_for(tiles, h_in)
+    r_pad = min(R_CHUNK, max(16, triton.next_power_of_2(rank)))
+    chunks = triton.cdiv(rank, r_pad)
+    split = split_k_for(tiles * chunks, h_in)
     if split > 1:
         out.zero_()
     block_k = max(16, min(128 if block_m == 16 else 64, triton.next_power_of_2(h_in)))
-    _shrink_kernel[(tiles, split)](
+    _shrink_kernel[(tiles, split, chunks)](
         x, a, seg_starts, seg_slots, out, seg_starts if rows is None else rows, num_segs, h_in,
         rank,
         x.stride(0), a.stride(0), a.stride(1), out.stride(0),
-        SPLIT_K=split, BLOCK_M=block_m, R_PAD=max(16, triton.next_power_of_2(rank)),
+        SPLIT_K=split, BLOCK_M=block_m, R_PAD=r_pad,
         BLOCK_K=block_k, CHUNK=min(1024, max(16, triton.next_power_of_2(num_segs))),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_FP32=INTERPRETED and x.dtype != torch.float32, GATHER=rows is not None,
         num_warps=4)
 
 
-@triton.jit(do_not_specialize=["num_segs", "h_out"])
+@triton.jit(do_not_specialize=["num_segs", "h_out", "n1", "n2"])
 def _expand_kernel(
-    t_ptr, b_ptr, starts_ptr, slots_ptr, y_ptr, rows_ptr, num_segs, h_out, rank,
+    t_ptr, b_ptr, starts_ptr, slots_ptr, y_ptr, rows_ptr, num_segs, h_out, n1, n2, rank,
     stride_t, stride_bs, stride_bn, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr, SCATTER: tl.constexpr,
+    PRECISION: tl.constexpr, SCATTER: tl.constexpr, PARTS: tl.constexpr,
 ):
-    """y[row, cols] += (t[pos] @ b[slot][cols].T).to(y.dtype) for one tile's positions (row:
-    rows[pos] when SCATTER, else pos); y_ptr points at column `offset` already."""
+    """y[row, cols] += (t[pos, part's ranks] @ b[slot][cols].T).to(y.dtype) for one tile's
+    positions (row: rows[pos] when SCATTER, else pos) and one column block of one part (parts
+    end at n1, n2, h_out; grid axis 1 runs over every part's blocks); y_ptr points at column
+    `offset` already."""
     seg, row0, end = _find_tile(starts_ptr, num_segs, tl.program_id(0), BLOCK_M, CHUNK)
     if seg < 0:
         return
     slot = tl.load(slots_ptr + seg).to(tl.int64)
     if slot < 0:
         return
+    blk = tl.program_id(1)
+    part, lo, hi = 0, 0, h_out
+    if PARTS > 1:  # which part's columns this block covers (part p: columns ends[p-1]..ends[p])
+        nb0 = tl.cdiv(n1, BLOCK_N)
+        part = (blk >= nb0).to(tl.int32)
+        lo = part * n1
+        first = part * nb0  # the part's first block
+        if PARTS > 2:
+            nb1 = tl.cdiv(n2 - n1, BLOCK_N)
+            in2 = (blk >= nb0 + nb1).to(tl.int32)
+            part += in2
+            lo = tl.where(in2 > 0, n2, lo)
+            first += in2 * nb1
+            hi = tl.where(part == 0, n1, tl.where(part == 1, n2, h_out))
+        else:
+            hi = tl.where(part == 0, n1, h_out)
+        blk -= first
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < end
     offs_r = tl.arange(0, R_PAD)
     r_ok = offs_r < rank
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < h_out
-    tt = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + offs_r[None, :],
+    offs_n = lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hi
+    tt = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + part * rank + offs_r[None, :],
                  mask=row_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_M, R_PAD]
     bt = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
                  mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # [R_PAD, BLOCK_N]
@@ -205,28 +228,34 @@ def _expand_kernel(
 
 
 def lora_expand(
-    t: torch.Tensor,  # [T, R] float32 (lora_shrink's out)
+    t: torch.Tensor,  # [T, P * R] float32 (lora_shrink's out)
     b: torch.Tensor,  # [S, H_out, R] y.dtype
     seg_starts: torch.Tensor,  # [G + 1] int32, from 0 up to T
     seg_slots: torch.Tensor,  # [G] int32 in [-1, S)
     y: torch.Tensor,  # [T, N], N >= offset + H_out; updated in place
     offset: int,
     rows: torch.Tensor | None = None,  # [T] distinct rows of y (scattered), or None
+    parts: tuple[int, ...] | None = None,  # P <= 3 column counts summing to H_out, or None
 ) -> None:
     """y[tok, offset:offset + H_out] += (t[tok] @ b[slot].T).to(y.dtype) for tokens of segments
-    with slot >= 0 (y[rows[tok]] with rows); other rows and columns untouched."""
-    num_tokens, rank, _, h_out = check_expand_args(t, b, seg_starts, seg_slots, y, offset, rows)
+    with slot >= 0 (y[rows[tok]] with rows); other rows and columns untouched. With parts, part
+    p's columns take t's columns p * R .. (p + 1) * R (a fused projection, one launch)."""
+    num_tokens, rank, _, h_out = check_expand_args(t, b, seg_starts, seg_slots, y, offset, rows,
+                                                   parts)
     num_segs = seg_slots.shape[0]
     if num_tokens == 0 or h_out == 0:
         return
+    sizes = parts or (h_out,)
     block_m = block_m_for(num_tokens, num_segs)
-    block_n = max(16, min(64 if block_m == 16 else 128, triton.next_power_of_2(h_out)))
-    grid = (max_tiles(num_tokens, num_segs, block_m), triton.cdiv(h_out, block_n))
+    block_n = max(16, min(64 if block_m == 16 else 128, triton.next_power_of_2(max(sizes))))
+    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))] + [h_out] * 2
+    grid = (max_tiles(num_tokens, num_segs, block_m),
+            sum(triton.cdiv(n, block_n) for n in sizes))
     _expand_kernel[grid](
         t, b, seg_starts, seg_slots, y[:, offset:], seg_starts if rows is None else rows,
-        num_segs, h_out, rank,
+        num_segs, h_out, ends[0], ends[1], rank,
         t.stride(0), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, R_PAD=max(16, triton.next_power_of_2(rank)),
         CHUNK=min(1024, max(16, triton.next_power_of_2(num_segs))),
         PRECISION="ieee" if y.dtype == torch.float32 else "tf32", SCATTER=rows is not None,
-        num_warps=4)
+        PARTS=len(sizes), num_warps=4)

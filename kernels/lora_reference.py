@@ -21,9 +21,13 @@ y: shrink reads x[rows[p]] into t[p], expand adds t[p]'s delta into y[rows[p]]. 
 applies the adapters to the rows that have one, grouped by slot, with no copy of x or of the
 delta (rows must be distinct: expand's adds into y do not combine).
 
-A fused projection (qkv, gate_up) calls expand once per sub-module, each into its column slice
-of the one output y [T, N]. Checks of shapes and dtypes live here for both paths; the values of
-seg_starts and seg_slots are checked here only (the Triton path never syncs with the host).
+A fused projection (qkv, gate_up) of P parts (P <= 3) runs as one shrink and one expand: its
+parts' A stacked along the rank (a [S, P * R, H_in], t [T, P * R]) and their B along the output
+(b [S, H_out, R], H_out the parts' columns summed); expand's `parts` (the P column counts) makes
+part p's columns take t's columns p * R .. (p + 1) * R.
+
+Checks of shapes and dtypes live here for both paths; the values of seg_starts, seg_slots and
+rows are checked here only (the Triton path never syncs with the host).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from pagedserve.kernels._checks import FLOAT_DTYPES, check_inner_contiguous, check_out, check_tensor
 
 MAX_RANK = 128  # R the Triton kernels hold in one tile (adapters in practice: ranks 8 to 64)
+MAX_PARTS = 3  # parts of a fused projection (qkv)
 
 
 def check_segments(seg_starts: torch.Tensor, seg_slots: torch.Tensor,
@@ -66,28 +71,34 @@ def check_shrink_args(x, a, seg_starts, seg_slots, out, rows=None) -> tuple[int,
     check_tensor("a", a, 3, (x.dtype,), dev)
     check_inner_contiguous("a", a)
     s, r, a_in = a.shape
-    if a_in != h_in or not 1 <= r <= MAX_RANK:
+    if a_in != h_in or not 1 <= r <= MAX_PARTS * MAX_RANK:
         raise ValueError(f"a {tuple(a.shape)} must be [S, R, {h_in}] (H_in: x's last dim), "
-                         f"1 <= R <= {MAX_RANK}")
+                         f"1 <= R <= {MAX_PARTS} x {MAX_RANK} (parts stacked)")
     check_segments(seg_starts, seg_slots, dev)
     check_out("out", out, (t, r), torch.float32, dev)
     return t, h_in, s, r
 
 
-def check_expand_args(t, b, seg_starts, seg_slots, y, offset, rows=None
+def check_expand_args(t, b, seg_starts, seg_slots, y, offset, rows=None, parts=None
                       ) -> tuple[int, int, int, int]:
-    """(T, R, S, H_out) of a valid lora_expand call; anything else raises ValueError."""
+    """(T, R, S, H_out) of a valid lora_expand call (R: a part's rank); anything else raises
+    ValueError."""
     check_tensor("t", t, 2, (torch.float32,))
     check_inner_contiguous("t", t)
-    dev, (num_tokens, r) = t.device, t.shape
+    dev, (num_tokens, t_r) = t.device, t.shape
     check_tensor("y", y, 2, FLOAT_DTYPES, dev)
     check_inner_contiguous("y", y)
     check_tensor("b", b, 3, (y.dtype,), dev)
     check_inner_contiguous("b", b)
-    s, h_out, b_r = b.shape
-    if b_r != r or not 1 <= r <= MAX_RANK:
-        raise ValueError(f"b {tuple(b.shape)} must be [S, H_out, {r}] (R: t's last dim), "
-                         f"1 <= R <= {MAX_RANK}")
+    s, h_out, r = b.shape
+    num_parts = 1 if parts is None else len(parts)
+    if parts is not None and (not 1 <= num_parts <= MAX_PARTS or any(
+            not isinstance(n, int) or n < 0 for n in parts) or sum(parts) != h_out):
+        raise ValueError(f"parts {parts} must be 1 to {MAX_PARTS} column counts summing to "
+                         f"b's H_out {h_out}")
+    if t_r != num_parts * r or not 1 <= r <= MAX_RANK:
+        raise ValueError(f"b {tuple(b.shape)} must be [S, H_out, R] with t's last dim {t_r} = "
+                         f"{num_parts} part(s) x R (R: t's), 1 <= R <= {MAX_RANK}")
     check_segments(seg_starts, seg_slots, dev)
     check_rows(rows, dev, y.shape[0])
     if rows is not None and rows.shape[0] != num_tokens:
@@ -152,12 +163,19 @@ def lora_expand(
     y: torch.Tensor,  # [T, N], N >= offset + H_out; updated in place
     offset: int,
     rows: torch.Tensor | None = None,  # [T] distinct rows of y (scattered), or None
+    parts: tuple[int, ...] | None = None,  # P column counts summing to H_out, or None
 ) -> None:
     """y[tok, offset:offset + H_out] += (t[tok] @ b[slot].T).to(y.dtype), the product in
-    float32; rows without an adapter and the other columns stay as they are."""
-    num_tokens, _, s, h_out = check_expand_args(t, b, seg_starts, seg_slots, y, offset, rows)
+    float32; rows without an adapter and the other columns stay as they are. With parts, part
+    p's columns take t's columns p * R .. (p + 1) * R."""
+    num_tokens, r, s, h_out = check_expand_args(t, b, seg_starts, seg_slots, y, offset, rows,
+                                                parts)
     rows = checked_rows(rows, y.shape[0])
     for lo, hi, slot in segments(seg_starts, seg_slots, num_tokens, s):
         if slot >= 0 and hi > lo:
-            delta = t[lo:hi] @ b[slot].float().T  # [hi - lo, H_out]
-            y[span(rows, lo, hi), offset:offset + h_out] += delta.to(y.dtype)
+            col = offset
+            for p, n in enumerate(parts or (h_out,)):
+                b_p = b[slot, col - offset:col - offset + n].float()  # [n, R]
+                delta = t[lo:hi, p * r:(p + 1) * r] @ b_p.T  # [hi - lo, n]
+                y[span(rows, lo, hi), col:col + n] += delta.to(y.dtype)
+                col += n

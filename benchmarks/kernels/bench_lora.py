@@ -77,23 +77,18 @@ def bench(fn, graph: bool) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def layer(h_in: int, parts: list[tuple[str, int]], rank: int, step: LoraStep):
-    """(base, wrapped): one projection with ADAPTERS + 1 slots of N(0, 0.02) adapters."""
+def layer(name: str, h_in: int, parts: list[tuple[str, int]], rank: int, step: LoraStep):
+    """(base, wrapped): one projection with ADAPTERS + 1 slots of N(0, 0.02) adapters, laid out
+    as LoraSlots lays them (parts' A stacked along the rank, their B along the output)."""
     out = sum(n for _, n in parts)
     base = nn.Linear(h_in, out, bias=False, device=DEV, dtype=DT)
     nn.init.normal_(base.weight, 0, 0.02)
     s = ARGS.adapters + 1
     slots = SimpleNamespace(
-        rank=rank,
-        a={m: torch.empty(1, s, rank, h_in, device=DEV, dtype=DT).normal_(0, 0.02)
-           for m, _ in parts},
-        b={m: torch.empty(1, s, n, rank, device=DEV, dtype=DT).normal_(0, 0.02)
-           for m, n in parts})
-    offsets, at = [], 0
-    for m, n in parts:
-        offsets.append((m, at))
-        at += n
-    return base, LoraLinear(base, 0, offsets, slots, step, kernels.get_ops(
+        rank=rank, sizes={name: tuple(n for _, n in parts)},
+        a={name: torch.empty(1, s, len(parts) * rank, h_in, device=DEV, dtype=DT).normal_(0, 0.02)},
+        b={name: torch.empty(1, s, out, rank, device=DEV, dtype=DT).normal_(0, 0.02)})
+    return base, LoraLinear(base, 0, name, slots, step, kernels.get_ops(
         "torch" if ARGS.smoke else "triton"))
 
 
@@ -105,7 +100,7 @@ def main() -> None:
     for rank in ranks:
         for name, (h_in, parts) in MODULES.items():
             step = LoraStep(DEV)
-            base, wrapped = layer(h_in, parts, rank, step)
+            base, wrapped = layer(name, h_in, parts, rank, step)
             for t in tokens:
                 x = torch.randn(t, h_in, device=DEV, dtype=DT)
                 # every token with an adapter, uniformly over them: slots 1..ADAPTERS

@@ -209,6 +209,42 @@ def test_gathered_rows(dtype, device):
             assert torch.equal(out, want[0]) and torch.equal(y[rows], want[1])
 
 
+@pytest.mark.parametrize("sizes,rank", [((48, 16, 16), 8), ((40, 56), 16), ((24, 40, 8), 32)])
+def test_fused_parts(sizes, rank, device):
+    """A fused projection in one shrink (the parts' A stacked along the rank; 96 columns at
+    rank 32: two of shrink's 64-column chunks) and one expand (`parts`), gathered: both paths
+    equal the reference run part by part, each into its column slice."""
+    lens, slots = [3, 0, 6, 2, 5], [1, 0, -1, 2, 0]
+    g = torch.Generator().manual_seed(13)
+    p, n = len(sizes), sum(sizes)
+    a = (torch.randn(SLOTS, p * rank, H_IN, generator=g) * H_IN**-0.5).to(device)
+    b = (torch.randn(SLOTS, n, rank, generator=g) * rank**-0.5).to(device)
+    _, _, _, starts, seg_slots = step(lens, slots, device=device)
+    rows = torch.randperm(20, generator=g)[:16].to(device)
+    x = torch.randn(20, H_IN, generator=g).to(device)
+    y0 = torch.randn(20, n + 4, generator=g).to(device)
+    want_t, want_y, col = [], y0.clone(), 2
+    for i, size in enumerate(sizes):  # part by part, as separate modules
+        t_i = torch.empty(16, rank, device=device)
+        ref.lora_shrink(x, a[:, i * rank:(i + 1) * rank].contiguous(), starts, seg_slots, t_i,
+                        rows)
+        ref.lora_expand(t_i, b[:, col - 2:col - 2 + size].contiguous(), starts, seg_slots,
+                        want_y, col, rows)
+        want_t.append(t_i)
+        col += size
+    want_t = torch.cat(want_t, 1)
+    for impl in (ref, lora):
+        t = torch.full((16, p * rank), float("nan"), device=device)
+        impl.lora_shrink(x, a, starts, seg_slots, t, rows)
+        y = y0.clone()
+        impl.lora_expand(want_t, b, starts, seg_slots, y, 2, rows, sizes)
+        torch.testing.assert_close(t, want_t, rtol=1e-5, atol=1e-5 * want_t.abs().max().item())
+        torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5 * want_y.abs().max().item())
+        untouched = torch.ones(20, dtype=torch.bool, device=device)
+        untouched[rows] = False
+        assert torch.equal(y[untouched], y0[untouched])
+
+
 def test_grid_bounds_the_tiles_of_any_segmentation():
     """max_tiles (the grid, from T and G alone) covers every segmentation; decode's T
     one-token segments fill it exactly."""
@@ -239,8 +275,8 @@ def test_bad_arguments_raise(impl):
                         ((x, a, starts.long(), slots, out), "seg_starts dtype"),
                         ((x, a, starts, slots, out.half()), "out dtype"),
                         ((x, a, starts, slots, out[:, :8]), "out shape"),
-                        ((x, torch.zeros(3, 129, H_IN), starts, slots, torch.empty(5, 129)),
-                         "R <= 128")]:
+                        ((x, torch.zeros(3, 385, H_IN), starts, slots, torch.empty(5, 385)),
+                         "3 x 128")]:
         with pytest.raises(ValueError, match=match):
             shrink(*args)
     for args, match in [((out, b, starts, slots, y, 3), "offset"),
@@ -250,7 +286,11 @@ def test_bad_arguments_raise(impl):
                         ((out.half(), b, starts, slots, y, 0), "t dtype"),
                         ((out, b, starts, slots, y, 0, torch.arange(4)), "rows has 4"),
                         ((out, b, starts, slots, y[:4], 0, torch.arange(5)), "more than"),
-                        ((out, b, starts, slots, y, 0, torch.arange(5.0)), "rows dtype")]:
+                        ((out, b, starts, slots, y, 0, torch.arange(5.0)), "rows dtype"),
+                        ((out, b, starts, slots, y, 0, None, (40, 8)), "R: t's"),
+                        ((out, b, starts, slots, y, 0, None, (40,)), "summing"),
+                        ((out, b, starts, slots, y, 0, None, (1, 1, 1, H_OUT - 3)), "1 to 3"),
+                        ((out, torch.zeros(3, H_OUT, 129), starts, slots, y, 0), "R <= 128")]:
         with pytest.raises(ValueError, match=match):
             expand(*args)
     with pytest.raises(ValueError, match="out shape"):  # T is rows', not x's
