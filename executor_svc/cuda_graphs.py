@@ -89,7 +89,8 @@ class DecodeGraphs:
         # tensor parallelism: rank 0 hands the staged inputs (padded batch, batch, table width)
         # to the other ranks, which replay their own graphs (executor_svc/distributed.py); the
         # graphs hold the NCCL all-reduces and all-gather, captured on every rank in one order
-        self.before_replay: Callable[[int, int, int], None] | None = None
+        # (bs, b, nb, with_lora) once a replay's inputs are staged (tensor parallelism)
+        self.before_replay: Callable[[int, int, int, bool], None] | None = None
         # device memory the graphs hold: these buffers, then the capture's pool and graphs
         self.capture_bytes = before - torch.cuda.mem_get_info(device)[0] if cuda else 0
 
@@ -207,13 +208,12 @@ class DecodeGraphs:
         self.seq_lens[:bs].copy_(self._stage_dev[3, :bs])
         nb = tables.shape[1]
         self.block_tables[:b, :nb].copy_(to_device(tables, self.block_tables.device))
-        if self.before_replay is not None:
-            self.before_replay(bs, b, nb)
-        if lora_slots is not None and lora_slots.any():
+        with_lora = lora_slots is not None and bool(lora_slots.any())
+        if with_lora:
             self._stage_lora(lora_slots, bs)
-            self.lora_graphs[bs].replay()
-        else:
-            self.graphs[bs].replay()
+        if self.before_replay is not None:
+            self.before_replay(bs, b, nb, with_lora)
+        (self.lora_graphs if with_lora else self.graphs)[bs].replay()
         return self.logits[:b]
 
     def _stage_lora(self, lora_slots: np.ndarray, bs: int) -> None:

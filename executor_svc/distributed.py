@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -40,6 +41,9 @@ log = logging.getLogger("pagedserve.executor")
 # HIDDEN and LOGITS: a forward pass that keeps its hidden states, then logits of some of its
 # rows (prompt logprobs score rows in slices): lm_head's all-gather runs once per slice
 FORWARD, GRAPH, SWAP, STOP, HIDDEN, LOGITS = 1, 2, 3, 4, 5, 6
+# LoRA adapters (executor_svc/lora.py): a slot loaded, an adapter read or dropped at run time,
+# a new scheduler's reset; each rank keeps its share of every adapter
+LORA_LOAD, LORA_ADD, LORA_REMOVE, LORA_RESET = 7, 8, 9, 10
 # a collective that waits this long for a peer fails; a dead peer is noticed sooner (above)
 TIMEOUT = timedelta(minutes=10)
 
@@ -74,26 +78,34 @@ class Link:
 
     def __init__(self, pipes: list[Connection]) -> None:
         self.pipes = pipes
+        self.lora_step: Any = None  # rank 0's LoraStep (--enable-lora)
 
-    def send(self, *header: int) -> None:
+    def send(self, *header: int, payload: bytes | None = None) -> None:
         data = np.asarray(header, np.int64).tobytes()
         for pipe in self.pipes:
             pipe.send_bytes(data)
+            if payload is not None:
+                pipe.send_bytes(payload)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor, kind: int = FORWARD) -> None:
         b, nb = meta.block_tables.shape
+        lora = self.lora_step.current if self.lora_step is not None else None
+        rows, starts, slots = lora if lora is not None else (ids[:0],) * 3
         self.send(kind, len(ids), b, nb, len(logits_indices), meta.max_query_len,
-                  meta.max_seq_len)
+                  meta.max_seq_len, len(rows), len(slots))
         dist.broadcast(torch.cat([ids, positions, meta.slot_mapping, meta.seq_lens.long(),
                                   meta.cu_seqlens_q.long(), logits_indices,
-                                  meta.block_tables.flatten().long()]), src=0)
+                                  meta.block_tables.flatten().long(), rows.long(),
+                                  starts.long(), slots.long()]), src=0)
 
-    def graph(self, graphs: Any, bs: int, b: int, nb: int) -> None:
-        self.send(GRAPH, bs, b, nb)
+    def graph(self, graphs: Any, bs: int, b: int, nb: int, with_lora: bool) -> None:
+        self.send(GRAPH, bs, b, nb, with_lora)
+        lora = [graphs.lora_rows[:bs], graphs.lora_starts.long()] if with_lora else []
         dist.broadcast(torch.cat([graphs.input_ids[:bs], graphs.positions[:bs],
                                   graphs.slot_mapping[:bs], graphs.seq_lens[:bs].long(),
-                                  graphs.block_tables[:b, :nb].flatten().long()]), src=0)
+                                  graphs.block_tables[:b, :nb].flatten().long(), *lora]),
+                       src=0)
 
 
 class LeaderModel:
@@ -114,6 +126,35 @@ class LeaderModel:
         self.link.send(LOGITS, len(rows))
         dist.broadcast(rows.long().contiguous(), src=0)
         return self.model.logits_of(hidden, rows)
+
+
+class LeaderLora:
+    """Rank 0's LoRA runtime: slot loads and run-time adapter changes happen on every rank,
+    each reading the adapter's files for its own share (rank 0 first: an adapter it refuses
+    reaches no follower)."""
+
+    def __init__(self, lora: Any, link: Link) -> None:
+        self.lora, self.link = lora, link
+        self.host, self.slots, self.step = lora.host, lora.slots, lora.step
+
+    def load(self, slot: int, adapter_id: int) -> None:
+        self.lora.load(slot, adapter_id)
+        self.link.send(LORA_LOAD, slot, adapter_id)
+
+    def add(self, adapter_id: int, name: str, path: str) -> None:
+        self.lora.add(adapter_id, name, path)
+        self.link.send(LORA_ADD, adapter_id, payload=json.dumps([name, path]).encode())
+
+    def remove(self, adapter_id: int) -> None:
+        self.lora.remove(adapter_id)
+        self.link.send(LORA_REMOVE, adapter_id)
+
+    def reset(self) -> None:
+        self.lora.reset()
+        self.link.send(LORA_RESET)
+
+    def check_slot(self, slot: int, adapter_id: int = 0) -> None:
+        self.lora.check_slot(slot, adapter_id)
 
 
 class LeaderSwap:
@@ -164,9 +205,12 @@ class Group:
         runner = worker.runner
         runner.model = LeaderModel(runner.model, self.link)
         runner.swap = LeaderSwap(runner.swap, self.link)
+        if runner.lora is not None:
+            runner.lora = LeaderLora(runner.lora, self.link)
+            self.link.lora_step = runner.lora.step
         if worker.graphs is not None:
-            worker.graphs.before_replay = lambda bs, b, nb: self.link.graph(worker.graphs, bs,
-                                                                            b, nb)
+            worker.graphs.before_replay = lambda bs, b, nb, with_lora: self.link.graph(
+                worker.graphs, bs, b, nb, with_lora)
 
     def _watch(self) -> None:
         ended = wait([p.sentinel for p in self.procs])
@@ -197,6 +241,7 @@ class Follower:
         self.worker, self.pipe = worker, pipe
         self.model, self.kv = worker.runner.model, worker.runner.kv_caches
         self.swap, self.device = worker.runner.swap, worker.device
+        self.lora = worker.lora  # this rank's LoRA runtime (--enable-lora), or None
         self.hidden = torch.empty(0)  # the last HIDDEN pass's, for the LOGITS after it
 
     def run(self) -> None:
@@ -219,6 +264,14 @@ class Follower:
             way, n = rest[0], (len(rest) - 1) // 2
             fn = self.swap.swap_in if way else self.swap.swap_out
             fn(self.kv, rest[1:1 + n], rest[1 + n:])
+        elif kind == LORA_LOAD:
+            self.lora.load(*rest)
+        elif kind == LORA_ADD:
+            self.lora.add(rest[0], *json.loads(self.pipe.recv_bytes()))
+        elif kind == LORA_REMOVE:
+            self.lora.remove(rest[0])
+        elif kind == LORA_RESET:
+            self.lora.reset()
         return kind != STOP
 
     def _recv(self, n: int) -> torch.Tensor:
@@ -227,25 +280,37 @@ class Follower:
         return t
 
     def _forward(self, kind: int, t: int, b: int, nb: int, s: int, max_q: int,
-                 max_seq: int) -> None:
-        ids, pos, slots, lens, cu, rows, tables = self._recv(3 * t + 2 * b + 1 + s + b * nb).split(
-            [t, t, t, b, b + 1, s, b * nb])
+                 max_seq: int, lora_rows: int, lora_segs: int) -> None:
+        ids, pos, slots, lens, cu, rows, tables, l_rows, l_starts, l_slots = self._recv(
+            3 * t + 2 * b + 1 + s + b * nb + lora_rows + 2 * lora_segs + (lora_segs > 0)).split(
+            [t, t, t, b, b + 1, s, b * nb, lora_rows, lora_segs + (lora_segs > 0), lora_segs])
         meta = AttentionMetadata(slots, tables.view(b, nb).int(), lens.int(), cu.int(), max_q,
                                  max_seq)
-        if kind == HIDDEN:
-            self.hidden = self.model.hidden(ids, pos, self.kv, meta)
-        else:
-            self.model(ids, pos, self.kv, meta, rows)
+        if lora_segs:  # the step's adapter rows, grouped by slot as rank 0 grouped them
+            self.lora.step.current = (l_rows, l_starts.int(), l_slots.int())
+        try:
+            if kind == HIDDEN:
+                self.hidden = self.model.hidden(ids, pos, self.kv, meta)
+            else:
+                self.model(ids, pos, self.kv, meta, rows)
+        finally:
+            if lora_segs:
+                self.lora.step.end()
 
-    def _graph(self, bs: int, b: int, nb: int) -> None:
+    def _graph(self, bs: int, b: int, nb: int, with_lora: int) -> None:
         g = self.worker.graphs
-        ids, pos, slots, lens, tables = self._recv(4 * bs + b * nb).split([bs, bs, bs, bs, b * nb])
+        n_lora = bs + len(g.lora_starts) if with_lora else 0
+        ids, pos, slots, lens, tables, lora = self._recv(4 * bs + b * nb + n_lora).split(
+            [bs, bs, bs, bs, b * nb, n_lora])
         g.input_ids[:bs].copy_(ids)
         g.positions[:bs].copy_(pos)
         g.slot_mapping[:bs].copy_(slots)
         g.seq_lens[:bs].copy_(lens)
         g.block_tables[:b, :nb].copy_(tables.view(b, nb))
-        g.graphs[bs].replay()
+        if with_lora:
+            g.lora_rows[:bs].copy_(lora[:bs])
+            g.lora_starts.copy_(lora[bs:])
+        (g.lora_graphs if with_lora else g.graphs)[bs].replay()
 
 
 class _WarmUpRunner:
@@ -261,7 +326,8 @@ class _WarmUpRunner:
         self.follower.step()
 
     def reset(self) -> None:
-        pass
+        if self.follower.lora is not None:  # rank 0's runner reset sent its LoRA_RESET
+            self.follower.step()
 
 
 def _follower_main(args: argparse.Namespace, rank: int, size: int, port: int, pipe: Connection,

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.tp_layers import shard_lora
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
@@ -44,8 +45,6 @@ def check_model(cfg: ModelConfig) -> None:
     if cfg.moe is not None:
         raise LoraError(f"LoRA on mixture-of-experts models ({cfg.model_type}) is not "
                         "supported yet")
-    if cfg.tp_size > 1:
-        raise LoraError("LoRA with --tensor-parallel-size > 1 is not supported yet")
 
 
 @dataclass(slots=True)
@@ -56,9 +55,11 @@ class HostAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
 
 
-def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> HostAdapter:
+def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int,
+                 whole: ModelConfig | None = None) -> HostAdapter:
     """A PEFT LoRA checkpoint (adapter_config.json, adapter_model.safetensors), checked
-    against this model; LoraError naming the problem otherwise."""
+    against the model (`whole`: the unsharded config of a tensor-parallel rank's `cfg`) and
+    cut to this rank's share of each layer; LoraError naming the problem otherwise."""
     where = f"LoRA adapter {name!r} ({path})"
     conf = _read_config(Path(path), where)
     rank, alpha = conf.get("r"), conf.get("lora_alpha", conf.get("r"))
@@ -77,7 +78,10 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
             raise LoraError(f"{where}: unknown target modules {', '.join(unknown)} "
                             f"(supported: {', '.join(TARGETS)})")
     tensors = _read_tensors(Path(path), where)
-    weights = _pair(tensors, cfg, rank, scale, where)
+    weights = _pair(tensors, whole or cfg, rank, scale, where)
+    if cfg.tp_size > 1:
+        weights = {(layer, m): shard_lora(m, a, b, cfg)
+                   for (layer, m), (a, b) in weights.items()}
     return HostAdapter(name, rank, weights)
 
 
@@ -147,8 +151,9 @@ class HostCache:
     and the adapters read into host memory, at most `capacity` (0: all), least recently used
     dropped first."""
 
-    def __init__(self, cfg: ModelConfig, max_rank: int, capacity: int = 0) -> None:
-        self.cfg, self.max_rank, self.capacity = cfg, max_rank, capacity
+    def __init__(self, cfg: ModelConfig, max_rank: int, capacity: int = 0,
+                 whole: ModelConfig | None = None) -> None:
+        self.cfg, self.max_rank, self.capacity, self.whole = cfg, max_rank, capacity, whole
         self.sources: dict[int, tuple[str, str]] = {}  # id -> (name, PEFT directory)
         self._held: OrderedDict[int, HostAdapter] = OrderedDict()
 
@@ -156,7 +161,7 @@ class HostCache:
         """Read and check an adapter (LoraError naming the problem; nothing changes then)."""
         if adapter_id in self.sources:
             raise LoraError(f"LoRA adapter id {adapter_id} is in use")
-        adapter = load_adapter(name, path, self.cfg, self.max_rank)
+        adapter = load_adapter(name, path, self.cfg, self.max_rank, self.whole)
         self.sources[adapter_id] = (name, path)
         self._keep(adapter_id, adapter)
 
@@ -167,7 +172,8 @@ class HostCache:
             raise ValueError(f"LoRA adapter id {adapter_id} is not loaded")
         adapter = self._held.get(adapter_id)
         if adapter is None:
-            adapter = load_adapter(*self.sources[adapter_id], self.cfg, self.max_rank)
+            adapter = load_adapter(*self.sources[adapter_id], self.cfg, self.max_rank,
+                                   self.whole)
             self._keep(adapter_id, adapter)
         self._held.move_to_end(adapter_id)
         return adapter

@@ -4,6 +4,8 @@
                              each fused part; no communication
     o_proj, down_proj        row-parallel: a rank holds the matching input columns; its partial
                              sums are added by one all_reduce per layer each
+    LoRA adapters            sharded with their layers (shard_lora): column layers' B rows,
+                             row layers' A columns; no communication of their own
     embed_tokens             vocabulary-parallel: a rank holds ceil(V / N) rows, looks up the
                              ids in its range (others read as zero rows), then all_reduce
     lm_head                  vocabulary-parallel: a rank computes its vocabulary slice's logits;
@@ -100,6 +102,20 @@ def shard(name: str, tensor: torch.Tensor, cfg: ModelConfig,
     if kind == "bias":  # a zero bias GPTQ writers add: only one rank may add it
         return tensor if cfg.tp_rank == 0 else torch.zeros_like(tensor)
     raise QuantizationError(f"{name}: cannot shard {kind} of a row-parallel layer")
+
+
+def shard_lora(module: str, a: torch.Tensor, b: torch.Tensor, cfg: ModelConfig
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of a LoRA adapter's A [r, in] and B [out, r] on `module`: a
+    column-parallel layer's B rows (its output channels; A whole), a row-parallel layer's A
+    columns (its input channels; B whole). Each rank then adds (x_rank @ A_rank.T) @ B.T, and
+    the row-parallel partial deltas are summed by the layer's all-reduce with its output."""
+    if cfg.tp_size == 1:
+        return a, b
+    start, size = _range(module, cfg)
+    if module in _COLUMN:
+        return a, b.narrow(0, start, size)
+    return a.narrow(1, start, size), b
 
 
 def _range(proj: str, cfg: ModelConfig) -> tuple[int, int]:

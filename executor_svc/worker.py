@@ -158,8 +158,9 @@ class Worker:
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype, self.device, backend)
         if cfg.load_format not in ("auto", "random"):
             raise ValueError(f"load format must be auto or random, got {cfg.load_format!r}")
-        self.model_cfg = ModelConfig.from_pretrained(cfg.model, cfg.model_impl).for_rank(
-            cfg.tensor_parallel_rank, cfg.tensor_parallel_size)
+        self.whole_cfg = ModelConfig.from_pretrained(cfg.model, cfg.model_impl)
+        self.model_cfg = self.whole_cfg.for_rank(cfg.tensor_parallel_rank,
+                                                 cfg.tensor_parallel_size)
         weights = Path(cfg.model) if cfg.load_format == "auto" else None
         quant = resolve_quantization(cfg.model, cfg.quantization, random=weights is None)
         max_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
@@ -263,7 +264,7 @@ class Worker:
             return None
         with phase(f"loading {len(cfg.lora.modules)} LoRA adapters"):
             runtime = build_lora(model, self.model_cfg, cfg.lora, self.dtype, self.device,
-                                 load_ops(backend))
+                                 load_ops(backend), self.whole_cfg)
         log.info("LoRA: %d adapters in host memory, %d device slots of rank %d (%.1f MiB)",
                  len(runtime.host.sources), cfg.lora.max_loras, cfg.lora.max_lora_rank,
                  runtime.slots.nbytes() / (1 << 20))

@@ -141,7 +141,9 @@ def script(runner) -> tuple[dict[int, list[int]], list]:
     return {rid: r["out"] for rid, r in s.reqs.items()}, s.prompt_logprobs
 
 
-def tensor_parallel_tokens(model_dir, *extra: str) -> tuple[dict[int, list[int]], list]:
+def tensor_parallel_tokens(model_dir, *extra: str, prepare=None
+                           ) -> tuple[dict[int, list[int]], list]:
+    """script's tokens on two ranks; prepare(runner) may return a runner to run it through."""
     args = executor_args(model_dir, 2, *extra)
     threads = torch.get_num_threads()
     group = Group(args, 2)
@@ -149,19 +151,21 @@ def tensor_parallel_tokens(model_dir, *extra: str) -> tuple[dict[int, list[int]]
         worker = Worker(executor_config(args, 0, 2, "cpu"))
         group.lead(worker)
         worker.warm_up()
-        return script(worker.runner)
+        return script(prepare(worker.runner) if prepare else worker.runner)
     finally:
         group.stop()
         torch.set_num_threads(threads)
 
 
-def single_rank_tokens(model_dir, *extra: str) -> tuple[dict[int, list[int]], list]:
+def single_rank_tokens(model_dir, *extra: str, prepare=None
+                       ) -> tuple[dict[int, list[int]], list]:
     worker = Worker(executor_config(executor_args(model_dir, 1, *extra), 0, 1, "cpu"))
     worker.warm_up()
-    return script(worker.runner)
+    return script(prepare(worker.runner) if prepare else worker.runner)
 
 
-def save_random(path, name: str) -> None:
+def save_random(path, name: str):
+    """The HF model of CONFIGS[name], random, saved to path (and returned)."""
     torch.manual_seed(0)
     d = dict(CONFIGS[name])
     # a wider spread than HF's 0.02 init: logits far enough apart that summation order
@@ -170,6 +174,7 @@ def save_random(path, name: str) -> None:
         AutoConfig.for_model(d.pop("model_type"), initializer_range=0.2, **d),
         dtype=torch.float32)
     hf.save_pretrained(path)
+    return hf
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -243,3 +248,49 @@ def test_shares_of_heads_and_refusals():
     with pytest.raises(ValueError, match="intermediate_size 1536 is not divisible by tensor "
                                          "parallel size 5"):
         cfg.for_rank(0, 5)
+
+
+class WithAdapters:
+    """The runner with LoRA: an adapter read at run time (as `POST /v1/load_lora_adapter`
+    has the executor do), the slots loaded in the first plan, requests under their slots."""
+
+    def __init__(self, runner, path, assign: dict[int, tuple[int, int]]) -> None:
+        self.runner, self.assign, self.loads = runner, assign, sorted(set(assign.values()))
+        runner.lora.add(3, "three", str(path))
+
+    def launch(self, plan):
+        for slot, adapter_id in self.loads:
+            plan.lora_loads.add(slot=slot, adapter_id=adapter_id)
+        self.loads = []
+        for new in plan.new_requests:
+            new.lora_slot, new.lora_adapter = self.assign.get(new.req_id, (0, 0))
+        return self.runner.launch(plan)
+
+    def finish(self, launched):
+        return self.runner.finish(launched)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-gqa1-tied"])
+def test_lora_adapters_on_two_ranks(tmp_path, name):
+    """Adapters sharded with their layers (column layers' B rows, row layers' A columns; one KV
+    head copied on both ranks): request 1 under an adapter on every module, 3 under one read
+    at run time (q, v, down), 2 the base, through prefill chunks, decode, swap and a prefix hit;
+    two ranks give one rank's tokens, and the adapters change them."""
+    from tests.executor_svc.test_lora_adapters import write_adapter
+
+    hf = save_random(tmp_path / "base", name)
+    one = write_adapter(tmp_path / "one", hf, 1, 8, list(_MODULES), 16, std=0.2)
+    three = write_adapter(tmp_path / "three", hf, 3, 4, ["q_proj", "v_proj", "down_proj"], 8,
+                          std=0.3)
+    flags = ("--enable-lora", "--lora-modules", f"one={one}", "--max-loras", "2",
+             "--max-lora-rank", "8")
+
+    def prepare(runner):
+        return WithAdapters(runner, three, {1: (1, 1), 3: (2, 3)})
+    want = single_rank_tokens(tmp_path / "base", *flags, prepare=prepare)[0]
+    base = single_rank_tokens(tmp_path / "base")[0]
+    assert want[2] == base[2] and want[1] != base[1] and want[3] != base[3]
+    assert tensor_parallel_tokens(tmp_path / "base", *flags, prepare=prepare)[0] == want
+
+
+_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
