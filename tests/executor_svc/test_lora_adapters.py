@@ -296,3 +296,70 @@ def test_host_memory_keeps_the_most_recent_adapters_and_reads_the_others_again(t
     (paths[1] / "adapter_model.safetensors").unlink()
     with pytest.raises(LoraError, match="no adapter_model.safetensors"):
         host.get(2)
+
+
+# ---- quantized base weights: the delta is added to the quantized layer's output
+
+def test_adapters_on_an_awq_base_equal_hf_on_its_dequantized_weights_merged(tmp_path):
+    """An AWQ checkpoint (int4, group 32): the adapters ride on the 4-bit layers and the
+    output equals HF on the dequantized weights with the adapter merged."""
+    from pagedserve.executor.quantization import resolve_quantization
+    from tests.executor_svc.test_quant_formats import _quantized_tiny
+
+    hf, qdir = _quantized_tiny(tmp_path, "awq", 32)  # hf: the dequantized weights
+    one = write_adapter(tmp_path / "one", hf, 1, 8, list(_PLACE), 16)
+    cfg, ops = ModelConfig.from_pretrained(qdir), get_ops("torch")
+    ours = build_model(cfg, ops, torch.float32, torch.device("cpu"), 512, qdir,
+                       quant=resolve_quantization(qdir))
+    lora = build(ours, cfg, LoraConfig((("one", str(one)),), 1, 8), torch.float32,
+                 torch.device("cpu"), ops)
+    assert {type(m.base).__name__ for m in ours.modules()
+            if type(m).__name__ == "LoraLinear"} == {"W4Linear"}
+    lora.load(1, 1)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 11)]
+    chunks = [[5, 6], [4, 5]]
+    outs = run_paged(WithSlots(ours, lora.step, [1, 0]), cfg, seqs, chunks)
+    assert_paged_equals_hf(merged(hf, one), [outs[0]], [seqs[0]], [[c[0]] for c in chunks])
+    assert_paged_equals_hf(hf, [outs[1]], [seqs[1]], [[c[1]] for c in chunks])
+
+
+def test_adapters_on_an_fp8_base_add_their_delta_to_each_fp8_layer(tiny, tmp_path):
+    """--quantization fp8 (weights e4m3 per channel, activations per token): in a real forward
+    of a batch mixing an adapter and the base, every wrapped FP8 layer's output is the FP8
+    layer's own plus the adapter's float delta on that layer's input (none for the base's
+    rows), and the adapter changes the logits."""
+    from pagedserve.executor.quantization import resolve_quantization
+
+    hf, cfg = tiny
+    one = write_adapter(tmp_path / "one", hf, 1, 8, list(_PLACE), 16, std=0.2)
+    ops = get_ops("torch")
+    ours = build_model(cfg, ops, torch.float32, torch.device("cpu"), 512, tmp_path / "base",
+                       quant=resolve_quantization(tmp_path / "base", "fp8"))
+    lora = build(ours, cfg, LoraConfig((("one", str(one)),), 1, 8), torch.float32,
+                 torch.device("cpu"), ops)
+    lora.load(1, 1)
+    adapter = lora.host.get(1)
+    seen = []
+
+    def check(layer, x, y) -> None:
+        with torch.no_grad():
+            plain = layer.base(x)
+        delta = torch.zeros_like(plain)
+        for module, (projection, _, start) in lora.slots.place.items():
+            if projection == layer.projection:
+                a, b = adapter.weights[layer.layer, module]
+                delta[:5, start:start + b.shape[0]] = x[:5] @ a.T @ b.T  # sequence 0's rows
+        torch.testing.assert_close(y, plain + delta, rtol=1e-5, atol=1e-5)
+        seen.append(type(layer.base).__name__)
+
+    hooks = [m.register_forward_hook(lambda m, args, y: check(m, args[0], y))
+             for m in ours.modules() if type(m).__name__ == "LoraLinear"]
+    run_paged(WithSlots(ours, lora.step, [1, 0]), cfg, [[3, 1, 4, 1, 5], [9, 2, 6]], [[5, 3]])
+    for h in hooks:
+        h.remove()
+    assert seen == ["Fp8Linear"] * 4 * cfg.num_layers
+    prompt = [7, 7, 1, 200, 31, 9]
+    with_adapter = run_paged(WithSlots(ours, lora.step, [1]), cfg, [prompt], [[6]])[0][-1]
+    without = run_paged(WithSlots(ours, lora.step, [0]), cfg, [prompt], [[6]])[0][-1]
+    assert not torch.allclose(with_adapter, without, atol=1e-2)
