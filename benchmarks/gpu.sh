@@ -107,6 +107,8 @@
 #             tests; the kernels beside their layers (bench_lora.py); W1 8B with LORA_N (8)
 #             rank-16 adapters over the requests against the base alone; 8B single stream
 #             128 -> 512 with one adapter against without
+#   lorasweep the LoRA kernels alone over launch configs (bench_lora.py --sweep; printed, not
+#             recorded): qkv, gate_up, down at 16, 256 and 2,048 tokens; ~4 min
 #   remeasure the runs the old warm-up flattered: 8B 128 -> 512 at 1 and 16 running (LAT_SEQS;
 #             twice as many requests; bf16 and AWQ)
 #             and one 130,000-token prompt with prefix caching on (it must not hit), FP8 W1
@@ -415,6 +417,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       save
       python3 -m benchmarks.lora "${M8[@]}" --requests 2 --prompt 128 --output 512 \
         --adapters 1 --rank 16 --max-num-seqs 1 2>&1 | tee -a $B/lora.log | quiet 3 ;;
+    lorasweep) python3 benchmarks/kernels/bench_lora.py --sweep 2>&1 | tee -a $B/lora_sweep.log ;;
     spectests) python3 -m pytest -q -rs tests/executor_svc/test_cuda_graphs.py 2>&1 \
       | tee $B/pytest_spec.log | tail -8 ;;
     spec)  # the real default model (its GGUF joined from the two halves), then 8B random

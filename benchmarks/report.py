@@ -546,18 +546,25 @@ def lora_section(records: list[dict]) -> list[str]:
              num(base["tpot_p50_ms"], ".2f"), num(lo["tpot_p50_ms"], ".2f"),
              num(lo["lora_vs_base"], ".2f"), lo["commit"], when(lo)]
             for base, lo in newest_pairs.values()]
-    kern = [[machine(r), r["module"], r["tokens"], r["rank"], r["adapters"],
-             "graph" if r["graph"] else "eager", num(r["base_ms"] * 1e3, ".1f"),
-             num(r["delta_ms"] * 1e3, ".1f"), num(r["delta_vs_base"], ".2f"), r["commit"]]
-            for r in newest((r for r in records if r["kind"] == "lora_kernel"
-                             and not r.get("smoke")),
-                            lambda r: (machine(r), r["rank"], r["module"], r["tokens"]))]
+    by_tokens: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
+    for r in newest((r for r in records if r["kind"] == "lora_kernel" and not r.get("smoke")),
+                    lambda r: (machine(r), r["rank"], r["module"], r["tokens"])):
+        by_tokens[machine(r), r["tokens"]][r["rank"], r["module"]] = r
+    columns = sorted({k for cells in by_tokens.values() for k in cells},
+                     key=lambda k: (k[0], ("qkv", "o", "gate_up", "down").index(k[1])))
+
+    def cell(r: dict | None) -> str:
+        return "-" if r is None else f"+{r['delta_ms'] * 1e3:.1f} ({r['base_ms'] * 1e3:.1f})"
+    kern = [[m, t, "graph" if any_of["graph"] else "eager", *(cell(cells.get(c)) for c in columns),
+             any_of["commit"]]
+            for (m, t), cells in sorted(by_tokens.items())
+            for any_of in (next(iter(cells.values())),)]
     kernel_part = [
-        "### The LoRA kernels beside the layer they ride on (`bench_lora.py`, 8B shapes)",
-        "Microseconds: the base projection alone, and what wrapping it adds with every token "
-        "of the step under one of the adapters.",
-        table(["machine", "layer", "tokens", "rank", "adapters", "timed", "base us",
-               "+LoRA us", "LoRA / base", "commit"], kern)] if kern else []
+        "### The LoRA kernels beside the projection they wrap (`bench_lora.py`, 8B shapes)",
+        "Microseconds the adapters add (the projection alone), every token of the step under "
+        "one of 8 adapters.",
+        table(["machine", "tokens", "timed", *(f"r{r} {m}" for r, m in columns), "commit"],
+              kern)] if kern else []
     return section(
         "Multi-LoRA: adapters spread over the requests against the base alone (one call)",
         table(["machine", "model", "workload", "adapters", "rank", "base tok/s", "LoRA tok/s",

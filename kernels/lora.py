@@ -156,19 +156,30 @@ def lora_shrink(
     tiles = max_tiles(num_tokens, num_segs, block_m)
     r_pad = min(R_CHUNK, max(16, triton.next_power_of_2(rank)))
     chunks = triton.cdiv(rank, r_pad)
-    split = split_k_for(tiles * chunks, h_in)
-    if split > 1:
+    cfg = shrink_config(block_m, tiles * chunks, h_in)
+    if cfg["SPLIT_K"] > 1:
         out.zero_()
-    block_k = max(16, min(128 if block_m == 16 else 64, triton.next_power_of_2(h_in)))
-    _shrink_kernel[(tiles, split, chunks)](
+    _shrink_kernel[(tiles, cfg["SPLIT_K"], chunks)](
         x, a, seg_starts, seg_slots, out, seg_starts if rows is None else rows, num_segs, h_in,
         rank,
         x.stride(0), a.stride(0), a.stride(1), out.stride(0),
-        SPLIT_K=split, BLOCK_M=block_m, R_PAD=r_pad,
-        BLOCK_K=block_k, CHUNK=min(1024, max(16, triton.next_power_of_2(num_segs))),
+        BLOCK_M=block_m, R_PAD=r_pad, CHUNK=min(1024, max(16, triton.next_power_of_2(num_segs))),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        DOT_FP32=INTERPRETED and x.dtype != torch.float32, GATHER=rows is not None,
-        num_warps=4)
+        DOT_FP32=INTERPRETED and x.dtype != torch.float32, GATHER=rows is not None, **cfg)
+
+
+def shrink_config(block_m: int, programs: int, h_in: int) -> dict:
+    """SPLIT_K, BLOCK_K and num_warps of a shrink launch of `programs` (tiles x rank chunks)
+    before K is split (benchmarks/kernels/bench_lora.py --sweep tries others)."""
+    return {"SPLIT_K": split_k_for(programs, h_in),
+            "BLOCK_K": max(16, min(128 if block_m == 16 else 64, triton.next_power_of_2(h_in))),
+            "num_warps": 4}
+
+
+def expand_config(block_m: int, widest: int) -> dict:
+    """BLOCK_N and num_warps of an expand launch whose widest part has `widest` columns."""
+    return {"BLOCK_N": max(16, min(64 if block_m == 16 else 128, triton.next_power_of_2(widest))),
+            "num_warps": 4}
 
 
 @triton.jit(do_not_specialize=["num_segs", "h_out", "n1", "n2"])
@@ -247,15 +258,15 @@ def lora_expand(
         return
     sizes = parts or (h_out,)
     block_m = block_m_for(num_tokens, num_segs)
-    block_n = max(16, min(64 if block_m == 16 else 128, triton.next_power_of_2(max(sizes))))
+    cfg = expand_config(block_m, max(sizes))
     ends = [sum(sizes[:i + 1]) for i in range(len(sizes))] + [h_out] * 2
     grid = (max_tiles(num_tokens, num_segs, block_m),
-            sum(triton.cdiv(n, block_n) for n in sizes))
+            sum(triton.cdiv(n, cfg["BLOCK_N"]) for n in sizes))
     _expand_kernel[grid](
         t, b, seg_starts, seg_slots, y[:, offset:], seg_starts if rows is None else rows,
         num_segs, h_out, ends[0], ends[1], rank,
         t.stride(0), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, R_PAD=max(16, triton.next_power_of_2(rank)),
+        BLOCK_M=block_m, R_PAD=max(16, triton.next_power_of_2(rank)),
         CHUNK=min(1024, max(16, triton.next_power_of_2(num_segs))),
         PRECISION="ieee" if y.dtype == torch.float32 else "tf32", SCATTER=rows is not None,
-        PARTS=len(sizes), num_warps=4)
+        PARTS=len(sizes), **cfg)

@@ -18,6 +18,7 @@ adapters add) and delta_vs_base.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -34,6 +35,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--tokens", nargs="*", type=int, default=None)
     p.add_argument("--ranks", nargs="*", type=int, default=None)
     p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--sweep", action="store_true",
+                   help="time shrink and expand alone over launch configs (printed, not "
+                        "recorded): the fastest per shape beside the default's")
     return p.parse_args()
 
 
@@ -92,7 +96,64 @@ def layer(name: str, h_in: int, parts: list[tuple[str, int]], rank: int, step: L
         "torch" if ARGS.smoke else "triton"))
 
 
+def sweep() -> None:
+    """Each kernel alone (graph replays) at 8 adapters, rank 16, over launch configs."""
+    for name in ("qkv", "gate_up", "down"):
+        for t in ARGS.tokens or (16, 256, 2048):
+            sweep_shape(name, t)
+
+
+def sweep_shape(name: str, t: int) -> None:
+    from pagedserve.kernels import lora as kl
+
+    h_in, parts = MODULES[name]
+    step = LoraStep(DEV)
+    _, wrapped = layer(name, h_in, parts, 16, step)
+    x = torch.randn(t, h_in, device=DEV, dtype=DT)
+    segs = min(t, ARGS.adapters)
+    step.begin(np.arange(t + 1), (np.arange(t) % ARGS.adapters + 1).astype(np.int64))
+    rows, starts, slots = step.current
+    a, b = wrapped.slots.a[name][0], wrapped.slots.b[name][0]
+    out = torch.empty(t, a.shape[1], device=DEV)
+    y = torch.zeros(t, b.shape[1], device=DEV, dtype=DT)
+
+    def shrink() -> None:
+        kl.lora_shrink(x, a, starts, slots, out, rows)
+
+    def expand() -> None:
+        kl.lora_expand(out, b, starts, slots, y, 0, rows, wrapped.parts)
+
+    default_shrink, default_expand = kl.shrink_config, kl.expand_config
+    block_m = kl.block_m_for(t, segs)
+    base = default_shrink(block_m, kl.max_tiles(t, segs, block_m), h_in)
+    splits = sorted({max(1, min(h_in // 128, int(base["SPLIT_K"] * f))) for f in (0.5, 1, 2, 4)})
+    for kernel, fn, grid, default in (
+            ("shrink", shrink, [{"SPLIT_K": sk, "BLOCK_K": bk, "num_warps": w}
+                                for sk in splits for bk in (32, 64, 128) for w in (2, 4)], base),
+            ("expand", expand, [{"BLOCK_N": bn, "num_warps": w}
+                                for bn in (32, 64, 128, 256) for w in (2, 4, 8)],
+             default_expand(block_m, max(n for _, n in parts)))):
+        times = {}
+        for cfg in grid:
+            setter = "shrink_config" if kernel == "shrink" else "expand_config"
+            setattr(kl, setter, lambda *_, cfg=cfg: dict(cfg))
+            try:
+                times[json.dumps(cfg)] = bench(fn, True)
+            except Exception as e:  # a config the kernel cannot run (resources)
+                print(f"  {kernel} {cfg}: {type(e).__name__}", flush=True)
+            finally:
+                kl.shrink_config, kl.expand_config = default_shrink, default_expand
+        best = min(times, key=times.get)
+        print(f"{name:8s} T={t:5d} {kernel}: default {json.dumps(default)} "
+              f"{times.get(json.dumps(default), float('nan')) * 1e3:.1f} us, best {best} "
+              f"{times[best] * 1e3:.1f} us", flush=True)
+    step.end()
+
+
 def main() -> None:
+    if ARGS.sweep:
+        sweep()
+        return
     torch.manual_seed(0)
     tokens = ARGS.tokens or ([1, 16] if ARGS.smoke else [*DECODE, *PREFILL])
     ranks = ARGS.ranks or [16, 64]
