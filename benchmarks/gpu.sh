@@ -107,8 +107,10 @@
 #             tests; the kernels beside their layers (bench_lora.py); W1 8B with LORA_N (8)
 #             rank-16 adapters over the requests against the base alone; 8B single stream
 #             128 -> 512 with one adapter against without
-#   lorasweep the LoRA kernels alone over launch configs (bench_lora.py --sweep; printed, not
-#             recorded): qkv, gate_up, down at 16, 256 and 2,048 tokens; ~4 min
+#   loratune  the LoRA kernels alone over launch configs at 256, 8,192 and 16 tokens for
+#             LORA_TUNE_S seconds (default 220): the best per config key merged into the installed
+#             lora_configs.json (later parts of the call use it) and copied to $B: commit it as
+#             kernels/lora_configs.json
 #   remeasure the runs the old warm-up flattered: 8B 128 -> 512 at 1 and 16 running (LAT_SEQS;
 #             twice as many requests; bf16 and AWQ)
 #             and one 130,000-token prompt with prefix caching on (it must not hit), FP8 W1
@@ -407,17 +409,22 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     qwen3) for m in M8 MQ8; do tp W1 $m "${DEFAULTS[@]}"; done ;;
     lora)  # multi-LoRA: the kernels' GPU tests, W1 8B with LORA_N (8) rank-16 adapters
       # against the base alone, then 8B single stream (128 -> 512) with one adapter and without
-      python3 -m pytest -q -rs tests/kernels/test_lora.py \
-        "tests/executor_svc/test_cuda_graphs.py::test_lora_decode_steps_replay_their_graphs_and_keep_the_eager_tokens" \
-        2>&1 | tee $B/pytest_lora.log | tail -4
-      python3 benchmarks/kernels/bench_lora.py 2>&1 | tee -a $B/lora_kernels.log | tail -56
-      save
+      if [ -z "${LORA_QUICK:-}" ]; then  # LORA_QUICK=1: the two serving runs alone
+        python3 -m pytest -q -rs tests/kernels/test_lora.py \
+          "tests/executor_svc/test_cuda_graphs.py::test_lora_decode_steps_replay_their_graphs_and_keep_the_eager_tokens" \
+          2>&1 | tee $B/pytest_lora.log | tail -4
+        python3 benchmarks/kernels/bench_lora.py 2>&1 | tee -a $B/lora_kernels.log | tail -56
+        save
+      fi
       python3 -m benchmarks.lora "${M8[@]}" --workload W1 --adapters "${LORA_N:-8}" --rank 16 \
         2>&1 | tee -a $B/lora.log | quiet 3
       save
       python3 -m benchmarks.lora "${M8[@]}" --requests 2 --prompt 128 --output 512 \
         --adapters 1 --rank 16 --max-num-seqs 1 2>&1 | tee -a $B/lora.log | quiet 3 ;;
-    lorasweep) python3 benchmarks/kernels/bench_lora.py --sweep 2>&1 | tee -a $B/lora_sweep.log ;;
+    loratune)
+      python3 benchmarks/kernels/bench_lora.py --tune --budget-s "${LORA_TUNE_S:-220}" 2>&1 \
+        | tee -a $B/lora_tune.log | grep -v "^  \|(of "
+      cp "$(python3 -c 'from pagedserve.kernels import lora; print(lora.CONFIG_FILE)')" $B/ ;;
     spectests) python3 -m pytest -q -rs tests/executor_svc/test_cuda_graphs.py 2>&1 \
       | tee $B/pytest_spec.log | tail -8 ;;
     spec)  # the real default model (its GGUF joined from the two halves), then 8B random

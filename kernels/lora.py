@@ -33,7 +33,9 @@ bandwidth. benchmarks/kernels/bench_lora.py times them beside the GEMMs they rid
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
 import triton
@@ -59,10 +61,6 @@ def block_m_for(num_tokens: int, num_segs: int) -> int:
 def max_tiles(num_tokens: int, num_segs: int, block_m: int) -> int:
     """Tiles of any segmentation of T tokens into G segments: sum of ceil(len / BLOCK_M)."""
     return (num_tokens + num_segs * (block_m - 1)) // block_m
-
-
-def split_k_for(num_tiles: int, h_in: int) -> int:
-    return max(1, min(triton.cdiv(TARGET_PROGRAMS, num_tiles), h_in // MIN_K_PER_SPLIT))
 
 
 @triton.jit
@@ -168,18 +166,32 @@ def lora_shrink(
         DOT_FP32=INTERPRETED and x.dtype != torch.float32, GATHER=rows is not None, **cfg)
 
 
+# Launch configs measured per shape (benchmarks/kernels/bench_lora.py --tune writes them):
+# {"shrink": {"BLOCK_M,H_in": {target_programs, BLOCK_K, num_warps}},
+#  "expand": {"BLOCK_M,widest part": {BLOCK_N, num_warps}}}; shapes not there take the defaults
+CONFIG_FILE = Path(__file__).with_name("lora_configs.json")
+CONFIGS: dict[str, dict[str, dict]] = (json.loads(CONFIG_FILE.read_text())
+                                       if CONFIG_FILE.exists() else {})
+
+
 def shrink_config(block_m: int, programs: int, h_in: int) -> dict:
     """SPLIT_K, BLOCK_K and num_warps of a shrink launch of `programs` (tiles x rank chunks)
-    before K is split (benchmarks/kernels/bench_lora.py --sweep tries others)."""
-    return {"SPLIT_K": split_k_for(programs, h_in),
-            "BLOCK_K": max(16, min(128 if block_m == 16 else 64, triton.next_power_of_2(h_in))),
-            "num_warps": 4}
+    before K is split: K splits until about target_programs run (at least MIN_K_PER_SPLIT
+    columns each)."""
+    tuned = CONFIGS.get("shrink", {}).get(f"{block_m},{h_in}", {})
+    target = tuned.get("target_programs", TARGET_PROGRAMS)
+    return {"SPLIT_K": max(1, min(triton.cdiv(target, programs), h_in // MIN_K_PER_SPLIT)),
+            "BLOCK_K": tuned.get("BLOCK_K", max(16, min(128 if block_m == 16 else 64,
+                                                        triton.next_power_of_2(h_in)))),
+            "num_warps": tuned.get("num_warps", 4)}
 
 
 def expand_config(block_m: int, widest: int) -> dict:
     """BLOCK_N and num_warps of an expand launch whose widest part has `widest` columns."""
-    return {"BLOCK_N": max(16, min(64 if block_m == 16 else 128, triton.next_power_of_2(widest))),
-            "num_warps": 4}
+    tuned = CONFIGS.get("expand", {}).get(f"{block_m},{widest}", {})
+    return {"BLOCK_N": tuned.get("BLOCK_N", max(16, min(64 if block_m == 16 else 128,
+                                                        triton.next_power_of_2(widest)))),
+            "num_warps": tuned.get("num_warps", 4)}
 
 
 @triton.jit(do_not_specialize=["num_segs", "h_out", "n1", "n2"])

@@ -8,7 +8,8 @@ executor runs it: the base layer alone (F.linear, bf16) and the same layer wrapp
 executor_svc.lora.LoraLinear with every token of the step carrying one of ADAPTERS adapters
 (spread uniformly, so the step's tokens form one segment per adapter: the worst case short of
 one adapter per token, which grouping by slot rules out). Decode at 1, 16, 64, 256 tokens,
-prefill at 2048 and 8192; ranks 16 and 64. Timing: medians of CUDA-graph replays
+prefill at 2048 and 8192; ranks 16 and 64 (--tune: launch configs per shape, written to
+kernels/lora_configs.json, which the kernels read). Timing: medians of CUDA-graph replays
 (triton.testing.do_bench_cudagraph; decode steps are replayed as graphs in the executor) for
 decode, of do_bench for prefill (eager, as served). Records (family `lora`, kind
 `lora_kernel`): base_ms, lora_ms (the wrapped layer), delta_ms (their difference: what the
@@ -35,9 +36,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--tokens", nargs="*", type=int, default=None)
     p.add_argument("--ranks", nargs="*", type=int, default=None)
     p.add_argument("--adapters", type=int, default=8)
-    p.add_argument("--sweep", action="store_true",
-                   help="time shrink and expand alone over launch configs (printed, not "
-                        "recorded): the fastest per shape beside the default's")
+    p.add_argument("--tune", action="store_true",
+                   help="time shrink and expand alone over launch configs, the best into "
+                        "kernels/lora_configs.json (printed, not recorded)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="--tune: start no shape past this many seconds")
+    p.add_argument("--configs", type=Path, default=None,
+                   help="--tune: the file to merge into (default: the installed one)")
     return p.parse_args()
 
 
@@ -96,21 +101,43 @@ def layer(name: str, h_in: int, parts: list[tuple[str, int]], rank: int, step: L
         "torch" if ARGS.smoke else "triton"))
 
 
-def sweep() -> None:
-    """Each kernel alone (graph replays) at 8 adapters, rank 16, over launch configs."""
-    for name in ("qkv", "gate_up", "down"):
-        for t in ARGS.tokens or (16, 256, 2048):
-            sweep_shape(name, t)
+def tune() -> None:
+    """Each kernel alone (graph replays; 8 adapters, rank 16) over launch configs at decode and
+    prefill shapes; per config key (BLOCK_M and H_in for shrink, BLOCK_M and the widest part
+    for expand) the config of least total time over the shapes that share it, merged into
+    kernels/lora_configs.json as installed (--configs: another file)."""
+    from pagedserve.kernels import lora as kl
+
+    path = ARGS.configs or kl.CONFIG_FILE
+    start, totals = time.monotonic(), {}  # (kernel, key) -> {config json: [ms per shape]}
+    shapes = [(m, t) for t in ARGS.tokens or (256, 8192, 16) for m in MODULES]
+    for name, t in shapes:
+        if ARGS.budget_s and time.monotonic() - start > ARGS.budget_s:
+            print(f"budget spent: {name} T={t} and later shapes not tuned", flush=True)
+            break
+        for (kernel, key), times in tune_shape(name, t).items():
+            for cfg, ms in times.items():
+                totals.setdefault((kernel, key), {}).setdefault(cfg, []).append(ms)
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    for (kernel, key), by_cfg in totals.items():
+        most = max(len(v) for v in by_cfg.values())
+        best = min((c for c, v in by_cfg.items() if len(v) == most),
+                   key=lambda c: sum(by_cfg[c]))
+        merged.setdefault(kernel, {})[key] = json.loads(best)
+        print(f"{kernel} {key}: {best} ({sum(by_cfg[best]) * 1e3:.1f} us over {most} shapes)",
+              flush=True)
+    path.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    print("wrote", path)
 
 
-def sweep_shape(name: str, t: int) -> None:
+def tune_shape(name: str, t: int) -> dict[tuple[str, str], dict[str, float]]:
+    """{(kernel, config key): {config json: ms}} of one projection at t tokens."""
     from pagedserve.kernels import lora as kl
 
     h_in, parts = MODULES[name]
     step = LoraStep(DEV)
     _, wrapped = layer(name, h_in, parts, 16, step)
     x = torch.randn(t, h_in, device=DEV, dtype=DT)
-    segs = min(t, ARGS.adapters)
     step.begin(np.arange(t + 1), (np.arange(t) % ARGS.adapters + 1).astype(np.int64))
     rows, starts, slots = step.current
     a, b = wrapped.slots.a[name][0], wrapped.slots.b[name][0]
@@ -123,36 +150,33 @@ def sweep_shape(name: str, t: int) -> None:
     def expand() -> None:
         kl.lora_expand(out, b, starts, slots, y, 0, rows, wrapped.parts)
 
-    default_shrink, default_expand = kl.shrink_config, kl.expand_config
-    block_m = kl.block_m_for(t, segs)
-    base = default_shrink(block_m, kl.max_tiles(t, segs, block_m), h_in)
-    splits = sorted({max(1, min(h_in // 128, int(base["SPLIT_K"] * f))) for f in (0.5, 1, 2, 4)})
-    for kernel, fn, grid, default in (
-            ("shrink", shrink, [{"SPLIT_K": sk, "BLOCK_K": bk, "num_warps": w}
-                                for sk in splits for bk in (32, 64, 128) for w in (2, 4)], base),
-            ("expand", expand, [{"BLOCK_N": bn, "num_warps": w}
-                                for bn in (32, 64, 128, 256) for w in (2, 4, 8)],
-             default_expand(block_m, max(n for _, n in parts)))):
-        times = {}
+    block_m = kl.block_m_for(t, min(t, ARGS.adapters))
+    saved, found = dict(kl.CONFIGS), {}
+    for kernel, fn, key, grid in (
+            ("shrink", shrink, f"{block_m},{h_in}",
+             [{"target_programs": p, "BLOCK_K": bk, "num_warps": w}
+              for p in (128, 256, 512, 1024, 2048) for bk in (32, 64, 128) for w in (2, 4)]),
+            ("expand", expand, f"{block_m},{max(n for _, n in parts)}",
+             [{"BLOCK_N": bn, "num_warps": w} for bn in (32, 64, 128, 256) for w in (2, 4, 8)])):
+        times = found[kernel, key] = {}
         for cfg in grid:
-            setter = "shrink_config" if kernel == "shrink" else "expand_config"
-            setattr(kl, setter, lambda *_, cfg=cfg: dict(cfg))
+            kl.CONFIGS = {kernel: {key: cfg}}
             try:
-                times[json.dumps(cfg)] = bench(fn, True)
+                times[json.dumps(cfg, sort_keys=True)] = bench(fn, True)
             except Exception as e:  # a config the kernel cannot run (resources)
                 print(f"  {kernel} {cfg}: {type(e).__name__}", flush=True)
             finally:
-                kl.shrink_config, kl.expand_config = default_shrink, default_expand
+                kl.CONFIGS = saved
         best = min(times, key=times.get)
-        print(f"{name:8s} T={t:5d} {kernel}: default {json.dumps(default)} "
-              f"{times.get(json.dumps(default), float('nan')) * 1e3:.1f} us, best {best} "
-              f"{times[best] * 1e3:.1f} us", flush=True)
+        print(f"{name:8s} T={t:5d} {kernel}: best {best} {times[best] * 1e3:.1f} us "
+              f"(of {len(times)})", flush=True)
     step.end()
+    return found
 
 
 def main() -> None:
-    if ARGS.sweep:
-        sweep()
+    if ARGS.tune:
+        tune()
         return
     torch.manual_seed(0)
     tokens = ARGS.tokens or ([1, 16] if ARGS.smoke else [*DECODE, *PREFILL])

@@ -178,8 +178,9 @@ def test_split_k(monkeypatch, device):
     """Few tiles and a long K split over programs that add into out (zeroed first); K is not
     a multiple of the split or of BLOCK_K."""
     monkeypatch.setattr(lora, "MIN_K_PER_SPLIT", 48)
+    monkeypatch.setattr(lora, "CONFIGS", {})
     lens, slots = [3, 9, 0, 2], [2, -1, 0, 1]
-    assert lora.split_k_for(lora.max_tiles(14, 4, 16), 200) == 4
+    assert lora.shrink_config(16, lora.max_tiles(14, 4, 16), 200)["SPLIT_K"] == 4
     run_and_check(lens, slots, 16, torch.float32, device, seed=6, h_in=200)
 
 
