@@ -294,12 +294,17 @@ class Scheduler:
                     or p.min_tokens)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting.head
+        """Admit from the queue in order. A request whose adapter finds every LoRA slot held by
+        another adapter's running requests waits, and so does every adapter request behind it,
+        but the base's requests pass it: they hold no slot, so the slots still drain to it."""
+        i, slot_wait = 0, False
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting.at(i)
             if self._waits_for_first(req):
                 break
-            if req.lora_id and not self.lora.can_take(req.lora_id):
-                break  # every slot runs another adapter: the head waits for one
+            if req.lora_id and (slot_wait or not self.lora.can_take(req.lora_id)):
+                slot_wait, i = True, i + 1
+                continue
             admit = self._resume_swapped if req.swapped_blocks else self._admit_fresh
             n = admit(out, req, budget)
             if n is None:
@@ -361,7 +366,9 @@ class Scheduler:
         head = self.waiting.head
         if not self.running or self.running[-1].priority <= head.effective_priority:
             return False  # no running request is less important (the common case): O(1)
-        did = False
+        did = self._free_slot_for(head, dry_run)
+        if did and dry_run:
+            return True
         first_chunk = min(head.num_tokens, self.cfg.max_num_batched_tokens,
                           self.cfg.long_prefill_token_threshold or head.num_tokens)
         need = self.blocks.blocks_to_admit(first_chunk)
@@ -378,6 +385,28 @@ class Scheduler:
             self.num_priority_preemptions += 1
             did = True
         return did
+
+    def _free_slot_for(self, head: Request, dry_run: bool) -> bool:
+        """If the head's adapter finds every LoRA slot held, preempt the running requests of
+        one slot whose holders are all less important than the head (the slot with the fewest
+        holders, then the least important); whether it did (dry_run: would)."""
+        if not head.lora_id or self.lora is None or self.lora.can_take(head.lora_id):
+            return False
+        holders: dict[int, list[Request]] = {}
+        for r in self.running:
+            if r.lora_slot:
+                holders.setdefault(r.lora_slot, []).append(r)
+        outranked = [rs for rs in holders.values()
+                     if all(r.priority > head.effective_priority for r in rs)]
+        if not outranked:
+            return False
+        if not dry_run:
+            victims = min(outranked, key=lambda rs: (  # fewest, then least important
+                len(rs), [-v for v in min(map(_by_priority, rs))]))
+            for victim in sorted(victims, key=_by_priority, reverse=True):
+                self._preempt(victim)
+                self.num_priority_preemptions += 1
+        return True
 
     def update(self, req_ids: list[int], token_ids: list[int],
                logprobs: dict[int, TokenLogprob] | None = None,

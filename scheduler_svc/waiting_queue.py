@@ -32,6 +32,10 @@ class WaitingQueue:
     def head(self) -> Request:
         return self._reqs[0]
 
+    def at(self, i: int) -> Request:
+        """The i-th best (0: the head)."""
+        return self._reqs[i]
+
     def push(self, req: Request, step: int) -> None:
         req.queued_at_step = step
         req.effective_priority = req.priority

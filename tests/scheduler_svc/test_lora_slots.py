@@ -33,10 +33,10 @@ def make(max_loras=1, caching=False):
     return Scheduler(cfg, BlockManager(32, 4, 0, caching))
 
 
-def req(rid, lora_id, tokens=None):
+def req(rid, lora_id, tokens=None, priority=0):
     tokens = tokens or [100 * rid + i for i in range(6)]
     return Request(rid, f"r{rid}", len(tokens), tokens, GenerationParams(max_tokens=4),
-                   arrival_seq=rid, lora_id=lora_id)
+                   arrival_seq=rid, lora_id=lora_id, priority=priority)
 
 
 def test_a_request_waits_for_a_slot_and_the_plan_loads_it():
@@ -58,6 +58,38 @@ def test_a_request_waits_for_a_slot_and_the_plan_loads_it():
     s.finish(3)
     out = s.schedule()
     assert [x.req.req_id for x in out.new] == [4] and out.lora_loads == [(1, 1)]
+
+
+def test_the_base_passes_a_request_waiting_for_a_slot_other_adapters_do_not():
+    """Behind a request waiting for a slot, the base's requests are admitted (they hold no
+    slot) but an adapter's are not, even one whose adapter is in a slot: the slot drains."""
+    s = make(max_loras=1)
+    for r in (req(1, 1), req(2, 2), req(3, 0), req(4, 1), req(5, 0)):
+        s.add(r)
+    out = s.schedule()
+    assert [x.req.req_id for x in out.new] == [1, 3, 5]
+    assert [r.req_id for r in s.waiting] == [2, 4]
+    s.finish(1)
+    out = s.schedule()
+    assert [x.req.req_id for x in out.new] == [2] and out.lora_loads == [(1, 2)]
+
+
+def test_a_more_important_request_takes_a_slot_from_less_important_ones():
+    """Priority preemption frees a LoRA slot as it frees blocks: the head's adapter finds both
+    slots held; the slot whose holders are all less important and fewest is emptied."""
+    s = make(max_loras=2)
+    for r in (req(1, 1, priority=5), req(2, 1, priority=5), req(3, 2, priority=5)):
+        s.add(r)
+    s.schedule()
+    assert [r.lora_slot for r in (s.requests[1], s.requests[2], s.requests[3])] == [1, 1, 2]
+    s.add(req(4, 3, priority=0))
+    assert s.schedule(ahead=True).new == []  # async: wait for the step in flight, then preempt
+    out = s.schedule()
+    assert out.preempted_req_ids == [3] and s.num_priority_preemptions == 1
+    assert [x.req.req_id for x in out.new] == [4] and out.lora_loads == [(2, 3)]
+    assert [r.req_id for r in s.running] == [4, 1, 2]
+    s.add(req(5, 2, priority=5))  # an equal priority preempts nobody: it waits
+    assert s.schedule().preempted_req_ids == [] and 5 in {r.req_id for r in s.waiting}
 
 
 def test_a_preempted_request_gives_its_slot_back():
