@@ -146,8 +146,10 @@ def attach(model: nn.Module, cfg: ModelConfig, slots: LoraSlots, step: LoraStep,
 class LoraRuntime:
     """What the runner holds: the adapters on the host (HostCache), the slots, the step."""
 
-    def __init__(self, host: HostCache, slots: LoraSlots, step: LoraStep) -> None:
+    def __init__(self, host: HostCache, slots: LoraSlots, step: LoraStep,
+                 wrapped: list[LoraLinear] | None = None) -> None:
         self.host, self.slots, self.step = host, slots, step
+        self.wrapped = wrapped or []  # the first layer's projections (warm_up's)
         self.num_static = len(host.sources)  # --lora-modules: ids 1..num_static
 
     def load(self, slot: int, adapter_id: int) -> None:
@@ -191,4 +193,33 @@ def build(model: nn.Module, cfg: ModelConfig, lora: LoraConfig, dtype: torch.dty
         host.add(i + 1, name, path)
     slots, step = LoraSlots(cfg, lora, dtype, device), LoraStep(device)
     attach(model, cfg, slots, step, ops)
-    return LoraRuntime(host, slots, step)
+    first = [m for m in model.modules() if isinstance(m, LoraLinear) and m.layer == 0]
+    return LoraRuntime(host, slots, step, first)
+
+
+# (tokens, segments) of warm_up's launches: tiles of 16, 32 and 64 rows (block_m_for), K split
+WARM_UP_SHAPES = ((16, 1), (64, 2), (128, 1))
+
+
+def warm_up(runtime: LoraRuntime, max_tokens: int) -> int:
+    """Run each projection's shrink and expand once per tile height a step can pick, so that
+    Triton compiles their variants at start and not in a serving step (slot 1 holds zeros or
+    an adapter: nothing is written but scratch); the launches made."""
+    launches, slots = 0, runtime.slots
+    for lin in runtime.wrapped:
+        a, b = slots.a[lin.projection][0], slots.b[lin.projection][0]
+        for t, g in WARM_UP_SHAPES:
+            if t > max_tokens:
+                continue
+            dev = a.device
+            x = torch.zeros(t, a.shape[2], dtype=a.dtype, device=dev)
+            y = torch.zeros(t, b.shape[1], dtype=b.dtype, device=dev)
+            out = torch.empty(t, a.shape[1], dtype=torch.float32, device=dev)
+            starts = torch.tensor([i * t // g for i in range(g + 1)], dtype=torch.int32,
+                                  device=dev)
+            seg_slots = torch.ones(g, dtype=torch.int32, device=dev)
+            rows = torch.arange(t, device=dev)
+            lin.ops.lora_shrink(x, a, starts, seg_slots, out, rows)
+            lin.ops.lora_expand(out, b, starts, seg_slots, y, 0, rows, lin.parts)
+            launches += 2
+    return launches

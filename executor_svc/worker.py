@@ -23,6 +23,7 @@ from pagedserve.executor.draft import DraftModel, DraftModelError
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.lora import LoraRuntime
 from pagedserve.executor.lora import build as build_lora
+from pagedserve.executor.lora import warm_up as warm_up_lora
 from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.penalties import TokenCounts
 from pagedserve.executor.quantization import resolve_quantization
@@ -311,6 +312,9 @@ class Worker:
                 self.runner.execute(pb.StepPlan(step_id=step, new_requests=[req],
                                                 new_num_scheduled_tokens=[n]))
                 self.runner.reset()  # the slots hold garbage now; nothing reads them unwritten
+        if self.lora is not None and self.backend == "triton":
+            with phase("compiling the LoRA kernels"):
+                warm_up_lora(self.lora, self.max_num_batched_tokens)
         if self.graphs is not None:
             draft = self.runner.draft
             sets = [("decode", self.graphs)]

@@ -86,11 +86,11 @@ def _find_tile(starts_ptr, num_segs, tile, BLOCK_M: tl.constexpr, CHUNK: tl.cons
     return seg, row0, end
 
 
-@triton.jit(do_not_specialize=["num_segs", "h_in"])
+@triton.jit(do_not_specialize=["num_segs", "h_in", "split_k"])
 def _shrink_kernel(
-    x_ptr, a_ptr, starts_ptr, slots_ptr, out_ptr, rows_ptr, num_segs, h_in, rank,
+    x_ptr, a_ptr, starts_ptr, slots_ptr, out_ptr, rows_ptr, num_segs, h_in, rank, split_k,
     stride_x, stride_as, stride_ar, stride_o,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, R_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
+    ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, R_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
     GATHER: tl.constexpr,
 ):
@@ -108,10 +108,10 @@ def _shrink_kernel(
     out_ok = row_ok[:, None] & (offs_r < rank)[None, :]
     acc = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     if slot < 0:  # no adapter: zeros (a split launch zeroed out beforehand)
-        if SPLIT_K == 1:
+        if not ATOMIC:
             tl.store(out_ptrs, acc, mask=out_ok)
         return
-    span = tl.cdiv(tl.cdiv(h_in, SPLIT_K), BLOCK_K) * BLOCK_K
+    span = tl.cdiv(tl.cdiv(h_in, split_k), BLOCK_K) * BLOCK_K
     k_lo = tl.program_id(1) * span
     k_hi = tl.minimum(k_lo + span, h_in)
     offs_k = tl.arange(0, BLOCK_K)
@@ -130,10 +130,10 @@ def _shrink_kernel(
             xt = xt.to(tl.float32)
             at = at.to(tl.float32)
         acc = tl.dot(xt, at, acc, input_precision=PRECISION)
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc, mask=out_ok)
-    else:
+    if ATOMIC:
         tl.atomic_add(out_ptrs, acc, mask=out_ok, sem="relaxed")
+    else:
+        tl.store(out_ptrs, acc, mask=out_ok)
 
 
 def lora_shrink(
@@ -155,12 +155,13 @@ def lora_shrink(
     r_pad = min(R_CHUNK, max(16, triton.next_power_of_2(rank)))
     chunks = triton.cdiv(rank, r_pad)
     cfg = shrink_config(block_m, tiles * chunks, h_in)
-    if cfg["SPLIT_K"] > 1:
+    split = cfg.pop("SPLIT_K")  # a run-time argument: one compiled variant for every split > 1
+    if split > 1:
         out.zero_()
-    _shrink_kernel[(tiles, cfg["SPLIT_K"], chunks)](
+    _shrink_kernel[(tiles, split, chunks)](
         x, a, seg_starts, seg_slots, out, seg_starts if rows is None else rows, num_segs, h_in,
-        rank,
-        x.stride(0), a.stride(0), a.stride(1), out.stride(0),
+        rank, split,
+        x.stride(0), a.stride(0), a.stride(1), out.stride(0), ATOMIC=split > 1,
         BLOCK_M=block_m, R_PAD=r_pad, CHUNK=min(1024, max(16, triton.next_power_of_2(num_segs))),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DOT_FP32=INTERPRETED and x.dtype != torch.float32, GATHER=rows is not None, **cfg)

@@ -363,3 +363,29 @@ def test_adapters_on_an_fp8_base_add_their_delta_to_each_fp8_layer(tiny, tmp_pat
     with_adapter = run_paged(WithSlots(ours, lora.step, [1]), cfg, [prompt], [[6]])[0][-1]
     without = run_paged(WithSlots(ours, lora.step, [0]), cfg, [prompt], [[6]])[0][-1]
     assert not torch.allclose(with_adapter, without, atol=1e-2)
+
+
+def test_the_warm_up_runs_every_projections_kernels_at_each_tile_height(tiny, tmp_path,
+                                                                       monkeypatch):
+    """warm_up launches each projection's shrink and expand at 16- and 32-row tiles (what
+    Triton compiles variants by; 64 needs more tokens than this step bound), changing no
+    slot."""
+    from pagedserve.executor import lora as lora_mod
+    from pagedserve.kernels import lora as kl
+
+    hf, cfg = tiny
+    one = write_adapter(tmp_path / "one", hf, 1, 8, ["q_proj"], 16)
+    _, lora = runtime(cfg, tmp_path, [("one", one)])
+    lora.load(1, 1)
+    before = {p: (a.clone(), lora.slots.b[p].clone()) for p, a in lora.slots.a.items()}
+    calls = []
+    ops = lora.wrapped[0].ops  # shared by every projection
+    for name in ("lora_shrink", "lora_expand"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, real=real, name=name: calls.append(
+            (name, a[0].shape[0], a[2].shape[0] - 1)) or real(*a))
+    assert lora_mod.warm_up(lora, 64) == 4 * 2 * 2
+    assert sorted(p.projection for p in lora.wrapped) == ["down", "gate_up", "o", "qkv"]
+    assert {kl.block_m_for(t, g) for name, t, g in calls if name == "lora_shrink"} == {16, 32}
+    assert all(torch.equal(a, lora.slots.a[p]) and torch.equal(b, lora.slots.b[p])
+               for p, (a, b) in before.items())
