@@ -1,8 +1,9 @@
 """`serve --tensor-parallel-size 2 --async-scheduling` on the CPU (gloo): the default model's
 9 query / 3 KV heads split 6+3 / 2+1 over two ranks; a decode row's input id, the previous
 step's sample, reaches rank 1 by the broadcast without a host read. Greedy outputs equal HF's
-under preemption with prefix caching on; a rank killed for real is the executor lost: the group
-goes, serve restarts it, and the stream in flight completes with HF's tokens."""
+under preemption with prefix caching on, and a LoRA adapter's equal HF's on the merged weights;
+a rank killed for real is the executor lost: the group goes, serve restarts it, and the stream
+in flight completes with HF's tokens."""
 
 from __future__ import annotations
 
@@ -20,10 +21,21 @@ CHAT = [("user", "What is the capital of France?")]
 
 
 @pytest.fixture(scope="module")
-def tp_service(tmp_path_factory, model_dir):
+def adapter(tmp_path_factory, hf_model):
+    """A LoRA adapter of every module of the default model (rank 8)."""
+    from tests.executor_svc.test_lora_adapters import _PLACE, write_adapter
+
+    return write_adapter(tmp_path_factory.mktemp("adapter"), hf_model, 5, 8, list(_PLACE), 16,
+                         std=0.1)
+
+
+@pytest.fixture(scope="module")
+def tp_service(tmp_path_factory, model_dir, adapter):
     yield from _serving(tmp_path_factory, "tp2", "--tensor-parallel-size", "2", *TIGHT,
                         "--async-scheduling",
-                        "--preemption-mode", "recompute", "--enable-prefix-caching")
+                        "--preemption-mode", "recompute", "--enable-prefix-caching",
+                        "--enable-lora", "--lora-modules", f"tuned={adapter}",
+                        "--max-lora-rank", "8")
 
 
 def ranks(svc) -> tuple[psutil.Process, list[psutil.Process]]:
@@ -41,6 +53,25 @@ def test_two_ranks_match_hf_under_preemption_with_prefix_caching(tp_service, hf_
     assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"] == 10
     assert m["pagedserve_prefix_cache_hits_total"] > 0  # the chat prompts share a template
     assert "tensor parallel group of 2 ranks on cpu (gloo)" in tp_service.log_path.read_text()
+
+
+def test_an_adapter_on_two_ranks_equals_hf_on_the_merged_weights(tp_service, hf_model, adapter,
+                                                                 tokenizer):
+    """Each rank holds its share of the adapter (9 heads split 6 + 3): the adapter's greedy
+    tokens equal HF's on the merged weights, and differ from the base's."""
+    import torch
+
+    from tests.executor_svc.test_lora_adapters import merged
+
+    ids = tokenizer("The capital of France is")["input_ids"]
+    with torch.no_grad():
+        want = merged(hf_model, adapter).generate(torch.tensor([ids]), max_new_tokens=8,
+                                                  do_sample=False, pad_token_id=2)[0, len(ids):]
+    got = tp_service.client.complete(token_ids=ids, max_tokens=8, temperature=0,
+                                     adapter="tuned")[1]
+    base = tp_service.client.complete(token_ids=ids, max_tokens=8, temperature=0)[1]
+    assert got == want.tolist()
+    assert got != base
 
 
 def test_a_rank_killed_mid_stream_restarts_the_group_and_the_stream_completes(
