@@ -326,7 +326,7 @@ class _WarmUpRunner:
         self.follower.step()
 
     def reset(self) -> None:
-        if self.follower.lora is not None:  # rank 0's runner reset sent its LoRA_RESET
+        if self.follower.lora is not None:  # rank 0's runner reset sent a LORA_RESET
             self.follower.step()
 
 
