@@ -85,6 +85,12 @@ class RemoteEngineClient:
         self._state: pb.EngineState | None = None
         self._session = ""
         self._resubmit_due = False  # a new session began with requests in flight
+        # LoRA adapters loaded at run time live in the engine core's memory: those a new
+        # session does not serve are loaded into it again (by this process, or another API
+        # process first) before this process resubmits its requests
+        self._lora_served: dict[str, str] = {}  # name -> path, as of the last state
+        self._lora_lost: dict[str, str] = {}  # served by the previous session, not this one
+        self._restoring: asyncio.Task | None = None
         self._last_state = 0.0
         self._connected = False
         self._last_serving: bool | None = None
@@ -281,15 +287,55 @@ class RemoteEngineClient:
         if st.HasField("model_info"):
             self._info = wire.decode_model_info(st.model_info)
         self._connected = True
+        served = {m.name: m.path for m in st.lora_adapters}
         if st.session != self._session:  # what was not accepted yet may never be: retried
             self._fail_pending()
+            if self._session:  # a restarted engine core: what it no longer serves
+                self._lora_lost = {n: p for n, p in self._lora_served.items() if n not in served}
             self._session, self._resubmit_due = st.session, bool(self._inflight)
-        if self._resubmit_due and st.HasField("model_info"):  # an executor has joined it
-            log.warning("a new engine core session (engine %s): resubmitting %d requests",
-                        st.engine_id, len(self._inflight))
+        self._lora_served = {**served, **self._lora_lost}
+        if (self._resubmit_due or self._lora_lost) and self._restoring is None \
+                and st.HasField("model_info"):  # an executor has joined it
+            log.warning("a new engine core session (engine %s): %sresubmitting %d requests",
+                        st.engine_id, f"loading LoRA adapters {sorted(self._lora_lost)} "
+                        "again, then " if self._lora_lost else "", len(self._inflight))
             self._resubmit_due = False
-            self._resubmit()
+            if self._lora_lost:
+                self._restoring = asyncio.get_running_loop().create_task(self._restore_lora())
+            else:
+                self._resubmit()
         self._notify()
+
+    async def _restore_lora(self) -> None:
+        """Load the adapters the previous session served into this one (another API process
+        may be doing it: then wait until the state names them), then resubmit."""
+        session = self._session
+        try:
+            for name, path in list(self._lora_lost.items()):
+                try:
+                    await self._lora_admin(name, path)
+                except EngineError as e:
+                    if e.code != "ALREADY_EXISTS":
+                        raise
+                    await self._until_served(name)
+                self._lora_lost.pop(name, None)
+        except Exception as e:  # the engine core lost again (the next session retries),
+            if getattr(e, "code", "") == "UNAVAILABLE" or self._session != session:
+                return
+            log.error("LoRA adapter %s could not be loaded again: %s; its requests fail",
+                      list(self._lora_lost), e)  # (refused by the new executor)
+            self._lora_lost.clear()
+        finally:
+            self._restoring = None
+        if self._session == session and self._connected:
+            self._resubmit()
+
+    async def _until_served(self, name: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while name not in {m.name for m in self._state.lora_adapters}:
+            if not self._connected or time.monotonic() > deadline:
+                raise EngineError("UNAVAILABLE", f"LoRA adapter {name!r} was not loaded again")
+            await asyncio.sleep(0.05)
 
     def _resubmit(self) -> None:
         """Every request accepted by an earlier session, with its tokens so far (completion 0

@@ -224,3 +224,33 @@ def test_an_executor_restarted_is_given_the_adapters_loaded_at_run_time(lora_ser
     assert got == want
     assert [p.pid for p in psutil.Process(svc.proc.pid).children(recursive=True)
             if "executor" in p.cmdline()] != [executor.pid]
+
+
+@pytest.mark.slow
+def test_an_engine_core_restarted_is_given_the_adapters_loaded_at_run_time(lora_service,
+                                                                          adapters, expected):
+    """An adapter loaded at run time under a name of its own lives in the engine core's
+    memory only: after the engine core is killed -9 mid-stream, the API processes load it
+    into the new one before resubmitting, so the stream completes with HF's merged tokens
+    and both processes list it."""
+    import psutil
+
+    from pagedserve.client import build_request
+
+    svc = lora_service
+    assert http(svc, "/v1/load_lora_adapter", {"lora_name": "late",
+                                               "lora_path": str(adapters["gamma"])}, raw=True) \
+        == "Success: LoRA adapter 'late' added successfully."
+    [engine] = [p for p in psutil.Process(svc.proc.pid).children()
+                if p.cmdline()[p.cmdline().index("pagedserve.cli") + 3] == "engine"]
+    ids, want = expected["gamma", PROMPTS[1]]
+    stream = svc.client.stub.Generate(build_request(token_ids=ids, max_tokens=MAX_TOKENS,
+                                                    temperature=0, adapter="late"), timeout=180)
+    got = list(next(stream).token_ids)
+    engine.kill()
+    for chunk in stream:
+        got.extend(chunk.token_ids)
+    assert got == want
+    for _ in range(4):  # new connections: either API process
+        assert "late" in {c["id"] for c in http(svc, "/v1/models")["data"]}
+    assert "loading LoRA adapters ['late'] again" in svc.log_path.read_text()
