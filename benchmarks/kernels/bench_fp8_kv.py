@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.kernels.timing import interpret  # noqa: E402
 
 H, HKV, D, BS = 32, 8, 128, 16
 K_SCALE, V_SCALE = 0.5, 0.25
@@ -43,10 +44,7 @@ def parse() -> argparse.Namespace:
 
 ARGS = parse()
 if ARGS.smoke:
-    os.environ["TRITON_INTERPRET"] = "1"
-    from pagedserve.kernels._interpreter import fix_interpreter_index
-
-    fix_interpreter_index()
+    interpret()
 
 import torch  # noqa: E402
 import triton.testing  # noqa: E402

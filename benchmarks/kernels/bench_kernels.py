@@ -32,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.kernels.timing import interpret  # noqa: E402
+
 H, HKV, D, BS = 32, 8, 128, 16
 L2_BYTES = 240 << 20  # rotate inputs until the working set is 4x the H200's 60 MB L2
 
@@ -46,10 +48,7 @@ def parse() -> argparse.Namespace:
 
 ARGS = parse()
 if ARGS.dry:
-    os.environ["TRITON_INTERPRET"] = "1"
-    from pagedserve.kernels._interpreter import fix_interpreter_index
-
-    fix_interpreter_index()
+    interpret()
 
 import torch  # noqa: E402
 import triton  # noqa: E402

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.kernels.timing import interpret, median_ms  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -48,15 +48,10 @@ def parse() -> argparse.Namespace:
 
 ARGS = parse()
 if ARGS.smoke:
-    os.environ["TRITON_INTERPRET"] = "1"
-    from pagedserve.kernels._interpreter import fix_interpreter_index
-
-    fix_interpreter_index()
-    os.environ.setdefault("PAGEDSERVE_RESULTS", tempfile.mkdtemp(prefix="bench_lora_"))
+    interpret("bench_lora_")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import triton.testing  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.common import write_records  # noqa: E402
@@ -77,13 +72,7 @@ DECODE, PREFILL = (1, 16, 64, 256), (2048, 8192)
 
 
 def bench(fn, graph: bool) -> float:
-    if ARGS.smoke:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return median_ms(fn, graph, ARGS.smoke)
 
 
 def layer(name: str, h_in: int, parts: list[tuple[str, int]], rank: int, step: LoraStep):

@@ -25,7 +25,6 @@ import argparse
 import functools
 import itertools
 import json
-import os
 import sys
 import tempfile
 import time
@@ -33,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.kernels.timing import interpret, median_ms  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -68,16 +69,9 @@ def parse() -> argparse.Namespace:
 
 ARGS = parse()
 if ARGS.smoke:
-    os.environ["TRITON_INTERPRET"] = "1"
-    from pagedserve.kernels._interpreter import fix_interpreter_index
-
-    fix_interpreter_index()
-    # the smoke run checks the script, its records go to a scratch folder
-    os.environ.setdefault("PAGEDSERVE_RESULTS", tempfile.mkdtemp(prefix="bench_moe_"))
+    interpret("bench_moe_")
 
 import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.testing  # noqa: E402
 
 from benchmarks.common import write_records  # noqa: E402
 from pagedserve.kernels import fused_moe as fm  # noqa: E402
@@ -88,15 +82,8 @@ DT = torch.float32 if ARGS.smoke else torch.bfloat16
 
 
 def bench(fn, graph: bool = False) -> float:
-    """Median ms: do_bench, or CUDA-graph replays (graph: the executor captures decode steps,
-    which removes the launches' host time; the torch loop syncs, it cannot be captured)."""
-    if ARGS.smoke:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    """Median ms (the torch loop syncs: it cannot be captured in a graph)."""
+    return median_ms(fn, graph, ARGS.smoke)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
