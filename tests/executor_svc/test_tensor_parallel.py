@@ -276,10 +276,10 @@ def test_lora_adapters_on_two_ranks(tmp_path, name):
     head copied on both ranks): request 1 under an adapter on every module, 3 under one read
     at run time (q, v, down), 2 the base, through prefill chunks, decode, swap and a prefix hit;
     two ranks give one rank's tokens, and the adapters change them."""
-    from tests.executor_svc.test_lora_adapters import write_adapter
+    from tests.executor_svc.test_lora_adapters import _PLACE, write_adapter
 
     hf = save_random(tmp_path / "base", name)
-    one = write_adapter(tmp_path / "one", hf, 1, 8, list(_MODULES), 16, std=0.2)
+    one = write_adapter(tmp_path / "one", hf, 1, 8, list(_PLACE), 16, std=0.2)
     three = write_adapter(tmp_path / "three", hf, 3, 4, ["q_proj", "v_proj", "down_proj"], 8,
                           std=0.3)
     flags = ("--enable-lora", "--lora-modules", f"one={one}", "--max-loras", "2",
@@ -291,6 +291,3 @@ def test_lora_adapters_on_two_ranks(tmp_path, name):
     base = single_rank_tokens(tmp_path / "base")[0]
     assert want[2] == base[2] and want[1] != base[1] and want[3] != base[3]
     assert tensor_parallel_tokens(tmp_path / "base", *flags, prepare=prepare)[0] == want
-
-
-_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
