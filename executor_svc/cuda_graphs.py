@@ -70,6 +70,10 @@ class DecodeGraphs:
         # 1024 sequences and a 128k vocabulary: the executor ran out of memory at start)
         self.logits = torch.empty((n, model.cfg.vocab_size), dtype=torch.float32,
                                   device=device)
+        # the target's states an EAGLE head reads (CausalLM.taps), copied here by each graph
+        self.tapped = None if not model.taps else torch.empty(
+            (n, len(model.taps) * model.cfg.hidden_size), dtype=model.embed_tokens.weight.dtype,
+            device=device)
         # (the memory profile sets these aside too: static_bytes)
         # pinned staging rows (ids, positions, slots, seq lens), two sets used in turn: with
         # async scheduling step N+1 is staged before step N's tokens are read, so N's copy may
@@ -117,6 +121,9 @@ class DecodeGraphs:
             self.lora.current = (self.lora_rows[:bs], self.lora_starts, self.lora_slots)
         try:
             self.model(*self._args(bs))
+            if self.tapped is not None:
+                self.tapped[:bs].copy_(self.model.tapped)
+                self.model.tapped = None
         finally:
             if self.lora is not None:
                 self.lora.current = None

@@ -96,6 +96,11 @@ class CausalLM(nn.Module):
         # (set_rope); cos_sin_local is the windowed layers' own RoPE (Gemma 3), else cos_sin
         self.cos_sin = self.cos_sin_local = torch.empty(0)
         self.max_pos = max_pos
+        # hidden states an EAGLE head reads (executor_svc/eagle.py): the input of each layer
+        # in `taps` (its residual stream), num_layers for the final norm's output; hidden()
+        # leaves them in `tapped`, concatenated along the hidden dimension, [T, len(taps) x H]
+        self.taps: tuple[int, ...] = ()
+        self.tapped: torch.Tensor | None = None
 
     def set_rope(self, device: torch.device) -> None:
         self.cos_sin = rope_cos_sin_cache(self.cfg, self.max_pos, device)
@@ -123,11 +128,17 @@ class CausalLM(nn.Module):
         x = tp.embed(self.embed_tokens, input_ids, self.cfg)
         if self.cfg.embed_scale != 1.0:  # Gemma: the scale rounded to the weights' dtype, as HF
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
-        residual = None
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
+        residual, taps, kept = None, self.taps, []
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i in taps:  # (in layer order, a layer listed twice twice, as vLLM)
+                kept += [x if residual is None else x + residual] * taps.count(i)
             cos_sin = self.cos_sin_local if layer.self_attn.local_rope else self.cos_sin
             x, residual = layer(x, residual, positions, cos_sin, kv, meta)
         x, _ = self.norm(x, residual)
+        if taps:
+            if len(self.layers) in taps:
+                kept.append(x)
+            self.tapped = kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1)
         return x
 
     @torch.inference_mode()

@@ -11,6 +11,7 @@ import torch
 from pagedserve.executor.block_table import BlockTableArray, RowColumns
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.draft import DraftModel
+from pagedserve.executor.eagle import EagleDraft
 from pagedserve.executor.lora import LoraRuntime
 from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.penalties import TokenCounts
@@ -57,6 +58,20 @@ class Drafted:
 
 
 @dataclass(slots=True)
+class EagleRows:
+    """A step's sampled rows as an EAGLE head's propose pass reads them once the tokens are
+    known (executor_svc/eagle.py): each row's candidates for its last kept position are its
+    last 1 + per flat rows (per: its drafts), whose samples start at `base` in the step's
+    sampled tokens, as their target states do in `tapped`."""
+
+    rows: np.ndarray  # RowColumns rows
+    req_ids: np.ndarray  # who held them at launch (a row since given to another is skipped)
+    base: np.ndarray  # where each row's samples (and tapped rows) start
+    pos0: np.ndarray  # the position of its first candidate
+    tapped: torch.Tensor  # [sum(per + 1), W] the target's states at the candidates
+
+
+@dataclass(slots=True)
 class Launched:
     """A step whose forward pass and sampling are queued on the device, tokens unread."""
 
@@ -74,6 +89,7 @@ class Launched:
     ready: torch.cuda.Event | None = None
     drafted: Drafted | None = None  # speculative rows, verified by finish()
     lookahead: int = 0  # a draft model's proposals per sampled row, made by finish()
+    eagle: EagleRows | None = None  # an EAGLE head's pass after the tokens, made by finish()
     # set by finish(): the requests given drafts, how many each, the drafts concatenated
     proposals: tuple[list[int], list[int], list[int]] | None = None
 
@@ -114,13 +130,15 @@ class ModelRunner:
         sampler: Sampler,
         swap: SwapSpace | None = None,
         counts: TokenCounts | None = None,
-        draft: DraftModel | None = None,
+        draft: DraftModel | EagleDraft | None = None,
         lora: LoraRuntime | None = None,
     ) -> None:
         self.model, self.kv_caches = model, kv_caches
         self.lora = lora  # LoRA adapters and their device slots (executor_svc/lora.py)
         self.swap = swap or SwapSpace(0, [])
-        self.draft = draft  # speculative decoding's draft model (executor_svc/draft.py)
+        # speculative decoding's draft model (executor_svc/draft.py) or EAGLE head (eagle.py)
+        self.eagle = draft if isinstance(draft, EagleDraft) else None
+        self.draft = draft if self.eagle is None else None
         # what a swap copies: the target's layers, then the draft's (they share the blocks)
         self.swap_kv = kv_caches + (draft.kv_caches if draft is not None else [])
         self.block_size, self.device, self.sampler = block_size, device, sampler
@@ -177,15 +195,17 @@ class ModelRunner:
             cols.last_token[rows[mine]] = host.numpy()[mine]
             cols.pending_launch[rows[mine]] = -1
         self._unread.pop(launched.launch_id, None)
-        req_ids = launched.req_ids
+        req_ids, sampled, accepted = launched.req_ids, tokens, []
         if launched.drafted is not None:
-            keep = self._verify(launched.drafted, tokens)
+            keep, accepted = self._verify(launched.drafted, tokens)
             if launched.logprobs is not None:
                 launched.logprobs = launched.logprobs.select(keep)
             req_ids = [r for r, k in zip(req_ids, keep, strict=True) if k]
             tokens = [t for t, k in zip(tokens, keep, strict=True) if k]
         if launched.lookahead > 0 and self.draft is not None and len(rows):
             launched.proposals = self._propose(rows, launched.lookahead)
+        if launched.eagle is not None:
+            launched.proposals = self._propose_eagle(launched, sampled, accepted)
         return req_ids, tokens
 
     def _propose(self, rows: np.ndarray, k: int) -> tuple[list[int], list[int], list[int]]:
@@ -209,11 +229,80 @@ class ModelRunner:
         return (cols.req_id[rows[given]].tolist(), [len(drafts[i]) for i in given],
                 [t for i in given for t in drafts[i]])
 
-    def _verify(self, drafted: Drafted, tokens: list[int]) -> list[bool]:
+    def _propose_eagle(self, launched: Launched, tokens: list[int], accepted: list[int]
+                       ) -> tuple[list[int], list[int], list[int]]:
+        """The EAGLE head's pass over each sampled row's last kept position (its KV, and the
+        first draft), then its proposals (up to launched.lookahead each, for the rows a draft
+        model would give them: executor_svc/eagle.py)."""
+        ew, cols = launched.eagle, self.cols
+        acc = np.zeros(len(ew.rows), np.int64)
+        if accepted:  # a drafted row's samples start where its candidates do
+            acc[np.searchsorted(ew.base, launched.drafted.first)] = accepted
+        sel = np.flatnonzero(cols.req_id[ew.rows] == ew.req_ids)
+        if not len(sel):
+            return [], [], []
+        rows, at = ew.rows[sel], ew.base[sel] + acc[sel]
+        last = ew.pos0[sel] + acc[sel]
+        ks = np.zeros(len(rows), np.int64)
+        if launched.lookahead > 0:
+            on = (cols.pending_launch[rows] == -1) & ((cols.features[rows]
+                                                       & (PENALTY | MIN_TOKENS)) == 0)
+            room = np.minimum(self.tables.lengths[rows] * self.block_size,
+                              self.eagle.max_pos) - (last + 1)
+            ks = np.where(on, np.clip(np.minimum(room, launched.lookahead), 0, None), 0)
+        drafts = self.eagle.propose(np.asarray(tokens, np.int64)[at],
+                                    ew.tapped[to_device(at, self.device)], last,
+                                    self.tables.array, rows, ks)
+        given = [i for i, d in enumerate(drafts) if d]
+        return (cols.req_id[rows[given]].tolist(), [len(drafts[i]) for i in given],
+                [t for i in given for t in drafts[i]])
+
+    def _eagle_launch(self, rows: np.ndarray, starts: np.ndarray, ns: np.ndarray,
+                      cu_q: np.ndarray, sample: np.ndarray, spec: np.ndarray | None,
+                      input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                      tapped: torch.Tensor) -> EagleRows | None:
+        """The EAGLE head's part of a launch: it catches up on every position whose next token
+        is known now (all but each sampled row's last), and keeps the target's states at the
+        sampled rows' candidates for finish(). None if nothing samples."""
+        b, dev, cols = len(rows), self.device, self.cols
+        flat = int(cu_q[-1])
+        seg = np.repeat(np.arange(b), ns)
+        ends_flat = cu_q[1:] - 1
+        keep = np.ones(flat, bool)
+        keep[ends_flat[sample]] = False
+        next_ids = np.zeros(flat, np.int64)
+        next_ids[:-1] = input_ids[1:]  # within a segment: the token after it
+        for i in np.flatnonzero(~sample).tolist():  # a prefill chunk: the prompt token after it
+            toks, end = self.requests[int(cols.req_id[rows[i]])].token_ids, int(cu_q[i + 1])
+            e = int(starts[i] + ns[i])
+            if e < len(toks):
+                next_ids[end - 1] = toks[e]
+            else:
+                keep[end - 1] = False
+        idx = np.flatnonzero(keep)
+        if len(idx):
+            q_lens = np.bincount(seg[idx], minlength=b)
+            live = np.flatnonzero(q_lens)
+            seq_lens = starts[live] + q_lens[live]
+            width = int(seq_lens.max() - 1) // self.block_size + 1
+            self.eagle.catch_up(next_ids[idx], tapped[to_device(idx, dev)], positions[idx],
+                                slots[idx], np.ascontiguousarray(self.tables.array[rows[live],
+                                                                                   :width]),
+                                q_lens[live], seq_lens)
+        s_idx = np.flatnonzero(sample)
+        if not len(s_idx):
+            return None
+        per = spec[s_idx] if spec is not None else np.zeros(len(s_idx), np.int64)
+        cand = _logit_rows(cu_q[1:][s_idx], per)
+        return EagleRows(rows[s_idx], cols.req_id[rows[s_idx]].copy(),
+                         np.cumsum(per + 1) - (per + 1), starts[s_idx] + ns[s_idx] - 1 - per,
+                         tapped[to_device(cand, dev)])
+
+    def _verify(self, drafted: Drafted, tokens: list[int]) -> tuple[list[bool], list[int]]:
         """Keep each drafted row's samples up to and including the first that differs from its
         draft (all k + 1 if none does); its computed tokens go back by the drafts rejected.
-        Which of the step's sampled tokens are kept."""
-        keep = [True] * len(tokens)
+        Which of the step's sampled tokens are kept, and each drafted row's accepted drafts."""
+        keep, accepted = [True] * len(tokens), []
         cols = self.cols
         for row, first, drafts in zip(drafted.rows, drafted.first, drafted.drafts, strict=True):
             k, a = len(drafts), 0
@@ -225,7 +314,8 @@ class ModelRunner:
             cols.known[row] += a + 1
             cols.num_computed[row] -= k - a
             cols.pending_launch[row] = -1
-        return keep
+            accepted.append(a)
+        return keep, accepted
 
     def launch(self, plan: pb.StepPlan,
                await_bitmask: Callable[[], Bitmask | None] = lambda: None,
@@ -418,6 +508,7 @@ class ModelRunner:
             if self.draft is not None:
                 self.draft.mirror_graphed(input_ids, positions, slots, flat_tables, flat_lens,
                                           patch)
+            tapped = graphs.tapped[:len(input_ids)] if self.eagle is not None else None
             if scored is not None:  # one token a row: flat rows are the logits' rows
                 full = logits
                 prompt = score(scored, lambda idx: full[idx], dev)
@@ -453,6 +544,12 @@ class ModelRunner:
                     self.lora.step.end()
             if self.draft is not None:
                 self.draft.mirror(ids, pos, meta)
+            tapped = self.model.tapped if self.eagle is not None else None
+        eagle = None
+        if self.eagle is not None:
+            self.model.tapped = None
+            eagle = self._eagle_launch(rows, starts, ns, cu_q, sample, spec, input_ids,
+                                       positions, slots, tapped)
         cols.num_computed[rows] += ns  # (a request is in a batch once: rows are distinct)
         srows = rows[sample]
         if not len(srows):
@@ -484,7 +581,8 @@ class ModelRunner:
         launched = Launched(req_ids, srows, self._next_launch, sampled.tokens,
                             self.last_step_graphed,
                             sampled if sampled.logprobs is not None else None, prompt=prompt,
-                            lookahead=plan.num_lookahead_tokens if self.draft else 0)
+                            lookahead=plan.num_lookahead_tokens
+                            if self.draft or self.eagle else 0, eagle=eagle)
         self._next_launch += 1
         if sampled.tokens.is_cuda:  # finish() reads them without waiting for later launches
             launched.host_tokens = torch.empty(sampled.tokens.shape, dtype=torch.int64,

@@ -20,6 +20,7 @@ from pagedserve.core.progress import phase
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.draft import DraftModel, DraftModelError
+from pagedserve.executor.eagle import EagleDraft, EagleHead, load_head
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.lora import LoraRuntime
 from pagedserve.executor.lora import build as build_lora
@@ -66,6 +67,7 @@ class ExecutorConfig:
     tensor_parallel_rank: int = 0  # this process's rank: its share of the model and KV cache
     model_impl: str = "auto"  # "auto", "native", "transformers" (ModelConfig.from_pretrained)
     draft_model: str = ""  # speculative decoding's draft (resolved directory; "": none)
+    draft_method: str = "draft_model"  # what draft_model is: a model, or an "eagle"/"eagle3" head
 
 
 class MemoryBudgetError(RuntimeError):
@@ -168,7 +170,7 @@ class Worker:
         with phase(f"loading weights of {cfg.model} onto {self.device}"):
             model = build_model(self.model_cfg, load_ops(backend), self.dtype, self.device,
                                 max_len, weights, quant=quant)
-        self.draft_cfg, draft_model = self._load_draft(cfg, backend, max_len)
+        self.draft_cfg, draft_model = self._load_draft(cfg, backend, max_len, model)
         self.lora = self._load_lora(cfg, model, backend)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if self.lora is not None:  # its slots are device memory the KV cache cannot have
@@ -192,7 +194,8 @@ class Worker:
         if self.draft_cfg is not None:  # the draft's KV lives in the same blocks
             self.block_bytes = per_block = per_block + cfg.block_size * \
                 self.draft_cfg.kv_bytes_per_token(self.kv_dtype.itemsize)
-        self.num_blocks = self._num_blocks(cfg, model, max_len, draft_model)
+        self.num_blocks = self._num_blocks(
+            cfg, model, max_len, draft_model if isinstance(draft_model, CausalLM) else None)
         if cfg.tensor_parallel_size > 1:  # every rank holds its heads of every block
             from pagedserve.executor.tp_layers import min_over_ranks
 
@@ -221,9 +224,10 @@ class Worker:
         draft = None
         if draft_model is not None:
             dc = self.draft_cfg
-            draft = DraftModel(draft_model, allocate_kv(
-                (self.num_blocks, cfg.block_size, dc.num_kv_heads, dc.head_dim), self.kv_dtype,
-                self.device, dc.num_layers), cfg.block_size, self.device)
+            draft_kv = allocate_kv((self.num_blocks, cfg.block_size, dc.num_kv_heads,
+                                    dc.head_dim), self.kv_dtype, self.device, dc.num_layers)
+            kind = EagleDraft if isinstance(draft_model, EagleHead) else DraftModel
+            draft = kind(draft_model, draft_kv, cfg.block_size, self.device)
         self.swap = SwapSpace(swap_space_bytes(cfg, self.device) // per_block,
                               kv + (draft.kv_caches if draft is not None else []))
         self.runner = ModelRunner(model, kv, cfg.block_size, self.device, self.sampler,
@@ -234,7 +238,7 @@ class Worker:
             self.graphs = DecodeGraphs(
                 model, kv, cfg.max_num_seqs, self.max_model_len, cfg.block_size, self.device,
                 *((self.lora.step, cfg.lora.max_loras) if self.lora is not None else ()))
-            if draft is not None:  # its mirror of a graphed step and its proposal passes
+            if isinstance(draft, DraftModel):  # its mirror of a graphed step and proposals
                 draft.graphs = DecodeGraphs(draft_model, draft.kv_caches, cfg.max_num_seqs,
                                             self.max_model_len, cfg.block_size, self.device)
         self.capacity = pb.Capacity(
@@ -271,15 +275,29 @@ class Worker:
                  runtime.slots.nbytes() / (1 << 20))
         return runtime
 
-    def _load_draft(self, cfg: ExecutorConfig, backend: str, max_len: int
-                    ) -> tuple[ModelConfig | None, CausalLM | None]:
-        """The draft model (--speculative-config method draft_model), loaded as the target is
-        (same device, dtype and load format); DraftModelError if it cannot serve beside it."""
+    def _load_draft(self, cfg: ExecutorConfig, backend: str, max_len: int, target: CausalLM
+                    ) -> tuple[ModelConfig | None, CausalLM | EagleHead | None]:
+        """The draft model (--speculative-config method draft_model) or EAGLE head (eagle,
+        eagle3), loaded as the target is (same device, dtype and load format);
+        DraftModelError if it cannot serve beside it."""
         if not cfg.draft_model:
             return None, None
+        what = "a draft model" if cfg.draft_method == "draft_model" else "an EAGLE head"
         if cfg.tensor_parallel_size > 1:
-            raise DraftModelError("--speculative-config: a draft model with "
-                                  "--tensor-parallel-size > 1 is not built yet")
+            raise DraftModelError(f"--speculative-config: {what} with "
+                                  f"--tensor-parallel-size > 1 is not built yet")
+        if cfg.draft_method != "draft_model":
+            if not isinstance(target, CausalLM):
+                raise DraftModelError("--speculative-config: an EAGLE head reads the hidden "
+                                      "states of a native model; this one runs on HF's "
+                                      "modeling code (--model-impl transformers)")
+            with phase(f"loading the {cfg.draft_method} head {cfg.draft_model} onto "
+                       f"{self.device}"):
+                head = load_head(cfg.draft_method, cfg.draft_model, target, load_ops(backend),
+                                 self.dtype, self.device, max_len,
+                                 random=cfg.load_format != "auto")
+            target.taps = head.lay.taps
+            return head.cfg, head
         dc = ModelConfig.from_pretrained(cfg.draft_model, cfg.model_impl)
         if dc.vocab_size != self.model_cfg.vocab_size:
             raise DraftModelError(
@@ -443,6 +461,7 @@ class Worker:
         else:  # allocated: a graph's private pool cannot reuse the free space that segments
             # kept by the prefill profile hold (reserved then grew by nothing)
             peak = torch.cuda.max_memory_allocated(dev) - allocated
+        model.tapped = None  # (an EAGLE head's states, counted in the peak)
         del logits, kv, meta
         return peak
 
@@ -493,12 +512,13 @@ def executor_config(args: argparse.Namespace, rank: int, size: int, device: str)
         kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager, tensor_parallel_size=size, tensor_parallel_rank=rank,
-        model_impl=args.model_impl, draft_model=_draft_path(args),
+        model_impl=args.model_impl, **_draft(args),
     )
 
 
-def _draft_path(args: argparse.Namespace) -> str:
-    """The draft model's resolved path from --speculative-config ("" without one)."""
+def _draft(args: argparse.Namespace) -> dict[str, str]:
+    """The draft model's or EAGLE head's resolved path and the method, from
+    --speculative-config (none without one, or with n-gram)."""
     from pagedserve.core.models import resolve_model
     from pagedserve.core.speculative import SpeculativeConfig, SpeculativeConfigError
 
@@ -507,5 +527,5 @@ def _draft_path(args: argparse.Namespace) -> str:
     except SpeculativeConfigError as e:
         raise DraftModelError(str(e)) from None
     if spec is None or not spec.drafts_in_executor:
-        return ""
-    return str(resolve_model(spec.model))
+        return {}
+    return {"draft_model": str(resolve_model(spec.model)), "draft_method": spec.method}

@@ -402,9 +402,9 @@ class Engine:
                 log.critical("%s", e)
                 os._exit(2)
             if spec.drafts_in_executor and not cap.draft_model:
-                log.critical("--speculative-config: method draft_model, but the executor that "
-                             "joined loaded no draft model (start it with the same "
-                             "--speculative-config)")
+                log.critical("--speculative-config: method %s, but the executor that joined "
+                             "loaded no draft model or head (start it with the same "
+                             "--speculative-config)", spec.method)
                 os._exit(2)
         static = tuple(name for name, _ in self.cfg.lora_modules)
         if (tuple(cap.lora_adapters), cap.max_loras) != (static, self.cfg.max_loras):

@@ -1,5 +1,5 @@
 """--speculative-config: vLLM's JSON keys, parsed and checked once for both processes (the
-scheduler plans drafts; with method draft_model the executor loads the draft and proposes).
+scheduler plans drafts; with a draft model or an EAGLE head the executor loads it and proposes).
 docs/speculative_decoding.md has what each key does."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-BUILT = ("ngram", "draft_model")
+IN_EXECUTOR = ("draft_model", "eagle", "eagle3")  # methods whose drafts the executor proposes
 DEFAULT_LOOKUP = (2, 5)  # (prompt_lookup_min, prompt_lookup_max) when neither is given
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
         "draft_tensor_parallel_size", "num_speculative_tokens_per_batch_size")
@@ -26,7 +26,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_LOOKUP[1]
     # (first, last, k): with first <= running <= last requests, k drafts each (0: none)
     per_batch_size: tuple[tuple[int, int, int], ...] = ()
-    model: str = ""  # draft_model: the draft's directory, .gguf file or "default"
+    model: str = ""  # draft_model: the draft's directory, .gguf file or "default"; eagle,
+    # eagle3: the head's directory
     source: dict = field(default_factory=dict, compare=False)  # the JSON as given
 
     @classmethod
@@ -52,15 +53,13 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise SpeculativeConfigError(f"--speculative-config: unknown method {method!r} "
                                          f"(one of {', '.join(METHODS)})")
-        if method not in BUILT:
-            raise SpeculativeConfigError(
-                f"--speculative-config: method {method!r} is not built yet; this version "
-                f"speculates with {', '.join(BUILT)} (docs/speculative_decoding.md)")
         k = _int(raw, "num_speculative_tokens", None, 1)
         model = raw.get("model") or ""
-        if method == "draft_model" and (not isinstance(model, str) or not model.strip()):
-            raise SpeculativeConfigError("--speculative-config: method 'draft_model' needs "
-                                         "\"model\": the draft's directory or .gguf file")
+        if method in IN_EXECUTOR and (not isinstance(model, str) or not model.strip()):
+            what = "the draft's directory or .gguf file" if method == "draft_model" else \
+                "the EAGLE head's directory"
+            raise SpeculativeConfigError(f"--speculative-config: method {method!r} needs "
+                                         f"\"model\": {what}")
         if method == "ngram" and model:
             raise SpeculativeConfigError("--speculative-config: method 'ngram' takes no "
                                          "\"model\" (it drafts from the request's own tokens)")
@@ -98,8 +97,9 @@ class SpeculativeConfig:
 
     @property
     def drafts_in_executor(self) -> bool:
-        """The executor proposes (a draft model), rather than the scheduler (n-gram)."""
-        return self.method == "draft_model"
+        """The executor proposes (a draft model, an EAGLE head), rather than the scheduler
+        (n-gram)."""
+        return self.method in IN_EXECUTOR
 
     def tokens_for(self, running: int) -> int:
         """Drafts per request in a step of `running` requests."""

@@ -46,8 +46,8 @@ def test_config_keys_defaults_and_ranges():
     assert (only_max.method, only_max.prompt_lookup_min, only_max.prompt_lookup_max) == \
         ("ngram", 3, 3)
     for text, why in [("[1]", "a JSON object is needed"), ("{", "not JSON"),
-                      ('{"method": "eagle", "num_speculative_tokens": 2}',
-                       "method 'eagle' is not built yet"),
+                      ('{"method": "eagle3", "num_speculative_tokens": 2}',
+                       "method 'eagle3' needs \"model\": the EAGLE head's directory"),
                       ('{"num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size":'
                        ' [[4, 2, 1]]}',
                        r"num_speculative_tokens_per_batch_size: \[4, 2, 1\] is not"),
@@ -66,6 +66,9 @@ def test_config_keys_defaults_and_ranges():
     assert (draft.method, draft.model, draft.drafts_in_executor) == ("draft_model", "default",
                                                                      True)
     assert not c.drafts_in_executor
+    eagle = SpeculativeConfig.parse('{"method": "eagle", "model": "h", '
+                                    '"num_speculative_tokens": 3}')
+    assert (eagle.method, eagle.model, eagle.drafts_in_executor) == ("eagle", "h", True)
     with pytest.raises(SpeculativeConfigError, match="does not fit max_model_len 4"):
         c.check(4, 100)
 

@@ -1,0 +1,400 @@
+"""Speculative decoding by an EAGLE head (--speculative-config method eagle or eagle3): a one-
+layer decoder that drafts from the target's own hidden states, in the public checkpoint formats
+(EAGLE-1: yuhuili/EAGLE-LLaMA3-Instruct-8B and the like; EAGLE-3: yuhuili/EAGLE3-LLaMA3.1-
+Instruct-8B, the speculators' Llama heads).
+
+What a head reads at position i is the token at i + 1 and the target's hidden state at i, and
+it predicts the token at i + 2:
+- EAGLE-1: x = fc([embed(token), h]), h the target's final-norm output; one or more Llama
+  layers (the first without its input norm); the sum out of the last is the next pass's h, and
+  the target's lm_head turns it into logits.
+- EAGLE-3: h = fc([h_a, h_b, h_c]), the target's residual stream entering three layers (vLLM's
+  default 2, L/2 and L-3, or the config's eagle_aux_hidden_state_layer_ids); one layer whose
+  q/k/v read [input_norm(embed(token)), hidden_norm(h)]; its pre-norm sum is the next pass's h,
+  its own norm and lm_head give logits over a draft vocabulary that d2t maps to the target's
+  (target id = d + d2t[d]).
+
+Its paged KV cache lives in the target's blocks, as a draft model's does (executor_svc/
+draft.py): the same block ids and slots, its own tensors. The runner keeps the target's hidden
+states of each step (CausalLM.taps) and feeds the head twice:
+- at launch (catch_up), every position whose next token is known then: prefill chunks (the
+  chunk's own tokens, and the prompt token after it) and a drafted row's positions before its
+  last (the drafts are its next tokens; those rejected are written over later);
+- once the step's tokens are read (propose), each sampled row at its last kept position with the
+  token it sampled there: that pass writes the position's KV and gives the first draft; each
+  further pass feeds a draft and the head's own h, one position on, up to k.
+So a head's KV at position i always holds the token that followed i, and what the target
+computed there; prefix-cache hits, swaps and recomputes need nothing more (a swap copies the
+head's cache with the target's). A slot the head misses only lowers the acceptance rate:
+drafts are one token with certainty each, verified by the target's own sample, and outputs
+follow the target's distribution whatever the head proposes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.draft import DraftModelError
+from pagedserve.executor.layers import (
+    MLP,
+    Attention,
+    AttentionMetadata,
+    Ops,
+    RMSNorm,
+    make_linear,
+    rope_cos_sin_cache,
+)
+from pagedserve.executor.model import CausalLM
+from pagedserve.executor.transfer import to_device
+
+VERSIONS = {"eagle": 1, "eagle3": 3}
+
+
+@dataclass(frozen=True, slots=True)
+class HeadLayout:
+    """What a head's config and tensors say about it, checked against the target."""
+
+    version: int  # 1 (EAGLE) or 3 (EAGLE-3)
+    taps: tuple[int, ...]  # the target layers it reads (CausalLM.taps)
+    fc_in: int  # the width fc reads: 2 H (EAGLE-1), 3 H of the target's (EAGLE-3)
+    fc_bias: bool
+    own_embed: bool  # its own embed_tokens (else the target's)
+    own_lm_head: bool  # its own lm_head (else the target's)
+    draft_vocab: int  # the rows of its lm_head (EAGLE-3's draft vocabulary)
+
+
+def aux_layers(head_hf, num_layers: int) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 head reads: its config's, else vLLM's default."""
+    ids = getattr(head_hf, "eagle_aux_hidden_state_layer_ids", None)
+    if ids is None:
+        ids = (getattr(head_hf, "eagle_config", None) or {}).get(
+            "eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        ids = (2, num_layers // 2, num_layers - 3)
+    ids = tuple(sorted(int(i) for i in ids))
+    if not ids or ids[0] < 0 or ids[-1] >= num_layers:
+        raise DraftModelError(f"--speculative-config: the EAGLE-3 head reads layers {ids}; the "
+                              f"target has {num_layers}")
+    return ids
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A head's tensors by their checkpoint names (safetensors, else pytorch_model.bin), with
+    the prefixes heads are saved under taken off (model., midlayer. as layers.0.)."""
+    files = sorted(path.glob("*.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    try:
+        if files:
+            from safetensors.torch import load_file
+
+            for f in files:
+                out.update(load_file(str(f)))
+        elif (path / "pytorch_model.bin").exists():
+            out = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        else:
+            raise DraftModelError(f"--speculative-config: no *.safetensors or "
+                                  f"pytorch_model.bin in the EAGLE head {path}")
+    except DraftModelError:
+        raise
+    except Exception as e:  # a corrupt or truncated file: one line, not a traceback
+        raise DraftModelError(f"--speculative-config: the EAGLE head {path} cannot be read "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    named = {}
+    for name, t in out.items():
+        name = name.removeprefix("model.")
+        if name.startswith("midlayer."):
+            name = "layers.0." + name.removeprefix("midlayer.")
+        named[name] = t
+    return named
+
+
+def layout(method: str, hc: ModelConfig, target: ModelConfig,
+           names: dict[str, tuple[int, ...]] | None) -> HeadLayout:
+    """The head's layout from its config and tensor shapes (None: random weights, the
+    config's shapes); DraftModelError naming what does not fit the method or the target."""
+    version = VERSIONS[method]
+    h, th = hc.hidden_size, target.hidden_size
+    where = f"--speculative-config: the {method} head"
+    if version == 1 and h != th:
+        raise DraftModelError(f"{where} has hidden size {h}, the target {th}: an EAGLE head "
+                              f"reads the target's hidden states as they are")
+    if version == 3 and hc.num_layers != 1:
+        raise DraftModelError(f"{where} has {hc.num_layers} layers; EAGLE-3 heads have one")
+    taps = (target.num_layers,) if version == 1 else aux_layers(hc.hf_config,
+                                                                target.num_layers)
+    width = 2 * h if version == 1 else len(taps) * th
+    names = names or {}
+    fc = names.get("fc.weight", (h, width))
+    if fc != (h, width):
+        other = "eagle3" if version == 1 else "eagle"
+        raise DraftModelError(f"{where}: fc.weight is {list(fc)}, where method {method!r} "
+                              f"reads [{h}, {width}] from this target (a head of the other "
+                              f"kind is method {other!r}, or a head for another target)")
+    draft_vocab = getattr(hc.hf_config, "draft_vocab_size", None) or hc.vocab_size
+    own_lm_head = "lm_head.weight" in names or (not names and version == 3)
+    if own_lm_head:
+        draft_vocab = names.get("lm_head.weight", (draft_vocab,))[0]
+    if not own_lm_head and hc.vocab_size != target.vocab_size:
+        raise DraftModelError(f"{where} has a vocabulary of {hc.vocab_size} tokens, the target "
+                              f"{target.vocab_size}: a head must share the target's tokenizer")
+    if version == 3 and own_lm_head and draft_vocab != target.vocab_size \
+            and names and "d2t" not in names:
+        raise DraftModelError(f"{where} drafts over {draft_vocab} tokens, the target has "
+                              f"{target.vocab_size}, and it has no d2t to map them")
+    own_embed = "embed_tokens.weight" in names
+    if own_embed and names["embed_tokens.weight"][0] != target.vocab_size:
+        raise DraftModelError(f"{where} embeds {names['embed_tokens.weight'][0]} tokens, the "
+                              f"target has {target.vocab_size}")
+    return HeadLayout(version, taps, width, "fc.bias" in names, own_embed, own_lm_head,
+                      draft_vocab)
+
+
+class EagleLayer(nn.Module):
+    """A Llama layer as the heads have it: EAGLE-1's first without its input norm; EAGLE-3's
+    reading [input_norm(embedding), hidden_norm(h)], twice the hidden size."""
+
+    def __init__(self, cfg: ModelConfig, index: int, version: int, ops: Ops) -> None:
+        super().__init__()
+        self.index, self.version = index, version
+        eps, h = cfg.rms_norm_eps, cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, eps, ops)
+        self.post_attention_layernorm = RMSNorm(h, eps, ops)
+        self.self_attn = Attention(cfg, 0, ops)
+        if version == 3:
+            self.hidden_norm = RMSNorm(h, eps, ops)
+            attn = self.self_attn
+            attn.qkv_proj = make_linear(2 * h, (attn.h + 2 * attn.hkv) * attn.d,
+                                        cfg.attention_bias, None, ops)
+        self.mlp = MLP(cfg, ops)
+
+    def forward(self, x, residual, embeds, positions, cos_sin, kv_cache, meta):
+        if self.version == 3:
+            residual = x
+            x = torch.cat([self.input_layernorm(embeds)[0], self.hidden_norm(x)[0]], dim=-1)
+        elif self.index == 0:
+            residual = x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, lay: HeadLayout, target: CausalLM, ops: Ops,
+                 max_pos: int) -> None:
+        super().__init__()
+        self.cfg, self.lay, self.version = cfg, lay, lay.version
+        h = cfg.hidden_size
+        self.fc = nn.Linear(lay.fc_in, h, bias=lay.fc_bias)
+        self.layers = nn.ModuleList(EagleLayer(cfg, i, lay.version, ops)
+                                    for i in range(cfg.num_layers))
+        if lay.own_embed:
+            self.embed_tokens = nn.Embedding(target.cfg.vocab_size, h)
+        if lay.version == 3:
+            self.norm = RMSNorm(h, cfg.rms_norm_eps, ops)
+        if lay.own_lm_head:
+            self.lm_head = nn.Linear(h, lay.draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(lay.draft_vocab, dtype=torch.int64))
+        self._target = [target]  # (a list: not a submodule, its weights are not the head's)
+        self.max_pos = max_pos
+        self.cos_sin = torch.empty(0)
+
+    @property
+    def target(self) -> CausalLM:
+        return self._target[0]
+
+    def combine(self, tapped: torch.Tensor) -> torch.Tensor:
+        """The target's tapped states as the head's first pass reads them (EAGLE-3: fc)."""
+        return self.fc(tapped.to(self.fc.weight.dtype)) if self.version == 3 else tapped
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """[T, H]: the pre-norm sum out of the last layer (the next pass's h)."""
+        embed = self.embed_tokens if self.lay.own_embed else self.target.embed_tokens
+        e = embed(ids)
+        x = self.fc(torch.cat([e, hidden], dim=-1)) if self.version == 1 else hidden
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, e, positions, self.cos_sin, kv, meta)
+        return x + residual
+
+    @torch.inference_mode()
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target token ids the head ranks first after these rows of forward()'s output."""
+        x = self.norm(hidden)[0] if self.version == 3 else hidden
+        if self.lay.own_lm_head:
+            d = self.lm_head(x).argmax(dim=-1)
+            return d + self.d2t[d]
+        return self.target.logits(x).argmax(dim=-1)
+
+    def load(self, tensors: dict[str, torch.Tensor], path: Path) -> None:
+        """The checkpoint's tensors, q/k/v and gate/up fused as the layers hold them."""
+        params = dict(self.named_parameters())
+        cfg = self.cfg
+        h, hkv, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        parts = {"q_proj": ("qkv_proj", 0, h * d), "k_proj": ("qkv_proj", h * d, hkv * d),
+                 "v_proj": ("qkv_proj", (h + hkv) * d, hkv * d),
+                 "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter,
+                                                                      inter)}
+        filled: set[str] = set()
+        for name, t in tensors.items():
+            if name == "t2d" or name.endswith("rotary_emb.inv_freq"):
+                continue  # (t2d: which target ids the draft vocabulary covers, unused here)
+            if name == "d2t":
+                if tuple(t.shape) != tuple(self.d2t.shape):
+                    raise DraftModelError(f"--speculative-config: {path}: d2t is "
+                                          f"{list(t.shape)}, the head drafts over "
+                                          f"{self.d2t.shape[0]} tokens")
+                self.d2t.copy_(t.long())
+                ids = torch.arange(len(t)) + t.long()
+                if int(ids.min()) < 0 or int(ids.max()) >= self.target.cfg.vocab_size:
+                    raise DraftModelError(f"--speculative-config: {path}: d2t maps a draft "
+                                          f"token outside the target's vocabulary")
+                continue
+            if self.version == 1 and name == "layers.0.input_layernorm.weight":
+                continue  # saved by the trainer, not applied to the first layer
+            target, rows = name, None
+            for part, (fused, start, size) in parts.items():
+                if f".{part}." in name:
+                    target, rows = name.replace(part, fused), (start, size)
+            if target not in params:
+                raise DraftModelError(f"--speculative-config: {path}: unexpected tensor "
+                                      f"{name} for an EAGLE{'-3' if self.version == 3 else ''}"
+                                      f" head")
+            dst = params[target].data
+            if rows is not None:
+                dst = dst.narrow(0, *rows)
+            if tuple(dst.shape) != tuple(t.shape):
+                raise DraftModelError(f"--speculative-config: {path}: {name} is "
+                                      f"{list(t.shape)}, the head's config makes it "
+                                      f"{list(dst.shape)}")
+            dst.copy_(t)
+            filled.add(target if rows is None else f"{target}[{rows[0]}]")
+        missing = []  # under the checkpoint's names
+        for n in sorted(params):
+            if self.version == 1 and n == "layers.0.input_layernorm.weight":
+                continue
+            fused = [(part, start) for part, (f, start, _) in parts.items() if f".{f}." in n]
+            missing += [n.replace(f".{f}", f".{part}") for part, start in fused
+                        for f in ("qkv_proj", "gate_up_proj") if f".{f}." in n
+                        and f"{n}[{start}]" not in filled] if fused else \
+                [n] if n not in filled else []
+        if missing:
+            raise DraftModelError(f"--speculative-config: {path}: the head has no "
+                                  f"{missing[0]} ({len(missing)} tensors missing)")
+
+    def fill_random(self, seed: int = 0) -> None:
+        """N(0, 0.02) weights, norms 1, d2t 0 (benchmarks: --load-format random)."""
+        gen = torch.Generator(device=self.fc.weight.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                p.data.fill_(1.0)
+            else:
+                p.data.normal_(0.0, 0.02, generator=gen)
+
+
+def load_head(method: str, path: str, target: CausalLM, ops: Ops, dtype: torch.dtype,
+              device: torch.device, max_pos: int, random: bool) -> EagleHead:
+    """The head at `path` for this target, on its device; DraftModelError if it cannot serve."""
+    where = Path(path)
+    if not (where / "config.json").is_file():
+        raise DraftModelError(f"--speculative-config: the {method} head {path} has no "
+                              f"config.json")
+    try:
+        hc = ModelConfig.from_pretrained(where, "native")
+    except (ValueError, OSError, json.JSONDecodeError) as e:
+        raise DraftModelError(f"--speculative-config: the {method} head {path}: "
+                              f"{str(e).splitlines()[0]}") from None
+    tensors = None if random else read_tensors(where)
+    lay = layout(method, hc, target.cfg,
+                 None if tensors is None else {n: tuple(t.shape) for n, t in tensors.items()})
+    head = EagleHead(hc, lay, target, ops, max_pos)
+    head.to(dtype=dtype)
+    if tensors is None:
+        head.fill_random()
+    else:
+        head.load(tensors, where)
+    head.to(device)
+    head.cos_sin = rope_cos_sin_cache(hc, max_pos, device)
+    return head
+
+
+class EagleDraft:
+    """The head at serving time: its KV cache and the two passes the runner asks for."""
+
+    def __init__(self, head: EagleHead, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, device: torch.device) -> None:
+        self.head, self.kv_caches = head, kv_caches
+        self.block_size, self.device = block_size, device
+        self.proposed_tokens = 0  # drafts proposed since start (tests, logs)
+        self.max_pos = head.max_pos
+
+    @torch.inference_mode()
+    def catch_up(self, next_ids: np.ndarray, tapped: torch.Tensor, positions: np.ndarray,
+                 slots: np.ndarray, tables: np.ndarray, q_lens: np.ndarray,
+                 seq_lens: np.ndarray) -> None:
+        """The positions whose next token is known at launch, for the head's KV only: rows
+        next_ids / tapped / positions / slots [T], in segments of q_lens, one per table row,
+        each ending at its seq_len."""
+        dev = self.device
+        cu = np.zeros(len(q_lens) + 1, np.int32)
+        np.cumsum(q_lens, out=cu[1:])
+        meta = AttentionMetadata(
+            slot_mapping=to_device(slots, dev), block_tables=to_device(tables, dev),
+            seq_lens=to_device(seq_lens.astype(np.int32), dev), cu_seqlens_q=to_device(cu, dev),
+            max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()))
+        head = self.head
+        head(to_device(next_ids.astype(np.int64), dev), to_device(positions, dev),
+             head.combine(tapped), self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def propose(self, tokens: np.ndarray, tapped: torch.Tensor, positions: np.ndarray,
+                table: np.ndarray, rows: np.ndarray, ks: np.ndarray) -> list[list[int]]:
+        """Each row's last kept position (positions [R]) with the token sampled there
+        (tokens [R]) and the target's state there (tapped [R, W]): one pass writes their KV
+        and drafts a first token for the rows with ks > 0, then each further pass one more,
+        up to ks[i] (which never reaches past the row's blocks: the caller caps it). The
+        drafts of each row, in row order."""
+        n, bs, dev, head = len(rows), self.block_size, self.device, self.head
+        passes = int(ks.max()) if n else 0
+        pos = positions[None, :] + np.arange(max(passes, 1))[:, None]  # [pass, row]
+        on = np.arange(max(passes, 1))[:, None] < np.maximum(ks, 1)[None, :]
+        pos = np.where(on, pos, positions[None, :])
+        slots = table[rows[None, :], pos // bs].astype(np.int64) * bs + pos % bs
+        width = int(pos.max()) // bs + 1
+        tables = np.ascontiguousarray(table[rows, :width])
+        out = torch.zeros((max(passes, 1), n), dtype=torch.int64, device=dev)
+        cur = to_device(tokens.astype(np.int64), dev)
+        hid = head.combine(tapped)  # each row's h, its own from the first pass on
+        hid = hid.clone() if hid is tapped else hid
+        for j in range(max(passes, 1)):
+            live = np.flatnonzero(on[j])
+            m = len(live)
+            meta = AttentionMetadata(
+                slot_mapping=to_device(slots[j, live], dev),
+                block_tables=to_device(np.ascontiguousarray(tables[live]), dev),
+                seq_lens=to_device((pos[j, live] + 1).astype(np.int32), dev),
+                cu_seqlens_q=to_device(np.arange(m + 1, dtype=np.int32), dev),
+                max_query_len=1, max_seq_len=int(pos[j, live].max()) + 1)
+            index = to_device(live, dev)
+            x = head(cur[index], to_device(pos[j, live], dev), hid[index], self.kv_caches, meta)
+            drafting = np.flatnonzero(ks[live] > j)
+            if not len(drafting):
+                break
+            sel = to_device(drafting, dev)
+            out[j, index[sel]] = head.greedy(x[sel])
+            hid[index] = x
+            cur = out[j].clone()
+        drafts = out.cpu().numpy()  # the one wait for the device
+        self.proposed_tokens += int(ks.sum())
+        return [drafts[:k, i].tolist() for i, k in enumerate(ks.tolist())]
