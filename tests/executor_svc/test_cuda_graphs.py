@@ -247,3 +247,39 @@ def test_lora_decode_steps_replay_their_graphs_and_keep_the_eager_tokens(tmp_pat
                                              or graph.replay())
         runs.append(lora_greedy_run(worker.runner, prompts, slots, 10))
     assert runs[0] == runs[1] and len(replays) == 9
+
+
+@cuda
+def test_an_eagle_head_drafts_alike_from_graphed_and_eager_steps(tmp_path):
+    """An EAGLE-3 head (fp32): the target's decode and verification steps replay the graphs,
+    whose static buffer hands the head the tapped states; its proposals, step after step, and
+    the tokens (HF's) equal those of the same run without graphs."""
+    from transformers import AutoConfig
+
+    from tests.executor_svc.test_eagle import head_tensors, write_head
+
+    hf = save_random_llama(tmp_path / "target", "d128", init=0.1).cuda()
+    cfg = AutoConfig.from_pretrained(tmp_path / "target")
+    head = write_head(tmp_path / "head", 3, head_tensors(3, 7, cfg=cfg, draft_vocab=1000), cfg,
+                      1000)
+    prompts, want = hf_greedy_tokens(hf)
+    runs = []
+    for eager in (False, True):
+        worker = Worker(ExecutorConfig(model=str(tmp_path / "target"), device="cuda",
+                                       dtype="float32", num_kv_blocks=64, max_num_seqs=16,
+                                       enforce_eager=eager, draft_model=str(head),
+                                       draft_method="eagle3"))
+        worker.warm_up()
+        assert (worker.graphs is None) == eager
+        proposals, launch = [], worker.runner.launch
+
+        def recorded(plan, *rest, launch=launch, proposals=proposals):
+            launched = launch(plan, *rest)
+            proposals.append(launched)
+            return launched
+        worker.runner.launch = recorded
+        got, graphed, drafted, _ = spec_greedy_run(worker, prompts, len(want[0]))
+        assert [got[i] for i in range(len(prompts))] == [w[:len(want[0])] for w in want]
+        assert drafted > 0 and (graphed > 0) != eager
+        runs.append([p.proposals for p in proposals])
+    assert runs[0] == runs[1]

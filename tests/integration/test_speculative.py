@@ -3,7 +3,8 @@ token for token, one at a time and all at once, through chunked prefill, the pre
 swap preemption; seeded samples, stop strings inside an accepted run and n > 1 equal the service
 without speculation; the drafts are counted, and some are accepted and some rejected. A draft
 model (the default model as its own draft): every draft is accepted, through recompute
-preemption and an executor killed with -9 mid-stream."""
+preemption and an executor killed with -9 mid-stream. An EAGLE-3 head (random, in the public
+layout): HF's tokens through swap preemption, its drafts proposed and verified."""
 
 from __future__ import annotations
 
@@ -41,6 +42,27 @@ def draft_service(tmp_path_factory, model_dir):
 
 
 DRAFT = {"method": "draft_model", "model": "default", "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def eagle_config(tmp_path_factory, model_dir):
+    """A random EAGLE-3 head for the default model (a 4,096-token draft vocabulary)."""
+    from transformers import AutoConfig
+
+    from tests.executor_svc.test_eagle import head_tensors, write_head
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    head = write_head(tmp_path_factory.mktemp("eagle3"), 3,
+                      head_tensors(3, seed=1, cfg=cfg, draft_vocab=4096), cfg, 4096)
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def eagle_service(tmp_path_factory, eagle_config):
+    """The head in the tight KV pool, swapping (its cache is copied with the target's)."""
+    yield from _serving(tmp_path_factory, "eagle", *TIGHT[2:], "--max-num-batched-tokens",
+                        str(BUDGET), "--preemption-mode", "swap", "--swap-space-gib", "0.25",
+                        "--speculative-config", json.dumps(eagle_config))
 
 
 def spec_counts(m: dict[str, float]) -> tuple[float, float]:
@@ -92,6 +114,23 @@ def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(draft_servic
     assert json.loads(info.speculative_config) == DRAFT
     with urllib.request.urlopen(draft_service.http_url + "/v1/models", timeout=10) as r:
         assert json.load(r)["data"][0]["speculative_config"] == DRAFT
+
+
+def test_an_eagle3_head_keeps_hf_tokens_through_swap_preemption(eagle_service, eagle_config,
+                                                                hf_greedy, tokenizer):
+    key = 'pagedserve_num_preemptions_total{mode="swap"}'
+    for _ in range(3):
+        before = spec_counts(eagle_service.metrics())
+        check_against_hf(run_all(eagle_service, concurrently=True), hf_greedy, tokenizer)
+        m = eagle_service.wait_idle()
+        drafted, accepted = (a - b for a, b in zip(spec_counts(m), before, strict=True))
+        assert drafted > 100 and 0 <= accepted <= drafted
+        if m[key] > 0:
+            break
+    assert m[key] > 0
+    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"] == 10
+    info = eagle_service.client.stub.GetModelInfo(api.GetModelInfoRequest(), timeout=10)
+    assert json.loads(info.speculative_config) == eagle_config
 
 
 @pytest.mark.timeout(180)
