@@ -102,6 +102,8 @@
 #   spec32    spec's runs in float32 (the 8B at 1 running, 64 tokens): outputs must equal
 #   specdraft 8B at 1 running: a 1B draft (k 4, 2), the 8B as its own draft, n-gram; each
 #             record with a step's time by part (per_step_ms)
+#   speceagle 8B at 1 running with a random EAGLE-3 head of Llama-3.1-8B's shapes (k 4, 2):
+#             what a drafted step costs (random heads propose nothing the target keeps)
 #   specw1    W1 on 8B at the default flags, then with n-gram drafts off past 16 running
 #   lora      multi-LoRA (benchmarks/lora.py): the kernels' and the graphed LoRA decode's GPU
 #             tests; the kernels beside their layers (bench_lora.py); W1 8B with LORA_N (8)
@@ -456,6 +458,12 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         --spec "{\"method\": \"draft_model\", \"model\": \"$D8\", \"num_speculative_tokens\": 4}" \
         --spec "{\"method\": \"ngram\", \"num_speculative_tokens\": 4}" \
         2>&1 | tee -a $B/spec.log | quiet 12 ;;
+    speceagle)  # 8B single stream with an EAGLE-3 head: the cost of its drafting
+      E3=benchmarks/models/llama3.1-8b-eagle3
+      python3 -m benchmarks.spec_decode "${M8[@]}" --rounds 1 --running 1 \
+        --spec "{\"method\": \"eagle3\", \"model\": \"$E3\", \"num_speculative_tokens\": 4}" \
+        --spec "{\"method\": \"eagle3\", \"model\": \"$E3\", \"num_speculative_tokens\": 2}" \
+        2>&1 | tee -a $B/spec.log | quiet 8 ;;
     specw1)  # what speculation off past 16 running costs at 256: W1 8B, default flags
       tp W1 M8 "${DEFAULTS[@]}"
       tp W1 M8 "${DEFAULTS[@]}" --server-flag=--speculative-config "--server-flag={\"method\": \

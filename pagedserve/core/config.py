@@ -153,14 +153,15 @@ def add_insecure_link_arg(p: argparse.ArgumentParser) -> None:
 
 def add_speculative_arg(p: argparse.ArgumentParser) -> None:
     """Shared by both processes (one flag under `serve`): the scheduler plans the drafts; with
-    method draft_model the executor loads the draft model and proposes them
-    (pagedserve.core.speculative)."""
+    method draft_model, eagle or eagle3 the executor loads the draft model or head and
+    proposes them (pagedserve.core.speculative)."""
     p.add_argument("--speculative-config", default="",
                    help="speculative decoding, vLLM's JSON: e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5, "
                         "\"prompt_lookup_min\": 2, \"num_speculative_tokens_per_batch_size\": "
                         "[[17, 1024, 0]]}', or '{\"method\": \"draft_model\", \"model\": "
-                        "DIR, \"num_speculative_tokens\": 4}' (empty: off; "
+                        "DIR, \"num_speculative_tokens\": 4}' (or method eagle / eagle3 "
+                        "with an EAGLE head's DIR; empty: off; "
                         "docs/speculative_decoding.md)")
 
 

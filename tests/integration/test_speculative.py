@@ -134,7 +134,7 @@ def test_an_eagle3_head_keeps_hf_tokens_through_swap_preemption(eagle_service, e
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name", ["spec_service", "draft_service"])
+@pytest.mark.parametrize("name", ["spec_service", "draft_service", "eagle_service"])
 def test_a_speculating_stream_survives_its_executor_killed(name, request, hf_greedy):
     """Each method: the drafts in flight are lost with the executor, the stream is recomputed
     on the one serve restarts, and it ends with HF's tokens."""
