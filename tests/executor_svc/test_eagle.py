@@ -298,3 +298,23 @@ def test_a_corrupt_head_file_is_refused_with_one_line(target, tmp_path):
     (head / "model.safetensors").write_bytes(data[:len(data) // 2])
     with pytest.raises(DraftModelError, match="cannot be read"):
         eagle_runner(path, head, "eagle")
+
+
+def test_a_random_head_needs_only_its_config(target, tmp_path):
+    """--load-format random (benchmarks): the head is drawn from its config.json alone, and
+    drafts over its own vocabulary."""
+    path, _ = target
+    head = tmp_path / "head"
+    write_head(head, 3, head_tensors(3, 0))
+    (head / "model.safetensors").unlink()
+    run = Worker(ExecutorConfig(model=str(path), device="cpu", num_kv_blocks=8,
+                                block_size=BLOCK, load_format="random", draft_model=str(head),
+                                draft_method="eagle3")).runner
+    assert run.eagle.head.lm_head.weight.shape == (DRAFT_VOCAB, HIDDEN)
+    plan = pb.StepPlan(step_id=1, num_lookahead_tokens=2)
+    plan.new_requests.add(req_id=1, token_ids=[5, 6, 7], block_ids=[0, 1], sampling=greedy())
+    plan.new_num_scheduled_tokens.append(3)
+    launched = run.launch(plan)
+    run.finish(launched)
+    assert launched.proposals[:2] == ([1], [2])
+    assert all(0 <= t < DRAFT_VOCAB for t in launched.proposals[2])  # d2t of random heads: 0
