@@ -141,8 +141,13 @@ class LeaderLora:
         self.lora.load(slot, adapter_id)
         self.link.send(LORA_LOAD, slot, adapter_id)
 
-    def add(self, adapter_id: int, name: str, path: str) -> None:
-        self.lora.add(adapter_id, name, path)
+    def read(self, name: str, path: str) -> Any:
+        return self.lora.read(name, path)
+
+    def add(self, adapter_id: int, name: str, path: str, adapter: Any = None) -> None:
+        """Rank 0 holds its read (made off the loop); each follower reads its own share on
+        its loop when the LORA_ADD comes."""
+        self.lora.add(adapter_id, name, path, adapter)
         self.link.send(LORA_ADD, adapter_id, payload=json.dumps([name, path]).encode())
 
     def remove(self, adapter_id: int) -> None:

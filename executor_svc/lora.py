@@ -158,9 +158,16 @@ class LoraRuntime:
         self.slots.holds[slot] = 0  # whatever follows, not the adapter it held before
         self.slots.load(slot, adapter_id, self.host.get(adapter_id))
 
-    def add(self, adapter_id: int, name: str, path: str) -> None:
-        """Read an adapter at run time (LoraError naming the problem; nothing changes then)."""
-        self.host.add(adapter_id, name, path)
+    def read(self, name: str, path: str) -> HostAdapter:
+        """An adapter read and checked, not held yet (safe off the serving loop: the
+        executor reads adapters added at run time on a thread of their own)."""
+        return self.host.read(name, path)
+
+    def add(self, adapter_id: int, name: str, path: str,
+            adapter: HostAdapter | None = None) -> None:
+        """Hold an adapter added at run time, read here unless `adapter` is its read
+        (LoraError naming the problem; nothing changes then)."""
+        self.host.add(adapter_id, name, path, adapter)
 
     def remove(self, adapter_id: int) -> None:
         """Forget an adapter (no running request uses it: the scheduler saw to that)."""

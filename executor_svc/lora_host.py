@@ -157,11 +157,19 @@ class HostCache:
         self.sources: dict[int, tuple[str, str]] = {}  # id -> (name, PEFT directory)
         self._held: OrderedDict[int, HostAdapter] = OrderedDict()
 
-    def add(self, adapter_id: int, name: str, path: str) -> None:
-        """Read and check an adapter (LoraError naming the problem; nothing changes then)."""
+    def read(self, name: str, path: str) -> HostAdapter:
+        """An adapter read and checked against the model, held by nothing yet (LoraError
+        naming the problem). Changes no state: safe on another thread than the loop's."""
+        return load_adapter(name, path, self.cfg, self.max_rank, self.whole)
+
+    def add(self, adapter_id: int, name: str, path: str,
+            adapter: HostAdapter | None = None) -> None:
+        """Hold an adapter, read here unless `adapter` is its read (LoraError naming the
+        problem; nothing changes then)."""
         if adapter_id in self.sources:
             raise LoraError(f"LoRA adapter id {adapter_id} is in use")
-        adapter = load_adapter(name, path, self.cfg, self.max_rank, self.whole)
+        if adapter is None:
+            adapter = self.read(name, path)
         self.sources[adapter_id] = (name, path)
         self._keep(adapter_id, adapter)
 

@@ -11,6 +11,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import zmq
 
@@ -59,8 +60,14 @@ class ExecutorServer:
         self._launched: tuple[int, Launched, float] | None = None
         self._held: list | None = None  # a message's frames received while awaiting a bitmask
         self.clock = PhaseClock()  # host time by phase, sent with each result
+        # LoRA adapters added at run time, read on a thread of their own so that steps go on
+        # meanwhile: each one's update and read, held once done (_take_lora_reads)
+        self._lora_reads: dict[int, tuple[pb.LoraUpdate, Future]] = {}
+        self._reader: ThreadPoolExecutor | None = None
+        self._last_hello = 0.0
 
     def _hello(self) -> None:
+        self._last_hello = time.monotonic()
         hello = pb.Hello(capacity=self.worker.capacity, executor_id=self.executor_id)
         self.sock.send(pb.ExecutorMessage(hello=hello).SerializeToString())
 
@@ -72,10 +79,12 @@ class ExecutorServer:
         # scheduler needs that result to fill them).
         self._hello()
         while not self.stopping:
+            if self._lora_reads:
+                self._take_lora_reads()
             if self._held is None and not self._message_waiting():
                 if self._launched is not None:
                     self._send_launched()
-                else:
+                elif time.monotonic() - self._last_hello >= HELLO_INTERVAL_S:
                     self._hello()
                 continue
             if self._held is not None:
@@ -93,8 +102,9 @@ class ExecutorServer:
         if self._launched is not None:
             with self._phase("wait"):
                 return self._next_message_first()
-        with self._phase("idle"):
-            return bool(self.sock.poll(int(HELLO_INTERVAL_S * 1000)))
+        with self._phase("idle"):  # (while adapters are read, short polls: each is held soon)
+            return bool(self.sock.poll(20 if self._lora_reads else
+                                       int(HELLO_INTERVAL_S * 1000)))
 
     def _next_message_first(self) -> bool:
         """With a step launched and its tokens not read: whether a message (the next plan,
@@ -124,6 +134,7 @@ class ExecutorServer:
                 self._refused = True
         elif kind == "welcome":
             self._launched = None  # a new scheduler session: whatever ran is forgotten
+            self._lora_reads.clear()  # (reads it asked for: it asks again for what it serves)
             self.worker.runner.reset()
             self.clock = PhaseClock()
             log.info("joined scheduler")
@@ -135,21 +146,48 @@ class ExecutorServer:
             log.debug("dropped the bitmask of step %d, not awaited", msg.bitmask.step_id)
 
     def _update_lora(self, u: pb.LoraUpdate) -> None:
-        """Add or remove a LoRA adapter at run time; the scheduler hears how it went."""
-        error = ""
+        """Add or remove a LoRA adapter at run time; the scheduler hears how it went. An
+        adapter to add is read on a thread of its own (steps go on meanwhile) and held by the
+        loop once read (_take_lora_reads), or before a plan that loads it into a slot."""
         lora = self.worker.runner.lora
         try:
             if lora is None:
                 raise LoraError("this executor was started without --enable-lora")
             if u.remove:
+                self._lora_reads.pop(u.adapter_id, None)
                 lora.remove(u.adapter_id)
             else:
-                lora.add(u.adapter_id, u.name, u.path)
-                log.info("LoRA adapter %r (id %d) added from %s", u.name, u.adapter_id, u.path)
+                if u.adapter_id in lora.host.sources or u.adapter_id in self._lora_reads:
+                    raise LoraError(f"LoRA adapter id {u.adapter_id} is in use")
+                if self._reader is None:
+                    self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
+                self._lora_reads[u.adapter_id] = (u, self._reader.submit(lora.read, u.name,
+                                                                         u.path))
+                return
         except LoraError as e:
-            error = str(e)
+            return self._lora_updated(u, str(e))
         except Exception as e:  # noqa: BLE001 (whatever a file provokes: refused, not fatal)
-            error = f"LoRA adapter {u.name!r}: {type(e).__name__}: {e}"
+            return self._lora_updated(u, f"LoRA adapter {u.name!r}: {type(e).__name__}: {e}")
+        self._lora_updated(u, "")
+
+    def _take_lora_reads(self, waiting: set[int] | frozenset = frozenset()) -> None:
+        """Hold the adapters whose reads are done (and wait for those in `waiting`: a plan
+        loads them); the scheduler hears how each went."""
+        for adapter_id, (u, read) in list(self._lora_reads.items()):
+            if not read.done() and adapter_id not in waiting:
+                continue
+            del self._lora_reads[adapter_id]
+            try:
+                self.worker.runner.lora.add(u.adapter_id, u.name, u.path, read.result())
+                log.info("LoRA adapter %r (id %d) added from %s", u.name, u.adapter_id, u.path)
+            except LoraError as e:
+                self._lora_updated(u, str(e))
+            except Exception as e:  # noqa: BLE001 (as in _update_lora)
+                self._lora_updated(u, f"LoRA adapter {u.name!r}: {type(e).__name__}: {e}")
+            else:
+                self._lora_updated(u, "")
+
+    def _lora_updated(self, u: pb.LoraUpdate, error: str) -> None:
         self.sock.send(pb.ExecutorMessage(lora_updated=pb.LoraUpdated(
             adapter_id=u.adapter_id, error=error)).SerializeToString())
 
@@ -159,6 +197,8 @@ class ExecutorServer:
             self.profiler.step()
         if plan.after_idle:  # the scheduler had no work: that wait is not the loop's pace
             self.clock.forget("idle")
+        if self._lora_reads and plan.lora_loads:
+            self._take_lora_reads({load.adapter_id for load in plan.lora_loads})
         try:
             with self._phase("launch"):
                 nxt = self.worker.runner.launch(plan, lambda: self._await_bitmask(plan.step_id))

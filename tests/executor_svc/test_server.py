@@ -209,3 +209,52 @@ def test_a_plan_that_comes_while_the_device_runs_is_launched_before_the_tokens_a
         server.stopping = True
         thread.join(10)
         sched.sock.close()
+
+
+def test_an_adapter_added_at_run_time_is_read_while_steps_go_on(tmp_path):
+    """The read of a LoRA adapter added at run time (held here until released) does not hold
+    up the steps planned meanwhile; a plan that loads the adapter into a slot waits for it,
+    and the scheduler hears it is added before that step's result."""
+    from pagedserve.core.lora import LoraConfig
+    from tests.executor_svc.test_lora_adapters import write_adapter
+
+    hf = save_random_llama(tmp_path / "d64", "d64")
+    one = write_adapter(tmp_path / "one", hf, 1, 8, ["q_proj", "down_proj"], 16)
+    worker = Worker(ExecutorConfig(model=str(tmp_path / "d64"), device="cpu", num_kv_blocks=16,
+                                   lora=LoraConfig((), 1, 8)))
+    lora, release = worker.runner.lora, threading.Event()
+    read = lora.read
+    lora.read = lambda name, path: release.wait(30) and read(name, path)
+    sched = Scheduler()
+    server = ExecutorServer(worker, f"tcp://127.0.0.1:{sched.port}")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        sched.welcome()
+        sched.send(pb.SchedulerMessage(lora_update=pb.LoraUpdate(adapter_id=1, name="one",
+                                                                 path=str(one))))
+        sched.send(new(1, 1, [0], bitmask_follows=False))
+        assert sched.result().req_ids == [1]  # stepped while the read is held
+        plan = new(2, 2, [1], bitmask_follows=False)
+        plan.plan.lora_loads.add(slot=1, adapter_id=1)
+        plan.plan.new_requests[0].lora_slot, plan.plan.new_requests[0].lora_adapter = 1, 1
+        sched.send(plan)
+        early = sched.recv(0.5)  # the step waits for the read: a hello at most
+        assert early is None or early.WhichOneof("kind") == "hello"
+        release.set()
+        kinds = []
+        while len(kinds) < 2:
+            msg = sched.recv()
+            if msg.WhichOneof("kind") != "hello":
+                kinds.append(msg.WhichOneof("kind"))
+                if kinds[-1] == "lora_updated":
+                    assert (msg.lora_updated.adapter_id, msg.lora_updated.error) == (1, "")
+                else:
+                    assert list(msg.result.req_ids) == [2] and not msg.result.error
+        assert kinds == ["lora_updated", "result"]
+        assert lora.slots.holds[1] == 1
+    finally:
+        release.set()
+        server.stopping = True
+        thread.join(10)
+        sched.sock.close()
