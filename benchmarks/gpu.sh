@@ -105,6 +105,10 @@
 #   speceagle 8B at 1 running with a random EAGLE-3 head of Llama-3.1-8B's shapes (k 4, 2):
 #             what a drafted step costs (random heads propose nothing the target keeps)
 #   specw1    W1 on 8B at the default flags, then with n-gram drafts off past 16 running
+#   longctx   long context (benchmarks/long_context.py), 8B random, prefix caching off: TTFT
+#             and prefill TFLOP/s of 1 and 4 prompts of 8k, 32k and 128k (LONG_PROMPTS), then
+#             64 decoders' TPOT before and while a 128k prompt prefills and a short request's
+#             TTFT mid-prefill, at each --long-prefill-token-threshold in LONG_CHUNKS
 #   lora      multi-LoRA (benchmarks/lora.py): the kernels' and the graphed LoRA decode's GPU
 #             tests; the kernels beside their layers (bench_lora.py); W1 8B with LORA_N (8)
 #             rank-16 adapters over the requests against the base alone; 8B single stream
@@ -469,6 +473,16 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       tp W1 M8 "${DEFAULTS[@]}" --server-flag=--speculative-config "--server-flag={\"method\": \
 \"ngram\", \"num_speculative_tokens\": 4, \"num_speculative_tokens_per_batch_size\": \
 [[17, 100000, 0]]}" ;;
+    longctx)  # every prompt at the first chunk size, the longest alone at the others
+      lp=${LONG_PROMPTS:-8192 32768 131072}
+      for chunk in ${LONG_CHUNKS:-512 2048}; do
+        python3 -m benchmarks.long_context "${M8[@]}" \
+          $(for n in $lp; do echo --prompt $n; done) \
+          --requests 1 --requests 4 --decoders 64 \
+          --server-flag=--long-prefill-token-threshold --server-flag=$chunk \
+          2>&1 | tee -a $B/long_context.log | quiet 10
+        lp=${lp##* }
+      done ;;
     remeasure)
       latency ${LAT_SEQS:-1 16}
       tp "" M8 --hf none --requests 1 --prompt 130000 --output 1 --max-num-batched-tokens 0 \

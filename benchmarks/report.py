@@ -533,6 +533,29 @@ def spec_decode_section(records: list[dict]) -> list[str]:
         if rows else []
 
 
+def long_context_section(records: list[dict]) -> list[str]:
+    """One row per chunk size (--long-prefill-token-threshold): each prefill shape's TTFT
+    (fraction of the bound), then the decoders' TPOT p99 before -> during a long prefill."""
+    rows = []
+    for rs in runs(records).values():
+        r0 = rs[0]
+        pre = ", ".join(f"{r['requests']}x{r['prompt'] // 1024}k {r['ttft_s']:.1f} s"
+                        + (f" ({r['fraction']:.2f})" if r.get("fraction") else "")
+                        for r in rs if r["test"] == "prefill")
+        inter = next((r for r in rs if r["test"] == "interference"), None)
+        during = "-" if inter is None else (
+            f"{inter['decoders']}: {inter['tpot_p99_before_ms']:.0f} -> "
+            f"{inter['tpot_p99_during_ms']:.0f} ms (x{inter['tpot_p99_ratio']:.1f}); "
+            f"short TTFT {inter['short_ttft_ms']:.0f} ms")
+        rows.append([machine(r0), r0["model"], _flag(r0.get("server_flags", ""),
+                     "--long-prefill-token-threshold", "512"), pre or "-", during,
+                     r0["commit"], when(r0)])
+    return section(
+        "Long context: prefill TTFT (fraction of the bound), decoders' TPOT p99 around it",
+        table(["machine", "model", "chunk", "prefill TTFT", "TPOT p99 before -> during",
+               "commit", "recorded (UTC)"], rows[-6:])) if rows else []
+
+
 def lora_section(records: list[dict]) -> list[str]:
     runs = {}  # run -> (base, lora): the two halves of one call
     for r in records:
@@ -675,6 +698,7 @@ def report(folder: Path = RESULTS) -> str:
              *structured_section(load("structured", folder)),
              *spec_decode_section(load("spec_decode", folder)),
              *lora_section(load("lora", folder)),
+             *long_context_section(load("long_context", folder)),
              *perplexity_section(load("perplexity", folder)),
              "## History", "", *(f"![{title}]({name})" for name, title in PLOTS.items())]
     return "\n".join(lines) + "\n"

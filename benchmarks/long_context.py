@@ -1,0 +1,221 @@
+"""Long context (docs/performance.md, "Long context"): how fast long prompts prefill, and what
+they do to the requests around them. Prefix caching is off, so nothing is reused.
+
+Two measures, each against a fresh `pagedserve serve` with the given flags:
+
+- **prefill** (`--prompt N --requests R`, repeatable): R prompts of N random tokens sent at
+  once, one output token each. TTFT of each; the batch's prefill rate is its FLOPs over the
+  last first token's time, FLOPs counted as the bound counts them (2 x active parameters a
+  token, the LM head once a request, 4 x layers x heads x head_dim per causal (query, key)
+  pair). On a GPU the record also holds the roofline bound of the same batch
+  (benchmarks/throughput.py) and the fraction reached.
+- **interference** (`--decoders D`): D short streams decode (128-token prompts); their per-token
+  gaps are taken for `--window-s` before one long prompt (the largest --prompt) arrives, and
+  while it prefills; midway through that prefill (at half its TTFT in the prefill measure) a
+  short request arrives, and its TTFT is taken. TPOT p50 / p99 before and during, and their
+  ratio (issue 32's goal: p99 during within 1.5x of before).
+
+The long prompt is prefilled in chunks of at most `--long-prefill-token-threshold` tokens a step
+(512 by default): pass it with --server-flag to measure other chunk sizes.
+
+    python -m benchmarks.long_context --model benchmarks/models/llama3.1-8b \\
+        --load-format random --tokenizer benchmarks/models/smollm2-135m \\
+        --prompt 8192 --prompt 32768 --prompt 131072 --requests 1 --requests 4 --decoders 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import AboveTheBound, model_flags, write_records
+from benchmarks.throughput import (
+    PROMPT_VOCAB,
+    _send_all,
+    bound_basis,
+    ceilings,
+    roofline_seconds,
+    tensor_parallel_size,
+    warmup_prompts,
+    weight_params,
+)
+
+SHORT_PROMPT = 128  # the decoders' and the mid-prefill request's prompt length
+
+
+def prefill_flops(cfg, prompt_lens: list[int]) -> float:
+    """A batch of prompts' prefill FLOPs as the bound counts them."""
+    params = weight_params(cfg)
+    p = np.asarray(prompt_lens, np.float64)
+    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    return float(2 * (params.active() - params.head) * p.sum() + 2 * params.head * len(p)
+                 + attn * (p * (p + 1) / 2).sum())
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, PROMPT_VOCAB, length).tolist() for _ in range(n)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+async def interference(address: str, decoders: int, long_prompt: list[int], window_s: float,
+                       short_after_s: float, max_model_len: int) -> dict:
+    """Per-token gaps of `decoders` streams before and while the long prompt prefills, and the
+    TTFT of a short request sent `short_after_s` into that prefill."""
+    import grpc
+
+    from pagedserve.protos.v1 import generate_pb2 as api
+    from pagedserve.protos.v1 import generate_pb2_grpc
+
+    def request(ids: list[int], max_tokens: int) -> api.GenerateRequest:
+        return api.GenerateRequest(token_ids=api.TokenIds(ids=ids), sampling=api.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+    stamps: list[list[tuple[float, int]]] = [[] for _ in range(decoders)]
+
+    async def decode(stub, i: int, ids: list[int]) -> None:  # (as long as the model allows)
+        async for chunk in stub.Generate(request(ids, max_model_len - len(ids)), timeout=3600):
+            stamps[i].append((time.perf_counter(), len(chunk.token_ids)))
+
+    async def first_token(stub, ids: list[int]) -> float:
+        sent = time.perf_counter()
+        async for _ in stub.Generate(request(ids, 1), timeout=3600):
+            return time.perf_counter() - sent
+        raise RuntimeError("no token came")
+
+    prompts = random_prompts(decoders + 1, SHORT_PROMPT, seed=7)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        tasks = [asyncio.create_task(decode(stub, i, p)) for i, p in enumerate(prompts[:-1])]
+        while min(len(s) for s in stamps) < 4:  # every stream past its prefill
+            if failed := [t for t in tasks if t.done()]:
+                await failed[0]  # (its error; a stream does not end this early)
+                raise RuntimeError("a decoding stream ended before the measure")
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(window_s)
+        t0 = time.perf_counter()
+        long_task = asyncio.create_task(first_token(stub, long_prompt))
+        await asyncio.sleep(short_after_s)
+        short_ttft = await first_token(stub, prompts[-1])
+        long_ttft = await long_task
+        t1 = t0 + long_ttft
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    before, during = [], []
+    for s in stamps:
+        for (prev, _), (at, n) in zip(s, s[1:], strict=False):
+            gap = (at - prev) / max(n, 1)
+            if t0 - window_s <= prev and at <= t0:
+                before.append(gap)
+            elif t0 <= prev and at <= t1:
+                during.append(gap)
+    return {"long_ttft_s": long_ttft, "short_ttft_ms": 1e3 * short_ttft,
+            "short_sent_after_s": short_after_s,
+            "tpot_p50_before_ms": 1e3 * percentile(before, 0.5),
+            "tpot_p99_before_ms": 1e3 * percentile(before, 0.99),
+            "tpot_p50_during_ms": 1e3 * percentile(during, 0.5),
+            "tpot_p99_during_ms": 1e3 * percentile(during, 0.99),
+            "tpot_p99_ratio": percentile(during, 0.99) / percentile(before, 0.99)
+            if before and during else float("nan"),
+            "gaps_before": len(before), "gaps_during": len(during)}
+
+
+def main() -> list[dict]:
+    from pagedserve.core.models import resolve_model
+    from pagedserve.executor.config import ModelConfig
+    from tests.integration.service import Service
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="default")
+    p.add_argument("--load-format", default="auto", choices=["auto", "random"])
+    p.add_argument("--tokenizer", default="")
+    p.add_argument("--prompt", type=int, action="append", default=[])
+    p.add_argument("--requests", type=int, action="append", default=[])
+    p.add_argument("--decoders", type=int, default=64, help="0: no interference measure")
+    p.add_argument("--window-s", type=float, default=3.0)
+    p.add_argument("--server-flag", action="append", default=[])
+    args = p.parse_args()
+    lengths = args.prompt or [8192, 32768, 131072]
+    counts = args.requests or [1, 4]
+    model_dir = resolve_model(args.model)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    longest = max(lengths)
+    max_len = max(longest, 1024) + 16  # (room for the decoders to run through the measure)
+    flags = [*model_flags(args.model, args.load_format, args.tokenizer),
+             "--no-enable-prefix-caching", "--max-model-len", str(max_len),
+             "--max-num-seqs", str(max(256, args.decoders + 8)), *args.server_flag]
+    svc = Service(Path(tempfile.mkdtemp()) / "serve.log", *flags)
+    records, ttft_of = [], {}
+    try:
+        svc.wait_serving(timeout=900)
+        info = svc.client.model_info()
+        on_gpu = info.device != "cpu"
+        tp = tensor_parallel_size(args.server_flag)
+        common = {"model": Path(str(model_dir)).name, "weights": args.load_format,
+                  "device": info.device, "dtype": info.dtype,
+                  "server_flags": " ".join(args.server_flag)}
+        ceil = ceilings("cuda") if on_gpu else {}
+        basis = {}
+        if on_gpu:
+            weight = svc.metrics().get("pagedserve_model_weight_bytes", 0)
+            basis = bound_basis(cfg, tp * weight, info.kv_cache_dtype)
+        # the same warm-up shapes, other ids (nothing is cached anyway)
+        asyncio.run(_send_all(svc.address, warmup_prompts([[0] * min(lengths)]), [4]))
+        for n in lengths:
+            for r in counts:
+                prompts = random_prompts(r, n, seed=n * 10 + r)
+                lat, wall = asyncio.run(_send_all(svc.address, prompts, [1] * r))
+                ttfts = [t for t, _ in lat]
+                flops = prefill_flops(cfg, [n] * r)
+                rec = {**common, "kind": "long_context", "test": "prefill", "prompt": n,
+                       "requests": r, "ttft_s": max(ttfts), "ttft_each_s": ttfts,
+                       "prefill_tflops": flops / max(ttfts) / 1e12}
+                if on_gpu:
+                    bound = roofline_seconds(cfg, [n] * r, [1] * r, tp * ceil["copy_tbps"],
+                                             tp * ceil["gemm_tflops"],
+                                             basis["bound_weight_bytes_per_param"],
+                                             basis["bound_kv_bytes"])
+                    rec.update(ceil, **basis, bound_s=bound, fraction=bound / max(ttfts))
+                    if rec["fraction"] > 1:  # work skipped (a cached prefix): never a record
+                        raise AboveTheBound(f"prefill {r} x {n}: {max(ttfts):.3f} s is below "
+                                            f"its bound {bound:.3f} s ({basis})")
+                if r == 1:
+                    ttft_of[n] = max(ttfts)
+                records.append(rec)
+                print(f"prefill {r} x {n}: TTFT {max(ttfts):.2f} s, "
+                      f"{rec['prefill_tflops']:.1f} TFLOP/s"
+                      + (f", {rec['fraction']:.2f} of the bound" if on_gpu else ""), flush=True)
+        if args.decoders:
+            long_prompt = random_prompts(1, longest, seed=99)[0]
+            got = asyncio.run(interference(svc.address, args.decoders, long_prompt,
+                                           args.window_s, ttft_of.get(longest, 1.0) / 2,
+                                           max_len))
+            records.append({**common, "kind": "long_context", "test": "interference",
+                            "prompt": longest, "decoders": args.decoders,
+                            "short_prompt": SHORT_PROMPT, **got})
+            print(f"{args.decoders} decoders, a {longest}-token prompt arriving: TPOT p99 "
+                  f"{got['tpot_p99_before_ms']:.1f} -> {got['tpot_p99_during_ms']:.1f} ms "
+                  f"(x{got['tpot_p99_ratio']:.2f}), p50 {got['tpot_p50_before_ms']:.1f} -> "
+                  f"{got['tpot_p50_during_ms']:.1f}; a short request's TTFT mid-prefill "
+                  f"{got['short_ttft_ms']:.0f} ms (the long one's {got['long_ttft_s']:.2f} s)",
+                  flush=True)
+    finally:
+        svc.stop()
+    print(write_records("long_context", records))
+    return records
+
+
+if __name__ == "__main__":
+    main()
