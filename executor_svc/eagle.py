@@ -395,6 +395,8 @@ class EagleDraft:
             out[j, index[sel]] = head.greedy(x[sel])
             hid[index] = x
             cur = out[j].clone()
+        if not passes:  # only the KV writes: no wait (under async scheduling the device may
+            return [[] for _ in range(n)]  # already run the next step, planned meanwhile)
         drafts = out.cpu().numpy()  # the one wait for the device
         self.proposed_tokens += int(ks.sum())
         return [drafts[:k, i].tolist() for i, k in enumerate(ks.tolist())]
