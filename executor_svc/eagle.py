@@ -149,6 +149,9 @@ def layout(method: str, hc: ModelConfig, target: ModelConfig,
         raise DraftModelError(f"{where} drafts over {draft_vocab} tokens, the target has "
                               f"{target.vocab_size}, and it has no d2t to map them")
     own_embed = "embed_tokens.weight" in names
+    if not own_embed and h != th:
+        raise DraftModelError(f"{where} has hidden size {h}, the target {th}, and no "
+                              f"embed_tokens of its own (the target's embeddings are {th} wide)")
     if own_embed and names["embed_tokens.weight"][0] != target.vocab_size:
         raise DraftModelError(f"{where} embeds {names['embed_tokens.weight'][0]} tokens, the "
                               f"target has {target.vocab_size}")

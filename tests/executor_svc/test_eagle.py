@@ -318,3 +318,18 @@ def test_a_random_head_needs_only_its_config(target, tmp_path):
     run.finish(launched)
     assert launched.proposals[:2] == ([1], [2])
     assert all(0 <= t < DRAFT_VOCAB for t in launched.proposals[2])  # d2t of random heads: 0
+
+
+def test_an_eagle3_head_narrower_than_its_target_needs_its_own_embeddings(target, tmp_path):
+    path, _ = target
+    narrow = llama_config(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                          num_key_value_heads=1)
+    tensors = {**head_tensors(3, 0, cfg=narrow), "fc.weight": torch.zeros(32, 3 * HIDDEN)}
+    head = write_head(tmp_path / "head", 3, tensors, narrow)
+    with pytest.raises(DraftModelError, match="has hidden size 32, the target 64, and no "
+                                              "embed_tokens of its own"):
+        eagle_runner(path, head, "eagle3")
+    (tmp_path / "head" / "model.safetensors").unlink()  # with its own, it serves
+    write_head(tmp_path / "head", 3, {**tensors, "embed_tokens.weight": torch.zeros(VOCAB, 32)},
+               narrow)
+    assert eagle_runner(path, head, "eagle3").eagle.head.lay.own_embed
