@@ -333,3 +333,25 @@ def test_an_eagle3_head_narrower_than_its_target_needs_its_own_embeddings(target
     write_head(tmp_path / "head", 3, {**tensors, "embed_tokens.weight": torch.zeros(VOCAB, 32)},
                narrow)
     assert eagle_runner(path, head, "eagle3").eagle.head.lay.own_embed
+
+
+def test_a_prefix_cache_hit_reuses_the_heads_cache_in_those_blocks(target, tmp_path):
+    """A second request of the same prompt starts past its first 5 blocks (the scheduler's
+    prefix-cache hit): the head's entries in them, written for the first, are its own, so its
+    proposals are the dense head's on the whole prompt."""
+    path, hf = target
+    tensors = head_tensors(3, seed=4)
+    run = eagle_runner(path, write_head(tmp_path / "head", 3, tensors), "eagle3")
+    ref, prompt = DenseHead(3, tensors, hf), list(range(40, 61))
+    plans = []
+    for rid, computed, blocks in ((1, 0, list(range(6))), (2, 20, [0, 1, 2, 3, 4, 9])):
+        plan = pb.StepPlan(step_id=rid, num_lookahead_tokens=3)
+        plan.new_requests.add(req_id=rid, token_ids=prompt, block_ids=blocks,
+                              num_computed_tokens=computed, sampling=greedy())
+        plan.new_num_scheduled_tokens.append(len(prompt) - computed)
+        launched = run.launch(plan)
+        tokens = run.finish(launched)[1]
+        plans.append((tokens, launched.proposals))
+    assert plans[0][0] == plans[1][0] == hf_greedy(hf, prompt, 1)
+    want = ref.drafts(prompt + plans[0][0], 3)
+    assert plans[0][1] == ([1], [3], want) and plans[1][1] == ([2], [3], want)
