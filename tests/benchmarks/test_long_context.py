@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from benchmarks import long_context
 from benchmarks.throughput import roofline_seconds
 from pagedserve.executor.config import ModelConfig
@@ -21,6 +23,7 @@ def test_prefill_flops_are_the_bounds() -> None:
         cfg, [1]) * 131072
 
 
+@pytest.mark.slow
 def test_a_small_run_records_both_measures(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_RESULTS", str(tmp_path))
     monkeypatch.setattr(sys, "argv", [
