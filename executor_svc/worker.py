@@ -280,13 +280,12 @@ class Worker:
         """The draft model (--speculative-config method draft_model) or EAGLE head (eagle,
         eagle3), loaded as the target is (same device, dtype and load format);
         DraftModelError if it cannot serve beside it."""
-        if not cfg.draft_model:
-            return None, None
-        what = "a draft model" if cfg.draft_method == "draft_model" else "an EAGLE head"
-        if cfg.tensor_parallel_size > 1:
-            raise DraftModelError(f"--speculative-config: {what} with "
-                                  f"--tensor-parallel-size > 1 is not built yet")
+        if not cfg.draft_model or cfg.tensor_parallel_rank > 0:
+            return None, None  # (with tensor parallelism rank 0 alone holds and runs a draft)
         if cfg.draft_method != "draft_model":
+            if cfg.tensor_parallel_size > 1:  # it would read the target's sharded embeddings
+                raise DraftModelError("--speculative-config: an EAGLE head with "
+                                      "--tensor-parallel-size > 1 is not built yet")
             if not isinstance(target, CausalLM):
                 raise DraftModelError("--speculative-config: an EAGLE head reads the hidden "
                                       "states of a native model; this one runs on HF's "

@@ -291,3 +291,34 @@ def test_lora_adapters_on_two_ranks(tmp_path, name):
     base = single_rank_tokens(tmp_path / "base")[0]
     assert want[2] == base[2] and want[1] != base[1] and want[3] != base[3]
     assert tensor_parallel_tokens(tmp_path / "base", *flags, prepare=prepare)[0] == want
+
+
+def test_a_draft_model_proposes_on_rank_0_of_two(tmp_path):
+    """--speculative-config draft_model with two ranks: rank 0 alone holds the draft, whole
+    (its vocabulary and heads unsharded, no collective of its own), mirrors each step and
+    proposes. With the target as its own draft every draft is kept and the tokens are HF's."""
+    import json
+
+    from tests.executor_svc.test_cuda_graphs import spec_greedy_run
+
+    hf = save_random(tmp_path, "llama")
+    spec = json.dumps({"method": "draft_model", "model": str(tmp_path),
+                       "num_speculative_tokens": 3})
+    args = executor_args(tmp_path, 2, "--num-kv-blocks", "64", "--speculative-config", spec)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in (9, 17)]
+    want = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0,
+                        eos_token_id=None)[0, len(p):].tolist() for p in prompts]
+    threads = torch.get_num_threads()
+    group = Group(args, 2)
+    try:
+        worker = Worker(executor_config(args, 0, 2, "cpu"))
+        assert worker.draft_cfg.tp_size == 1 and worker.model_cfg.tp_size == 2
+        group.lead(worker)
+        worker.warm_up()
+        got, _, drafted, kept = spec_greedy_run(worker, prompts, 10)
+    finally:
+        group.stop()
+        torch.set_num_threads(threads)
+    assert [got[0], got[1]] == want
+    assert kept == drafted > 0
