@@ -118,6 +118,14 @@ class LeaderModel:
         self.link.forward(ids, positions, meta, logits_indices)
         return self.model(ids, positions, kv_caches, meta, logits_indices)
 
+    @property
+    def tapped(self) -> torch.Tensor | None:  # the states an EAGLE head reads (rank 0's)
+        return self.model.tapped
+
+    @tapped.setter
+    def tapped(self, value: torch.Tensor | None) -> None:
+        self.model.tapped = value
+
     def hidden(self, ids, positions, kv_caches, meta) -> torch.Tensor:
         self.link.forward(ids, positions, meta, ids[:0], kind=HIDDEN)
         return self.model.hidden(ids, positions, kv_caches, meta)

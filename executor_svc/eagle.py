@@ -33,7 +33,7 @@ follow the target's distribution whatever the head proposes.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ from torch import nn
 
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.draft import DraftModelError
+from pagedserve.executor.families import text_weight_name
 from pagedserve.executor.layers import (
     MLP,
     Attention,
@@ -306,9 +307,33 @@ class EagleHead(nn.Module):
                 p.data.normal_(0.0, 0.02, generator=gen)
 
 
+def target_vocab(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The target's whole embed_tokens and lm_head (tied: the embeddings), read alone from its
+    safetensors: with tensor parallelism rank 0 holds only its slice of each, and a head reads
+    them whole."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():  # noqa: SIM118 (not a dict)
+                n = text_weight_name(name) if cfg.multimodal else name
+                if n is not None and n.removeprefix("model.") in ("embed_tokens.weight",
+                                                                  "lm_head.weight"):
+                    found[n.removeprefix("model.")] = st.get_tensor(name)
+    if "embed_tokens.weight" not in found:
+        raise DraftModelError(f"--speculative-config: the target {path} has no embed_tokens "
+                              f"in its safetensors for the EAGLE head to read")
+    found.setdefault("lm_head.weight", found["embed_tokens.weight"])
+    return found
+
+
 def load_head(method: str, path: str, target: CausalLM, ops: Ops, dtype: torch.dtype,
-              device: torch.device, max_pos: int, random: bool) -> EagleHead:
-    """The head at `path` for this target, on its device; DraftModelError if it cannot serve."""
+              device: torch.device, max_pos: int, random: bool,
+              target_dir: str = "") -> EagleHead:
+    """The head at `path` for this target, on its device; DraftModelError if it cannot serve.
+    A target split over tensor-parallel ranks (rank 0's share here) lends the head its whole
+    embeddings, and EAGLE-1 its whole lm_head, read from `target_dir` (random: drawn)."""
     where = Path(path)
     if not (where / "config.json").is_file():
         raise DraftModelError(f"--speculative-config: the {method} head {path} has no "
@@ -319,8 +344,16 @@ def load_head(method: str, path: str, target: CausalLM, ops: Ops, dtype: torch.d
         raise DraftModelError(f"--speculative-config: the {method} head {path}: "
                               f"{str(e).splitlines()[0]}") from None
     tensors = None if random else read_tensors(where)
+    sharded = target.cfg.tp_size > 1
+    lend = ("embed_tokens.weight",) + (("lm_head.weight",) if VERSIONS[method] == 1 else ())
+    if sharded and tensors is not None and any(n not in tensors for n in lend):
+        whole = target_vocab(Path(target_dir), target.cfg)
+        tensors.update({n: whole[n] for n in lend if n not in tensors})
     lay = layout(method, hc, target.cfg,
                  None if tensors is None else {n: tuple(t.shape) for n, t in tensors.items()})
+    if sharded and tensors is None:  # random: drawn whole with the head
+        lay = replace(lay, own_embed=True, own_lm_head=True,
+                      draft_vocab=lay.draft_vocab if lay.own_lm_head else target.cfg.vocab_size)
     head = EagleHead(hc, lay, target, ops, max_pos)
     head.to(dtype=dtype)
     if tensors is None:

@@ -283,9 +283,6 @@ class Worker:
         if not cfg.draft_model or cfg.tensor_parallel_rank > 0:
             return None, None  # (with tensor parallelism rank 0 alone holds and runs a draft)
         if cfg.draft_method != "draft_model":
-            if cfg.tensor_parallel_size > 1:  # it would read the target's sharded embeddings
-                raise DraftModelError("--speculative-config: an EAGLE head with "
-                                      "--tensor-parallel-size > 1 is not built yet")
             if not isinstance(target, CausalLM):
                 raise DraftModelError("--speculative-config: an EAGLE head reads the hidden "
                                       "states of a native model; this one runs on HF's "
@@ -294,7 +291,7 @@ class Worker:
                        f"{self.device}"):
                 head = load_head(cfg.draft_method, cfg.draft_model, target, load_ops(backend),
                                  self.dtype, self.device, max_len,
-                                 random=cfg.load_format != "auto")
+                                 random=cfg.load_format != "auto", target_dir=cfg.model)
             target.taps = head.lay.taps
             return head.cfg, head
         dc = ModelConfig.from_pretrained(cfg.draft_model, cfg.model_impl)

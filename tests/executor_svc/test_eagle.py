@@ -356,12 +356,3 @@ def test_a_prefix_cache_hit_reuses_the_heads_cache_in_those_blocks(target, tmp_p
     want = ref.drafts(prompt + plans[0][0], 3)
     assert plans[0][1] == ([1], [3], want) and plans[1][1] == ([2], [3], want)
 
-
-def test_an_eagle_head_with_tensor_parallelism_is_refused(target, tmp_path):
-    path, _ = target
-    head = write_head(tmp_path / "head", 3, head_tensors(3, 0))
-    with pytest.raises(DraftModelError, match="an EAGLE head with --tensor-parallel-size > 1 "
-                                              "is not built yet"):
-        Worker(ExecutorConfig(model=str(path), device="cpu", num_kv_blocks=8,
-                              tensor_parallel_size=2, draft_model=str(head),
-                              draft_method="eagle3"))

@@ -322,3 +322,52 @@ def test_a_draft_model_proposes_on_rank_0_of_two(tmp_path):
         torch.set_num_threads(threads)
     assert [got[0], got[1]] == want
     assert kept == drafted > 0
+
+
+def spec_run_with_proposals(worker, prompts, n):
+    """spec_greedy_run, and every step's proposals."""
+    from tests.executor_svc.test_cuda_graphs import spec_greedy_run
+
+    seen, launch = [], worker.runner.launch
+    worker.runner.launch = lambda plan, *rest: seen.append(launch(plan, *rest)) or seen[-1]
+    got, _, drafted, _ = spec_greedy_run(worker, prompts, n)
+    return got, [launched.proposals for launched in seen], drafted
+
+
+@pytest.mark.parametrize("version", [1, 3], ids=["eagle", "eagle3"])
+def test_an_eagle_head_proposes_on_rank_0_as_on_one_rank(tmp_path, version):
+    """An EAGLE head beside a 2-rank target: rank 0 holds it whole, lent the target's whole
+    embeddings (and EAGLE-1 its lm_head) from the checkpoint, where rank 0 keeps a slice of
+    each; it reads rank 0's states, which are whole. Tokens and every step's proposals equal
+    one rank's."""
+    import json
+
+    from tests.executor_svc.test_eagle import head_tensors, write_head
+
+    save_random(tmp_path / "target", "llama")
+    cfg = AutoConfig.from_pretrained(tmp_path / "target")
+    cfg.eagle_aux_hidden_state_layer_ids = [0, 1, 1]  # (of 2 layers; the head's config)
+    head = write_head(tmp_path / "head", version, head_tensors(version, 3, cfg=cfg,
+                                                               draft_vocab=100), cfg, 100)
+    spec = json.dumps({"method": "eagle" if version == 1 else "eagle3", "model": str(head),
+                       "num_speculative_tokens": 3})
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in (9, 17)]
+    runs = []
+    for tp in (1, 2):
+        args = executor_args(tmp_path / "target", tp, "--num-kv-blocks", "64",
+                             "--speculative-config", spec)
+        threads = torch.get_num_threads()
+        group = Group(args, 2) if tp == 2 else None
+        try:
+            worker = Worker(executor_config(args, 0, tp, "cpu"))
+            if group is not None:
+                assert worker.model_cfg.tp_size == 2 and worker.runner.eagle.head.lay.own_embed
+                group.lead(worker)
+            worker.warm_up()
+            runs.append(spec_run_with_proposals(worker, prompts, 10))
+        finally:
+            if group is not None:
+                group.stop()
+            torch.set_num_threads(threads)
+    assert runs[0][2] > 0 and runs[1] == runs[0]
