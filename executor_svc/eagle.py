@@ -12,7 +12,9 @@ it predicts the token at i + 2:
   default 2, L/2 and L-3, or the config's eagle_aux_hidden_state_layer_ids); one layer whose
   q/k/v read [input_norm(embed(token)), hidden_norm(h)]; its pre-norm sum is the next pass's h,
   its own norm and lm_head give logits over a draft vocabulary that d2t maps to the target's
-  (target id = d + d2t[d]).
+  (target id = d + d2t[d]). The residual is h, or hidden_norm(h) where the config says
+  norm_before_residual (the speculators library's heads, whose config.json nests the layer's
+  config under transformer_layer_config: read here too).
 
 Its paged KV cache lives in the target's blocks, as a draft model's does (executor_svc/
 draft.py): the same block ids and slots, its own tensors. The runner keeps the target's hidden
@@ -171,6 +173,7 @@ class EagleLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps, ops)
         self.post_attention_layernorm = RMSNorm(h, eps, ops)
         self.self_attn = Attention(cfg, 0, ops)
+        self.norm_before_residual = bool(getattr(cfg.hf_config, "norm_before_residual", False))
         if version == 3:
             self.hidden_norm = RMSNorm(h, eps, ops)
             attn = self.self_attn
@@ -180,8 +183,9 @@ class EagleLayer(nn.Module):
 
     def forward(self, x, residual, embeds, positions, cos_sin, kv_cache, meta):
         if self.version == 3:
-            residual = x
-            x = torch.cat([self.input_layernorm(embeds)[0], self.hidden_norm(x)[0]], dim=-1)
+            h = self.hidden_norm(x)[0]
+            residual = h if self.norm_before_residual else x
+            x = torch.cat([self.input_layernorm(embeds)[0], h], dim=-1)
         elif self.index == 0:
             residual = x
         else:
@@ -328,6 +332,29 @@ def target_vocab(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return found
 
 
+def head_config(path: Path, method: str) -> ModelConfig:
+    """The head's layer config: its config.json, or for a speculators-library head the
+    transformer_layer_config inside it with the EAGLE keys beside it (norm_before_residual
+    true unless it says otherwise, as that library writes its heads)."""
+    raw = json.loads((path / "config.json").read_text())
+    kind = raw.get("speculators_model_type")
+    if kind is None:
+        return ModelConfig.from_pretrained(path, "native")
+    if kind != method:
+        raise ValueError(f"a speculators {kind!r} head, not one for method {method!r}")
+    from transformers import AutoConfig
+
+    layer = dict(raw.get("transformer_layer_config") or {})
+    if not layer:
+        raise ValueError("no transformer_layer_config in its config.json")
+    hf = AutoConfig.for_model(layer.pop("model_type", "llama"), **layer)
+    hf.norm_before_residual = raw.get("norm_before_residual", True)
+    for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+        if raw.get(key) is not None:
+            setattr(hf, key, raw[key])
+    return ModelConfig.from_hf(hf)
+
+
 def load_head(method: str, path: str, target: CausalLM, ops: Ops, dtype: torch.dtype,
               device: torch.device, max_pos: int, random: bool,
               target_dir: str = "") -> EagleHead:
@@ -339,7 +366,7 @@ def load_head(method: str, path: str, target: CausalLM, ops: Ops, dtype: torch.d
         raise DraftModelError(f"--speculative-config: the {method} head {path} has no "
                               f"config.json")
     try:
-        hc = ModelConfig.from_pretrained(where, "native")
+        hc = head_config(where, method)
     except (ValueError, OSError, json.JSONDecodeError) as e:
         raise DraftModelError(f"--speculative-config: the {method} head {path}: "
                               f"{str(e).splitlines()[0]}") from None

@@ -6,6 +6,7 @@ the method or the target are refused with one line."""
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -83,15 +84,24 @@ def head_tensors(version, seed, embed=False, cfg=None, draft_vocab=DRAFT_VOCAB):
     return t
 
 
-def write_head(path, version, tensors, cfg=None, draft_vocab=DRAFT_VOCAB):
-    """The head's config.json (the target's dimensions, one layer) and its safetensors."""
+def write_head(path, version, tensors, cfg=None, draft_vocab=DRAFT_VOCAB,
+               speculators=False):
+    """The head's config.json (the target's dimensions, one layer) and its safetensors;
+    speculators: an EAGLE-3 head as the speculators library writes it (the layer's config
+    nested, norm_before_residual left to its default, true)."""
     path.mkdir(parents=True, exist_ok=True)
     d = {**(cfg or llama_config()).to_dict(), "num_hidden_layers": 1}
     cfg = AutoConfig.for_model(d.pop("model_type"), **d)
-    if version == 3:
+    if speculators:
+        (path / "config.json").write_text(json.dumps({
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "transformer_layer_config": cfg.to_dict(), "draft_vocab_size": draft_vocab,
+            "speculators_config": {"proposal_methods": [{"speculative_tokens": 3}]}}))
+    elif version == 3:
         cfg.architectures = ["LlamaForCausalLMEagle3"]
         cfg.draft_vocab_size = draft_vocab
-    cfg.save_pretrained(path)
+    if not speculators:
+        cfg.save_pretrained(path)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
     return path
 
@@ -100,8 +110,8 @@ class DenseHead:
     """The head as a few lines of dense torch, over every entry so far: entry i is (the token
     after position i, the state there), at position i."""
 
-    def __init__(self, version, t, hf):
-        self.v, self.t, self.hf = version, t, hf
+    def __init__(self, version, t, hf, norm_before_residual=False):
+        self.v, self.t, self.hf, self.nbr = version, t, hf, norm_before_residual
         self.pre = "layers.0." if version == 1 else "midlayer."
         self.rope = LlamaRotaryEmbedding(llama_config())
         self.embed = t.get("embed_tokens.weight", hf.model.embed_tokens.weight)
@@ -127,9 +137,9 @@ class DenseHead:
             x = torch.cat([e, h], -1) @ t["fc.weight"].T + t["fc.bias"]
             res, inp = x, x
         else:
-            res = h
-            inp = torch.cat([self.norm(e, p + "input_layernorm.weight"),
-                             self.norm(h, p + "hidden_norm.weight")], -1)
+            hn = self.norm(h, p + "hidden_norm.weight")
+            res = hn if self.nbr else h
+            inp = torch.cat([self.norm(e, p + "input_layernorm.weight"), hn], -1)
         n, d = len(toks), HIDDEN // HEADS
         q = (inp @ t[p + "self_attn.q_proj.weight"].T).view(1, n, HEADS, d).transpose(1, 2)
         k = (inp @ t[p + "self_attn.k_proj.weight"].T).view(1, n, KV_HEADS, d).transpose(1, 2)
@@ -196,22 +206,25 @@ class EagerDecodeGraphs(DecodeGraphs):
 
 
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
-@pytest.mark.parametrize("version", [1, 3], ids=["eagle", "eagle3"])
+@pytest.mark.parametrize("version, speculators", [(1, False), (3, False), (3, True)],
+                         ids=["eagle", "eagle3", "eagle3-speculators"])
 def test_the_head_proposes_what_a_dense_reference_drafts_from_hf_states(target, tmp_path,
-                                                                       version, graphed):
+                                                                       version, speculators,
+                                                                       graphed):
     """Two requests: A prefills in two chunks beside B's decode steps; every step's
     proposals equal the dense head's on HF's states of the tokens so far. The plans draft
     the head's proposals, or two of the target's own tokens and a wrong one (accepted 2),
     so the head's cache is rolled past rejected drafts; the tokens stay HF's greedy ones.
-    Graphed: the verification steps replay (eager stand-ins of) the decode graphs."""
+    Graphed: the verification steps replay (eager stand-ins of) the decode graphs.
+    Speculators: the library's config layout, its residual taken after hidden_norm."""
     path, hf = target
     tensors = head_tensors(version, seed=11)
-    head = write_head(tmp_path / "head", version, tensors)
+    head = write_head(tmp_path / "head", version, tensors, speculators=speculators)
     run = eagle_runner(path, head, "eagle" if version == 1 else "eagle3")
     if graphed:
         run.graphs = EagerDecodeGraphs(run.model, run.kv_caches)
     assert run.model.taps == ((LAYERS,) if version == 1 else (2, 4, 5))
-    ref, k, n_out = DenseHead(version, tensors, hf), 3, 14
+    ref, k, n_out = DenseHead(version, tensors, hf, speculators), 3, 14
     prompts = {1: list(range(3, 24)), 2: [7, 1, 9, 30, 2, 55, 4]}
     want = {r: hf_greedy(hf, p, n_out + k + 1) for r, p in prompts.items()}
     got = {1: [], 2: []}
