@@ -139,8 +139,9 @@ def attach(model: nn.Module, cfg: ModelConfig, slots: LoraSlots, step: LoraStep,
 
         attn.qkv_proj = wrap(attn.qkv_proj, "qkv")
         attn.o_proj = wrap(attn.o_proj, "o")
-        mlp.gate_up_proj = wrap(mlp.gate_up_proj, "gate_up")
-        mlp.down_proj = wrap(mlp.down_proj, "down")
+        if hasattr(mlp, "gate_up_proj"):  # a dense MLP (a mixture of experts takes none)
+            mlp.gate_up_proj = wrap(mlp.gate_up_proj, "gate_up")
+            mlp.down_proj = wrap(mlp.down_proj, "down")
 
 
 class LoraRuntime:

@@ -20,6 +20,7 @@ from pagedserve.executor.tp_layers import shard_lora
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
                   r"(\w+)\.lora_([AB])(?:\.default)?\.weight")
+_EXPERTS = re.compile(r"\.(?:block_sparse_moe|experts|shared_expert|shared_expert_gate|gate)\.")
 _UNSUPPORTED = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights",
                 "modules_to_save": "modules_to_save (full weights beside the adapter)",
                 "rank_pattern": "a rank per module (rank_pattern)",
@@ -39,12 +40,16 @@ def module_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def check_model(cfg: ModelConfig) -> None:
-    """Refuse LoRA where this executor cannot apply it (one line, at start)."""
+    """Refuse LoRA where this executor cannot apply it (one line, at start). On a
+    mixture-of-experts model adapters apply to attention and to any dense MLP layer; an
+    adapter of the experts is refused when read (_pair)."""
     if cfg.impl != "native":
         raise LoraError("LoRA needs a native model module (--model-impl native)")
-    if cfg.moe is not None:
-        raise LoraError(f"LoRA on mixture-of-experts models ({cfg.model_type}) is not "
-                        "supported yet")
+
+
+def _sparse(cfg: ModelConfig, layer: int) -> bool:
+    """Whether the layer's MLP is a mixture of experts (no gate/up/down of its own)."""
+    return cfg.moe is not None and cfg.moe.sparse_layers[layer]
 
 
 @dataclass(slots=True)
@@ -123,12 +128,20 @@ def _pair(tensors: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, scale: 
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.fullmatch(key)
+        if _EXPERTS.search(key):
+            raise LoraError(f"{where}: weight {key} adapts a mixture-of-experts layer's "
+                            f"experts or router, which LoRA is not served on (attention "
+                            f"and dense MLP layers are)")
         if m is None or m.group(2) not in dims:
             raise LoraError(f"{where}: weight {key} is not a LoRA A or B of "
                             f"{', '.join(TARGETS)} in a decoder layer")
         layer, module, half = int(m.group(1)), m.group(2), m.group(3)
         if layer >= cfg.num_layers:
             raise LoraError(f"{where}: {key}: the base model has {cfg.num_layers} layers")
+        if module.endswith(("gate_proj", "up_proj", "down_proj")) and _sparse(cfg, layer):
+            raise LoraError(f"{where}: {key}: layer {layer}'s MLP is a mixture of experts, "
+                            f"which LoRA is not served on (attention and dense MLP layers "
+                            f"are)")
         fan_in, fan_out = dims[module]
         want = (rank, fan_in) if half == "A" else (fan_out, rank)
         if tuple(t.shape) != want:

@@ -389,3 +389,46 @@ def test_the_warm_up_runs_every_projections_kernels_at_each_tile_height(tiny, tm
     assert {kl.block_m_for(t, g) for name, t, g in calls if name == "lora_shrink"} == {16, 32}
     assert all(torch.equal(a, lora.slots.a[p]) and torch.equal(b, lora.slots.b[p])
                for p, (a, b) in before.items())
+
+
+def test_adapters_on_a_mixture_of_experts_model_adapt_attention_and_dense_layers(tmp_path):
+    """A Qwen2-MoE base (a shared expert; layer 1 a dense MLP): an adapter of the attention
+    projections and of the dense layer's MLP, beside the base in one batch, equals HF on the
+    merged weights; one of a layer's experts, or of a sparse layer's gate_proj, is refused."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen2_moe", **{**TINY, "intermediate_size": 96}, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+        dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path / "base")
+    cfg = ModelConfig.from_pretrained(tmp_path / "base")
+    assert cfg.moe.sparse_layers == (True, False)
+    one = write_adapter(tmp_path / "one", hf, 1, 8, ["q_proj", "v_proj", "o_proj"], 16)
+    (tmp_path / "one" / "adapter_model.safetensors").unlink()  # and layer 1's MLP
+    tensors = {}
+    g = torch.Generator().manual_seed(5)
+    for i, layer in enumerate(hf.model.layers):
+        mods = [("self_attn", m) for m in ("q_proj", "v_proj", "o_proj")]
+        mods += [("mlp", m) for m in ("gate_proj", "down_proj")] if i == 1 else []
+        for place, m in mods:
+            w = getattr(getattr(layer, place), m).weight
+            key = f"base_model.model.model.layers.{i}.{place}.{m}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(8, w.shape[1], generator=g) * 0.05
+            tensors[f"{key}.lora_B.weight"] = torch.randn(w.shape[0], 8, generator=g) * 0.05
+    save_file(tensors, tmp_path / "one" / "adapter_model.safetensors")
+    ours, lora = runtime(cfg, tmp_path, [("one", one)])
+    lora.load(1, 1)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 12)]
+    chunks = [[4, 5], [5, 7]]
+    outs = run_paged(WithSlots(ours, lora.step, [1, 0]), cfg, seqs, chunks)
+    assert_paged_equals_hf(merged(hf, one), [outs[0]], [seqs[0]], [[c[0]] for c in chunks])
+    assert_paged_equals_hf(hf, [outs[1]], [seqs[1]], [[c[1]] for c in chunks])
+    for key, says in [("model.layers.0.mlp.gate_proj", "layer 0's MLP is a mixture of experts"),
+                      ("model.layers.1.mlp.experts.0.up_proj", "adapts a mixture-of-experts "
+                                                               "layer's experts")]:
+        save_file({f"base_model.model.{key}.lora_A.weight": torch.zeros(8, 64),
+                   f"base_model.model.{key}.lora_B.weight": torch.zeros(96, 8)},
+                  tmp_path / "one" / "adapter_model.safetensors")
+        with pytest.raises(LoraError, match=says):
+            load_adapter("bad", tmp_path / "one", cfg, 8)
