@@ -440,17 +440,20 @@ class EagleDraft:
         cur = to_device(tokens.astype(np.int64), dev)
         hid = head.combine(tapped)  # each row's h, its own from the first pass on
         hid = hid.clone() if hid is tapped else hid
+        # every pass's inputs in one copy to the device; a pass takes its live rows there
+        staged = to_device(np.stack([pos, slots, pos + 1]), dev)  # [3, pass, row]
+        tables_dev = to_device(tables, dev)
+        counts = torch.arange(n + 1, dtype=torch.int32, device=dev)
         for j in range(max(passes, 1)):
             live = np.flatnonzero(on[j])
             m = len(live)
-            meta = AttentionMetadata(
-                slot_mapping=to_device(slots[j, live], dev),
-                block_tables=to_device(np.ascontiguousarray(tables[live]), dev),
-                seq_lens=to_device((pos[j, live] + 1).astype(np.int32), dev),
-                cu_seqlens_q=to_device(np.arange(m + 1, dtype=np.int32), dev),
-                max_query_len=1, max_seq_len=int(pos[j, live].max()) + 1)
             index = to_device(live, dev)
-            x = head(cur[index], to_device(pos[j, live], dev), hid[index], self.kv_caches, meta)
+            step = staged[:, j, index]
+            meta = AttentionMetadata(
+                slot_mapping=step[1], block_tables=tables_dev[index],
+                seq_lens=step[2].to(torch.int32), cu_seqlens_q=counts[:m + 1],
+                max_query_len=1, max_seq_len=int(pos[j, live].max()) + 1)
+            x = head(cur[index], step[0], hid[index], self.kv_caches, meta)
             drafting = np.flatnonzero(ks[live] > j)
             if not len(drafting):
                 break
