@@ -32,6 +32,21 @@ from pagedserve.executor.model import AttentionMetadata, CausalLM
 from pagedserve.executor.transfer import to_device
 
 
+def pass_grid(table: np.ndarray, rows: np.ndarray, starts: np.ndarray, ks: np.ndarray,
+              block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The single-token passes of a proposal chain: row i runs ks[i] passes (at least one),
+    pass j at position starts[i] + j. Positions, whether the row runs, and its slot (-1 when
+    it sits the pass out), each [pass, row]; and the rows' block tables as wide as the
+    passes reach."""
+    bs, passes = block_size, int(ks.max())
+    pos = starts[None, :] + np.arange(passes)[:, None]
+    on = np.arange(passes)[:, None] < ks[None, :]  # the row still runs in this pass
+    pos = np.where(on, pos, starts[None, :])  # (a row sitting out: a position it has)
+    slots = np.where(on, table[rows[None, :], pos // bs].astype(np.int64) * bs + pos % bs, -1)
+    width = int(pos.max()) // bs + 1
+    return pos, on, slots, np.ascontiguousarray(table[rows, :width])
+
+
 class DraftModelError(RuntimeError):
     """The draft cannot serve beside this target (its vocabulary differs, or the settings do
     not allow it): the same settings fail the same way, so the executor exits without a
@@ -77,17 +92,9 @@ class DraftModel:
         n, live = len(rows), np.flatnonzero(ks > 0)
         if not len(live):
             return [[] for _ in range(n)]
-        rows, starts, tokens, ks, bs = rows[live], starts[live], tokens[live], ks[live], \
-            self.block_size
-        passes = int(ks.max())
-        pos = starts[None, :] + np.arange(passes)[:, None]  # [pass, row]
-        on = np.arange(passes)[:, None] < ks[None, :]  # the row still drafts in this pass
-        pos = np.where(on, pos, starts[None, :])  # (a row sitting out: a position it has)
-        slots = np.where(on, table[rows[None, :], pos // bs].astype(np.int64) * bs + pos % bs,
-                         -1)
-        width = int(pos.max()) // bs + 1
-        tables = np.ascontiguousarray(table[rows, :width])
-        if self.graphs is not None and self.graphs.fits(len(rows), width):
+        rows, starts, tokens, ks = rows[live], starts[live], tokens[live], ks[live]
+        pos, on, slots, tables = pass_grid(table, rows, starts, ks, self.block_size)
+        if self.graphs is not None and self.graphs.fits(len(rows), tables.shape[1]):
             drafts = self.graphs.greedy_chain(tokens, pos, slots, tables,
                                               np.where(on, pos + 1, 0))
         else:

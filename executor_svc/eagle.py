@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from pagedserve.executor.config import ModelConfig
-from pagedserve.executor.draft import DraftModelError
+from pagedserve.executor.draft import DraftModelError, pass_grid
 from pagedserve.executor.families import text_weight_name
 from pagedserve.executor.layers import (
     MLP,
@@ -54,6 +54,7 @@ from pagedserve.executor.layers import (
     make_linear,
     rope_cos_sin_cache,
 )
+from pagedserve.executor.loader import iter_safetensors
 from pagedserve.executor.model import CausalLM
 from pagedserve.executor.transfer import to_device
 
@@ -91,14 +92,10 @@ def aux_layers(head_hf, num_layers: int) -> tuple[int, ...]:
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """A head's tensors by their checkpoint names (safetensors, else pytorch_model.bin), with
     the prefixes heads are saved under taken off (model., midlayer. as layers.0.)."""
-    files = sorted(path.glob("*.safetensors"))
     out: dict[str, torch.Tensor] = {}
     try:
-        if files:
-            from safetensors.torch import load_file
-
-            for f in files:
-                out.update(load_file(str(f)))
+        if any(path.glob("*.safetensors")):
+            out = dict(iter_safetensors(path))
         elif (path / "pytorch_model.bin").exists():
             out = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
         else:
@@ -428,14 +425,11 @@ class EagleDraft:
         and drafts a first token for the rows with ks > 0, then each further pass one more,
         up to ks[i] (which never reaches past the row's blocks: the caller caps it). The
         drafts of each row, in row order."""
-        n, bs, dev, head = len(rows), self.block_size, self.device, self.head
+        n, dev, head = len(rows), self.device, self.head
         passes = int(ks.max()) if n else 0
-        pos = positions[None, :] + np.arange(max(passes, 1))[:, None]  # [pass, row]
-        on = np.arange(max(passes, 1))[:, None] < np.maximum(ks, 1)[None, :]
-        pos = np.where(on, pos, positions[None, :])
-        slots = table[rows[None, :], pos // bs].astype(np.int64) * bs + pos % bs
-        width = int(pos.max()) // bs + 1
-        tables = np.ascontiguousarray(table[rows, :width])
+        # (pass 0 writes every row's KV, drafting or not)
+        pos, on, slots, tables = pass_grid(table, rows, positions, np.maximum(ks, 1),
+                                           self.block_size)
         out = torch.zeros((max(passes, 1), n), dtype=torch.int64, device=dev)
         cur = to_device(tokens.astype(np.int64), dev)
         hid = head.combine(tapped)  # each row's h, its own from the first pass on

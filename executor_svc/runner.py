@@ -218,15 +218,24 @@ class ModelRunner:
         rows = rows[(cols.req_id[rows] >= 0) & (cols.pending_launch[rows] == -1)
                     & ((cols.features[rows] & (PENALTY | MIN_TOKENS)) == 0)]
         starts = cols.num_computed[rows]
-        # its blocks' slots past its token, and no position its RoPE tables do not reach
-        reach = getattr(self.draft.model, "max_pos", 1 << 62)
-        room = np.minimum(self.tables.lengths[rows] * self.block_size, reach) - starts
-        ks = np.clip(np.minimum(room, k), 0, None)
+        ks = self._room(rows, starts, k, getattr(self.draft.model, "max_pos", 1 << 62))
         if not len(rows) or not ks.any():
             return [], [], []
         drafts = self.draft.propose(self.tables.array, rows, starts, cols.last_token[rows], ks)
+        return self._given(rows, drafts)
+
+    def _room(self, rows: np.ndarray, starts: np.ndarray, k: int, reach: int) -> np.ndarray:
+        """Drafts each row may take from position starts on: at most k, within its blocks'
+        slots and the positions its RoPE tables reach."""
+        room = np.minimum(self.tables.lengths[rows] * self.block_size, reach) - starts
+        return np.clip(np.minimum(room, k), 0, None)
+
+    def _given(self, rows: np.ndarray, drafts: list[list[int]]
+               ) -> tuple[list[int], list[int], list[int]]:
+        """Launched.proposals of these rows' drafts: the requests given some, how many each,
+        the drafts concatenated."""
         given = [i for i, d in enumerate(drafts) if d]
-        return (cols.req_id[rows[given]].tolist(), [len(drafts[i]) for i in given],
+        return (self.cols.req_id[rows[given]].tolist(), [len(drafts[i]) for i in given],
                 [t for i in given for t in drafts[i]])
 
     def _propose_eagle(self, launched: Launched, tokens: list[int], accepted: list[int]
@@ -247,15 +256,12 @@ class ModelRunner:
         if launched.lookahead > 0:
             on = (cols.pending_launch[rows] == -1) & ((cols.features[rows]
                                                        & (PENALTY | MIN_TOKENS)) == 0)
-            room = np.minimum(self.tables.lengths[rows] * self.block_size,
-                              self.eagle.max_pos) - (last + 1)
-            ks = np.where(on, np.clip(np.minimum(room, launched.lookahead), 0, None), 0)
+            ks = np.where(on, self._room(rows, last + 1, launched.lookahead,
+                                         self.eagle.max_pos), 0)
         drafts = self.eagle.propose(np.asarray(tokens, np.int64)[at],
                                     ew.tapped[to_device(at, self.device)], last,
                                     self.tables.array, rows, ks)
-        given = [i for i, d in enumerate(drafts) if d]
-        return (cols.req_id[rows[given]].tolist(), [len(drafts[i]) for i in given],
-                [t for i in given for t in drafts[i]])
+        return self._given(rows, drafts)
 
     def _eagle_launch(self, rows: np.ndarray, starts: np.ndarray, ns: np.ndarray,
                       cu_q: np.ndarray, sample: np.ndarray, spec: np.ndarray | None,
