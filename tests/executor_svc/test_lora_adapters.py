@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagedserve.core.lora import LoraConfig
@@ -33,11 +33,14 @@ _PLACE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
 def write_adapter(out: Path, base, seed: int, rank: int, targets: list[str], alpha: float,
                   rslora: bool = False, std: float = 0.05) -> Path:
     """A seeded random PEFT LoRA adapter of the HF model `base` (B nonzero, unlike PEFT's
-    initialisation, so that it changes the outputs)."""
+    initialisation, so that it changes the outputs), on each target of every layer that has
+    it (a mixture-of-experts layer's MLP has no gate/up/down of its own)."""
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for i, layer in enumerate(base.model.layers):
         for m in targets:
+            if not hasattr(getattr(layer, _PLACE[m]), m):
+                continue
             w = getattr(getattr(layer, _PLACE[m]), m).weight  # [out, in]
             key = f"base_model.model.model.layers.{i}.{_PLACE[m]}.{m}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, w.shape[1], generator=g) * std
@@ -56,8 +59,6 @@ def merged(base, adapter: Path):
     conf = json.loads((adapter / "adapter_config.json").read_text())
     r = conf["r"]
     scale = conf["lora_alpha"] / (math.sqrt(r) if conf.get("use_rslora") else r)
-    from safetensors.torch import load_file
-
     w = load_file(adapter / "adapter_model.safetensors")
     model = type(base)(base.config).eval()
     state = base.state_dict()
@@ -403,19 +404,10 @@ def test_adapters_on_a_mixture_of_experts_model_adapt_attention_and_dense_layers
     hf.save_pretrained(tmp_path / "base")
     cfg = ModelConfig.from_pretrained(tmp_path / "base")
     assert cfg.moe.sparse_layers == (True, False)
-    one = write_adapter(tmp_path / "one", hf, 1, 8, ["q_proj", "v_proj", "o_proj"], 16)
-    (tmp_path / "one" / "adapter_model.safetensors").unlink()  # and layer 1's MLP
-    tensors = {}
-    g = torch.Generator().manual_seed(5)
-    for i, layer in enumerate(hf.model.layers):
-        mods = [("self_attn", m) for m in ("q_proj", "v_proj", "o_proj")]
-        mods += [("mlp", m) for m in ("gate_proj", "down_proj")] if i == 1 else []
-        for place, m in mods:
-            w = getattr(getattr(layer, place), m).weight
-            key = f"base_model.model.model.layers.{i}.{place}.{m}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(8, w.shape[1], generator=g) * 0.05
-            tensors[f"{key}.lora_B.weight"] = torch.randn(w.shape[0], 8, generator=g) * 0.05
-    save_file(tensors, tmp_path / "one" / "adapter_model.safetensors")
+    # attention on both layers, the MLP on the dense one (layer 1) only
+    one = write_adapter(tmp_path / "one", hf, 1, 8,
+                        ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], 16)
+    assert sum("mlp" in k for k in load_file(one / "adapter_model.safetensors")) == 4
     ours, lora = runtime(cfg, tmp_path, [("one", one)])
     lora.load(1, 1)
     g = torch.Generator().manual_seed(3)

@@ -4,6 +4,7 @@ never comes, a malformed one and a plan that overtakes one."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -56,20 +57,30 @@ class Scheduler:
         self.send(pb.SchedulerMessage(welcome=pb.Welcome(executor_id=msg.hello.executor_id)))
 
 
-@pytest.fixture(scope="module")
-def link(tmp_path_factory):
-    path = tmp_path_factory.mktemp("d64")
-    save_random_llama(path, "d64")
-    worker = Worker(ExecutorConfig(model=str(path), device="cpu", num_kv_blocks=16))
+@contextlib.contextmanager
+def serving(worker):
+    """The worker's ExecutorServer on a thread, joined to a test Scheduler (welcomed), stopped
+    at the end."""
     sched = Scheduler()
     server = ExecutorServer(worker, f"tcp://127.0.0.1:{sched.port}")
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    sched.welcome()
-    yield sched
-    server.stopping = True
-    thread.join(10)
-    sched.sock.close()
+    try:
+        sched.welcome()
+        yield sched
+    finally:
+        server.stopping = True
+        thread.join(10)
+        sched.sock.close()
+
+
+@pytest.fixture(scope="module")
+def link(tmp_path_factory):
+    path = tmp_path_factory.mktemp("d64")
+    save_random_llama(path, "d64")
+    with serving(Worker(ExecutorConfig(model=str(path), device="cpu",
+                                       num_kv_blocks=16))) as sched:
+        yield sched
 
 
 def new(step_id: int, req_id: int, blocks: list[int], bitmask_follows: bool) -> pb.StepPlan:
@@ -187,12 +198,7 @@ def test_a_plan_that_comes_while_the_device_runs_is_launched_before_the_tokens_a
         return finish(launched)
 
     runner.launch, runner.finish = launching, finishing
-    sched = Scheduler()
-    server = ExecutorServer(worker, f"tcp://127.0.0.1:{sched.port}")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        sched.welcome()
+    with serving(worker) as sched:
         sched.send(new(1, 1, [0], bitmask_follows=False))
         assert sched.result(timeout_s=0.5) is None  # step 1 runs and no plan came: it waits
         plan2 = decode(2, 1, 3)
@@ -205,10 +211,6 @@ def test_a_plan_that_comes_while_the_device_runs_is_launched_before_the_tokens_a
         steps[2].done = True
         second = sched.result()
         assert second.step_id == 2 and order[-1] == ("read", 2)
-    finally:
-        server.stopping = True
-        thread.join(10)
-        sched.sock.close()
 
 
 def test_an_adapter_added_at_run_time_is_read_while_steps_go_on(tmp_path):
@@ -225,36 +227,29 @@ def test_an_adapter_added_at_run_time_is_read_while_steps_go_on(tmp_path):
     lora, release = worker.runner.lora, threading.Event()
     read = lora.read
     lora.read = lambda name, path: release.wait(30) and read(name, path)
-    sched = Scheduler()
-    server = ExecutorServer(worker, f"tcp://127.0.0.1:{sched.port}")
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        sched.welcome()
-        sched.send(pb.SchedulerMessage(lora_update=pb.LoraUpdate(adapter_id=1, name="one",
-                                                                 path=str(one))))
-        sched.send(new(1, 1, [0], bitmask_follows=False))
-        assert sched.result().req_ids == [1]  # stepped while the read is held
-        plan = new(2, 2, [1], bitmask_follows=False)
-        plan.plan.lora_loads.add(slot=1, adapter_id=1)
-        plan.plan.new_requests[0].lora_slot, plan.plan.new_requests[0].lora_adapter = 1, 1
-        sched.send(plan)
-        early = sched.recv(0.5)  # the step waits for the read: a hello at most
-        assert early is None or early.WhichOneof("kind") == "hello"
-        release.set()
-        kinds = []
-        while len(kinds) < 2:
-            msg = sched.recv()
-            if msg.WhichOneof("kind") != "hello":
-                kinds.append(msg.WhichOneof("kind"))
-                if kinds[-1] == "lora_updated":
-                    assert (msg.lora_updated.adapter_id, msg.lora_updated.error) == (1, "")
-                else:
-                    assert list(msg.result.req_ids) == [2] and not msg.result.error
-        assert kinds == ["lora_updated", "result"]
-        assert lora.slots.holds[1] == 1
-    finally:
-        release.set()
-        server.stopping = True
-        thread.join(10)
-        sched.sock.close()
+    with serving(worker) as sched:
+        try:
+            sched.send(pb.SchedulerMessage(lora_update=pb.LoraUpdate(adapter_id=1, name="one",
+                                                                     path=str(one))))
+            sched.send(new(1, 1, [0], bitmask_follows=False))
+            assert sched.result().req_ids == [1]  # stepped while the read is held
+            plan = new(2, 2, [1], bitmask_follows=False)
+            plan.plan.lora_loads.add(slot=1, adapter_id=1)
+            plan.plan.new_requests[0].lora_slot, plan.plan.new_requests[0].lora_adapter = 1, 1
+            sched.send(plan)
+            early = sched.recv(0.5)  # the step waits for the read: a hello at most
+            assert early is None or early.WhichOneof("kind") == "hello"
+            release.set()
+            kinds = []
+            while len(kinds) < 2:
+                msg = sched.recv()
+                if msg.WhichOneof("kind") != "hello":
+                    kinds.append(msg.WhichOneof("kind"))
+                    if kinds[-1] == "lora_updated":
+                        assert (msg.lora_updated.adapter_id, msg.lora_updated.error) == (1, "")
+                    else:
+                        assert list(msg.result.req_ids) == [2] and not msg.result.error
+            assert kinds == ["lora_updated", "result"]
+            assert lora.slots.holds[1] == 1
+        finally:
+            release.set()  # before the server stops: its loop may wait for the read

@@ -83,33 +83,35 @@ def test_greedy_one_at_a_time_matches_hf(spec_service, hf_greedy, tokenizer):
         m['pagedserve_spec_decode_num_accepted_tokens_per_pos_total{position="1"}'] > 0
 
 
-def test_greedy_all_at_once_matches_hf_through_swap_preemption(spec_service, hf_greedy,
-                                                               tokenizer):
-    key = 'pagedserve_num_preemptions_total{mode="swap"}'
+def until_preempted(svc, mode: str, hf_greedy, tokenizer) -> list[tuple[float, float]]:
+    """Every prompt at once, HF's greedy tokens each round, until the tight pool has
+    preempted (in `mode`) at least once, 3 rounds at most; then every block is free again.
+    Each round's drafted and accepted tokens."""
+    key = f'pagedserve_num_preemptions_total{{mode="{mode}"}}'
+    rounds = []
     for _ in range(3):
-        check_against_hf(run_all(spec_service, concurrently=True), hf_greedy, tokenizer)
-        m = spec_service.wait_idle()
+        before = spec_counts(svc.metrics())
+        check_against_hf(run_all(svc, concurrently=True), hf_greedy, tokenizer)
+        m = svc.wait_idle()
+        rounds.append(tuple(a - b for a, b in zip(spec_counts(m), before, strict=True)))
         if m[key] > 0:
             break
     assert m[key] > 0
     assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"] == 10
+    return rounds
+
+
+def test_greedy_all_at_once_matches_hf_through_swap_preemption(spec_service, hf_greedy,
+                                                               tokenizer):
+    until_preempted(spec_service, "swap", hf_greedy, tokenizer)
 
 
 def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(draft_service, hf_greedy,
                                                                     tokenizer):
     """All at once, recomputing the preempted (the draft's KV with them); a verification that
     rejected a correct draft would leave accepted below drafted."""
-    key = 'pagedserve_num_preemptions_total{mode="recompute"}'
-    for _ in range(3):
-        before = spec_counts(draft_service.metrics())
-        check_against_hf(run_all(draft_service, concurrently=True), hf_greedy, tokenizer)
-        m = draft_service.wait_idle()
-        drafted, accepted = (a - b for a, b in zip(spec_counts(m), before, strict=True))
+    for drafted, accepted in until_preempted(draft_service, "recompute", hf_greedy, tokenizer):
         assert accepted == drafted > 100
-        if m[key] > 0:
-            break
-    assert m[key] > 0
-    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"] == 10
     info = draft_service.client.stub.GetModelInfo(api.GetModelInfoRequest(), timeout=10)
     assert json.loads(info.speculative_config) == DRAFT
     with urllib.request.urlopen(draft_service.http_url + "/v1/models", timeout=10) as r:
@@ -118,17 +120,8 @@ def test_a_draft_model_equal_to_the_target_has_every_draft_accepted(draft_servic
 
 def test_an_eagle3_head_keeps_hf_tokens_through_swap_preemption(eagle_service, eagle_config,
                                                                 hf_greedy, tokenizer):
-    key = 'pagedserve_num_preemptions_total{mode="swap"}'
-    for _ in range(3):
-        before = spec_counts(eagle_service.metrics())
-        check_against_hf(run_all(eagle_service, concurrently=True), hf_greedy, tokenizer)
-        m = eagle_service.wait_idle()
-        drafted, accepted = (a - b for a, b in zip(spec_counts(m), before, strict=True))
+    for drafted, accepted in until_preempted(eagle_service, "swap", hf_greedy, tokenizer):
         assert drafted > 100 and 0 <= accepted <= drafted
-        if m[key] > 0:
-            break
-    assert m[key] > 0
-    assert m["pagedserve_num_free_kv_blocks"] == m["pagedserve_num_kv_blocks"] == 10
     info = eagle_service.client.stub.GetModelInfo(api.GetModelInfoRequest(), timeout=10)
     assert json.loads(info.speculative_config) == eagle_config
 
