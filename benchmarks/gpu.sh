@@ -481,7 +481,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
           --requests 1 --requests 4 --decoders 64 \
           --server-flag=--long-prefill-token-threshold --server-flag=$chunk \
           2>&1 | tee -a $B/long_context.log | quiet 10
-        lp=${lp##* }
+        save; lp=${lp##* }  # a call cut short keeps the chunk sizes that ran
       done ;;
     remeasure)
       latency ${LAT_SEQS:-1 16}
