@@ -296,15 +296,19 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit from the queue in order. A request whose adapter finds every LoRA slot held by
         another adapter's running requests waits, and so does every adapter request behind it,
-        but the base's requests pass it: they hold no slot, so the slots still drain to it."""
-        i, slot_wait = 0, False
+        but the base's requests pass it: they hold no slot, so the slots still drain to it.
+        Once one waits, the walk ends at the last base request (`base`: those not yet passed)."""
+        i, slot_wait, base = 0, False, self.waiting.base
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            if slot_wait and not base:
+                break
             req = self.waiting.at(i)
             if self._waits_for_first(req):
                 break
             if req.lora_id and (slot_wait or not self.lora.can_take(req.lora_id)):
                 slot_wait, i = True, i + 1
                 continue
+            base -= not req.lora_id
             admit = self._resume_swapped if req.swapped_blocks else self._admit_fresh
             n = admit(out, req, budget)
             if n is None:

@@ -21,6 +21,7 @@ class WaitingQueue:
         self.aging_steps = aging_steps  # 0: no aging
         self._reqs: list[Request] = []  # sorted by _order
         self.prompt_tokens = 0  # tokens of the queued requests (all of them: recomputed ones too)
+        self.base = 0  # queued requests for the base model (no LoRA adapter)
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -41,10 +42,12 @@ class WaitingQueue:
         req.effective_priority = req.priority
         bisect.insort(self._reqs, req, key=_order)
         self.prompt_tokens += req.num_tokens
+        self.base += not req.lora_id
 
     def remove(self, req: Request) -> None:
         self._reqs.remove(req)
         self.prompt_tokens -= req.num_tokens
+        self.base -= not req.lora_id
 
     def age(self, step: int) -> None:
         """Improve the effective priority of those that waited long enough as of `step`."""

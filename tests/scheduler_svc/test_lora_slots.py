@@ -74,6 +74,23 @@ def test_the_base_passes_a_request_waiting_for_a_slot_other_adapters_do_not():
     assert [x.req.req_id for x in out.new] == [2] and out.lora_loads == [(1, 2)]
 
 
+def test_the_walk_past_a_waiting_request_ends_at_the_last_base_request():
+    """Admission does not read the queue behind a request waiting for a slot once no base
+    request is left there: a step costs O(running), not O(waiting)."""
+    s = make(max_loras=1)
+    for i, lora in enumerate([1, 2, 0] + [2] * 500 + [0] + [2] * 500, start=1):
+        s.add(req(i, lora))
+    read = []
+    at = s.waiting.at
+    s.waiting.at = lambda i: read.append(i) or at(i)
+    out = s.schedule()
+    assert [x.req.req_id for x in out.new] == [1, 3, 504]
+    assert max(read) == 501 and s.waiting.base == 0  # 504 at 501: 1 and 3 left before it
+    read.clear()
+    s.schedule()
+    assert read == [0]  # request 2 waits; no base request behind it
+
+
 def test_a_more_important_request_takes_a_slot_from_less_important_ones():
     """Priority preemption frees a LoRA slot as it frees blocks: the head's adapter finds both
     slots held; the slot whose holders are all less important and fewest is emptied."""
