@@ -25,6 +25,9 @@ states of each step (CausalLM.taps) and feeds the head twice:
 - once the step's tokens are read (propose), each sampled row at its last kept position with the
   token it sampled there: that pass writes the position's KV and gives the first draft; each
   further pass feeds a draft and the head's own h, one position on, up to k.
+On CUDA the proposal passes replay graphs of their own (HeadGraphs) for batches of up to
+HEAD_GRAPH_ROWS rows: each pass's graph writes its drafts and h into the next pass's inputs, so
+the host launches one graph a pass and waits once. Larger batches run the passes eagerly.
 So a head's KV at position i always holds the token that followed i, and what the target
 computed there; prefix-cache hits, swaps and recomputes need nothing more (a swap copies the
 head's cache with the target's). A slot the head misses only lowers the acceptance rate:
@@ -34,7 +37,10 @@ follow the target's distribution whatever the head proposes.
 
 from __future__ import annotations
 
+import bisect
 import json
+import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -43,6 +49,7 @@ import torch
 from torch import nn
 
 from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.cuda_graphs import capture_sizes
 from pagedserve.executor.draft import DraftModelError, pass_grid
 from pagedserve.executor.families import text_weight_name
 from pagedserve.executor.layers import (
@@ -57,6 +64,12 @@ from pagedserve.executor.layers import (
 from pagedserve.executor.loader import iter_safetensors
 from pagedserve.executor.model import CausalLM
 from pagedserve.executor.transfer import to_device
+
+log = logging.getLogger(__name__)
+
+# the largest batch whose proposal passes replay CUDA graphs (speculation pays most at small
+# batches; past this the passes run eagerly, and the graphs' pool stays small)
+HEAD_GRAPH_ROWS = 128
 
 VERSIONS = {"eagle": 1, "eagle3": 3}
 
@@ -389,6 +402,108 @@ def load_head(method: str, path: str, target: CausalLM, ops: Ops, dtype: torch.d
     return head
 
 
+class HeadGraphs:
+    """CUDA graphs of one proposal pass of the head, one per batch size of capture_sizes up
+    to HEAD_GRAPH_ROWS, over static buffers: a pass reads ids, h, positions, slots and
+    sequence lengths, and writes its drafts into ids and its output into h, the next pass's
+    inputs. Padding rows and rows that sit a pass out have slot -1 and length 0 (no KV
+    written, no key read); their drafts are garbage nobody reads."""
+
+    def __init__(self, head: EagleHead, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 max_batch: int, block_size: int, device: torch.device) -> None:
+        self.head, self.kv_caches, self.device = head, kv_caches, device
+        self.sizes = capture_sizes(min(max_batch, HEAD_GRAPH_ROWS))
+        n = self.max_batch = self.sizes[-1]
+        self.max_blocks = -(-head.max_pos // block_size)
+        cuda = device.type == "cuda"  # (tests build one on the CPU, replaying eagerly)
+        before = torch.cuda.mem_get_info(device)[0] if cuda else 0
+        i64, i32 = torch.int64, torch.int32
+        self.ids = torch.zeros(n, dtype=i64, device=device)
+        self.positions = torch.zeros(n, dtype=i64, device=device)
+        self.slots = torch.full((n,), -1, dtype=i64, device=device)
+        self.seq_lens = torch.zeros(n, dtype=i32, device=device)
+        self.tables = torch.zeros((n, self.max_blocks), dtype=i32, device=device)
+        self.cu = torch.arange(n + 1, dtype=i32, device=device)
+        self.hidden = torch.zeros((n, head.cfg.hidden_size), dtype=head.fc.weight.dtype,
+                                  device=device)
+        self.drafts = torch.zeros(n, dtype=i64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_bytes = before - torch.cuda.mem_get_info(device)[0] if cuda else 0
+
+    @staticmethod
+    def estimate_bytes(head: EagleHead, max_batch: int) -> int:
+        """An upper estimate of the graphs' buffers and pool (the memory profile's share):
+        per row the logits in float32 twice over (the lm_head's output, its argmax's input),
+        and the layers' activations in float32 at most."""
+        rows = capture_sizes(min(max_batch, HEAD_GRAPH_ROWS))[-1]
+        vocab = head.lay.draft_vocab if head.lay.own_lm_head else head.target.cfg.vocab_size
+        cfg = head.cfg
+        per_layer = 8 * cfg.hidden_size + 3 * cfg.intermediate_size
+        return rows * 4 * (2 * vocab + per_layer * max(cfg.num_layers, 1) + 4 * cfg.hidden_size)
+
+    def forward(self, bs: int) -> None:
+        """What a graph of bs rows records: one pass, its drafts and h into the inputs."""
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:bs], block_tables=self.tables[:bs],
+            seq_lens=self.seq_lens[:bs], cu_seqlens_q=self.cu[:bs + 1], max_query_len=1,
+            max_seq_len=self.head.max_pos)
+        x = self.head(self.ids[:bs], self.positions[:bs], self.hidden[:bs], self.kv_caches,
+                      meta)
+        self.drafts[:bs].copy_(self.head.greedy(x))
+        self.ids[:bs].copy_(self.drafts[:bs])
+        self.hidden[:bs].copy_(x)
+
+    def capture(self) -> None:
+        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
+        start = time.perf_counter()
+        before = torch.cuda.mem_get_info(self.device)[0]
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.sizes):  # (slot -1 everywhere: the warm-ups write no KV)
+                self.forward(bs)  # compiles and autotunes outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.forward(bs)
+                pool = graph.pool()
+                self.graphs[bs] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        used = before - torch.cuda.mem_get_info(self.device)[0]
+        self.capture_bytes += used
+        log.info("captured %d CUDA graphs of the EAGLE head's pass (batch %d..%d) in %.1f s, "
+                 "%.0f MiB", len(self.sizes), self.sizes[0], self.max_batch,
+                 time.perf_counter() - start, used / (1 << 20))
+
+    def fits(self, batch: int, num_blocks: int) -> bool:
+        return batch <= self.max_batch and num_blocks <= self.max_blocks
+
+    def chain(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: np.ndarray,
+              slots: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+        """The passes of pass_grid's positions and slots [K, B] (slot -1: the row sits the pass
+        out) over B rows with their tokens [B] and h [B, H] on the device, back to back; the
+        drafts of every pass, [K, B] on the device (garbage where a row sat out)."""
+        passes, b = pos.shape
+        bs = self.sizes[bisect.bisect_left(self.sizes, b)]
+        dev = self.device
+        steps = to_device(np.stack([pos, slots, np.where(slots >= 0, pos + 1, 0)]), dev)
+        self.ids[:b].copy_(tokens)
+        self.hidden[:b].copy_(hidden)
+        self.slots[b:bs], self.seq_lens[b:bs] = -1, 0
+        self.tables[:b, :tables.shape[1]].copy_(to_device(tables, dev))
+        out = torch.empty((passes, b), dtype=torch.int64, device=dev)
+        for j in range(passes):
+            self.positions[:b].copy_(steps[0, j])
+            self.slots[:b].copy_(steps[1, j])
+            self.seq_lens[:b].copy_(steps[2, j])
+            self.graphs[bs].replay()
+            out[j].copy_(self.drafts[:b])
+        return out
+
+
 class EagleDraft:
     """The head at serving time: its KV cache and the two passes the runner asks for."""
 
@@ -398,6 +513,7 @@ class EagleDraft:
         self.block_size, self.device = block_size, device
         self.proposed_tokens = 0  # drafts proposed since start (tests, logs)
         self.max_pos = head.max_pos
+        self.graphs: HeadGraphs | None = None  # set by the worker (CUDA, not eager)
 
     @torch.inference_mode()
     def catch_up(self, next_ids: np.ndarray, tapped: torch.Tensor, positions: np.ndarray,
@@ -430,15 +546,30 @@ class EagleDraft:
         # (pass 0 writes every row's KV, drafting or not)
         pos, on, slots, tables = pass_grid(table, rows, positions, np.maximum(ks, 1),
                                            self.block_size)
-        out = torch.zeros((max(passes, 1), n), dtype=torch.int64, device=dev)
         cur = to_device(tokens.astype(np.int64), dev)
         hid = head.combine(tapped)  # each row's h, its own from the first pass on
-        hid = hid.clone() if hid is tapped else hid
+        if self.graphs is not None and self.graphs.fits(n, tables.shape[1]):
+            out = self.graphs.chain(cur, hid, pos, slots, tables)
+        else:
+            out = self._passes(cur, hid.clone() if hid is tapped else hid, pos, on, slots,
+                               tables, ks)
+        if not passes:  # only the KV writes: no wait (under async scheduling the device may
+            return [[] for _ in range(n)]  # already run the next step, planned meanwhile)
+        drafts = out.cpu().numpy()  # the one wait for the device
+        self.proposed_tokens += int(ks.sum())
+        return [drafts[:k, i].tolist() for i, k in enumerate(ks.tolist())]
+
+    def _passes(self, cur: torch.Tensor, hid: torch.Tensor, pos: np.ndarray, on: np.ndarray,
+                slots: np.ndarray, tables: np.ndarray, ks: np.ndarray) -> torch.Tensor:
+        """propose()'s passes eagerly, each over the rows that run it: [K, B] drafts."""
+        n, dev, head = len(ks), self.device, self.head
+        passes = len(pos)
+        out = torch.zeros((passes, n), dtype=torch.int64, device=dev)
         # every pass's inputs in one copy to the device; a pass takes its live rows there
         staged = to_device(np.stack([pos, slots, pos + 1]), dev)  # [3, pass, row]
         tables_dev = to_device(tables, dev)
         counts = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        for j in range(max(passes, 1)):
+        for j in range(passes):
             live = np.flatnonzero(on[j])
             m = len(live)
             index = to_device(live, dev)
@@ -455,8 +586,4 @@ class EagleDraft:
             out[j, index[sel]] = head.greedy(x[sel])
             hid[index] = x
             cur = out[j].clone()
-        if not passes:  # only the KV writes: no wait (under async scheduling the device may
-            return [[] for _ in range(n)]  # already run the next step, planned meanwhile)
-        drafts = out.cpu().numpy()  # the one wait for the device
-        self.proposed_tokens += int(ks.sum())
-        return [drafts[:k, i].tolist() for i, k in enumerate(ks.tolist())]
+        return out

@@ -20,7 +20,7 @@ from pagedserve.core.progress import phase
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.draft import DraftModel, DraftModelError
-from pagedserve.executor.eagle import EagleDraft, EagleHead, load_head
+from pagedserve.executor.eagle import EagleDraft, EagleHead, HeadGraphs, load_head
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.lora import LoraRuntime
 from pagedserve.executor.lora import build as build_lora
@@ -194,8 +194,7 @@ class Worker:
         if self.draft_cfg is not None:  # the draft's KV lives in the same blocks
             self.block_bytes = per_block = per_block + cfg.block_size * \
                 self.draft_cfg.kv_bytes_per_token(self.kv_dtype.itemsize)
-        self.num_blocks = self._num_blocks(
-            cfg, model, max_len, draft_model if isinstance(draft_model, CausalLM) else None)
+        self.num_blocks = self._num_blocks(cfg, model, max_len, draft_model)
         if cfg.tensor_parallel_size > 1:  # every rank holds its heads of every block
             from pagedserve.executor.tp_layers import min_over_ranks
 
@@ -241,6 +240,9 @@ class Worker:
             if isinstance(draft, DraftModel):  # its mirror of a graphed step and proposals
                 draft.graphs = DecodeGraphs(draft_model, draft.kv_caches, cfg.max_num_seqs,
                                             self.max_model_len, cfg.block_size, self.device)
+            elif isinstance(draft, EagleDraft):  # the head's proposal passes
+                draft.graphs = HeadGraphs(draft_model, draft.kv_caches, cfg.max_num_seqs,
+                                          cfg.block_size, self.device)
         self.capacity = pb.Capacity(
             num_kv_blocks=self.num_blocks, block_size=cfg.block_size,
             max_model_len=self.max_model_len, vocab_size=self.model_cfg.vocab_size,
@@ -330,10 +332,11 @@ class Worker:
             with phase("compiling the LoRA kernels"):
                 warm_up_lora(self.lora, self.max_num_batched_tokens)
         if self.graphs is not None:
-            draft = self.runner.draft
+            draft = self.runner.draft or self.runner.eagle
             sets = [("decode", self.graphs)]
             if draft is not None and draft.graphs is not None:
-                sets.append(("the draft model's decode", draft.graphs))
+                sets.append(("the EAGLE head's pass" if self.runner.eagle is not None
+                             else "the draft model's decode", draft.graphs))
             for what, graphs in sets:
                 with phase(f"capturing {what} CUDA graphs of batches up to {graphs.max_batch}"):
                     try:
@@ -362,7 +365,7 @@ class Worker:
         return self._memory
 
     def _num_blocks(self, cfg: ExecutorConfig, model: CausalLM, max_len: int,
-                    draft: CausalLM | None = None) -> int:
+                    draft: CausalLM | EagleHead | None = None) -> int:
         if cfg.num_kv_blocks > 0:
             return cfg.num_kv_blocks
         per_block = self.block_bytes
@@ -374,7 +377,9 @@ class Worker:
                 graph_peak = 0 if cfg.enforce_eager else self._profile(
                     model, cfg, max_len, prefill=False) + DecodeGraphs.static_bytes(
                     cfg.max_num_seqs, max_len, cfg.block_size, self.model_cfg.vocab_size)
-                if draft is not None:
+                if isinstance(draft, EagleHead) and not cfg.enforce_eager:
+                    graph_peak += HeadGraphs.estimate_bytes(draft, cfg.max_num_seqs)
+                elif draft is not None:
                     peak = max(peak, self._profile(draft, cfg, max_len, prefill=True,
                                                    mc=self.draft_cfg))
                     if not cfg.enforce_eager:  # the draft's graphs have a pool of their own

@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.draft import DraftModelError
+from pagedserve.executor.eagle import HeadGraphs
 from pagedserve.executor.worker import ExecutorConfig, Worker
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
@@ -205,6 +206,21 @@ class EagerDecodeGraphs(DecodeGraphs):
         self.forward(bs)
 
 
+class EagerHeadGraphs(HeadGraphs):
+    """HeadGraphs on the CPU, each 'graph' replaying eagerly what capture() records: the
+    proposal passes run over the static buffers, padding and rows sitting a pass out too."""
+
+    def __init__(self, draft):
+        super().__init__(draft.head, draft.kv_caches, 8, BLOCK, torch.device("cpu"))
+        self.replays = 0
+        for bs in self.sizes:
+            self.graphs[bs] = SimpleNamespace(replay=lambda bs=bs: self.replay(bs))
+
+    def replay(self, bs):
+        self.replays += 1
+        self.forward(bs)
+
+
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 @pytest.mark.parametrize("version, speculators", [(1, False), (3, False), (3, True)],
                          ids=["eagle", "eagle3", "eagle3-speculators"])
@@ -215,7 +231,8 @@ def test_the_head_proposes_what_a_dense_reference_drafts_from_hf_states(target, 
     proposals equal the dense head's on HF's states of the tokens so far. The plans draft
     the head's proposals, or two of the target's own tokens and a wrong one (accepted 2),
     so the head's cache is rolled past rejected drafts; the tokens stay HF's greedy ones.
-    Graphed: the verification steps replay (eager stand-ins of) the decode graphs.
+    Graphed: the verification steps replay (eager stand-ins of) the decode graphs, and the
+    head's proposal passes (eager stand-ins of) its own.
     Speculators: the library's config layout, its residual taken after hidden_norm."""
     path, hf = target
     tensors = head_tensors(version, seed=11)
@@ -223,6 +240,7 @@ def test_the_head_proposes_what_a_dense_reference_drafts_from_hf_states(target, 
     run = eagle_runner(path, head, "eagle" if version == 1 else "eagle3")
     if graphed:
         run.graphs = EagerDecodeGraphs(run.model, run.kv_caches)
+        run.eagle.graphs = EagerHeadGraphs(run.eagle)
     assert run.model.taps == ((LAYERS,) if version == 1 else (2, 4, 5))
     ref, k, n_out = DenseHead(version, tensors, hf, speculators), 3, 14
     prompts = {1: list(range(3, 24)), 2: [7, 1, 9, 30, 2, 55, 4]}
@@ -279,6 +297,46 @@ def test_the_head_proposes_what_a_dense_reference_drafts_from_hf_states(target, 
         step += 1
     assert run.eagle.proposed_tokens == k * (2 * step - 3)
     assert not graphed or run.graphs.replays == step - 3  # all but the two prefill steps
+    assert not graphed or run.eagle.graphs.replays == k * (step - 1)  # k passes a step
+
+
+@pytest.mark.parametrize("version", [1, 3], ids=["eagle", "eagle3"])
+def test_graphed_passes_draft_and_write_what_eager_passes_do(target, tmp_path, version):
+    """The head's graph passes (eager stand-ins) against its eager passes on the same cache:
+    rows drafting 2, 0 and 3 tokens (padded to 4 rows, after 4 rows whose last drafts to the
+    last pass) give the same drafts and write the same KV slots: none for a padding row or a
+    row sitting a pass out."""
+    path, _ = target
+    head = write_head(tmp_path / "head", version, head_tensors(version, seed=3))
+    run = eagle_runner(path, head, "eagle" if version == 1 else "eagle3")
+    draft = run.eagle
+    g = torch.Generator().manual_seed(8)
+    for k, v in draft.kv_caches:
+        k.copy_(torch.randn(k.shape, generator=g))
+        v.copy_(torch.randn(v.shape, generator=g))
+    width = len(run.model.taps) * HIDDEN
+    table = np.arange(32, dtype=np.int32).reshape(4, 8)[:, ::-1].copy()  # not contiguous
+    calls = [(np.array([0, 1, 2, 3]), np.array([6, 3, 9, 1]), np.array([1, 3, 2, 3])),
+             (np.array([2, 0, 3]), np.array([12, 17, 4]), np.array([2, 0, 3]))]
+    inputs = [(torch.randint(0, VOCAB, (len(rows),), generator=g).numpy(),
+               torch.randn((len(rows), width), generator=g)) for rows, _, _ in calls]
+    start = [(k.clone(), v.clone()) for k, v in draft.kv_caches]
+    runs = []
+    for graphs in (None, EagerHeadGraphs(draft)):
+        for (k, v), (k0, v0) in zip(draft.kv_caches, start, strict=True):
+            k.copy_(k0)
+            v.copy_(v0)
+        draft.graphs = graphs
+        drafts = [draft.propose(tokens, tapped, positions, table, rows, ks)
+                  for (rows, positions, ks), (tokens, tapped) in zip(calls, inputs, strict=True)]
+        runs.append((drafts, [(k.clone(), v.clone()) for k, v in draft.kv_caches]))
+    (eager, eager_kv), (graphed, graphed_kv) = runs
+    assert [[len(d) for d in c] for c in graphed] == [[1, 3, 2, 3], [2, 0, 3]]
+    assert graphed == eager
+    assert draft.graphs.replays == 3 + 3
+    for (ke, ve), (kg, vg) in zip(eager_kv, graphed_kv, strict=True):  # (rows batched apart)
+        torch.testing.assert_close(kg, ke, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(vg, ve, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("version, tensors, method, error", [
