@@ -26,6 +26,7 @@ import signal
 import socket
 import sys
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -43,7 +44,8 @@ log = logging.getLogger("pagedserve.executor")
 FORWARD, GRAPH, SWAP, STOP, HIDDEN, LOGITS = 1, 2, 3, 4, 5, 6
 # LoRA adapters (executor_svc/lora.py): a slot loaded, an adapter read or dropped at run time,
 # a new scheduler's reset; each rank keeps its share of every adapter
-LORA_LOAD, LORA_ADD, LORA_REMOVE, LORA_RESET = 7, 8, 9, 10
+# (LORA_READ: an adapter added at run time, to read on a thread while steps go on)
+LORA_LOAD, LORA_ADD, LORA_REMOVE, LORA_RESET, LORA_READ = 7, 8, 9, 10, 11
 # a collective that waits this long for a peer fails; a dead peer is noticed sooner (above)
 TIMEOUT = timedelta(minutes=10)
 
@@ -149,12 +151,18 @@ class LeaderLora:
         self.lora.load(slot, adapter_id)
         self.link.send(LORA_LOAD, slot, adapter_id)
 
+    def begin_read(self, adapter_id: int, name: str, path: str) -> None:
+        """An adapter added at run time: each follower starts reading its share on a thread
+        of its own (as rank 0 does), and holds it when the LORA_ADD comes."""
+        self.lora.begin_read(adapter_id, name, path)
+        self.link.send(LORA_READ, adapter_id, payload=json.dumps([name, path]).encode())
+
     def read(self, name: str, path: str) -> Any:
         return self.lora.read(name, path)
 
     def add(self, adapter_id: int, name: str, path: str, adapter: Any = None) -> None:
-        """Rank 0 holds its read (made off the loop); each follower reads its own share on
-        its loop when the LORA_ADD comes."""
+        """Rank 0 holds its read (made off the loop); each follower holds its own, begun at
+        the LORA_READ (or read on its loop now if none was)."""
         self.lora.add(adapter_id, name, path, adapter)
         self.link.send(LORA_ADD, adapter_id, payload=json.dumps([name, path]).encode())
 
@@ -255,6 +263,8 @@ class Follower:
         self.model, self.kv = worker.runner.model, worker.runner.kv_caches
         self.swap, self.device = worker.runner.swap, worker.device
         self.lora = worker.lora  # this rank's LoRA runtime (--enable-lora), or None
+        self._reads: dict[int, Future] = {}  # adapters being read (LORA_READ) until added
+        self._reader: ThreadPoolExecutor | None = None
         self.hidden = torch.empty(0)  # the last HIDDEN pass's, for the LOGITS after it
 
     def run(self) -> None:
@@ -279,11 +289,20 @@ class Follower:
             fn(self.kv, rest[1:1 + n], rest[1 + n:])
         elif kind == LORA_LOAD:
             self.lora.load(*rest)
+        elif kind == LORA_READ:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
+            self._reads[rest[0]] = self._reader.submit(self.lora.read,
+                                                       *json.loads(self.pipe.recv_bytes()))
         elif kind == LORA_ADD:
-            self.lora.add(rest[0], *json.loads(self.pipe.recv_bytes()))
-        elif kind == LORA_REMOVE:
+            read = self._reads.pop(rest[0], None)
+            self.lora.add(rest[0], *json.loads(self.pipe.recv_bytes()),
+                          read.result() if read is not None else None)
+        elif kind == LORA_REMOVE:  # (also an adapter whose read rank 0 refused)
+            self._reads.pop(rest[0], None)
             self.lora.remove(rest[0])
         elif kind == LORA_RESET:
+            self._reads.clear()
             self.lora.reset()
         return kind != STOP
 

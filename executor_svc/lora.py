@@ -159,6 +159,10 @@ class LoraRuntime:
         self.slots.holds[slot] = 0  # whatever follows, not the adapter it held before
         self.slots.load(slot, adapter_id, self.host.get(adapter_id))
 
+    def begin_read(self, adapter_id: int, name: str, path: str) -> None:
+        """An adapter added at run time is about to be read (the executor's thread reads it
+        here; with tensor parallelism each follower starts its own read: LeaderLora)."""
+
     def read(self, name: str, path: str) -> HostAdapter:
         """An adapter read and checked, not held yet (safe off the serving loop: the
         executor reads adapters added at run time on a thread of their own)."""

@@ -161,6 +161,7 @@ class ExecutorServer:
                     raise LoraError(f"LoRA adapter id {u.adapter_id} is in use")
                 if self._reader is None:
                     self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
+                lora.begin_read(u.adapter_id, u.name, u.path)
                 self._lora_reads[u.adapter_id] = (u, self._reader.submit(lora.read, u.name,
                                                                          u.path))
                 return
@@ -177,13 +178,15 @@ class ExecutorServer:
             if not read.done() and adapter_id not in waiting:
                 continue
             del self._lora_reads[adapter_id]
+            lora = self.worker.runner.lora
             try:
-                self.worker.runner.lora.add(u.adapter_id, u.name, u.path, read.result())
+                lora.add(u.adapter_id, u.name, u.path, read.result())
                 log.info("LoRA adapter %r (id %d) added from %s", u.name, u.adapter_id, u.path)
-            except LoraError as e:
-                self._lora_updated(u, str(e))
             except Exception as e:  # noqa: BLE001 (as in _update_lora)
-                self._lora_updated(u, f"LoRA adapter {u.name!r}: {type(e).__name__}: {e}")
+                if u.adapter_id not in lora.host.sources:  # tensor parallelism: followers
+                    lora.remove(u.adapter_id)  # drop their read of it
+                self._lora_updated(u, str(e) if isinstance(e, LoraError) else
+                                   f"LoRA adapter {u.name!r}: {type(e).__name__}: {e}")
             else:
                 self._lora_updated(u, "")
 

@@ -251,12 +251,18 @@ def test_shares_of_heads_and_refusals():
 
 
 class WithAdapters:
-    """The runner with LoRA: an adapter read at run time (as `POST /v1/load_lora_adapter`
-    has the executor do), the slots loaded in the first plan, requests under their slots."""
+    """The runner with LoRA: an adapter read at run time as `POST /v1/load_lora_adapter` has
+    the executor do (every rank begins its read, rank 0 reads, then holds it; with tensor
+    parallelism each follower then holds its own read), and one whose read rank 0 refuses
+    (dropped everywhere); the slots loaded in the first plan, requests under their slots."""
 
     def __init__(self, runner, path, assign: dict[int, tuple[int, int]]) -> None:
         self.runner, self.assign, self.loads = runner, assign, sorted(set(assign.values()))
-        runner.lora.add(3, "three", str(path))
+        lora = runner.lora
+        lora.begin_read(4, "missing", str(path.parent / "missing"))
+        lora.remove(4)
+        lora.begin_read(3, "three", str(path))
+        lora.add(3, "three", str(path), lora.read("three", str(path)))
 
     def launch(self, plan):
         for slot, adapter_id in self.loads:
