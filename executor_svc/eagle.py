@@ -479,7 +479,9 @@ class HeadGraphs:
                  time.perf_counter() - start, used / (1 << 20))
 
     def fits(self, batch: int, num_blocks: int) -> bool:
-        return batch <= self.max_batch and num_blocks <= self.max_blocks
+        """Whether the graphs take this pass (never before capture: the warm-up's steps
+        propose eagerly)."""
+        return bool(self.graphs) and batch <= self.max_batch and num_blocks <= self.max_blocks
 
     def chain(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: np.ndarray,
               slots: np.ndarray, tables: np.ndarray) -> torch.Tensor:
