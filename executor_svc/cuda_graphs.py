@@ -20,6 +20,7 @@ computed as zero), so that the kernels' grid is the same whichever slots a step 
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -42,6 +43,36 @@ def capture_sizes(max_batch: int) -> list[int]:
     if not sizes or sizes[-1] < max_batch:
         sizes.append(max_batch)
     return sorted(set(sizes))
+
+
+def capture_graphs(device: torch.device,
+                   runs: list[tuple[Callable[[], None] | None, Callable[[], None]]]
+                   ) -> tuple[list[torch.cuda.CUDAGraph], int]:
+    """Capture each run, a (prepare, forward) pair, in order on a stream of its own: prepare
+    (if any) and one eager forward outside the capture (it compiles and autotunes), then the
+    forward captured. The graphs share one memory pool, so give the largest run first: the
+    later ones reuse its memory. The graphs, and the device memory they took."""
+    before = torch.cuda.mem_get_info(device)[0]
+    graphs, pool = [], None
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for prepare, forward in runs:
+            if prepare is not None:
+                prepare()
+            forward()
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                forward()
+            pool = graph.pool()
+            graphs.append(graph)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    # the eager warm-up runs above left free segments in the ordinary pool, which neither
+    # the graphs nor the profile's estimate hold: give them back before measuring
+    torch.cuda.empty_cache()
+    return graphs, before - torch.cuda.mem_get_info(device)[0]
 
 
 class DecodeGraphs:
@@ -131,33 +162,23 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every size, largest first so the smaller graphs reuse its memory pool."""
         start = time.perf_counter()
-        before = torch.cuda.mem_get_info(self.device)[0]
-        pool = None
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for bs in reversed(self.sizes):
-                for with_lora in (False, True) if self.lora is not None else (False,):
-                    if with_lora:  # every row in the base's segment: valid, adds nothing
-                        self.lora_starts.fill_(bs)
-                        self.lora_starts[0] = 0
-                    self.forward(bs, with_lora)  # compiles and autotunes outside the capture
-                    torch.cuda.synchronize(self.device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self.forward(bs, with_lora)
-                    pool = graph.pool()
-                    (self.lora_graphs if with_lora else self.graphs)[bs] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        # the eager warm-up runs above left free segments in the ordinary pool, which neither
-        # the graphs nor the profile's estimate hold: give them back before measuring
-        torch.cuda.empty_cache()
-        used = before - torch.cuda.mem_get_info(self.device)[0]
+        variants = [(bs, with_lora) for bs in reversed(self.sizes)
+                    for with_lora in ((False, True) if self.lora is not None else (False,))]
+        graphs, used = capture_graphs(self.device, [
+            (functools.partial(self._base_segment, bs) if with_lora else None,
+             functools.partial(self.forward, bs, with_lora)) for bs, with_lora in variants])
+        for (bs, with_lora), graph in zip(variants, graphs, strict=True):
+            (self.lora_graphs if with_lora else self.graphs)[bs] = graph
         self.capture_bytes += used
         log.info("captured %d CUDA graphs (decode batch %d..%d) in %.1f s, %.0f MiB",
                  len(self.sizes), self.sizes[0], self.max_batch, time.perf_counter() - start,
                  used / (1 << 20))
+
+    def _base_segment(self, bs: int) -> None:
+        """Every row of bs in the base's segment (valid, adds nothing): the LoRA graphs'
+        capture input."""
+        self.lora_starts.fill_(bs)
+        self.lora_starts[0] = 0
 
     def fits(self, batch: int, num_blocks: int) -> bool:
         return batch <= self.max_batch and num_blocks <= self.max_blocks

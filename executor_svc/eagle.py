@@ -38,6 +38,7 @@ follow the target's distribution whatever the head proposes.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import logging
 import time
@@ -49,7 +50,7 @@ import torch
 from torch import nn
 
 from pagedserve.executor.config import ModelConfig
-from pagedserve.executor.cuda_graphs import capture_sizes
+from pagedserve.executor.cuda_graphs import capture_graphs, capture_sizes
 from pagedserve.executor.draft import DraftModelError, pass_grid
 from pagedserve.executor.families import text_weight_name
 from pagedserve.executor.layers import (
@@ -454,25 +455,13 @@ class HeadGraphs:
         self.hidden[:bs].copy_(x)
 
     def capture(self) -> None:
-        """Capture every size, largest first so the smaller graphs reuse its memory pool."""
+        """Capture every size, largest first so the smaller graphs reuse its memory pool
+        (slot -1 everywhere: the warm-ups write no KV)."""
         start = time.perf_counter()
-        before = torch.cuda.mem_get_info(self.device)[0]
-        pool = None
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for bs in reversed(self.sizes):  # (slot -1 everywhere: the warm-ups write no KV)
-                self.forward(bs)  # compiles and autotunes outside the capture
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.forward(bs)
-                pool = graph.pool()
-                self.graphs[bs] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        used = before - torch.cuda.mem_get_info(self.device)[0]
+        sizes = list(reversed(self.sizes))
+        graphs, used = capture_graphs(self.device, [
+            (None, functools.partial(self.forward, bs)) for bs in sizes])
+        self.graphs = dict(zip(sizes, graphs, strict=True))
         self.capture_bytes += used
         log.info("captured %d CUDA graphs of the EAGLE head's pass (batch %d..%d) in %.1f s, "
                  "%.0f MiB", len(self.sizes), self.sizes[0], self.max_batch,
