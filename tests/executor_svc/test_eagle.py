@@ -191,34 +191,34 @@ def eagle_runner(target_path, head_path, method, blocks=32):
                                  draft_method=method)).runner
 
 
-class EagerDecodeGraphs(DecodeGraphs):
-    """DecodeGraphs on the CPU, each 'graph' replaying eagerly what capture() records: the
-    target's states reach the head through the graphs' static buffer."""
+class EagerReplays:
+    """Graphs on the CPU: each 'graph' replays eagerly what capture() records, counted."""
+
+    def stand_in(self):
+        self.replays = 0
+        for bs in self.sizes:
+            self.graphs[bs] = SimpleNamespace(replay=lambda bs=bs: self.replay(bs))
+
+    def replay(self, bs):
+        self.replays += 1
+        self.forward(bs)
+
+
+class EagerDecodeGraphs(EagerReplays, DecodeGraphs):
+    """The target's states reach the head through the graphs' static buffer."""
 
     def __init__(self, model, kv_caches):
         super().__init__(model, kv_caches, 8, 64, BLOCK, torch.device("cpu"))
-        self.replays = 0
-        for bs in self.sizes:
-            self.graphs[bs] = SimpleNamespace(replay=lambda bs=bs: self.replay(bs))
-
-    def replay(self, bs):
-        self.replays += 1
-        self.forward(bs)
+        self.stand_in()
 
 
-class EagerHeadGraphs(HeadGraphs):
-    """HeadGraphs on the CPU, each 'graph' replaying eagerly what capture() records: the
-    proposal passes run over the static buffers, padding and rows sitting a pass out too."""
+class EagerHeadGraphs(EagerReplays, HeadGraphs):
+    """The proposal passes run over the static buffers, padding and rows sitting a pass out
+    too."""
 
     def __init__(self, draft):
         super().__init__(draft.head, draft.kv_caches, 8, BLOCK, torch.device("cpu"))
-        self.replays = 0
-        for bs in self.sizes:
-            self.graphs[bs] = SimpleNamespace(replay=lambda bs=bs: self.replay(bs))
-
-    def replay(self, bs):
-        self.replays += 1
-        self.forward(bs)
+        self.stand_in()
 
 
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
