@@ -14,6 +14,10 @@ outputs_equal says whether the greedy outputs equal the baseline's token for tok
 they must (verification is lossless). In bfloat16 a verification step's logits come from a
 batch of another shape than a plain decode's, rounded differently, so where two logits nearly
 tie the argmax can differ (random weights: nearly always); the speedup is recorded either way.
+With --logprobs every request asks for its top 2 (timings then include them) and a difference
+is located: `first_difference` names the request, the position, and the gap between the top
+two log-probabilities there in each run. A gap near float32's rounding (random weights spread
+the logits thin) is a near tie; a wide one is a lossless-verification bug.
 
     python -m benchmarks.spec_decode --running 1 --running 16 \\
         --spec '{"method": "ngram", "num_speculative_tokens": 4}'
@@ -73,28 +77,48 @@ PROMPTS = [
 ]
 
 
-async def one(stub, prompt: str, max_tokens: int, timeout: float) -> tuple[list[int], float,
-                                                                           float]:
-    """(token ids, TTFT, E2EL) of one greedy chat request."""
-    req = build_request(chat=[("user", prompt)], max_tokens=max_tokens, temperature=0)
+async def one(stub, prompt: str, max_tokens: int, timeout: float, logprobs: bool = False
+              ) -> tuple[list[int], float, float, list[float]]:
+    """(token ids, TTFT, E2EL, gaps) of one greedy chat request; gaps: with `logprobs`, the
+    top log-probability minus the second's at each token (else empty)."""
+    req = build_request(chat=[("user", prompt)], max_tokens=max_tokens, temperature=0,
+                        logprobs=2 if logprobs else None)
     ids: list[int] = []
+    gaps: list[float] = []
     sent = time.perf_counter()
     ttft = math.nan
     async for chunk in stub.Generate(req, timeout=timeout):
         if math.isnan(ttft):
             ttft = time.perf_counter() - sent
         ids.extend(chunk.token_ids)
-    return ids, ttft, time.perf_counter() - sent
+        gaps.extend(lp.top_logprobs[0] - lp.top_logprobs[1] for lp in chunk.logprobs)
+    return ids, ttft, time.perf_counter() - sent, gaps
 
 
-async def drive(address: str, running: int, max_tokens: int, timeout: float = 1800):
+def first_difference(base, spec) -> dict | None:
+    """Where two runs' outcomes first differ: the request, the token position, and each run's
+    top-2 log-probability gap there (None where not asked for); None when they are equal."""
+    for i, (b, s) in enumerate(zip(base, spec, strict=True)):
+        b_ids, s_ids = b[0], s[0]
+        if b_ids == s_ids:
+            continue
+        pos = next((j for j, (x, y) in enumerate(zip(b_ids, s_ids, strict=False)) if x != y),
+                   min(len(b_ids), len(s_ids)))
+        b_gap, s_gap = (round(o[3][pos], 7) if pos < len(o[3]) else None for o in (b, s))
+        return {"request": i, "position": pos, "baseline_top2_gap": b_gap,
+                "spec_top2_gap": s_gap}
+    return None
+
+
+async def drive(address: str, running: int, max_tokens: int, timeout: float = 1800,
+                logprobs: bool = False):
     """Every prompt at least once (the prompts in turn, max(8, running) requests), `running`
     at a time; their outcomes in order."""
     gate = asyncio.Semaphore(running)
 
     async def gated(stub, prompt):
         async with gate:
-            return await one(stub, prompt, max_tokens, timeout)
+            return await one(stub, prompt, max_tokens, timeout, logprobs)
 
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
@@ -103,7 +127,7 @@ async def drive(address: str, running: int, max_tokens: int, timeout: float = 18
 
 
 def tpot_ms(outcomes) -> float:
-    tpots = [(e2el - ttft) / (len(ids) - 1) for ids, ttft, e2el in outcomes if len(ids) > 8]
+    tpots = [(e2el - ttft) / (len(ids) - 1) for ids, ttft, e2el, _ in outcomes if len(ids) > 8]
     return statistics.fmean(tpots) * 1e3 if tpots else math.nan
 
 
@@ -136,7 +160,8 @@ def per_step_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return {"steps": steps, **{k: round(v, 4) for k, v in out.items()}}
 
 
-def measure(flags: list[str], runnings: list[int], max_tokens: int, rounds: int) -> dict:
+def measure(flags: list[str], runnings: list[int], max_tokens: int, rounds: int,
+            logprobs: bool = False) -> dict:
     """Per running: the outcomes of the last round, mean TPOT over the rounds, the
     spec_decode counters' increase over them, and where a step's time went."""
     from tests.integration.service import Service
@@ -147,11 +172,12 @@ def measure(flags: list[str], runnings: list[int], max_tokens: int, rounds: int)
         svc.wait_serving(timeout=900)
         asyncio.run(drive(svc.address, 2, 16))  # warm-up: first kernels, graphs in use
         for running in runnings:
-            asyncio.run(drive(svc.address, running, max_tokens))  # this batch's shapes
+            asyncio.run(drive(svc.address, running, max_tokens, logprobs=logprobs))  # shapes
             before = svc.metrics()
             tpots, outcomes = [], None
             for _ in range(rounds):
-                outcomes = asyncio.run(drive(svc.address, running, max_tokens))
+                outcomes = asyncio.run(drive(svc.address, running, max_tokens,
+                                             logprobs=logprobs))
                 tpots.append(tpot_ms(outcomes))
             after = svc.metrics()
             counts = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_KEYS}
@@ -173,29 +199,33 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--server-flag", action="append", default=[])
+    p.add_argument("--logprobs", action="store_true",
+                   help="ask each request for its top 2 and locate a difference (see above)")
     args = p.parse_args()
     runnings = args.running or [1, 16]
     specs = args.spec or ['{"method": "ngram", "num_speculative_tokens": 4}']
     flags = [*model_flags(args.model, args.load_format, args.tokenizer), *args.server_flag]
-    base = measure(flags, runnings, args.max_tokens, args.rounds)
+    base = measure(flags, runnings, args.max_tokens, args.rounds, args.logprobs)
     records = []
     for spec in specs:
         cfg = json.loads(spec)
         got = measure([*flags, "--speculative-config", spec], runnings, args.max_tokens,
-                      args.rounds)
+                      args.rounds, args.logprobs)
         for running in runnings:
             b_out, b_tpot, _, b_steps = base[running]
             s_out, s_tpot, c, s_steps = got[running]
             drafts, drafted, accepted = (c[k] for k in SPEC_KEYS)
-            equal = [ids for ids, _, _ in b_out] == [ids for ids, _, _ in s_out]
+            differ = first_difference(b_out, s_out)
+            equal = differ is None
             rec = {"kind": "spec_decode", "method": cfg.get("method", "ngram"),
                    "speculative_config": spec, "model": Path(args.model).name,
                    "weights": args.load_format, "running": running,
                    "max_tokens": args.max_tokens, "prompts": "input-grounded chat",
-                   "output_tokens": sum(len(ids) for ids, _, _ in s_out),
+                   "output_tokens": sum(len(o[0]) for o in s_out),
                    "tpot_ms": s_tpot, "tpot_ms_baseline": b_tpot,
                    "speedup": b_tpot / s_tpot,
                    "outputs_equal": equal,
+                   **({"first_difference": differ} if differ and args.logprobs else {}),
                    "acceptance_rate": accepted / drafted if drafted else 0.0,
                    "mean_accepted_tokens": 1 + accepted / drafts if drafts else 1.0,
                    "dtype": next((v for f, v in zip(args.server_flag, args.server_flag[1:],
@@ -205,7 +235,8 @@ def main() -> None:
             records.append(rec)
             print(f"{rec['method']} running={running}: TPOT {s_tpot:.2f} ms vs {b_tpot:.2f} "
                   f"(x{b_tpot / s_tpot:.2f}), acceptance {rec['acceptance_rate']:.2f}, mean "
-                  f"accepted {rec['mean_accepted_tokens']:.2f}, outputs equal: {equal}",
+                  f"accepted {rec['mean_accepted_tokens']:.2f}, outputs equal: {equal}"
+                  + (f", first difference: {differ}" if differ else ""),
                   flush=True)
             print(f"  per step (ms): {s_steps}\n  baseline: {b_steps}", flush=True)
     print(write_records("spec_decode", records))

@@ -81,6 +81,7 @@ def _attend_tile(
     stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASK: tl.constexpr,
     WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, PAD_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     k_pos = tile * TILE_N + tl.arange(0, TILE_N)
     k_ok = k_pos < kv_end
@@ -92,7 +93,8 @@ def _attend_tile(
     k_ptrs = k_base + (blk * stride_kb + slot_in * stride_ks)[:, None] + offs_d[None, :]
     v_ptrs = v_base + (blk * stride_vb + slot_in * stride_vs)[:, None] + offs_d[None, :]
     k = _load_kv(k_ptrs, k_ok, d_ok, MASK, PAD_D)
-    s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale  # [BLOCK_M, TILE_N], log2 domain
+    # [BLOCK_M, TILE_N], log2 domain
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
     if SOFT_CAP:
         # s is log2(e) * x for the natural score x; c * tanh(x / c) in the same domain is
         # log2(e) * c * (2 / (1 + exp(-2x / c)) - 1), and exp(-2x / c) = exp2(-2s / c).
@@ -111,7 +113,8 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_kv(v_ptrs, k_ok, d_ok, MASK, PAD_D)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                        input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -133,6 +136,7 @@ def _paged_attn_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, WIDEN_F16: tl.constexpr,
     PAD_D: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -207,23 +211,23 @@ def _paged_attn_kernel(
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d, d_ok,
                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
-                BLOCK_SIZE, TILE_N, True, True, SOFT_CAP, PAD_D)
+                BLOCK_SIZE, TILE_N, True, True, SOFT_CAP, PAD_D, PRECISION)
         for tile in range(t_mid, tl.minimum(t_hi, t_full)):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d, d_ok,
                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
-                BLOCK_SIZE, TILE_N, False, False, SOFT_CAP, PAD_D)
+                BLOCK_SIZE, TILE_N, False, False, SOFT_CAP, PAD_D, PRECISION)
     else:
         for tile in range(t_lo, tl.minimum(t_hi, t_full)):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d, d_ok,
                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
-                BLOCK_SIZE, TILE_N, False, False, SOFT_CAP, PAD_D)
+                BLOCK_SIZE, TILE_N, False, False, SOFT_CAP, PAD_D, PRECISION)
         for tile in range(tl.maximum(t_lo, t_full), t_hi):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, tile, q_pos, kv_end, bt_row, k_base, v_base, offs_d, d_ok,
                 stride_kb, stride_ks, stride_vb, stride_vs, qk_scale, window, soft_cap,
-                BLOCK_SIZE, TILE_N, True, False, SOFT_CAP, PAD_D)
+                BLOCK_SIZE, TILE_N, True, False, SOFT_CAP, PAD_D, PRECISION)
 
     acc = acc * v_scale  # 1.0 unless the cache is FP8
     if SPLIT:  # partial rows are seq * BLOCK_Q + tok (PER_SEQ only), not token rows
@@ -445,6 +449,9 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: flo
         BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, PER_SEQ=per_seq,
         SPLIT=split, WIDEN_F16=k_cache.dtype == FP8_KV_DTYPE and q.dtype == torch.bfloat16,
         PAD_D=block_d != head_dim, HAS_WINDOW=sliding_window > 0, SOFT_CAP=logits_soft_cap > 0,
+        # float32 (a check mode): exact dots, as torch's float32 matmuls; tf32 would make a
+        # verification row's logits differ from a decode row's where two nearly tie
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:

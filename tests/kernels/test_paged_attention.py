@@ -10,9 +10,10 @@ from pagedserve.kernels import reference
 from pagedserve.kernels.paged_attention import paged_attention
 
 CUDA = torch.cuda.is_available()
-# Small fp32 cases (2 CPU cores under the interpreter, exact dots there; tf32 dots on CUDA).
+# Small fp32 cases (2 CPU cores under the interpreter). float32 dots are exact (ieee) on CUDA
+# too, so tf32 creeping back (1e-3) fails there; CUDA's exp2 and sum order differ a little.
 DTYPE = torch.float32
-TOL = 5e-3 if CUDA else 1e-5
+TOL = 1e-4 if CUDA else 1e-5
 
 # Mixed batch: decodes (one exactly at a block boundary, one with a single token of context),
 # a prefill from scratch, chunked prefills with cached context, lengths crossing blocks.
