@@ -69,13 +69,19 @@ async def serve_engine(args: argparse.Namespace) -> None:
 
         merged = MergedRegistry(metrics.registry, api_texts, API_FAMILIES)
         try:
-            metrics_http.start(merged, args.metrics_port, args.host, args.tls_cert,
-                               args.tls_key)
+            _, reload_tls = metrics_http.start(merged, args.metrics_port, args.host,
+                                               args.tls_cert, args.tls_key)
         except ValueError as e:
             raise BindError(f"TLS certificate files for /metrics: {e}") from None
         except OSError as e:
             raise cannot_listen(f"--metrics-port {args.metrics_port}", args.host,
                                 args.metrics_port, e) from None
+    watch = None
+    if args.metrics_port and args.tls_cert:  # rotated certificates, as the API ports take them
+        watch = loop.create_task(metrics_http.follow_certificates(
+            reload_tls, args.tls_cert, args.tls_key), name="tls-watch")
+        loop.add_signal_handler(signal.SIGHUP, metrics_http.reload_certificates, reload_tls,
+                                args.tls_cert, args.tls_key)
     for t in await host.start():
         t.add_done_callback(_crash_on_error)
     freeze_long_lived()
@@ -92,6 +98,8 @@ async def serve_engine(args: argparse.Namespace) -> None:
     if cut:
         log.warning("drain timeout: aborted %d requests", cut)
     await asyncio.sleep(0.1)  # the last outputs leave the socket
+    if watch is not None:
+        watch.cancel()
     await engine.close()
     await host.close()
     log.info("stopped")
