@@ -57,8 +57,8 @@ def _parser(file_values: dict | None = None, environ=os.environ) -> argparse.Arg
     p = argparse.ArgumentParser(prog="pagedserve", description=__doc__, formatter_class=HELP)
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     sub = p.add_subparsers(dest="command", required=True)
-    serve = _process_parser(sub, "serve", "run scheduler and executor as two processes (with "
-                            "--api-server-count: an engine core and N API processes)",
+    serve = _process_parser(sub, "serve", "run the service: an engine core, its API processes and "
+                            "the executor (--api-server-count 0: scheduler and executor)",
                             scheduler.add_args, executor.add_args, scheduler.add_serve_args)
     serve.set_defaults(scheduler_address=None)
     processes = [p, serve,
@@ -216,8 +216,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """Start the processes and restart any that dies (pagedserve.supervise: at most 5 restarts
-    in 60 s, with backoff): the scheduler and the executor, or with --api-server-count N the
-    engine core, N API processes and the executor. On SIGINT/SIGTERM drain the API side first
+    in 60 s, with backoff): the engine core, its API processes (--api-server-count, by
+    default one per 8 usable cores) and the executor, or with --api-server-count 0 the
+    scheduler and the executor. On SIGINT/SIGTERM drain the API side first
     (the executor keeps running the admitted requests), then stop the rest."""
     from pagedserve.executor import flags as executor
     from pagedserve.scheduler import flags as scheduler
@@ -247,10 +248,9 @@ def _serve(args: argparse.Namespace) -> int:
             cmd, env={**env, READY_ENV: str(ready / name)}, stderr=subprocess.PIPE,
             process_group=0), ready_file=ready / name)
 
-    if args.api_server_count < 0:
-        raise SystemExit(f"pagedserve serve: --api-server-count {args.api_server_count}: give "
-                         "0 (one scheduler process) or more")
-    if args.api_server_count > 1 and args.api_keys:
+    if args.api_server_count == "auto":
+        args.api_server_count = _auto_api_servers(args)
+    elif args.api_server_count > 1 and args.api_keys:
         _check_quotas_shared(args)
     if args.api_server_count > 0:  # the engine core and its API processes
         engine_at = args.engine_address or f"ipc://{ready / 'engine.sock'}"
@@ -283,16 +283,35 @@ def _serve(args: argparse.Namespace) -> int:
     return code or (0 if not any(codes) else 1)
 
 
-def _check_quotas_shared(args: argparse.Namespace) -> None:
-    """Tenant quotas are counted by each API process: with two or more, a tenant would get
-    each one's share. Refused until the engine core counts them."""
+def _auto_api_servers(args: argparse.Namespace) -> int:
+    """--api-server-count auto: by the usable cores (flags.auto_api_server_count), 1 where
+    the API keys carry quotas (each API process would count its own)."""
+    from pagedserve.scheduler import flags as scheduler
+
+    cores = scheduler.usable_cores()
+    n = scheduler.auto_api_server_count(cores)
+    why = f"{cores:g} usable cores"
+    if n > 1 and args.api_keys and _quota_tenants(args):
+        n, why = 1, f"{why}, and tenants with quotas"
+    log.info("--api-server-count auto: %d API process%s (%s)", n, "es" if n > 1 else "", why)
+    return n
+
+
+def _quota_tenants(args: argparse.Namespace) -> list[str]:
+    """The tenants of --api-keys with max_concurrent or tokens_per_minute."""
     from pagedserve.scheduler.api.tenants import Tenants, TenantsError
 
     try:
         tenants = Tenants.from_file(args.api_keys)
     except TenantsError as e:
         raise SystemExit(f"pagedserve serve: {e}") from None
-    quota = [t.name for t in tenants.by_name.values() if t.max_concurrent or t.tokens_per_minute]
+    return [t.name for t in tenants.by_name.values() if t.max_concurrent or t.tokens_per_minute]
+
+
+def _check_quotas_shared(args: argparse.Namespace) -> None:
+    """Tenant quotas are counted by each API process: with two or more, a tenant would get
+    each one's share. Refused until the engine core counts them."""
+    quota = _quota_tenants(args)
     if quota:
         raise SystemExit(f"pagedserve serve: --api-server-count {args.api_server_count}: the "
                          f"tenants {', '.join(quota)} have max_concurrent or tokens_per_minute, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,40 @@ def test_contradictory_lora_flags_are_one_line(argv, message):
 
     with pytest.raises(ValueError, match=message):
         lora_config(parse(["serve", *argv]))
+
+
+def test_api_server_count_is_auto_or_a_count_from_each_source(tmp_path, capsys):
+    assert parse(["serve"]).api_server_count == "auto"
+    assert parse(["serve"], {"api_server_count": 0}).api_server_count == 0
+    assert parse(["serve"], {}, {"PAGEDSERVE_API_SERVER_COUNT": "AUTO"}).api_server_count == "auto"
+    assert parse(["serve", "--api-server-count", "3"]).api_server_count == 3
+    with pytest.raises(config.ConfigError, match="PAGEDSERVE_API_SERVER_COUNT: expected auto "
+                       "or a count >= 0, got -1"):
+        parse(["serve"], {}, {"PAGEDSERVE_API_SERVER_COUNT": "-1"})
+    with pytest.raises(SystemExit):
+        parse(["serve", "--api-server-count", "two"])
+    assert "--api-server-count: expected auto or a count, got 'two'" in capsys.readouterr().err
+
+
+def test_auto_api_server_count_follows_the_usable_cores(tmp_path, monkeypatch):
+    from pagedserve.scheduler import flags
+
+    assert [flags.auto_api_server_count(c) for c in (1, 2, 7.5, 8, 16, 24, 32, 128)] == [
+        1, 1, 1, 1, 2, 3, 4, 4]
+    affinity = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("max 100000\n")
+    assert flags.usable_cores(cpu_max) == affinity
+    cpu_max.write_text("150000 100000\n")  # a quota of 1.5 CPUs
+    assert flags.usable_cores(cpu_max) == min(affinity, 1.5)
+    assert flags.usable_cores(tmp_path / "absent") == affinity
+    # 16 cores would give 2, but each API process would count a tenant's quota on its own
+    monkeypatch.setattr(flags, "usable_cores", lambda: 16.0)
+    args = parse(["serve"])
+    assert cli._auto_api_servers(args) == 2
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("tenants:\n  free: {priority: [0, 2], max_concurrent: 4}\n"
+                    "keys:\n  - {key: sk-1, tenant: free}\n")
+    assert cli._auto_api_servers(parse(["serve", "--api-keys", str(keys)])) == 1
+    keys.write_text("tenants:\n  open: {priority: [0, 0]}\nkeys:\n  - {key: sk-1, tenant: open}\n")
+    assert cli._auto_api_servers(parse(["serve", "--api-keys", str(keys)])) == 2

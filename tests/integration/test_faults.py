@@ -50,21 +50,24 @@ def tight_stack(tmp_path_factory, model_dir):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, model_dir):
-    """`pagedserve serve`: the supervisor restarts whichever child a test kills."""
-    svc = Service(tmp_path_factory.mktemp("serve") / "serve.log")
+    """`pagedserve serve` with one scheduler process (the API processes' faults are
+    test_api_processes.py's): the supervisor restarts whichever child a test kills."""
+    svc = Service(tmp_path_factory.mktemp("serve") / "serve.log", "--api-server-count", "0")
     svc.wait_serving()
     yield svc
     assert svc.stop() == 0
 
 
 def processes(s: Stack | Service) -> dict[str, psutil.Process]:
-    """The live scheduler and executor processes, by role."""
+    """The live scheduler and executor processes, by role ("scheduler": the engine core
+    where serve splits off API processes)."""
     if isinstance(s, Stack):
         return {"scheduler": psutil.Process(s.scheduler.pid),
                 "executor": psutil.Process(s.executor.pid)}
     children = psutil.Process(s.proc.pid).children()
-    return {role: next(p for p in children if role in p.cmdline())
-            for role in ("scheduler", "executor")}
+    return {role: next(p for p in children if any(c in p.cmdline() for c in commands))
+            for role, commands in (("scheduler", ("scheduler", "engine")),
+                                   ("executor", ("executor",)))}
 
 
 def wait_serving(s: Stack | Service, timeout: float = 120.0) -> None:
