@@ -112,6 +112,8 @@
 #             and prefill TFLOP/s of 1 and 4 prompts of 8k, 32k and 128k (LONG_PROMPTS), then
 #             64 decoders' TPOT before and while a 128k prompt prefills and a short request's
 #             TTFT mid-prefill, at each --long-prefill-token-threshold in LONG_CHUNKS
+#   longshare the 64 decoders and one 128k prompt again at each --long-prefill-decode-share
+#             in LONG_SHARES (default 0.5), chunk 512; ~3 min each
 #   lora      multi-LoRA (benchmarks/lora.py): the kernels' and the graphed LoRA decode's GPU
 #             tests; the kernels beside their layers (bench_lora.py); W1 8B with LORA_N (8)
 #             rank-16 adapters over the requests against the base alone; 8B single stream
@@ -494,6 +496,13 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
           --server-flag=--long-prefill-token-threshold --server-flag=$chunk \
           2>&1 | tee -a $B/long_context.log | quiet 10
         save; lp=${lp##* }  # a call cut short keeps the chunk sizes that ran
+      done ;;
+    longshare)  # the decoders' share: the 128k prompt alone (for the short request's time)
+      for share in ${LONG_SHARES:-0.5}; do
+        python3 -m benchmarks.long_context "${M8[@]}" --prompt 131072 --requests 1 \
+          --decoders 64 --server-flag=--long-prefill-decode-share --server-flag=$share \
+          2>&1 | tee -a $B/long_context.log | quiet 10
+        save
       done ;;
     remeasure)
       latency ${LAT_SEQS:-1 16}

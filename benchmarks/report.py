@@ -539,8 +539,10 @@ def spec_decode_section(records: list[dict]) -> list[str]:
 
 
 def long_context_section(records: list[dict]) -> list[str]:
-    """One row per chunk size (--long-prefill-token-threshold): each prefill shape's TTFT
-    (fraction of the bound), then the decoders' TPOT p99 before -> during a long prefill."""
+    """One row per run (chunk size --long-prefill-token-threshold, and the decoders' share
+    --long-prefill-decode-share where set): each prefill shape's TTFT (fraction of the bound),
+    then the decoders' TPOT and ITL p99 before -> during a long prefill (records before
+    2026-12-05 hold the ITL under tpot_*, and show as ITL)."""
     rows = []
     for rs in runs(records).values():
         r0 = rs[0]
@@ -548,16 +550,23 @@ def long_context_section(records: list[dict]) -> list[str]:
                         + (f" ({r['fraction']:.2f})" if r.get("fraction") else "")
                         for r in rs if r["test"] == "prefill")
         inter = next((r for r in rs if r["test"] == "interference"), None)
-        during = "-" if inter is None else (
-            f"{inter['decoders']}: {inter['tpot_p99_before_ms']:.0f} -> "
-            f"{inter['tpot_p99_during_ms']:.0f} ms (x{inter['tpot_p99_ratio']:.1f}); "
-            f"short TTFT {inter['short_ttft_ms']:.0f} ms")
-        rows.append([machine(r0), r0["model"], _flag(r0.get("server_flags", ""),
-                     "--long-prefill-token-threshold", "512"), pre or "-", during,
-                     r0["commit"], when(r0)])
+        during = "-"
+        if inter is not None:
+            itl = ("itl", "ITL") if "itl_p99_before_ms" in inter else ("tpot", "ITL")
+            shown = ([("tpot", "TPOT"), itl] if itl[0] == "itl" else [itl])
+            during = f"{inter['decoders']}: " + ", ".join(
+                f"{label} {inter[f'{key}_p99_before_ms']:.0f} -> "
+                f"{inter[f'{key}_p99_during_ms']:.0f} ms (x{inter[f'{key}_p99_ratio']:.1f})"
+                for key, label in shown) + f"; short TTFT {inter['short_ttft_ms']:.0f} ms"
+        flags = r0.get("server_flags", "")
+        chunk = _flag(flags, "--long-prefill-token-threshold", "512")
+        share = _flag(flags, "--long-prefill-decode-share", "0")
+        rows.append([machine(r0), r0["model"], chunk + (f", share {share}" if share != "0"
+                                                        else ""),
+                     pre or "-", during, r0["commit"], when(r0)])
     return section(
-        "Long context: prefill TTFT (fraction of the bound), decoders' TPOT p99 around it",
-        table(["machine", "model", "chunk", "prefill TTFT", "TPOT p99 before -> during",
+        "Long context: prefill TTFT (fraction of the bound), decoders' p99 around it",
+        table(["machine", "model", "chunk", "prefill TTFT", "decoders: p99 before -> during",
                "commit", "recorded (UTC)"], rows[-6:])) if rows else []
 
 

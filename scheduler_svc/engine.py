@@ -75,6 +75,7 @@ class Engine:
         self.async_scheduling = async_scheduling
         self.metrics = metrics or Metrics()
         self.telemetry = telemetry or Telemetry(self.metrics, tokenizer)
+        self._result_at = 0.0  # when the last step result arrived (perf_counter)
         self.streams = StreamTable(self.telemetry, lambda rid: self.scheduler.finish(rid),
                                    emit)
         self.on_readiness = on_readiness
@@ -344,9 +345,13 @@ class Engine:
         if item.step_id < inflight[0].step_id:
             return []  # a stale reply
         step = inflight.popleft()
+        now = time.perf_counter()
+        # what the step's decoders waited for it: since the previous result, or since it was
+        # sent if the loop was idle then
+        took, self._result_at = now - max(self._result_at, step.t1), now
         timing = StepTiming(len(step.out.new) + len(step.out.cached),
                             step.out.num_batched_tokens, step.t1 - step.t0,
-                            time.perf_counter() - step.t1, item.execute_seconds, step.bitmask_s)
+                            now - step.t1, item.execute_seconds, step.bitmask_s)
         if item.error:
             self.telemetry.step(item, timing, 0)
             self._fail_step(step, "INTERNAL", f"executor step failed: {item.error}")
@@ -363,6 +368,9 @@ class Engine:
             self.telemetry.step(item, timing, 0)
             self._fail_step(step, "INTERNAL", f"executor step result refused: {e}")
             return []
+        if (share := self.scheduler.prefill_share) is not None:
+            share.observe(took, decoding=step.out.decoding, chunked=step.out.chunked,
+                          held=step.out.held_chunks > 0)
         self.telemetry.step(item, timing, len(sampled))
         return sampled
 

@@ -32,6 +32,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            long_prefill_token_threshold=args.long_prefill_token_threshold,
+                           long_prefill_decode_share=args.long_prefill_decode_share,
                            enable_prefix_caching=args.enable_prefix_caching,
                            priority_aging_steps=args.priority_aging_steps,
                            max_waiting_requests=args.max_waiting_requests,

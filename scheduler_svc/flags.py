@@ -87,6 +87,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    default=True, help="reuse the KV blocks of shared prompt prefixes")
     p.add_argument("--long-prefill-token-threshold", type=int, default=512,
                    help="most prompt tokens one request prefills per step (0: no cap)")
+    p.add_argument("--long-prefill-decode-share", type=share, default=0.0,
+                   help="while requests decode, the time the later chunks of long prompts may "
+                        "add to their steps, as a share of the decode time, measured (0.5: "
+                        "TPOT within about 1.5x; 0: never held)")
     p.add_argument("--priority-aging-steps", type=int, default=500,
                    help="a waiting request gains one priority level per this many steps")
     p.add_argument("--preemption-mode", choices=["auto", "recompute", "swap"], default="auto",
@@ -129,8 +133,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "an ipc:// path of its own")
 
 
-class _CountError(argparse.ArgumentTypeError, ValueError):
+class _ValueError(argparse.ArgumentTypeError, ValueError):
     """Named by argparse on the command line, by the config file's reader elsewhere."""
+
+
+def share(text: str) -> float:
+    """A share of time: a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise _ValueError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:  # (NaN too)
+        raise _ValueError(f"expected a number >= 0, got {text}")
+    return value
 
 
 def api_server_count(text: str) -> int | str:
@@ -140,9 +155,9 @@ def api_server_count(text: str) -> int | str:
     try:
         n = int(text)
     except ValueError:
-        raise _CountError(f"expected auto or a count, got {text!r}") from None
+        raise _ValueError(f"expected auto or a count, got {text!r}") from None
     if n < 0:
-        raise _CountError(f"expected auto or a count >= 0, got {n}")
+        raise _ValueError(f"expected auto or a count >= 0, got {n}")
     return n
 
 

@@ -172,6 +172,9 @@ class Metrics:
                               PREEMPTION_MODES)
         self.priority_preemptions = counter(
             "num_priority_preemptions", "Running requests preempted to admit a higher-priority one")
+        self.held_chunks = counter(
+            "num_prefill_chunks_held", "Chunks of partly prefilled prompts held back while "
+            "requests decode (--long-prefill-decode-share)")
         self.refused = by(Counter, "num_requests_refused", "Requests refused at admission",
                           "reason", REFUSAL_REASONS)
         per_tenant = Counter(PREFIX + "tenant_requests", "Requests by tenant and outcome",

@@ -43,6 +43,11 @@ class SchedulerOutput:
     num_lookahead_tokens: int = 0
     # LoRA: (slot, adapter id) to load before this step runs (StepPlan.lora_loads)
     lora_loads: list[tuple[int, int]] = field(default_factory=list)
+    # what the decoders' prefill share (prefill_share.py) learns from this step: it has
+    # decode rows, a partial prefill's chunk, and how many such chunks it held back
+    decoding: bool = False
+    chunked: bool = False
+    held_chunks: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -125,6 +130,7 @@ class SchedulerStats:
     priority_preemptions: int
     prefix_queried_tokens: int
     prefix_hit_tokens: int
+    held_chunks: int = 0  # partial prefills' chunks held for the decoders (prefill_share.py)
     spec_drafts: int = 0  # speculative decoding: drafted requests, over all steps
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0

@@ -58,6 +58,7 @@ from pagedserve.scheduler.outputs import (
     SchedulerStats,
     TokenLogprob,
 )
+from pagedserve.scheduler.prefill_share import PrefillShare
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.speculative import NgramProposer
 from pagedserve.scheduler.waiting_queue import WaitingQueue
@@ -83,6 +84,9 @@ class SchedulerConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     swap_min_tokens: int = 256
     speculative: SpeculativeConfig | None = None  # None: one token per request per step
+    # while requests decode, the time a partial prefill's chunks may add to theirs, as a
+    # share of it (prefill_share.py; 0: chunks are never held)
+    long_prefill_decode_share: float = 0.0
 
 
 INTEGRITY_CHECK_S = 10.0  # least time between two full block-accounting checks when idle
@@ -124,6 +128,9 @@ class Scheduler:
         self.spec_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * (spec.num_speculative_tokens if spec else 0)
         self.lora = LoraSlots(cfg.max_loras) if cfg.max_loras else None
+        share = cfg.long_prefill_decode_share
+        self.prefill_share = PrefillShare(share) if share > 0 else None
+        self.num_held_chunks = 0  # partial prefills' chunks held for the decoders
         # adapter id -> name (the engine's LoraRegistry shares its own, loaded at run time too)
         self.lora_names = {i + 1: name for i, (name, _) in enumerate(cfg.lora_modules)}
 
@@ -231,13 +238,29 @@ class Scheduler:
         preempting the least important when blocks run out (unless preempt is False: then stop
         there). Returns the budget left and whether blocks ran out."""
         ran_out = False
+        # partial prefills wait while the decoders' share is spent (prefill_share.py), for
+        # decoders at least as important as they are: the most important's priority
+        hold = None
+        if self.prefill_share is not None and not self.prefill_share.open:
+            hold = min((r.priority for r in self.running
+                        if r.num_tokens - r.num_computed_tokens <= 1), default=None)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, budget)
+            left = req.num_tokens - req.num_computed_tokens
+            if (hold is not None and left > 1 and req.num_computed_tokens
+                    and hold <= req.priority):
+                out.held_chunks += 1
+                self.num_held_chunks += 1
+                n = 0
             if n <= 0:
                 i += 1
                 continue
+            if left <= 1:
+                out.decoding = True
+            elif req.num_computed_tokens:
+                out.chunked = True
             spec = self._draft(req, min(drafts, budget - n)) if drafts and n == 1 else []
             # a draft model proposes the next step's drafts in slots past this step's tokens,
             # never past the last position the request can reach (within max_model_len)
@@ -511,7 +534,7 @@ class Scheduler:
             preemptions=self.num_preemptions, swap_preemptions=self.num_swap_preemptions,
             priority_preemptions=self.num_priority_preemptions,
             prefix_queried_tokens=self.prefix_queried_tokens,
-            prefix_hit_tokens=self.prefix_hit_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens, held_chunks=self.num_held_chunks,
             spec_drafts=self.spec_drafts, spec_draft_tokens=self.spec_draft_tokens,
             spec_accepted_tokens=self.spec_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),

@@ -151,6 +151,7 @@ class Telemetry:
                                (m.priority_preemptions, st.priority_preemptions),
                                (m.prefix_queries, st.prefix_queried_tokens),
                                (m.prefix_hits, st.prefix_hit_tokens),
+                               (m.held_chunks, st.held_chunks),
                                (m.spec_drafts, st.spec_drafts),
                                (m.spec_draft_tokens, st.spec_draft_tokens),
                                (m.spec_accepted_tokens, st.spec_accepted_tokens),

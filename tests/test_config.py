@@ -65,6 +65,8 @@ def test_one_file_serves_both_processes():
     ({}, {"PAGEDSERVE_BLOCK_SIZE": "x"}, "PAGEDSERVE_BLOCK_SIZE"),
     ({"preemption_mode": "never"}, {}, "preemption_mode: must be one of auto, recompute, swap"),
     ({}, {"PAGEDSERVE_ENFORCE_EAGER": "maybe"}, "PAGEDSERVE_ENFORCE_EAGER: expected true"),
+    ({"long_prefill_decode_share": -0.5}, {},
+     "config file: long_prefill_decode_share: expected a number >= 0, got -0.5"),
 ])
 def test_bad_values_name_their_source(values, env, message):
     with pytest.raises(config.ConfigError, match=message):

@@ -53,6 +53,29 @@ def test_the_report_gives_a_run_one_row() -> None:
              "fraction": 0.771},
             {**base, "test": "interference", "decoders": 64, "tpot_p99_before_ms": 10.2,
              "tpot_p99_during_ms": 71.9, "tpot_p99_ratio": 7.05, "short_ttft_ms": 140.2}]
-    row = [x for x in long_context_section(recs) if x.startswith("| H200")]
-    assert row == ["| H200 | llama3.1-8b | 2048 | 1x128k 12.0 s (0.77) | 64: 10 -> 72 ms "
-                   "(x7.0); short TTFT 140 ms | c0ffee | 2026-12-05 00:00 |"]
+    newer = {**base, "run": "r2", "server_flags": "--long-prefill-decode-share 0.5"}
+    recs += [{**newer, "test": "interference", "decoders": 64, "tpot_p99_before_ms": 6.1,
+              "tpot_p99_during_ms": 8.9, "tpot_p99_ratio": 1.46, "itl_p99_before_ms": 9.2,
+              "itl_p99_during_ms": 101.0, "itl_p99_ratio": 10.98, "short_ttft_ms": 120.0}]
+    rows = [x for x in long_context_section(recs) if x.startswith("| H200")]
+    # the older record's tpot_* were ITL percentiles
+    assert rows == ["| H200 | llama3.1-8b | 2048 | 1x128k 12.0 s (0.77) | 64: ITL 10 -> 72 ms "
+                    "(x7.0); short TTFT 140 ms | c0ffee | 2026-12-05 00:00 |",
+                    "| H200 | llama3.1-8b | 512, share 0.5 | - | 64: TPOT 6 -> 9 ms (x1.5), "
+                    "ITL 9 -> 101 ms (x11.0); short TTFT 120 ms | c0ffee | 2026-12-05 00:00 |"]
+
+
+def test_tpot_is_per_stream_over_the_window_and_itl_pools_the_gaps() -> None:
+    # two streams; the long prompt arrives at t0 = 10 and prefills until 12
+    steady = [(8.0 + 0.1 * i, 1) for i in range(21)]  # 100 ms a token, from 8.0 to 10.0
+    slowed = [(8.0, 1), (9.0, 1), (10.0, 1), (10.5, 2), (12.0, 3)]  # a 3-token chunk at the end
+    got = long_context.window_stats([steady, slowed], t0=10.0, t1=12.0, window_s=2.0)
+    # before: steady 2.0 s / 20 tokens, slowed 2.0 s / 2; ITL pools 20 + 2 gaps
+    assert got["tpot_p99_before_ms"] == pytest.approx(1000.0)
+    assert got["itl_p50_before_ms"] == pytest.approx(100.0)
+    assert got["itl_p99_before_ms"] == pytest.approx(1000.0)
+    assert (got["gaps_before"], got["gaps_during"]) == (22, 2)
+    # during: only slowed has tokens (10.0 -> 12.0, 5 after the first); gaps 0.25, 0.5
+    assert got["tpot_p99_during_ms"] == pytest.approx(400.0)
+    assert got["itl_p99_during_ms"] == pytest.approx(500.0)
+    assert got["tpot_p99_ratio"] == pytest.approx(0.4)

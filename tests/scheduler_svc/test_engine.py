@@ -175,6 +175,37 @@ def test_async_scheduling_plans_a_step_ahead_and_delivers_in_order():
     run(main())
 
 
+def test_a_long_prompts_chunk_that_slowed_the_decoders_waits_for_them():
+    """--long-prefill-decode-share: the engine times each step from result to result; after
+    a chunked step 50 ms slower than a plain one the next plan holds the chunk back."""
+    async def main():
+        link = FakeLink()
+        engine = Engine(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
+                                        long_prefill_token_threshold=4,
+                                        long_prefill_decode_share=0.5),
+                        link, CharTokenizer(), eos_token_ids=[2])
+        await engine.start()
+        link.join()
+        _outputs[id(engine)] = OutputProcessor(EngineClient(engine), CharTokenizer())
+        submit(engine, "a", [10] * 3, GenerationParams(max_tokens=20, temperature=0))
+        await link.wait_sent(1)
+        link.answer(0)  # a's prompt: a decodes from now on
+        submit(engine, "b", [11] * 16, GenerationParams(max_tokens=2, temperature=0))
+        await link.wait_sent(2)
+        link.answer(1)  # a decodes and b's first chunk (never held) is in: a plain step
+        await link.wait_sent(3)
+        await asyncio.sleep(0.05)
+        link.answer(2)  # a and b's second chunk, 50 ms
+        await link.wait_sent(4)
+        plans = [(list(p.cached_req_ids), list(p.cached_num_scheduled_tokens))
+                 for _, p, _ in link.sent[1:4]]
+        assert plans == [([1], [1]), ([1, 2], [1, 4]), ([1], [1])]
+        assert engine.scheduler.stats().held_chunks == 1
+        await engine.close()
+
+    run(main())
+
+
 def test_a_request_in_two_steps_that_time_out_fails_and_a_new_executor_serves_on():
     async def main():
         engine, link = await started()

@@ -1,0 +1,51 @@
+"""How much of the device a long prompt's prefill may take while other requests decode
+(`--long-prefill-decode-share`, docs/performance.md#long-context).
+
+A chunk of a long prompt at depth c attends to c keys per token: at 128k a 512-token chunk
+costs the 8B ~100 ms, and every decoder in that step waits for it. No chunk size fixes that
+(a chunk of a few tokens still reads the whole prompt's KV), so the share bounds time instead:
+while requests decode, a partial prefill's next chunk (the first chunk of a prompt is never
+held, so a short request's first token waits for at most one chunk) goes into a step only
+while the time the chunked steps took beyond a plain decode step is repaid by `share` times
+the decode steps since. Over the prefill a decoder's steps then average at most (1 + share)
+plain ones: TPOT within 1.5x at share 0.5, and the prompt's prefill takes about 1 / share
+times its device time longer. Without decoders nothing is held, nor is a prompt more
+important (a lower priority number) than every decoder.
+
+Times are measured, not modelled: the interval from one step's result to the next (from the
+step's send if the loop was idle), which is what a decoder sees between its tokens. A plain
+decode step's time is a moving average of the steps that had decoders and no partial
+prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DECODE_EMA = 0.2  # weight of the newest plain step in the average
+
+
+@dataclass(slots=True)
+class PrefillShare:
+    share: float  # > 0
+    credit: float = 0.0  # seconds; a chunk goes in while it is >= 0
+    decode_s: float = 0.0  # a plain decode step's time (0: none seen yet)
+
+    @property
+    def open(self) -> bool:
+        return self.credit >= 0.0
+
+    def observe(self, seconds: float, *, decoding: bool, chunked: bool, held: bool) -> None:
+        """A step's result: it took `seconds`, had decode rows (`decoding`), a partial
+        prefill's chunk (`chunked`), or held one back (`held`)."""
+        if not decoding:
+            self.credit = 0.0  # nobody decoded: nothing to repay
+            return
+        if chunked:
+            # a step of unknown plain cost counts whole (the next plain step sets it)
+            self.credit -= max(seconds - self.decode_s, 0.0) if self.decode_s else seconds
+            return
+        self.decode_s = (seconds if not self.decode_s
+                         else (1 - DECODE_EMA) * self.decode_s + DECODE_EMA * seconds)
+        if held:  # repaying: never banked past zero, so a later prompt starts even
+            self.credit = min(self.credit + self.share * seconds, 0.0)
