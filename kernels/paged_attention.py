@@ -9,7 +9,9 @@ launches of the same kernel, each skipping the sequences that belong to the othe
   partials (max, sum, acc) merged by a second kernel (flash-decoding).
 - long rows (prefill, chunks): 64/128-row blocks laid out per sequence at
   ``cu_seqlens_q[b] // BLOCK_Q + b``, an upper bound needing no host sync; a program finds its
-  sequence by binary search and exits if its block is empty.
+  sequence by binary search and exits if its block is empty. When those programs are few (a
+  chunk of a long prompt: a 512-token chunk of an 8-KV-head model makes 128 on 132 SMs, each
+  walking every key), the keys are split as decode's are, the partials merged per token.
 
 So decode rows keep their small, fast config even when a prefill shares the step.
 
@@ -230,8 +232,8 @@ def _paged_attn_kernel(
                 BLOCK_SIZE, TILE_N, True, False, SOFT_CAP, PAD_D, PRECISION)
 
     acc = acc * v_scale  # 1.0 unless the cache is FP8
-    if SPLIT:  # partial rows are seq * BLOCK_Q + tok (PER_SEQ only), not token rows
-        part_row = (seq * BLOCK_Q + tok).to(tl.int64)
+    if SPLIT:  # partial rows: seq * BLOCK_Q + tok for short rows, the token row for long
+        part_row = (seq * BLOCK_Q + tok).to(tl.int64) if PER_SEQ else row_t
         idx = (part_row * num_heads + head) * num_splits + split
         tl.store(part_m_ptr + idx, m_i, mask=row_ok)
         tl.store(part_l_ptr + idx, l_i, mask=row_ok)
@@ -242,23 +244,12 @@ def _paged_attn_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, cu_q_ptr, num_heads, num_splits,
-    stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    row = tl.program_id(0)  # seq * BLOCK_Q + tok
-    h = tl.program_id(1)
-    seq = row // BLOCK_Q
-    tok = row % BLOCK_Q
-    q_start = tl.load(cu_q_ptr + seq)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    if (tok >= q_len) | (q_len > BLOCK_Q):
-        return
-    t = (q_start + tok).to(tl.int64)
-    base = (row.to(tl.int64) * num_heads + h) * num_splits
+@triton.jit
+def _merge_row(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, part_row, t, h, num_heads,
+               num_splits, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_S: tl.constexpr):
+    """out[t, h] from the splits' partial (max, sum, acc) of partial row part_row."""
+    base = (part_row * num_heads + h) * num_splits
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -272,6 +263,50 @@ def _merge_splits_kernel(
     o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=d_ok)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, cu_q_ptr, num_heads, num_splits,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Short rows: program (seq * BLOCK_Q + tok, head)."""
+    row = tl.program_id(0)  # seq * BLOCK_Q + tok
+    h = tl.program_id(1)
+    seq = row // BLOCK_Q
+    tok = row % BLOCK_Q
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if (tok >= q_len) | (q_len > BLOCK_Q):
+        return
+    _merge_row(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, row.to(tl.int64),
+               (q_start + tok).to(tl.int64), h, num_heads, num_splits, stride_ot, stride_oh,
+               HEAD_DIM, BLOCK_D, BLOCK_S)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_q_len"])
+def _merge_long_splits_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, cu_q_ptr, num_seqs, num_heads, num_splits,
+    min_q_len, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Long rows: program (query block, head), as the attention kernel's, over its tokens;
+    partial rows are token rows."""
+    qb = tl.program_id(0)
+    h = tl.program_id(1)
+    seq = _find_seq(cu_q_ptr, num_seqs, qb, BLOCK_Q)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    q_tok0 = (qb - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if (q_tok0 >= q_len) | (q_len < min_q_len):
+        return
+    for i in range(0, tl.minimum(BLOCK_Q, q_len - q_tok0)):
+        t = (q_start + q_tok0 + i).to(tl.int64)
+        _merge_row(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, t, t, h, num_heads,
+                   num_splits, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_S)
 
 
 @functools.lru_cache(maxsize=8)
@@ -357,6 +392,7 @@ def paged_attention(
     max_query_len: int | None = None,  # host-side hints; computed (a host sync) when None
     max_seq_len: int | None = None,
     num_splits: int | None = None,  # None: split the context only when programs are few
+    num_long_splits: int | None = None,  # the same for the long rows' launch
     out: torch.Tensor | None = None,  # [T, H, D], q's dtype
     k_scale: float = 1.0,  # FP8 caches only: keys read as stored * k_scale
     v_scale: float = 1.0,
@@ -404,8 +440,26 @@ def paged_attention(
     launch(*args, short, per_seq=True, num_splits=num_splits, **opts)
     short_q = short.block_m // group
     if max_query_len > short_q:
-        launch(*args, long_config(max_query_len, group, q.dtype, q.shape[2]), per_seq=False,
-               min_q_len=short_q + 1, **opts)
+        cfg = long_config(max_query_len, group, q.dtype, q.shape[2])
+        if num_long_splits is None:
+            # a chunk of a long prompt has few query blocks (512 tokens of the 8B: 16 x 8 KV
+            # heads = 128 programs on 132 SMs, each walking 128k keys): split its keys too.
+            # The partials take at most ~2 x SMs x BLOCK_M x head_dim floats (35 MB at 128),
+            # in steps of at most ~2 x SMs x BLOCK_Q / KV heads tokens: far inside the memory
+            # the profile's largest step measured.
+            programs = (num_tokens // (cfg.block_m // group) + 1) * num_kv_heads
+            num_long_splits = 1
+            if programs < 2 * _num_sms(q.device):
+                if max_seq_len is None:
+                    max_seq_len = int(seq_lens.max())
+                seen = max_seq_len
+                if sliding_window:
+                    seen = min(seen, sliding_window + cfg.block_m // group + cfg.tile_n)
+                num_long_splits = _pick_num_splits(programs, q.device, seen, cfg.tile_n)
+        if num_long_splits < 1:
+            raise ValueError(f"num_long_splits must be >= 1, got {num_long_splits}")
+        launch(*args, cfg, per_seq=False, num_splits=num_long_splits, min_q_len=short_q + 1,
+               **opts)
     return out
 
 
@@ -415,8 +469,9 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: flo
            sliding_window: int = 0, logits_soft_cap: float = 0.0) -> None:
     """One launch with an explicit config over checked arguments (benchmarks sweep this).
 
-    per_seq=True handles only sequences with q_len <= cfg.block_m // group (and may split the
-    context); per_seq=False handles only sequences with q_len >= min_q_len. sliding_window and
+    per_seq=True handles only sequences with q_len <= cfg.block_m // group; per_seq=False
+    handles only sequences with q_len >= min_q_len. Either may split the context over
+    num_splits programs, merged after. sliding_window and
     logits_soft_cap as paged_attention's (0: off).
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -426,10 +481,8 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: flo
     block_q = cfg.block_m // group
     block_d = triton.next_power_of_2(head_dim)
     split = num_splits > 1
-    if split and not per_seq:
-        raise ValueError("context splits are only supported with per_seq=True")
     if split:
-        rows = num_seqs * block_q
+        rows = num_seqs * block_q if per_seq else num_tokens
         part_m = torch.empty((rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((rows, num_heads, num_splits, head_dim), dtype=torch.float32,
@@ -454,10 +507,17 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: flo
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split:
+    if split and per_seq:
         _merge_splits_kernel[(num_seqs * block_q, num_heads)](
             part_m, part_l, part_acc, out, cu_seqlens_q, num_heads, num_splits,
             out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_Q=block_q,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+        )
+    elif split:
+        _merge_long_splits_kernel[(grid0, num_heads)](
+            part_m, part_l, part_acc, out, cu_seqlens_q, num_seqs, num_heads, num_splits,
+            min_q_len, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_Q=block_q,
             BLOCK_S=triton.next_power_of_2(num_splits),
         )

@@ -36,8 +36,10 @@ def _ref(batch, scale: float, **opts) -> torch.Tensor:
 def _check(batch, scale: float, tol: float, opts: dict | None = None, ref_batch=None,
            **kw) -> None:
     """Kernel against the reference, both with the attention options opts; kw go to the
-    kernel alone. ref_batch: the reference's input, when the kernel's differs (poisoned)."""
+    kernel alone (num_splits splits the long rows' keys too). ref_batch: the reference's
+    input, when the kernel's differs (poisoned)."""
     opts = opts or {}
+    kw.setdefault("num_long_splits", kw.get("num_splits"))
     out = _run(batch, scale, **opts, **kw)
     assert not out.isnan().any(), "unwritten or NaN-polluted output rows"
     err = rel_err(out, _ref(ref_batch or batch, scale, **opts))
@@ -79,6 +81,26 @@ def test_long_prefill_large_tiles(device):
     # q_len * group > 64 takes the 128-row query block; mixed with decodes and a skipped seq.
     batch = make_paged_batch([1, 70, 0, 1], [9, 90, 12, 65], 4, 2, 64, 32, DTYPE, device, seed=5)
     _check(batch, 0.125, TOL)
+
+
+@pytest.mark.parametrize("window", [0, 48])
+def test_a_chunk_deep_in_a_long_prompt_splits_its_keys(device, window, monkeypatch):
+    """Few long-row programs (one 40-token chunk at depth 600, 2 KV heads): the keys are
+    split over programs and merged per token; a decode and a second chunk beside it."""
+    import pagedserve.kernels.paged_attention as pa
+
+    splits = []
+    launch = pa.launch
+    monkeypatch.setattr(pa, "launch", lambda *a, per_seq, num_splits=1, **kw: (
+        splits.append((per_seq, num_splits)), launch(*a, per_seq=per_seq,
+                                                     num_splits=num_splits, **kw))[1])
+    batch = make_paged_batch([40, 1, 20], [600, 300, 20], 4, 2, 64, 16, DTYPE, device, seed=13)
+    opts = {"sliding_window": window} if window else {}
+    _check(batch, 0.125, TOL, opts, num_splits=None)
+    # 2 programs: 3 splits of >= 4 64-key tiles each; a 48-key window sees ~3 tiles: none
+    assert splits[1] == (False, 1 if window else 3)
+    for forced in (2, 5):
+        _check(batch, 0.125, TOL, opts, num_splits=1, num_long_splits=forced)
 
 
 def test_hints_match_computed(device):
