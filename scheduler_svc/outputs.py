@@ -44,7 +44,7 @@ class SchedulerOutput:
     # LoRA: (slot, adapter id) to load before this step runs (StepPlan.lora_loads)
     lora_loads: list[tuple[int, int]] = field(default_factory=list)
     # what the decoders' prefill share (prefill_share.py) learns from this step: it has
-    # decode rows, a partial prefill's chunk, and how many such chunks it held back
+    # decode rows, a partial prefill's chunk the share covers, and how many it held back
     decoding: bool = False
     chunked: bool = False
     held_chunks: int = 0

@@ -238,19 +238,21 @@ class Scheduler:
         preempting the least important when blocks run out (unless preempt is False: then stop
         there). Returns the budget left and whether blocks ran out."""
         ran_out = False
-        # partial prefills wait while the decoders' share is spent (prefill_share.py), for
-        # decoders at least as important as they are: the most important's priority
-        hold = None
-        if self.prefill_share is not None and not self.prefill_share.open:
-            hold = min((r.priority for r in self.running
-                        if r.num_tokens - r.num_computed_tokens <= 1), default=None)
+        # the decoders' share (prefill_share.py) covers partial prefills no more important
+        # than the most important decoder (its priority: `guard`); they wait while it is spent
+        guard = None
+        if self.prefill_share is not None:
+            guard = min((r.priority for r in self.running
+                         if r.num_tokens - r.num_computed_tokens <= 1), default=None)
+        closed = guard is not None and not self.prefill_share.open
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, budget)
             left = req.num_tokens - req.num_computed_tokens
-            if (hold is not None and left > 1 and req.num_computed_tokens
-                    and hold <= req.priority):
+            guarded = (guard is not None and left > 1 and req.num_computed_tokens > 0
+                       and guard <= req.priority)
+            if guarded and closed:
                 out.held_chunks += 1
                 self.num_held_chunks += 1
                 n = 0
@@ -259,7 +261,7 @@ class Scheduler:
                 continue
             if left <= 1:
                 out.decoding = True
-            elif req.num_computed_tokens:
+            elif guarded:
                 out.chunked = True
             spec = self._draft(req, min(drafts, budget - n)) if drafts and n == 1 else []
             # a draft model proposes the next step's drafts in slots past this step's tokens,

@@ -86,6 +86,7 @@ def test_a_more_important_prompt_is_not_held_for_less_important_decoders():
     s.prefill_share.credit = -1.0  # the share is spent
     out = s.schedule()
     assert plan(out) == [(2, 4), (1, 1)] and out.held_chunks == 0
+    assert not out.chunked  # nor does its time count against the share
     s.add(req(3, 3))  # a decoder as important as the prompt: now it waits
     step(s, out)
     step(s, s.schedule())  # the new one's prompt
