@@ -66,10 +66,12 @@ def _parser(file_values: dict | None = None, environ=os.environ) -> argparse.Arg
                                  scheduler.add_args),
                  _process_parser(sub, "engine", "run the engine core alone (the scheduler "
                                  "without its API; API processes connect to it)",
-                                 scheduler.add_args, scheduler.add_engine_args),
+                                 scheduler.add_args, scheduler.add_engine_args,
+                                 scheduler.add_engine_key_args),
                  _process_parser(sub, "api", "run one API process of an engine core (gRPC and "
                                  "HTTP ports, shared with its siblings)",
-                                 scheduler.add_args, scheduler.add_engine_args),
+                                 scheduler.add_args, scheduler.add_engine_args,
+                                 scheduler.add_engine_key_args),
                  _process_parser(sub, "executor", "run the executor process (model)",
                                  executor.add_args)]
     known = {a.dest for parser in processes for a in parser._actions}

@@ -23,7 +23,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from pagedserve.core.link_liveness import close_link, keep_alive
-from pagedserve.core.link_security import is_local
+from pagedserve.core.link_security import curve_server, is_local
 from pagedserve.protos.internal.v1 import engine_pb2 as pb
 from pagedserve.scheduler import engine_wire as wire
 from pagedserve.scheduler.engine import Engine
@@ -41,7 +41,9 @@ class EngineBindError(Exception):
 
 def local_only(address: str) -> str:
     return (f"--engine-address {address}: the engine socket is for this host only (ipc://, or "
-            "tcp:// on a loopback address): it carries users' prompts, with no keys")
+            "tcp:// on a loopback address): it carries users' prompts, with no keys (give "
+            "the engine core --engine-key and --engine-allowed-keys, and each API process "
+            "--engine-key and --engine-public-key, to reach it from other hosts)")
 
 
 @dataclass(eq=False, slots=True)
@@ -60,8 +62,14 @@ class ApiPeer:
 
 class EngineHost:
     def __init__(self, engine: Engine, address: str, hello_timeout_s: float = 5.0,
-                 link_timeout_s: float = 2.0) -> None:
+                 link_timeout_s: float = 2.0, key_file: str = "",
+                 allowed_keys_dir: str = "") -> None:
+        """key_file, allowed_keys_dir: the engine core's CURVE key pair and the API processes'
+        public keys it accepts (pagedserve.core.link_security); without them the address
+        must stay on this host."""
         self.engine, self.address = engine, address
+        self.key_file, self.allowed_keys_dir = key_file, allowed_keys_dir
+        self._auth = None
         engine.lora.on_change = self.broadcast_state  # (an adapter a new executor lost too)
         self.hello_timeout_s = hello_timeout_s
         self.engine_id = uuid.uuid4().hex[:12]
@@ -84,7 +92,15 @@ class EngineHost:
         engine.streams.emit = self._emit
 
     async def start(self) -> list[asyncio.Task]:
-        if not is_local(self.address):
+        """Bind (EngineBindError: an address of another host without keys, or one in use;
+        LinkSecurityError: bad keys)."""
+        if self.key_file:
+            self._auth = curve_server(self._ctx, self.sock, self.key_file,
+                                      self.allowed_keys_dir, "API process",
+                                      "--engine-allowed-keys")
+            log.info("engine socket: CURVE, API processes of the keys in %s",
+                     self.allowed_keys_dir)
+        elif not is_local(self.address):
             raise EngineBindError(local_only(self.address))
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
@@ -99,6 +115,8 @@ class EngineHost:
 
     async def close(self) -> None:
         await close_link(self._tasks, self.sock, self._monitor)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     # ----------------------------------------------------------------- outgoing

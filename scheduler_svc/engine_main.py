@@ -55,7 +55,8 @@ async def serve_engine(args: argparse.Namespace) -> None:
                     metrics=metrics, telemetry=Telemetry(metrics, tokenizer, args.log_prompts),
                     on_readiness=on_readiness, async_scheduling=args.async_scheduling,
                     refuse_when_unready=args.refuse_when_unready)
-    host = EngineHost(engine, args.engine_address, link_timeout_s=args.executor_link_timeout_s)
+    host = EngineHost(engine, args.engine_address, link_timeout_s=args.executor_link_timeout_s,
+                      key_file=args.engine_key, allowed_keys_dir=args.engine_allowed_keys)
     loop = asyncio.get_running_loop()
     if args.metrics_port:
         from prometheus_client import disable_created_metrics

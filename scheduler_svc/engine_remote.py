@@ -28,6 +28,7 @@ from prometheus_client import generate_latest
 from zmq.utils.monitor import parse_monitor_message
 
 from pagedserve.core.link_liveness import close_link, keep_alive
+from pagedserve.core.link_security import KeyPair
 from pagedserve.protos.internal.v1 import engine_pb2 as pb
 from pagedserve.scheduler import engine_wire as wire
 from pagedserve.scheduler.engine_io import EngineError, EngineOutput, EngineRequest, ModelInfo
@@ -68,7 +69,10 @@ class _ApiFamilies:
 class RemoteEngineClient:
     def __init__(self, address: str, metrics: Metrics, hello_s: float = 0.25,
                  state_timeout_s: float = 2.0, link_timeout_s: float = 2.0,
-                 on_readiness: Callable[[bool], None] | None = None) -> None:
+                 on_readiness: Callable[[bool], None] | None = None,
+                 key: KeyPair | None = None, engine_public_key: bytes = b"") -> None:
+        """key, engine_public_key: this process's CURVE key pair and the engine core's public
+        key, for an engine socket keyed (EngineHost's key_file); None: no keys."""
         self.address, self.metrics = address, metrics
         self.hello_s, self.state_timeout_s = hello_s, state_timeout_s
         self.on_readiness = on_readiness
@@ -102,6 +106,9 @@ class RemoteEngineClient:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a peer not connected
+        if key is not None:
+            self.sock.curve_secretkey, self.sock.curve_publickey = key.secret, key.public
+            self.sock.curve_serverkey = engine_public_key
         keep_alive(self.sock, link_timeout_s)
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []

@@ -41,6 +41,7 @@ from pagedserve.core.link_security import (
     LinkSecurityError,
     allowed_keys,
     check_exposure,
+    curve_server,
     load_keypair,
 )
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
@@ -128,19 +129,14 @@ class ExecutorLink:
         return self._tasks
 
     def _secure(self, key_file: str, allowed_dir: str) -> None:
-        from zmq.auth.asyncio import AsyncioAuthenticator
-
-        key = load_keypair(key_file)
         if not allowed_dir:
+            load_keypair(key_file)  # (a bad key file is named first)
             raise LinkSecurityError("the scheduler has a link key but no allow-list of "
                                     "executor keys (--executor-allowed-keys)")
+        self._auth = curve_server(self._ctx, self.sock, key_file, allowed_dir, "executor",
+                                  "--executor-allowed-keys")
         log.info("executor link: CURVE, %d allowed executor keys in %s",
                  len(allowed_keys(allowed_dir)), allowed_dir)
-        self._auth = AsyncioAuthenticator(self._ctx)
-        self._auth.start()
-        self._auth.configure_curve(domain="*", location=allowed_dir)
-        self.sock.curve_secretkey, self.sock.curve_publickey = key.secret, key.public
-        self.sock.curve_server = True
 
     async def close(self) -> None:
         await close_link(self._tasks, self.sock, self._monitor)

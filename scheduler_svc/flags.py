@@ -182,6 +182,20 @@ def auto_api_server_count(cores: float) -> int:
     return max(1, min(4, int(cores // 8)))
 
 
+def add_engine_key_args(p: argparse.ArgumentParser) -> None:
+    """The engine socket's CURVE keys (`pagedserve engine` and `pagedserve api` run alone, on
+    different hosts; serve's socket is a private ipc:// path and needs none)."""
+    p.add_argument("--engine-key", default="",
+                   help="this process's key pair on the engine socket (NAME.key_secret from "
+                        "`pagedserve keys`): the engine core's, or an API process's; with it "
+                        "--engine-address may be reachable from other hosts")
+    p.add_argument("--engine-allowed-keys", default="",
+                   help="engine core: the directory of the API processes' public NAME.key "
+                        "files it accepts")
+    p.add_argument("--engine-public-key", default="",
+                   help="API process: the engine core's public NAME.key")
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """What only `serve` decides: how the scheduler side is split into processes."""
     p.add_argument("--api-server-count", type=api_server_count, default="auto",

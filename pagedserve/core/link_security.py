@@ -73,17 +73,36 @@ def load_public_key(path: str | Path) -> bytes:
     return public
 
 
-def allowed_keys(directory: str | Path) -> list[bytes]:
-    """The public keys of every `*.key` file in directory (the executors' allow-list)."""
+def allowed_keys(directory: str | Path, peers: str = "executor") -> list[bytes]:
+    """The public keys of every `*.key` file in directory (the peers' allow-list)."""
     import zmq.auth
 
     d = Path(directory)
     if not d.is_dir():
-        raise LinkSecurityError(f"allowed executor keys: {d} is not a directory")
+        raise LinkSecurityError(f"allowed {peers} keys: {d} is not a directory")
     keys = list(zmq.auth.load_certificates(d))
     if not keys:
-        raise LinkSecurityError(f"allowed executor keys: no *.key file in {d}")
+        raise LinkSecurityError(f"allowed {peers} keys: no *.key file in {d}")
     return keys
+
+
+def curve_server(ctx, sock, key_file: str, allowed_dir: str, peers: str, flag: str):
+    """Make sock (of ctx, an asyncio context of its own) a CURVE server with the key pair
+    of key_file that accepts only the public keys in allowed_dir (flag names it); returns
+    the started authenticator, to stop at close (LinkSecurityError for bad keys)."""
+    from zmq.auth.asyncio import AsyncioAuthenticator
+
+    key = load_keypair(key_file)
+    if not allowed_dir:
+        raise LinkSecurityError(f"a key ({key_file}) but no allow-list of {peers} keys "
+                                f"({flag})")
+    allowed_keys(allowed_dir, peers)
+    auth = AsyncioAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=allowed_dir)
+    sock.curve_secretkey, sock.curve_publickey = key.secret, key.public
+    sock.curve_server = True
+    return auth
 
 
 def create_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:

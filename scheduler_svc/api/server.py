@@ -16,6 +16,8 @@ from pagedserve.core.collector import freeze_long_lived
 from pagedserve.core.link_security import (
     LinkSecurityError,
     is_local,
+    load_keypair,
+    load_public_key,
 )
 from pagedserve.core.memory import map_large_allocations
 from pagedserve.core.models import (
@@ -154,7 +156,15 @@ async def serve_api(args: argparse.Namespace) -> None:
     /metrics is the engine core's (with this process's counts added in)."""
     if not args.engine_address:
         raise BindError("--engine-address: give the engine core's ZeroMQ address")
-    if not is_local(args.engine_address):
+    key, engine_public = None, b""
+    if args.engine_key or args.engine_public_key:
+        if not (args.engine_key and args.engine_public_key):
+            raise LinkSecurityError("the engine socket's keys: give an API process both "
+                                    "--engine-key (its own) and --engine-public-key (the "
+                                    "engine core's)")
+        key, engine_public = (load_keypair(args.engine_key),
+                              load_public_key(args.engine_public_key))
+    elif not is_local(args.engine_address):
         raise BindError(local_only(args.engine_address))
     tenants = Tenants.from_file(args.api_keys) if args.api_keys else None
     tls = _tls(args)
@@ -170,7 +180,8 @@ async def serve_api(args: argparse.Namespace) -> None:
 
     client = RemoteEngineClient(args.engine_address, metrics,
                                 link_timeout_s=args.executor_link_timeout_s,
-                                on_readiness=on_readiness)
+                                on_readiness=on_readiness, key=key,
+                                engine_public_key=engine_public)
     outputs, server, http = _front_ends(args, client, tokenizer, model_len, tenants, tls,
                                         metrics, health_servicer, reuse_port=True)
     await health_servicer.set(LIVENESS, SERVING)
@@ -301,7 +312,7 @@ def run_api(args: argparse.Namespace) -> None:
     map_large_allocations()
     try:
         asyncio.run(serve_api(args))
-    except (TenantsError, TLSError, BindError) as e:
+    except (LinkSecurityError, TenantsError, TLSError, BindError) as e:
         raise SystemExit(f"pagedserve api: {e}") from None
 
 

@@ -213,6 +213,56 @@ def test_the_engine_socket_stays_on_this_host():
     run(main)
 
 
+def test_a_keyed_engine_socket_serves_other_hosts_api_processes_with_allowed_keys(tmp_path):
+    """With CURVE keys the engine socket may bind every interface: an API process with an
+    allowed key pair and the engine core's public key is served; one whose key is not in
+    the allow-list never gets an answer; keys without an allow-list are one line."""
+    from pagedserve.core.link_security import (
+        LinkSecurityError,
+        create_keypair,
+        load_keypair,
+        load_public_key,
+    )
+    from tests.integration.service import free_port
+
+    engine_pub, engine_key = create_keypair(tmp_path / "engine", "engine")
+    allowed = tmp_path / "allowed"
+    api_pub, api_key = create_keypair(tmp_path / "api", "api")
+    allowed.mkdir()
+    (allowed / "api.key").write_bytes(api_pub.read_bytes())
+    _, stranger_key = create_keypair(tmp_path / "stranger", "stranger")
+    port = free_port()
+
+    async def main():
+        engine = StandInEngine()
+        host = EngineHost(engine, f"tcp://0.0.0.0:{port}", key_file=str(engine_key),
+                          allowed_keys_dir=str(allowed))
+        await host.start()
+        at = f"tcp://127.0.0.1:{port}"
+        stranger = RemoteEngineClient(at, Metrics(), hello_s=0.05,
+                                      key=load_keypair(stranger_key),
+                                      engine_public_key=load_public_key(engine_pub))
+        await stranger.start()
+        client = RemoteEngineClient(at, Metrics(), hello_s=0.05, key=load_keypair(api_key),
+                                    engine_public_key=load_public_key(engine_pub))
+        await client.start()
+        assert await client.wait_connected(5)
+        rid = await client.submit(request())
+        assert rid == 1 and len(engine.submitted) == 1
+        assert not await stranger.wait_connected(1)
+        assert len(host.peers) == 1
+        for c in (client, stranger):
+            await c.close()
+        await host.close()
+        bare = EngineHost(StandInEngine(), f"tcp://0.0.0.0:{port}", key_file=str(engine_key))
+        with pytest.raises(LinkSecurityError, match=r"no allow-list of API process keys "
+                                                    r"\(--engine-allowed-keys\)"):
+            await bare.start()
+        await bare.close()
+
+    run(main)
+
+
 def test_adapters_loaded_through_one_api_process_are_served_by_every_one(address):
     """A load or unload answered to one API process is in every API process's list by then
     (the host sends its state to all before the answer); a refused one changes nothing."""
