@@ -67,6 +67,17 @@ def _find_seq(cu_q_ptr, num_seqs, qb, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _long_block(cu_q_ptr, num_seqs, qb, BLOCK_Q: tl.constexpr):
+    """Query block qb of the long-row layout: (sequence, its first query row, its query
+    count, the block's first token within the sequence's queries)."""
+    seq = _find_seq(cu_q_ptr, num_seqs, qb, BLOCK_Q)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    q_tok0 = (qb - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    return seq, q_start, q_len, q_tok0
+
+
+@triton.jit
 def _load_kv(ptrs, k_ok, d_ok, MASK: tl.constexpr, PAD_D: tl.constexpr):
     if MASK:
         if PAD_D:
@@ -150,11 +161,8 @@ def _paged_attn_kernel(
         if (q_len == 0) | (q_len > BLOCK_Q):
             return
     else:  # long rows: only sequences with q_len >= min_q_len
-        qb = tl.program_id(0)
-        seq = _find_seq(cu_q_ptr, num_seqs, qb, BLOCK_Q)
-        q_start = tl.load(cu_q_ptr + seq)
-        q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-        q_tok0 = (qb - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+        seq, q_start, q_len, q_tok0 = _long_block(cu_q_ptr, num_seqs, tl.program_id(0),
+                                                   BLOCK_Q)
         if (q_tok0 >= q_len) | (q_len < min_q_len):
             return
     ctx = tl.load(seq_lens_ptr + seq)
@@ -295,12 +303,8 @@ def _merge_long_splits_kernel(
 ):
     """Long rows: program (query block, head), as the attention kernel's, over its tokens;
     partial rows are token rows."""
-    qb = tl.program_id(0)
     h = tl.program_id(1)
-    seq = _find_seq(cu_q_ptr, num_seqs, qb, BLOCK_Q)
-    q_start = tl.load(cu_q_ptr + seq)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    q_tok0 = (qb - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    _, q_start, q_len, q_tok0 = _long_block(cu_q_ptr, num_seqs, tl.program_id(0), BLOCK_Q)
     if (q_tok0 >= q_len) | (q_len < min_q_len):
         return
     for i in range(0, tl.minimum(BLOCK_Q, q_len - q_tok0)):
@@ -349,6 +353,22 @@ def _pick_num_splits(programs: int, device: torch.device, max_seq_len: int, tile
     want = triton.next_power_of_2(triton.cdiv(target, programs))
     most = max(1, triton.cdiv(max_seq_len, 4 * tile_n))  # keep >= 4 tiles per split
     return max(1, min(want, most, 64))
+
+
+def _auto_splits(programs: int, cfg: Config, group: int, device: torch.device,
+                 seq_lens: torch.Tensor, max_seq_len: int | None,
+                 sliding_window: int) -> tuple[int, int | None]:
+    """Context splits for a launch of `programs` programs (1 when they fill the device), and
+    the longest context, read from seq_lens (a host sync) only when it is needed and not
+    given."""
+    if programs >= 2 * _num_sms(device):
+        return 1, max_seq_len
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    seen = max_seq_len  # keys a row reads: a window's worth at most
+    if sliding_window:
+        seen = min(seen, sliding_window + cfg.block_m // group + cfg.tile_n)
+    return _pick_num_splits(programs, device, seen, cfg.tile_n), max_seq_len
 
 
 def _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> None:
@@ -419,15 +439,8 @@ def paged_attention(
     group = num_heads // num_kv_heads
     short = short_config(group, k_cache.dtype == FP8_KV_DTYPE)
     if num_splits is None:
-        if num_seqs * num_kv_heads >= 2 * _num_sms(q.device):
-            num_splits = 1
-        else:
-            if max_seq_len is None:
-                max_seq_len = int(seq_lens.max())
-            seen = max_seq_len  # keys a short row reads: a window's worth at most
-            if sliding_window:
-                seen = min(seen, sliding_window + short.block_m // group + short.tile_n)
-            num_splits = _pick_num_splits(num_seqs * num_kv_heads, q.device, seen, short.tile_n)
+        num_splits, max_seq_len = _auto_splits(num_seqs * num_kv_heads, short, group, q.device,
+                                               seq_lens, max_seq_len, sliding_window)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if k_cache.dtype != FP8_KV_DTYPE:
@@ -448,14 +461,8 @@ def paged_attention(
             # in steps of at most ~2 x SMs x BLOCK_Q / KV heads tokens: far inside the memory
             # the profile's largest step measured.
             programs = (num_tokens // (cfg.block_m // group) + 1) * num_kv_heads
-            num_long_splits = 1
-            if programs < 2 * _num_sms(q.device):
-                if max_seq_len is None:
-                    max_seq_len = int(seq_lens.max())
-                seen = max_seq_len
-                if sliding_window:
-                    seen = min(seen, sliding_window + cfg.block_m // group + cfg.tile_n)
-                num_long_splits = _pick_num_splits(programs, q.device, seen, cfg.tile_n)
+            num_long_splits, _ = _auto_splits(programs, cfg, group, q.device, seq_lens,
+                                              max_seq_len, sliding_window)
         if num_long_splits < 1:
             raise ValueError(f"num_long_splits must be >= 1, got {num_long_splits}")
         launch(*args, cfg, per_seq=False, num_splits=num_long_splits, min_q_len=short_q + 1,
