@@ -95,10 +95,10 @@ class EngineHost:
         """Bind (EngineBindError: an address of another host without keys, or one in use;
         LinkSecurityError: bad keys)."""
         if self.key_file:
-            self._auth = curve_server(self._ctx, self.sock, self.key_file,
-                                      self.allowed_keys_dir, "API process",
-                                      "--engine-allowed-keys")
-            log.info("engine socket: CURVE, API processes of the keys in %s",
+            self._auth, allowed = curve_server(self._ctx, self.sock, self.key_file,
+                                               self.allowed_keys_dir, "API process",
+                                               "--engine-allowed-keys")
+            log.info("engine socket: CURVE, %d allowed API process keys in %s", allowed,
                      self.allowed_keys_dir)
         elif not is_local(self.address):
             raise EngineBindError(local_only(self.address))

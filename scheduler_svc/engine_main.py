@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import signal
+from pathlib import Path
 
 from pagedserve.core.collector import freeze_long_lived
 from pagedserve.core.link_security import LinkSecurityError
@@ -27,6 +29,7 @@ from pagedserve.scheduler.engine_settings import (
     setup_request_log,
 )
 from pagedserve.scheduler.executor_link import ExecutorLink, LinkBindError
+from pagedserve.scheduler.file_watch import watch_files
 from pagedserve.scheduler.metrics import API_FAMILIES, Metrics
 from pagedserve.scheduler.metrics_merge import MergedRegistry
 from pagedserve.scheduler.ports import BindError, cannot_listen
@@ -79,10 +82,11 @@ async def serve_engine(args: argparse.Namespace) -> None:
                                 args.metrics_port, e) from None
     watch = None
     if args.metrics_port and args.tls_cert:  # rotated certificates, as the API ports take them
-        watch = loop.create_task(metrics_http.follow_certificates(
-            reload_tls, args.tls_cert, args.tls_key), name="tls-watch")
-        loop.add_signal_handler(signal.SIGHUP, metrics_http.reload_certificates, reload_tls,
-                                args.tls_cert, args.tls_key)
+        reload = functools.partial(metrics_http.reload_certificates, reload_tls, args.tls_cert,
+                                   args.tls_key)
+        watch = loop.create_task(watch_files([Path(args.tls_cert), Path(args.tls_key)], reload),
+                                 name="tls-watch")
+        loop.add_signal_handler(signal.SIGHUP, reload)
     for t in await host.start():
         t.add_done_callback(_crash_on_error)
     freeze_long_lived()

@@ -39,7 +39,6 @@ from zmq.utils.monitor import parse_monitor_message
 from pagedserve.core.link_liveness import close_link, keep_alive
 from pagedserve.core.link_security import (
     LinkSecurityError,
-    allowed_keys,
     check_exposure,
     curve_server,
     load_keypair,
@@ -133,10 +132,9 @@ class ExecutorLink:
             load_keypair(key_file)  # (a bad key file is named first)
             raise LinkSecurityError("the scheduler has a link key but no allow-list of "
                                     "executor keys (--executor-allowed-keys)")
-        self._auth = curve_server(self._ctx, self.sock, key_file, allowed_dir, "executor",
-                                  "--executor-allowed-keys")
-        log.info("executor link: CURVE, %d allowed executor keys in %s",
-                 len(allowed_keys(allowed_dir)), allowed_dir)
+        self._auth, allowed = curve_server(self._ctx, self.sock, key_file, allowed_dir,
+                                           "executor", "--executor-allowed-keys")
+        log.info("executor link: CURVE, %d allowed executor keys in %s", allowed, allowed_dir)
 
     async def close(self) -> None:
         await close_link(self._tasks, self.sock, self._monitor)

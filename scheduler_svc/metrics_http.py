@@ -6,14 +6,11 @@ prometheus_client's own server answers every path with the metrics text, so a pr
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -70,27 +67,10 @@ def start(registry: CollectorRegistry, port: int, host: str = "0.0.0.0", certfil
     return httpd, reload
 
 
-async def follow_certificates(reload: Callable[[], None], certfile: str, keyfile: str,
-                              period_s: float = 5.0) -> None:
-    """Call reload whenever certfile or keyfile changes (checked every period_s): the engine
-    core's /metrics follows rotated certificates as the API processes' ports do. A pair that
-    cannot be loaded (half written) keeps the previous one until the next change."""
-    paths = [Path(certfile), Path(keyfile)]
-
-    def stamp() -> tuple[int, ...]:
-        return tuple(os.stat(p).st_mtime_ns if p.exists() else 0 for p in paths)
-
-    seen = stamp()
-    while True:
-        await asyncio.sleep(period_s)
-        if (now := stamp()) == seen:
-            continue
-        seen = now
-        reload_certificates(reload, certfile, keyfile)
-
-
 def reload_certificates(reload: Callable[[], None], certfile: str, keyfile: str) -> None:
-    """reload(), logged; a pair that cannot be loaded keeps the previous one."""
+    """reload() (start's), logged: the engine core's /metrics follows rotated certificates
+    as the API processes' ports do; a pair that cannot be loaded (half written) keeps the
+    previous one until the next change."""
     try:
         reload()
         log.info("/metrics TLS certificates reloaded from %s, %s", certfile, keyfile)

@@ -89,20 +89,21 @@ def allowed_keys(directory: str | Path, peers: str = "executor") -> list[bytes]:
 def curve_server(ctx, sock, key_file: str, allowed_dir: str, peers: str, flag: str):
     """Make sock (of ctx, an asyncio context of its own) a CURVE server with the key pair
     of key_file that accepts only the public keys in allowed_dir (flag names it); returns
-    the started authenticator, to stop at close (LinkSecurityError for bad keys)."""
+    the started authenticator, to stop at close, and how many keys it accepts
+    (LinkSecurityError for bad keys)."""
     from zmq.auth.asyncio import AsyncioAuthenticator
 
     key = load_keypair(key_file)
     if not allowed_dir:
         raise LinkSecurityError(f"a key ({key_file}) but no allow-list of {peers} keys "
                                 f"({flag})")
-    allowed_keys(allowed_dir, peers)
+    allowed = allowed_keys(allowed_dir, peers)
     auth = AsyncioAuthenticator(ctx)
     auth.start()
     auth.configure_curve(domain="*", location=allowed_dir)
     sock.curve_secretkey, sock.curve_publickey = key.secret, key.public
     sock.curve_server = True
-    return auth
+    return auth, len(allowed)
 
 
 def create_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:

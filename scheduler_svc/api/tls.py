@@ -4,13 +4,13 @@ after SIGHUP), so rotated certificates apply to new connections while open strea
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+
+from pagedserve.scheduler.file_watch import file_stamp, watch_files
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -25,7 +25,7 @@ class CertificateFiles:
         certificates are accepted (mutual TLS), empty: clients need no certificate."""
         self.paths = [Path(p) for p in (cert, key, client_ca) if p]
         self.client_ca = bool(client_ca)
-        self._stamp = self._mtimes()
+        self._stamp = file_stamp(self.paths)
         self._forced = False
         self._followers: list[Callable[[], None]] = []
         self.initial = self._load()
@@ -45,12 +45,7 @@ class CertificateFiles:
 
     async def watch(self, period_s: float = 5.0) -> None:
         """Run the followers when the files change (gRPC itself checks at each handshake)."""
-        stamp = self._mtimes()
-        while True:
-            await asyncio.sleep(period_s)
-            if (now := self._mtimes()) != stamp:
-                stamp = now
-                self._run_followers()
+        await watch_files(self.paths, self._run_followers, period_s)
 
     def _run_followers(self) -> None:
         for reload in self._followers:
@@ -61,7 +56,7 @@ class CertificateFiles:
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """Called by gRPC before each handshake: a new configuration, or None to keep it."""
-        stamp = self._mtimes()
+        stamp = file_stamp(self.paths)
         if stamp == self._stamp and not self._forced:
             return None
         self._stamp, self._forced = stamp, False
@@ -72,9 +67,6 @@ class CertificateFiles:
             return None
         log.info("TLS certificates reloaded from %s", ", ".join(map(str, self.paths)))
         return config
-
-    def _mtimes(self) -> tuple[float, ...]:
-        return tuple(os.stat(p).st_mtime_ns if p.exists() else 0 for p in self.paths)
 
     def _load(self) -> grpc.ServerCertificateConfiguration:
         cert, key = self.paths[0].read_bytes(), self.paths[1].read_bytes()
