@@ -552,8 +552,9 @@ def long_context_section(records: list[dict]) -> list[str]:
         inter = next((r for r in rs if r["test"] == "interference"), None)
         during = "-"
         if inter is not None:
-            itl = ("itl", "ITL") if "itl_p99_before_ms" in inter else ("tpot", "ITL")
-            shown = ([("tpot", "TPOT"), itl] if itl[0] == "itl" else [itl])
+            # (older records hold the ITL under tpot_*)
+            shown = ([("tpot", "TPOT"), ("itl", "ITL")] if "itl_p99_before_ms" in inter
+                     else [("tpot", "ITL")])
             during = f"{inter['decoders']}: " + ", ".join(
                 f"{label} {inter[f'{key}_p99_before_ms']:.0f} -> "
                 f"{inter[f'{key}_p99_during_ms']:.0f} ms (x{inter[f'{key}_p99_ratio']:.1f})"
