@@ -7,7 +7,10 @@
 #   env       GPU, CPU count, package versions, where pagedserve imports from
 #   tests     GPU tests of CUDA graphs and of the model against HF (tests/executor_svc), and the
 #             executor's start-up progress lines on CUDA (tests/test_cli.py)
-#   kernels   every kernel test on the GPU (tests/kernels)
+#   kernels   every kernel test on the GPU (tests/kernels; KERNEL_TESTS: other test ids)
+#   prefillbench  paged prefill attention beside cuDNN SDPA at 1 x 8k, 4 x 4k, 16 x 1k, 1 x 32k,
+#             1 x 128k, then the long rows' launch over configs (bench_kernels.py's prefill
+#             and prefill_sweep sections); ~3 min
 #   fp8kv     the FP8 KV-cache kernel tests on the GPU, then decode attention at batch 64 x 8k
 #             (8B shapes) over an FP8 cache beside bf16 (benchmarks/kernels/bench_fp8_kv.py)
 #   overhead  host cost per step with a stub model: step_overhead at 16, 64, 256 running
@@ -288,7 +291,10 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         "tests/test_cli.py::test_a_cuda_start_reports_profiling_and_graph_capture" \
         2>&1 | tee $B/pytest_gpu.log | tail -15 ;;
     kernels)
-      python3 -m pytest -q -rs tests/kernels 2>&1 | tee $B/pytest_kernels.log | tail -8 ;;
+      python3 -m pytest -q -rs ${KERNEL_TESTS:-tests/kernels} 2>&1 | tee $B/pytest_kernels.log \
+        | tail -8 ;;
+    prefillbench) python3 benchmarks/kernels/bench_kernels.py --out $B/records \
+      --sections ceilings,prefill,prefill_sweep 2>&1 | tee -a $B/kernels.log | grep -v "^{" ;;
     fp8kvsweep) python3 benchmarks/kernels/bench_fp8_kv.py --sweep 2>&1 \
       | tee -a $B/fp8kv.log | grep -v "^wrote" ;;
     fp8kv)

@@ -5,7 +5,8 @@
 1. runs tests/kernels (CUDA cases: bf16/fp16 at model sizes);
 2. re-measures the two ceilings (device copy TB/s, bf16 GEMM TFLOP/s);
 3. decode paged attention vs torch SDPA on contiguous K/V (Llama-3.1-8B: 32 q heads, 8 KV
-   heads, D=128, block 16), prefill vs SDPA causal, a small config sweep, fused ops vs torch;
+   heads, D=128, block 16), prefill vs SDPA causal, config sweeps (decode, and the long
+   prefill rows), fused ops vs torch;
 4. writes one JSON record per measurement to <out>/kernels_<date>.jsonl (BENCHMARKS.md).
 
 Timings are CUDA-graph replays (triton.testing.do_bench_cudagraph, median) so that host launch
@@ -43,6 +44,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--dry", action="store_true")
     p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--sections", default="",
+                   help="comma-separated sections to run (default: all): prefill,...")
     return p.parse_args()
 
 
@@ -113,6 +116,8 @@ def rotating(sets: list):
 def section(fn):
     """Run one benchmark section; a failure is logged and the rest still runs."""
     def run(*a, **kw):
+        if ARGS.sections and fn.__name__ not in ARGS.sections.split(","):
+            return
         print(f"\n=== {fn.__name__}", flush=True)
         t = time.time()
         try:
@@ -226,7 +231,9 @@ def decode() -> None:
 
 @section
 def prefill() -> None:
-    cases = [(1, 128)] if ARGS.dry else [(1, 8192), (4, 4096), (16, 1024)]
+    # the long shapes of issue 32 (1 x 8k, 4 x 4k, 1 x 32k, 1 x 128k) and 16 x 1k
+    cases = [(1, 128)] if ARGS.dry else [(1, 8192), (4, 4096), (16, 1024), (1, 32768),
+                                          (1, 131072)]
     scale = D**-0.5
     for b, seq in cases:
         k_cache, v_cache, cu, sl, sets = paged_case([seq] * b, [seq] * b)
@@ -285,41 +292,78 @@ def mixed_and_chunked() -> None:
                     f"{flops / ms / 1e9:6.1f} TFLOP/s {nbytes / ms / 1e9:5.2f} TB/s")
 
 
+def timed_configs(launch, cfgs: list, out, ref, label: str):
+    """(cfg, ms, relative error against ref) of each config that runs: launch(cfg, out) fills
+    out, checked against ref before it is timed; a config that fails is printed and skipped."""
+    for cfg in cfgs:
+        try:
+            run = functools.partial(launch, cfg, out)
+            run()
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            ms = bench(run)
+        except Exception as exc:  # noqa: BLE001
+            print(f"{label} {cfg}: {exc!r}", flush=True)
+            continue
+        yield cfg, ms, err
+
+
 @section
 def sweep() -> None:
-    """Config sweep for the next round of tuning (not the defaults' records)."""
+    """Decode config sweep for the next round of tuning (not the defaults' records; the long
+    rows' configs are prefill_sweep's)."""
     scale = D**-0.5
     dec = [pa.Config(16, 64, 4, 2), pa.Config(16, 64, 4, 4), pa.Config(16, 128, 4, 2),
            pa.Config(16, 32, 4, 2), pa.Config(16, 64, 4, 3)]
-    pre = [pa.Config(128, 64, 8, 3), pa.Config(128, 128, 8, 2), pa.Config(128, 64, 8, 2),
-           pa.Config(64, 64, 4, 3)]
-    cases = [("decode", 8, 8192, 1, dec, 16), ("decode", 64, 8192, 1, dec, 1),
-             ("decode", 256, 2048, 1, dec, 1), ("prefill", 4, 4096, 4096, pre, 1)]
+    cases = [(8, 8192, 16), (64, 8192, 1), (256, 2048, 1)]
     if ARGS.dry:
-        cases = [("decode", 2, 100, 1, dec[:2], 2), ("prefill", 1, 64, 64, pre[:2], 1)]
-    for kind, b, ctx, ql, cfgs, splits in cases:
-        k_cache, v_cache, cu, sl, sets = paged_case([ql] * b, [ctx] * b)
+        cases, dec = [(2, 100, 2)], dec[:2]
+    for b, ctx, splits in cases:
+        k_cache, v_cache, cu, sl, sets = paged_case([1] * b, [ctx] * b)
         q, bt = sets[0]
-        out = torch.empty_like(q)
-        ref = torch.empty_like(q)
-        per_seq = kind == "decode"
-        pa.launch(q, k_cache, v_cache, bt, sl, cu, scale, ref, cfgs[0], per_seq=per_seq,
-                  num_splits=splits)
-        for cfg in cfgs:
-            try:
-                run = functools.partial(pa.launch, q, k_cache, v_cache, bt, sl, cu, scale, out,
-                                        cfg, per_seq=per_seq, num_splits=splits)
-                run()
-                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                ms = bench(run)
-            except Exception as exc:  # noqa: BLE001
-                print(f"sweep {kind} {cfg}: {exc!r}", flush=True)
-                continue
-            record(kind=f"sweep_{kind}", impl="pagedserve", batch=b, ctx=ctx, ms=ms,
-                   config=dataclasses.asdict(cfg),
-                   num_splits=splits, rel_err_vs_default=err)
-            ROWS.append(f"sweep {kind:7s} B={b:<3d} ctx={ctx:<5d} {cfg} splits={splits} "
+        out, ref = torch.empty_like(q), torch.empty_like(q)
+
+        def launch(cfg, o, q=q, k_cache=k_cache, v_cache=v_cache, bt=bt, sl=sl, cu=cu,
+                   splits=splits):
+            pa.launch(q, k_cache, v_cache, bt, sl, cu, scale, o, cfg, per_seq=True,
+                      num_splits=splits)
+        launch(dec[0], ref)
+        for cfg, ms, err in timed_configs(launch, dec, out, ref, "sweep decode"):
+            record(kind="sweep_decode", impl="pagedserve", batch=b, ctx=ctx, ms=ms,
+                   config=dataclasses.asdict(cfg), num_splits=splits, rel_err_vs_default=err)
+            ROWS.append(f"sweep decode  B={b:<3d} ctx={ctx:<5d} {cfg} splits={splits} "
                         f"{ms:8.4f} ms")
+        del k_cache, v_cache
+
+
+@section
+def prefill_sweep() -> None:
+    """The long rows' launch alone over configs at the issue-32 shapes, with TFLOP/s (the
+    default config first: each is checked against its output)."""
+    scale = D**-0.5
+    cfgs = [pa.long_config(4096, H // HKV, DT, D), pa.Config(128, 128, 8, 2),
+            pa.Config(128, 128, 8, 3), pa.Config(128, 64, 8, 2), pa.Config(128, 64, 8, 4),
+            pa.Config(128, 64, 4, 3), pa.Config(64, 64, 4, 3), pa.Config(64, 128, 4, 3),
+            pa.Config(256, 64, 8, 2), pa.Config(256, 64, 16, 3), pa.Config(256, 128, 16, 2)]
+    cases = [(1, 64)] if ARGS.dry else [(1, 8192), (4, 4096), (1, 32768)]
+    if ARGS.dry:
+        cfgs = cfgs[:2]
+    min_q_len = pa.short_config(H // HKV).block_m // (H // HKV) + 1
+    for b, seq in cases:
+        k_cache, v_cache, cu, sl, sets = paged_case([seq] * b, [seq] * b)
+        q, bt = sets[0]
+        out, ref = torch.empty_like(q), torch.empty_like(q)
+        flops = 4 * b * H * D * seq * (seq + 1) / 2
+
+        def launch(cfg, o, q=q, k_cache=k_cache, v_cache=v_cache, bt=bt, sl=sl, cu=cu):
+            pa.launch(q, k_cache, v_cache, bt, sl, cu, scale, o, cfg, per_seq=False,
+                      min_q_len=min_q_len)
+        launch(cfgs[0], ref)
+        for cfg, ms, err in timed_configs(launch, cfgs, out, ref, f"prefill_sweep {b}x{seq}"):
+            record(kind="sweep_prefill", impl="pagedserve", batch=b, ctx=seq, q_len=seq, ms=ms,
+                   tflops=flops / ms / 1e9, config=dataclasses.asdict(cfg),
+                   rel_err_vs_default=err, dtype=str(DT))
+            ROWS.append(f"prefill_sweep B={b} L={seq:<6d} {cfg} {ms:8.4f} ms "
+                        f"{flops / ms / 1e9:6.1f} TFLOP/s err {err:.1e}")
         del k_cache, v_cache
 
 
@@ -367,7 +411,7 @@ def main() -> None:
     print(json.dumps(META), flush=True)
     if DEV.type == "cuda":
         print(torch.cuda.get_device_properties(0), flush=True)
-    if not ARGS.skip_tests:
+    if not ARGS.skip_tests and not ARGS.sections:
         run_tests()
     torch.manual_seed(0)
     ceilings()
@@ -376,6 +420,7 @@ def main() -> None:
     mixed_and_chunked()
     fused_ops()
     sweep()
+    prefill_sweep()
     day = datetime.date.today().isoformat()
     path = out_dir / f"kernels_{day}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
