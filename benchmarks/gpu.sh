@@ -108,8 +108,9 @@
 #   speceagle 8B at 1 running with a random EAGLE-3 head of Llama-3.1-8B's shapes (k 4, 2):
 #             what a drafted step costs (random heads propose nothing the target keeps)
 #   spec32eagle  the 8B in float32 with the random EAGLE-3 head (k 4, 1 running, 64 tokens),
-#             graphed then with --enforce-eager: outputs must equal the run without drafts
-#             (a difference is located, with the top-2 log-probability gap there)
+#             graphed then with --enforce-eager (EAGLE_MODES: "graphs eager"): outputs must
+#             equal the run without drafts (a difference is located, with the top-2
+#             log-probability gap there)
 #   specw1    W1 on 8B at the default flags, then with n-gram drafts off past 16 running
 #   longctx   long context (benchmarks/long_context.py), 8B random, prefix caching off: TTFT
 #             and prefill TFLOP/s of 1 and 4 prompts of 8k, 32k and 128k (LONG_PROMPTS), then
@@ -481,7 +482,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         2>&1 | tee -a $B/spec.log | quiet 8 ;;
     spec32eagle)  # losslessness of an EAGLE head on the GPU, graphs on and off
       E3=benchmarks/models/llama3.1-8b-eagle3
-      for eager in "" --server-flag=--enforce-eager; do
+      for mode in ${EAGLE_MODES:-graphs eager}; do  # EAGLE_MODES=eager: that run alone
+        eager=$([ "$mode" = eager ] && echo --server-flag=--enforce-eager)
         python3 -m benchmarks.spec_decode "${M8[@]}" --rounds 1 --running 1 --max-tokens 64 \
           --logprobs --server-flag=--dtype --server-flag=float32 $eager \
           --spec "{\"method\": \"eagle3\", \"model\": \"$E3\", \"num_speculative_tokens\": 4}" \

@@ -377,9 +377,11 @@ class Worker:
                 graph_peak = 0 if cfg.enforce_eager else self._profile(
                     model, cfg, max_len, prefill=False) + DecodeGraphs.static_bytes(
                     cfg.max_num_seqs, max_len, cfg.block_size, self.model_cfg.vocab_size)
-                if isinstance(draft, EagleHead) and not cfg.enforce_eager:
-                    graph_peak += HeadGraphs.estimate_bytes(draft, cfg.max_num_seqs)
-                elif draft is not None:
+                if isinstance(draft, EagleHead):  # one layer on the target's states: its
+                    # prefill pass is small beside the target's; graphs add their buffers
+                    if not cfg.enforce_eager:
+                        graph_peak += HeadGraphs.estimate_bytes(draft, cfg.max_num_seqs)
+                elif draft is not None:  # a draft model runs steps of its own
                     peak = max(peak, self._profile(draft, cfg, max_len, prefill=True,
                                                    mc=self.draft_cfg))
                     if not cfg.enforce_eager:  # the draft's graphs have a pool of their own

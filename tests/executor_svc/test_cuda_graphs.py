@@ -283,3 +283,27 @@ def test_an_eagle_head_drafts_alike_from_graphed_and_eager_steps(tmp_path):
         assert drafted > 0 and (graphed > 0) != eager
         runs.append([p.proposals for p in proposals])
     assert runs[0] == runs[1]
+
+
+@cuda
+def test_an_eagle_head_fits_the_memory_profile_with_and_without_graphs(tmp_path):
+    """The KV cache sized by the memory profile (no --num-kv-blocks) with an EAGLE-3 head,
+    graphed and --enforce-eager (the head is not a CausalLM: it was once profiled as one)."""
+    from transformers import AutoConfig
+
+    from tests.executor_svc.test_eagle import head_tensors, write_head
+
+    save_random_llama(tmp_path / "target", "d128", init=0.1)
+    cfg = AutoConfig.from_pretrained(tmp_path / "target")
+    head = write_head(tmp_path / "head", 3, head_tensors(3, 7, cfg=cfg, draft_vocab=1000), cfg,
+                      1000)
+    for eager in (False, True):
+        worker = Worker(ExecutorConfig(model=str(tmp_path / "target"), device="cuda",
+                                       dtype="float32", max_num_seqs=8,
+                                       max_num_batched_tokens=512, gpu_memory_utilization=0.5,
+                                       enforce_eager=eager, draft_model=str(head),
+                                       draft_method="eagle3"))
+        assert worker.num_blocks > 0 and (worker._graph_estimate > 0) != eager
+        del worker
+        gc.collect()
+        torch.cuda.empty_cache()
