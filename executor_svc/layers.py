@@ -155,13 +155,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t, h, hkv, d = x.shape[0], self.h, self.hkv, self.d
         q, k, v = self.qkv_proj(x).split([h * d, hkv * d, hkv * d], dim=-1)
+        norms = {}
         if self.cfg.qk_norm == "full":  # over the whole projection, before the heads split
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-        elif self.cfg.qk_norm == "head":
-            q = self.q_norm(q.reshape(t * h, d))[0]
-            k = self.k_norm(k.reshape(t * hkv, d))[0]
+        elif self.cfg.qk_norm == "head":  # over each head: in the rotation's own pass
+            norms = {"q_norm_weight": self.q_norm.weight, "k_norm_weight": self.k_norm.weight,
+                     "norm_eps": self.q_norm.eps}
         q, k = self.ops.rotary_embedding(positions, q.reshape(t, h, d), k.reshape(t, hkv, d),
-                                         cos_sin)
+                                         cos_sin, **norms)
         k_cache, v_cache = kv_cache
         self.ops.write_kv_cache(k, v.reshape(t, hkv, d), k_cache, v_cache, meta.slot_mapping,
                                 self.k_scale, self.v_scale)

@@ -1,5 +1,6 @@
 """Elementwise/row kernels that fuse what torch does in several passes: RMSNorm (+ residual add),
-neox rotary embedding for q and k in one launch, SiLU-and-mul and GELU(tanh)-and-mul (GeGLU).
+neox rotary embedding for q and k in one launch (with Qwen3's per-head q/k RMSNorm folded in
+when asked), SiLU-and-mul and GELU(tanh)-and-mul (GeGLU).
 Head and hidden sizes need not be powers of two (Phi-3's head_dim 96): blocks are padded to the
 next one and masked.
 
@@ -83,8 +84,9 @@ def rms_norm(
 
 
 @triton.jit
-def _rope_heads(src, dst, num_heads, stride_sh, stride_dh, cos, sin,
-                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rope_heads(src, dst, w_ptr, num_heads, stride_sh, stride_dh, cos, sin, eps,
+                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                NORM: tl.constexpr):
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     offs_d = tl.arange(0, BLOCK_HALF)[None, :]
     head_ok = offs_h < num_heads  # and when HALF is padded to a power of two, the lanes in HALF
@@ -92,17 +94,25 @@ def _rope_heads(src, dst, num_heads, stride_sh, stride_dh, cos, sin,
     x1 = tl.load(src + offs_h * stride_sh + offs_d, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + offs_h * stride_sh + HALF + offs_d, mask=mask, other=0.0).to(tl.float32)
     ty = dst.dtype.element_ty
+    if NORM:  # RMSNorm over each head first, rounded as rms_norm then rotary round (Qwen3)
+        act = src.dtype.element_ty
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        d_ok = offs_d < HALF
+        w1 = tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        x1 = ((x1 * rstd).to(act).to(tl.float32) * w1).to(act).to(tl.float32)
+        x2 = ((x2 * rstd).to(act).to(tl.float32) * w2).to(act).to(tl.float32)
     tl.store(dst + offs_h * stride_dh + offs_d, (x1 * cos - x2 * sin).to(ty), mask=mask)
     tl.store(dst + offs_h * stride_dh + HALF + offs_d, (x2 * cos + x1 * sin).to(ty), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(
-    pos_ptr, q_ptr, k_ptr, cs_ptr, qo_ptr, ko_ptr, num_heads, num_kv_heads,
+    pos_ptr, q_ptr, k_ptr, cs_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, num_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh,
-    stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
+    stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs, eps,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
+    BLOCK_HK: tl.constexpr, NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
@@ -110,10 +120,10 @@ def _rope_kernel(
     d_ok = offs < HALF
     cos = tl.load(cs_ptr + pos * stride_cs + offs, mask=d_ok, other=0.0).to(tl.float32)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs, mask=d_ok, other=0.0).to(tl.float32)
-    _rope_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, num_heads, stride_qh,
-                stride_qoh, cos, sin, HALF, BLOCK_HALF, BLOCK_H)
-    _rope_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, num_kv_heads, stride_kh,
-                stride_koh, cos, sin, HALF, BLOCK_HALF, BLOCK_HK)
+    _rope_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, qw_ptr, num_heads, stride_qh,
+                stride_qoh, cos, sin, eps, HALF, BLOCK_HALF, BLOCK_H, NORM)
+    _rope_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, kw_ptr, num_kv_heads, stride_kh,
+                stride_koh, cos, sin, eps, HALF, BLOCK_HALF, BLOCK_HK, NORM)
 
 
 def rotary_embedding(
@@ -124,7 +134,13 @@ def rotary_embedding(
     *,
     q_out: torch.Tensor | None = None,  # pass q_out=q, k_out=k to rotate in place
     k_out: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,  # [D]: RMSNorm over each head first (Qwen3's
+    k_norm_weight: torch.Tensor | None = None,  # q_norm and k_norm), with norm_eps
+    norm_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q and k (neox); with q_norm_weight and k_norm_weight, first RMS-normalises each
+    head of q and k over head_dim, rounding as reference.rms_norm does (one pass instead of a
+    copy, a norm and a read of each)."""
     check_tensor("q", q, 3, FLOAT_DTYPES)
     dev = q.device
     check_tensor("k", k, 3, (q.dtype,), dev)
@@ -139,6 +155,7 @@ def rotary_embedding(
                          "an even number")
     for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
         check_inner_contiguous(name, t)
+    norm = _check_norm_weights(q, q_norm_weight, k_norm_weight)
     if q_out is None:
         q_out = torch.empty(q.shape, dtype=q.dtype, device=dev)
     if k_out is None:
@@ -148,15 +165,32 @@ def rotary_embedding(
     if num_tokens == 0:
         return q_out, k_out
     _rope_kernel[(num_tokens,)](
-        positions, q, k, cos_sin_cache, q_out, k_out, num_heads, k.shape[1],
+        positions, q, k, cos_sin_cache, q_out, k_out,
+        q_norm_weight if norm else q, k_norm_weight if norm else k, num_heads, k.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        cos_sin_cache.stride(0),
+        cos_sin_cache.stride(0), float(norm_eps),
         HALF=d // 2, BLOCK_HALF=triton.next_power_of_2(d // 2),
         BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_HK=triton.next_power_of_2(k.shape[1]), num_warps=4,
+        BLOCK_HK=triton.next_power_of_2(k.shape[1]), NORM=norm, num_warps=4,
     )
     return q_out, k_out
+
+
+def _check_norm_weights(q: torch.Tensor, q_w: torch.Tensor | None,
+                        k_w: torch.Tensor | None) -> bool:
+    """Whether the heads are normalised first: both weights or neither, each contiguous [D]
+    of q's dtype (the norm's output dtype, as rms_norm's, is then q's)."""
+    if (q_w is None) != (k_w is None):
+        raise ValueError("q_norm_weight and k_norm_weight go together")
+    if q_w is None:
+        return False
+    d = q.shape[2]
+    for name, w in (("q_norm_weight", q_w), ("k_norm_weight", k_w)):
+        check_tensor(name, w, 1, (q.dtype,), q.device)
+        if w.shape[0] != d or w.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous [{d}], got {tuple(w.shape)}")
+    return True
 
 
 @triton.jit

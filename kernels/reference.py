@@ -191,8 +191,20 @@ def rotary_embedding(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
     cos_sin_cache: torch.Tensor,  # [max_pos, D]: cos in [:, :D/2], sin in [:, D/2:]
+    *,
+    q_norm_weight: torch.Tensor | None = None,  # [D]: RMSNorm over each head first
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style ("rotate half") rotary embedding, as HF Llama applies it."""
+    """Neox-style ("rotate half") rotary embedding, as HF Llama applies it; with the norm
+    weights, each head of q and k is RMS-normalised over head_dim first (Qwen3's q_norm and
+    k_norm, as HF applies them before the rotation)."""
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight go together")
+    if q_norm_weight is not None:
+        d = q.shape[-1]
+        q = rms_norm(q.reshape(-1, d), q_norm_weight, norm_eps)[0].reshape(q.shape)
+        k = rms_norm(k.reshape(-1, d), k_norm_weight, norm_eps)[0].reshape(k.shape)
     half = cos_sin_cache.shape[1] // 2
     cs = cos_sin_cache[positions]
     cos = cs[:, None, :half]

@@ -63,6 +63,35 @@ def test_rotary(device, tokens, dtype, tol, head_dim):
 
 
 @pytest.mark.parametrize("tokens,dtype,tol", CASES)
+@pytest.mark.parametrize("head_dim", [96, 128])  # Phi-3's 96: padded lanes stay out of the sum
+def test_rotary_with_each_heads_norm_first(device, tokens, dtype, tol, head_dim):
+    """Qwen3's q_norm and k_norm folded into the rotation: equal to rms_norm over each head,
+    then the rotation (the reference does both steps, the kernel one pass over the qkv view)."""
+    device = _dev(device, dtype)
+    h, hkv, max_pos = (32, 8, 8192) if CUDA else (4, 2, 64)
+    qkv = 3 * torch.randn(tokens, h + 2 * hkv, head_dim, device=device, dtype=dtype)
+    q, k = qkv[:, :h], qkv[:, h:h + hkv]
+    qw, kw = ((1 + 0.5 * torch.randn(head_dim, device=device)).to(dtype) for _ in range(2))
+    pos = torch.randint(0, max_pos, (tokens,), device=device)
+    cache = torch.randn(max_pos, head_dim, device=device)
+    two_q = reference.rms_norm(q.reshape(-1, head_dim), qw, 1e-6)[0].reshape(q.shape)
+    two_k = reference.rms_norm(k.reshape(-1, head_dim), kw, 1e-6)[0].reshape(k.shape)
+    want_q, want_k = reference.rotary_embedding(pos, two_q, two_k, cache)
+    norms = {"q_norm_weight": qw, "k_norm_weight": kw, "norm_eps": 1e-6}
+    ref_q, ref_k = reference.rotary_embedding(pos, q, k, cache, **norms)
+    assert torch.equal(ref_q, want_q) and torch.equal(ref_k, want_k)
+    out_q, out_k = rotary_embedding(pos, q, k, cache, q_out=_nan(q.shape, dtype, device),
+                                    k_out=_nan(k.shape, dtype, device), **norms)
+    assert rel_err(out_q, want_q) < tol and rel_err(out_k, want_k) < tol
+    plain_q, _ = rotary_embedding(pos, q, k, cache)
+    assert rel_err(plain_q, want_q) > 0.1  # the norm did something
+    with pytest.raises(ValueError, match="go together"):
+        rotary_embedding(pos, q, k, cache, q_norm_weight=qw)
+    with pytest.raises(ValueError, match="k_norm_weight must be contiguous"):
+        rotary_embedding(pos, q, k, cache, q_norm_weight=qw, k_norm_weight=kw[:-2])
+
+
+@pytest.mark.parametrize("tokens,dtype,tol", CASES)
 def test_silu_and_mul(device, tokens, dtype, tol):
     device = _dev(device, dtype)
     inter = 14336 if CUDA else 2500  # 2500: two column blocks, the second ragged
