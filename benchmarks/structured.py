@@ -3,7 +3,8 @@ the same number unconstrained, through the real gRPC API on one `pagedserve serv
 each (per request: (last token - first token) / (tokens - 1), then the median), and the
 scheduler's host time filling the token bitmasks per step (pagedserve_grammar_bitmask_seconds:
 sum / count over the constrained run; since the masks travel after the plan it is not part of
-the planning time), then the same at --wide running for the step-time
+the planning time) and advancing the grammars by each step's tokens
+(pagedserve_grammar_accept_seconds), then the same at --wide running for the step-time
 breakdown at 256.
 
 Random weights generate random allowed tokens, so a constrained request may end early (its
@@ -70,6 +71,9 @@ def run(svc, constrained: bool, concurrency: int, max_tokens: int) -> dict:
     key = "pagedserve_grammar_bitmask_seconds"
     steps = after.get(key + "_count", 0) - before.get(key + "_count", 0)
     mask_s = after.get(key + "_sum", 0) - before.get(key + "_sum", 0)
+    acc = "pagedserve_grammar_accept_seconds"
+    accepts = after.get(acc + "_count", 0) - before.get(acc + "_count", 0)
+    accept_s = after.get(acc + "_sum", 0) - before.get(acc + "_sum", 0)
     plan = "pagedserve_scheduler_plan_seconds"
     plans = after[plan + "_count"] - before[plan + "_count"]
     return {"constrained": constrained, "concurrency": concurrency,
@@ -77,6 +81,7 @@ def run(svc, constrained: bool, concurrency: int, max_tokens: int) -> dict:
             "tpot_p50_ms": statistics.median(t for _, t in outs) * 1e3,
             "plan_ms_per_step": (after[plan + "_sum"] - before[plan + "_sum"]) / plans * 1e3,
             "bitmask_ms_per_step": mask_s / steps * 1e3 if steps else 0.0,
+            "accept_ms_per_step": accept_s / accepts * 1e3 if accepts else 0.0,
             **step_breakdown(before, after, wall)}
 
 
@@ -112,7 +117,8 @@ def main() -> None:
             print(f"{conc} running: TPOT {plain['tpot_p50_ms']:.2f} ms plain, "
                   f"{json_['tpot_p50_ms']:.2f} ms JSON schema "
                   f"({json_['tpot_p50_ms'] / plain['tpot_p50_ms'] - 1:+.1%}); per step: bitmask "
-                  f"{json_['bitmask_ms_per_step']:.3f} ms (after the plan is sent), planning "
+                  f"{json_['bitmask_ms_per_step']:.3f} ms (after the plan is sent), accept "
+                  f"{json_['accept_ms_per_step']:.3f} ms, planning "
                   f"{json_['plan_ms_per_step']:.3f} ms", flush=True)
     finally:
         svc.stop()

@@ -368,6 +368,8 @@ class Engine:
             self.telemetry.step(item, timing, 0)
             self._fail_step(step, "INTERNAL", f"executor step result refused: {e}")
             return []
+        if self.scheduler.accept_s:
+            self.metrics.accept_time.observe(self.scheduler.accept_s)
         if (share := self.scheduler.prefill_share) is not None:
             share.observe(took, decoding=step.out.decoding, chunked=step.out.chunked,
                           held=step.out.held_chunks > 0)

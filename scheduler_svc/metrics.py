@@ -269,6 +269,11 @@ class Metrics:
                                  "outputs; steps with a constrained request only)",
                                  (.00001, .00005, .0001, .00025, .0005, .001, .0025, .005, .01,
                                   .025))
+        self.accept_time = hist("grammar_accept_seconds",
+                                "Scheduler time advancing the constrained requests' grammars by "
+                                "a step's tokens (structured outputs; steps with one only)",
+                                (.00001, .00005, .0001, .00025, .0005, .001, .0025, .005, .01,
+                                 .025))
         self.round_trip = hist("step_round_trip_seconds",
                                "Plan sent to result received, per step (the executor's time "
                                "plus the link)",

@@ -123,6 +123,7 @@ class Scheduler:
         spec = cfg.speculative
         self.proposer = None if spec is None or spec.drafts_in_executor else NgramProposer(
             spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.accept_s = 0.0  # the last update's grammar accept (0: no constrained row)
         self.spec_drafts = 0  # drafted requests (one per request per step)
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
@@ -507,13 +508,17 @@ class Scheduler:
     def _accept(self, req_ids: list[int], token_ids: list[int]) -> dict[int, bool]:
         """The running constrained requests' matchers advanced by their tokens, in one call
         for the step: whether each accepted its token, by request id."""
+        self.accept_s = 0.0
         rows = [(rid, req.matcher, tok) for rid, tok in zip(req_ids, token_ids, strict=True)
                 if (req := self.requests.get(rid)) is not None
                 and req.status == RequestStatus.RUNNING and req.matcher is not None]
         if not rows:
             return {}
         rids, matchers, tokens = zip(*rows, strict=True)
-        return dict(zip(rids, Grammars.accept(list(matchers), list(tokens)), strict=True))
+        t0 = time.perf_counter()
+        accepted = Grammars.accept(list(matchers), list(tokens))
+        self.accept_s = time.perf_counter() - t0
+        return dict(zip(rids, accepted, strict=True))
 
     def expect_tokens(self, out: SchedulerOutput) -> None:
         """Async scheduling: give every request that samples in `out` a pending token, so the

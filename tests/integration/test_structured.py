@@ -90,11 +90,21 @@ def test_fifty_schemas_validate_greedy_and_sampled(wide):
     assert len(SCHEMAS) >= 50
     jobs = [dict(prompt=PROMPT.format(name), json_schema=schema, temperature=t, seed=i)
             for i, (name, schema) in enumerate(SCHEMAS.items()) for t in (0.0, 1.0)]
+    before = wide.metrics()
     results = run_all(wide, jobs)
     for job, (text, _, last), name in zip(jobs, results,
                                             [n for n in SCHEMAS for _ in (0, 1)], strict=True):
         assert last.finish_reason == api.FINISH_REASON_STOP, (name, text)
         jsonschema.validate(json.loads(text), job["json_schema"])  # raises if not
+    # each step that sampled a constrained token advanced the grammars once, timed (at least
+    # as many steps as the longest answer has tokens)
+    after = wide.wait_idle()
+    steps = {key: after[f"pagedserve_grammar_{key}_seconds_count"]
+             - before[f"pagedserve_grammar_{key}_seconds_count"] for key in ("accept", "bitmask")}
+    assert steps["accept"] >= max(len(tokens) for _, tokens, _ in results)
+    assert after["pagedserve_grammar_accept_seconds_sum"] > \
+        before["pagedserve_grammar_accept_seconds_sum"]
+    assert steps["bitmask"] >= steps["accept"] - 1
 
 
 def test_regex_choice_and_grammars_match(wide):
