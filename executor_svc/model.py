@@ -85,7 +85,10 @@ class CausalLM(nn.Module):
         # embeddings, norms and lm_head stay in float whatever `quant` says; with tensor
         # parallelism each rank holds its slice of the vocabulary (tp_layers)
         vocab = tp.vocab_rows(cfg)[1]
-        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        # built on the meta device (loader.build_model): no initial draw, which on meta goes
+        # through torch's reference ops and imports torch._dynamo (~0.8 s of every start)
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size,
+                                         _weight=torch.empty(vocab, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, quant)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)

@@ -23,13 +23,15 @@ def test_an_executor_exits_without_nanobind_leak_warnings(model_dir):
     """The executor freezes what it loaded (triton's nanobind extension among it, through
     torch); frozen objects escape the interpreter's last collections, and nanobind counted
     those in cycles as leaked at every exit ("nanobind: leaked 4 instances!", then 64 types
-    and 514 functions). The real executor, stopped as serve stops it, once it is serving."""
+    and 514 functions). The real executor, stopped as serve stops it, once it is serving, on
+    the Triton backend (the torch one, a CPU's default, no longer loads triton)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("PAGEDSERVE_SUPERVISOR_READY_FILE", None)
     code = ("import runpy, sys, atexit; "  # the executor as `pagedserve executor` runs it
             "atexit.register(lambda: print('triton loaded:', 'triton._C.libtriton' in "
             "sys.modules, file=sys.stderr)); "
             "sys.argv = ['pagedserve', 'executor', '--model', sys.argv[1], "
+            "'--attention-backend', 'triton', "  # Triton's kernels (interpreted on a CPU)
             "'--scheduler-address', 'tcp://127.0.0.1:9']; "  # nothing answers: it waits
             "runpy.run_module('pagedserve.cli', run_name='__main__')")
     proc = subprocess.Popen([sys.executable, "-c", code, str(model_dir)], env=env,
