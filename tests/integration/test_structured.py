@@ -192,18 +192,26 @@ def test_async_scheduling_gives_the_same_constrained_tokens(wide, service):
     assert [ids for _, ids, _ in run_all(service, jobs)] == sync  # async: the default
 
 
+PREEMPTED = [dict(prompt=PROMPT.format(n), json_schema=SCHEMAS[n], temperature=0.0,
+                  max_tokens=96)
+             for n in ["person", "array-str", "ref-any_of", "nested-str", "flat-ints",
+                       "ref-ints", "array-pattern", "optional-str"]]
+
+
+@pytest.fixture(scope="module")
+def unpreempted(wide):
+    """PREEMPTED's token ids on the wide service, where nothing is preempted."""
+    return [ids for _, ids, _ in run_all(wide, PREEMPTED)]
+
+
 @pytest.mark.parametrize("fixture, mode", [("tight_service", "recompute"),
                                            ("swap_service", "swap")])
-def test_preempted_constrained_requests_stay_valid(request, wide, fixture, mode):
+def test_preempted_constrained_requests_stay_valid(request, unpreempted, fixture, mode):
     svc = request.getfixturevalue(fixture)
     key = f'pagedserve_num_preemptions_total{{mode="{mode}"}}'
     before = svc.metrics().get(key, 0.0)
-    names = ["person", "array-str", "ref-any_of", "nested-str", "flat-ints", "ref-ints",
-             "array-pattern", "optional-str"]
-    jobs = [dict(prompt=PROMPT.format(n), json_schema=SCHEMAS[n], temperature=0.0,
-                 max_tokens=96) for n in names]
-    expected = [ids for _, ids, _ in run_all(wide, jobs)]
-    got = run_all(svc, jobs)
+    expected = unpreempted
+    got = run_all(svc, PREEMPTED)
     assert svc.metrics()[key] > before
     assert [ids for _, ids, _ in got] == expected  # the matcher carried on where it was
 
