@@ -1,8 +1,31 @@
 #!/usr/bin/env bash
 # Sets up .venv (scripts/setup.sh), then runs the linter and the whole test suite on the CPU.
 # Triton kernels are tested under TRITON_INTERPRET=1 when no GPU is present.
+# With no arguments the suite runs as two pytest processes: the kernel and executor tests
+# (computation in the test process, no services, no tight waits) at the lowest CPU priority
+# beside the rest, whose services leave a core idle much of the time; the second's output
+# follows the first's. With arguments: one pytest process, the arguments passed on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q "$@"
+if [ $# -gt 0 ]; then
+    exec .venv/bin/python -m pytest -q "$@"
+fi
+BACKGROUND=(tests/kernels) IGNORE=(--ignore=tests/kernels)
+for f in tests/executor_svc/test_*.py; do  # test_server.py waits on timers: in the front
+    [ "$f" = tests/executor_svc/test_server.py ] && continue
+    BACKGROUND+=("$f") IGNORE+=("--ignore=$f")
+done
+base=$(mktemp -d)
+log="$base/background.log"
+nice -n 19 .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp "$base/tmp" \
+    "${BACKGROUND[@]}" > "$log" 2>&1 &
+background=$!
+status=0
+.venv/bin/python -m pytest -q --basetemp "$base/main" "${IGNORE[@]}" tests || status=$?
+wait "$background" || status=$?
+echo "=== tests/kernels and tests/executor_svc (run beside the rest)"
+cat "$log"
+rm -rf "$base"
+exit "$status"
