@@ -86,7 +86,7 @@ class CausalLM(nn.Module):
         # parallelism each rank holds its slice of the vocabulary (tp_layers)
         vocab = tp.vocab_rows(cfg)[1]
         # built on the meta device (loader.build_model): no initial draw, which on meta goes
-        # through torch's reference ops and imports torch._dynamo (~0.8 s of every start)
+        # through torch's reference ops and imports torch._dynamo (~0.6 s of every start)
         self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size,
                                          _weight=torch.empty(vocab, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, quant)
