@@ -446,25 +446,37 @@ def kernels_section(records: list[dict]) -> list[str]:
 def w4a16_section(records: list[dict]) -> list[str]:
     if not records:
         return []
-    by: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    by: dict[tuple, dict[int, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
     for r in newest(records, lambda r: (r["rows"], r["n"], r["k"], r["impl"])):
-        by[(r["rows"], r["n"], r["k"])][r["impl"]] = r
+        by[(r["n"], r["k"])][r["rows"]][r["impl"]] = r
+    counts = sorted({m for shapes in by.values() for m in shapes})
 
-    def us(i: dict, impl: str, vs: bool = True) -> str:
-        r = i.get(impl)
-        return "-" if r is None else f"{r['ms'] * 1e3:.1f}" + (
-            f" ({r['speedup_vs_bf16']:.2f}x)" if vs else "")
-    rows = [[m, f"{n} x {k}", us(i, "torch_matmul", False), us(i, "default"),
-             us(i, "default+act_order"), us(i, "stream_floor", False),
-             us(i, "sweep") + (f" of {i['sweep']['sweep_configs']}, {i['sweep']['commit']}"
-                               if "sweep" in i else ""),
-             i.get("default", next(iter(i.values())))["commit"]]
-            for (m, n, k), i in sorted(by.items())]
+    def cell(c: dict, impl: str) -> str:
+        if impl not in c:
+            return "-"
+        r = c[impl]
+        if impl == "torch_matmul":
+            return f"{r['ms'] * 1e3:.1f}"
+        text = f"{r['ms'] * 1e3:.1f} ({r['speedup_vs_bf16']:.2f}x)"
+        if impl == "default" and "sweep" in c:  # the best swept config beside the default
+            text += f", swept {c['sweep']['speedup_vs_bf16']:.2f}x"
+        return text
+    rows = [[f"{n} x {k} {label}", *(cell(shapes.get(m, {}), impl) for m in counts)]
+            for (n, k), shapes in sorted(by.items())
+            for impl, label in (("torch_matmul", "bf16"), ("default", "AWQ"),
+                                ("default+act_order", "GPTQ act-order"))]
+    floors = "; ".join(f"{n} x {k} {c['stream_floor']['ms'] * 1e3:.1f}"
+                       for (n, k), shapes in sorted(by.items())
+                       for m, c in sorted(shapes.items()) if "stream_floor" in c and m == 1)
+    commits = sorted({r["commit"] for r in newest(records, lambda r: (
+        r["rows"], r["n"], r["k"], r["impl"])) if r["impl"] != "sweep"})
     return section(
-        "W4A16 GEMM (AWQ/GPTQ int4, group 128, Llama-3.1-8B shapes): newest of each shape",
-        "Microseconds, CUDA-graph replay; speed-up over bf16 `torch.matmul` of the same run.",
-        table(["rows", "n x k", "bf16 us", "AWQ default us", "GPTQ act-order us",
-               "int4 read floor us", "best swept config us (configs, commit)", "commit"], rows))
+        "W4A16 GEMM (AWQ/GPTQ int4, group 128, Llama-3.1-8B shapes): microseconds by rows",
+        "Newest of each shape (" + ", ".join(commits) + "), CUDA-graph replay; in brackets the "
+        "speed-up over bf16 `torch.matmul` of the same run, and the best swept config's "
+        "(raw grids in archive/). The int4 weights' read floor at 1 row, us: "
+        + (floors or "-") + ".",
+        table(["N x K", *map(str, counts)], rows))
 
 
 def fp8_gemm_section(records: list[dict]) -> list[str]:
@@ -800,15 +812,50 @@ def summarise_sweeps(family: str, folder: Path = RESULTS) -> int:
     return sum(map(len, shapes.values())) - len(shapes)
 
 
+# Families whose newest record per key is all the report reads and whose superseded records
+# outgrow results/' 2 MiB: `--archive-superseded` moves the older ones, by the day they were
+# recorded, to archive/<date>_<family>_superseded.jsonl.xz (still there to read, out of git's
+# way), keeping each key's newest record where it was.
+SUPERSEDED = {"w4a16_gemm": ("method", "group_size", "rows", "n", "k", "impl")}
+
+
+def archive_superseded(family: str, folder: Path = RESULTS) -> int:
+    """Moves the family's records older than the newest of their key (SUPERSEDED) to the
+    archive by date; returns how many it moved."""
+    path = folder / f"{family}.jsonl"
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    recs = [json.loads(line) for line in lines]
+    newest_at: dict[tuple, int] = {}
+    for i, rec in enumerate(recs):  # the last written of a key is its newest
+        newest_at[tuple(rec.get(f) for f in SUPERSEDED[family])] = i
+    keep = set(newest_at.values())
+    old_by_date: dict[str, list[str]] = defaultdict(list)
+    for i, (line, rec) in enumerate(zip(lines, recs, strict=True)):
+        if i not in keep:
+            old_by_date[rec["recorded_at"][:10]].append(line)
+    for date, old in old_by_date.items():
+        archive = folder / "archive" / f"{date}_{family}_superseded.jsonl.xz"
+        archive.parent.mkdir(exist_ok=True)
+        held = lzma.decompress(archive.read_bytes()).decode() if archive.exists() else ""
+        with lzma.open(archive, "wt", preset=9 | lzma.PRESET_EXTREME) as f:
+            f.write(held + "\n".join(old) + "\n")
+    path.write_text("".join(line + "\n" for i, line in enumerate(lines) if i in keep))
+    return len(lines) - len(keep)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--summarise-sweeps", action="store_true",
                    help="collapse raw sweeps to their best config per shape first (SWEEPS)")
+    p.add_argument("--archive-superseded", action="store_true",
+                   help="move records older than their key's newest to archive/ (SUPERSEDED)")
     p.add_argument("--no-plots", action="store_true", help="write REPORT.md only")
     args = p.parse_args()
     for family in SWEEPS if args.summarise_sweeps else ():
         if (RESULTS / f"{family}.jsonl").exists():
             print(f"{family}: {summarise_sweeps(family)} raw sweep records archived")
+    for family in SUPERSEDED if args.archive_superseded else ():
+        print(f"{family}: {archive_superseded(family)} superseded records archived")
     path = RESULTS / "REPORT.md"
     path.write_text(report())
     print("wrote", path)

@@ -81,3 +81,21 @@ def test_newest_keeps_the_latest_record_of_each_key_where_the_key_first_appeared
     recs = [{"k": "a", "recorded_at": "1", "v": 1}, {"k": "b", "recorded_at": "2", "v": 2},
             {"k": "a", "recorded_at": "3", "v": 3}, {"k": "b", "recorded_at": "0", "v": 4}]
     assert [r["v"] for r in report.newest(recs, lambda r: r["k"])] == [3, 2]
+
+
+def test_superseded_records_move_to_the_archive_by_day_and_the_newest_stay(tmp_path):
+    day1, day2 = "2026-11-29T10:00", "2026-11-30T10:00"
+    recs = [_sweep(day1, 1, 0.02, "-", "default"), _sweep(day1, 16, 0.05, "-", "default"),
+            _sweep(day1, 1, 0.01, "-", "torch_matmul"), _sweep(day2, 1, 0.03, "-", "default"),
+            {**_sweep(day2, 1, 0.04, "-", "default"), "method": "gptq"}]
+    lines = [json.dumps(r) for r in recs]
+    path = tmp_path / "w4a16_gemm.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+
+    assert report.archive_superseded("w4a16_gemm", tmp_path) == 1
+    assert path.read_text().splitlines() == [lines[1], lines[2], lines[3], lines[4]]
+    archived = lzma.decompress((tmp_path / "archive" / "2026-11-29_w4a16_gemm_superseded"
+                                ".jsonl.xz").read_bytes()).decode().splitlines()
+    assert archived == [lines[0]]
+    assert report.archive_superseded("w4a16_gemm", tmp_path) == 0
+    assert not (tmp_path / "archive" / "2026-11-30_w4a16_gemm_superseded.jsonl.xz").exists()
