@@ -320,6 +320,11 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+@functools.lru_cache(maxsize=8)
+def _is_hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 @dataclass(frozen=True)
 class Config:
     block_m: int  # query rows (tokens x group heads) per program
@@ -337,11 +342,20 @@ def short_config(group: int, fp8: bool = False) -> Config:
     return Config(max(16, triton.next_power_of_2(group)), 64, 4, 2)
 
 
-def long_config(max_query_len: int, group: int, dtype: torch.dtype, head_dim: int = 128) -> Config:
+def long_config(max_query_len: int, group: int, dtype: torch.dtype, head_dim: int = 128,
+                hopper: bool = False, fp8_cache: bool = False) -> Config:
     if dtype == torch.float32 and head_dim > 128:
         # fp32 tiles 256 lanes wide: of the 64/128-row configs only 64 rows x 32 keys fit in
         # H200's 227 KB of shared memory (64 x 64 keys needs 320 KB)
         return Config(max(64, triton.next_power_of_2(group)), 32, 4, 2)
+    if hopper and not fp8_cache and dtype in (torch.bfloat16, torch.float16) \
+            and head_dim <= 128 and max_query_len * group >= 256 and group <= 256:
+        # 256 query rows, 16 warps: each K/V tile is read once for twice the rows. On an H100
+        # at 1 x 8k, 4 x 4k and 1 x 32k (head 128, GQA 4) 9-14 % under the 128-row config's
+        # time (bench_kernels.py's prefill_sweep, 2026-12-06); 64 KB of Q and 3 stages of K/V
+        # tiles take 160 KB of the 227 KB of shared memory an sm_90 SM has. Not swept over an
+        # FP8 cache (its tiles widen in registers), which keeps the 128-row config
+        return Config(256, 64, 16, 3)
     block_m = max(64 if max_query_len * group <= 64 else 128, triton.next_power_of_2(group))
     return Config(block_m, 64, 8 if block_m >= 128 else 4, 2 if dtype == torch.float32 else 3)
 
@@ -453,7 +467,9 @@ def paged_attention(
     launch(*args, short, per_seq=True, num_splits=num_splits, **opts)
     short_q = short.block_m // group
     if max_query_len > short_q:
-        cfg = long_config(max_query_len, group, q.dtype, q.shape[2])
+        cfg = long_config(max_query_len, group, q.dtype, q.shape[2],
+                          hopper=_is_hopper(q.device),
+                          fp8_cache=k_cache.dtype == FP8_KV_DTYPE)
         if num_long_splits is None:
             # a chunk of a long prompt has few query blocks (512 tokens of the 8B: 16 x 8 KV
             # heads = 128 programs on 132 SMs, each walking 128k keys): split its keys too.

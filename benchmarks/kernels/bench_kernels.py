@@ -340,10 +340,12 @@ def prefill_sweep() -> None:
     """The long rows' launch alone over configs at the issue-32 shapes, with TFLOP/s (the
     default config first: each is checked against its output)."""
     scale = D**-0.5
-    cfgs = [pa.long_config(4096, H // HKV, DT, D), pa.Config(128, 128, 8, 2),
+    grid = [pa.Config(128, 64, 8, 3), pa.Config(128, 128, 8, 2),
             pa.Config(128, 128, 8, 3), pa.Config(128, 64, 8, 2), pa.Config(128, 64, 8, 4),
             pa.Config(128, 64, 4, 3), pa.Config(64, 64, 4, 3), pa.Config(64, 128, 4, 3),
             pa.Config(256, 64, 8, 2), pa.Config(256, 64, 16, 3), pa.Config(256, 128, 16, 2)]
+    default = pa.long_config(4096, H // HKV, DT, D, hopper=pa._is_hopper(DEV))
+    cfgs = [default, *(c for c in grid if c != default)]
     cases = [(1, 64)] if ARGS.dry else [(1, 8192), (4, 4096), (1, 32768)]
     if ARGS.dry:
         cfgs = cfgs[:2]

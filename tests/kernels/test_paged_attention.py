@@ -83,6 +83,28 @@ def test_long_prefill_large_tiles(device):
     _check(batch, 0.125, TOL)
 
 
+def test_hopper_takes_256_query_rows_for_long_half_precision_rows():
+    import pagedserve.kernels.paged_attention as pa
+
+    big = pa.Config(256, 64, 16, 3)
+    assert pa.long_config(8192, 4, torch.bfloat16, 128, hopper=True) == big
+    assert pa.long_config(8192, 4, torch.float16, 64, hopper=True) == big
+    for args in [(8192, 4, torch.bfloat16, 128, False), (8192, 4, torch.float32, 128, True),
+                 (8192, 4, torch.bfloat16, 256, True), (32, 4, torch.bfloat16, 128, True)]:
+        assert pa.long_config(*args[:4], hopper=args[4]).block_m <= 128, args
+    assert pa.long_config(8192, 4, torch.bfloat16, 128, hopper=True, fp8_cache=True) != big
+
+
+def test_the_256_row_config_covers_partial_query_blocks(device, monkeypatch):
+    """Two 64-token query blocks of a 70-token chunk (GQA 4) and a decode beside them."""
+    import pagedserve.kernels.paged_attention as pa
+
+    monkeypatch.setattr(pa, "long_config", lambda *a, **kw: pa.Config(256, 64, 16, 3))
+    batch = make_paged_batch([70, 1, 9], [150, 40, 9], 8, 2, 64, 16, DTYPE, device, seed=21)
+    _check(batch, 0.125, TOL)
+    _check(batch, 0.125, TOL, num_splits=1, num_long_splits=2)
+
+
 @pytest.mark.parametrize("window", [0, 48])
 def test_a_chunk_deep_in_a_long_prompt_splits_its_keys(device, window, monkeypatch):
     """Few long-row programs (one 40-token chunk at depth 600, 2 KV heads): the keys are
