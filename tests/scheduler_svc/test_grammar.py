@@ -153,6 +153,25 @@ def test_the_batched_fill_gives_each_row_its_own_matchers_mask(grammars, tokeniz
     assert grammars.fill([]).shape == (0, words)
 
 
+def test_the_batched_accept_says_which_rows_took_their_token(grammars, tokenizer):
+    """All accepted (the one-call answer) and one refused (read row by row): each row's
+    answer and state as xgrammar's own call leaves them."""
+    import xgrammar as xgr
+
+    async def run():
+        return await grammars.compile(Constraint("regex", "[0-9]+"))
+
+    digits = asyncio.run(run())
+    seven, x = tokenizer.encode("7")[0], tokenizer.encode("x")[0]
+    for tokens in ([seven, seven, seven], [seven, x, seven]):
+        ours, theirs = ([grammars.matcher(digits) for _ in tokens] for _ in range(2))
+        want = xgr.BatchGrammarMatcher.batch_accept_token(theirs, tokens)
+        assert grammars.accept(ours, tokens) == want == [t == seven for t in tokens]
+        masks = grammars.fill(ours), grammars.fill(theirs)
+        assert np.array_equal(*masks)
+    assert grammars.accept([], []) == []
+
+
 def test_a_steps_constrained_tokens_are_accepted_in_one_call(monkeypatch):
     """One batched accept for the step's constrained rows (not a call per row); each row's
     refusal still ends only its own request."""
