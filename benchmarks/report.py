@@ -512,12 +512,14 @@ def structured_section(records: list[dict]) -> list[str]:
         rows.append([machine(r), r["model"], r["concurrency"], num(plain["tpot_p50_ms"], ".2f"),
                      num(r["tpot_p50_ms"], ".2f"),
                      f"{(r['tpot_p50_ms'] / plain['tpot_p50_ms'] - 1) * 100:+.1f} %",
-                     num(r["bitmask_ms_per_step"], ".2f"), num(r["plan_ms_per_step"], ".2f"),
+                     num(r["bitmask_ms_per_step"], ".2f"),
+                     num(r.get("accept_ms_per_step"), ".2f"), num(r["plan_ms_per_step"], ".2f"),
                      r["commit"], when(r)])
     return section(
         "Structured outputs: JSON-schema requests against the same run unconstrained",
         table(["machine", "model", "running", "TPOT plain ms", "TPOT JSON ms", "vs plain",
-               "bitmask ms/step", "plan ms/step", "commit", "recorded (UTC)"], rows)) \
+               "bitmask ms/step", "accept ms/step", "plan ms/step", "commit",
+               "recorded (UTC)"], rows)) \
         if rows else []
 
 
