@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up .venv (scripts/setup.sh), then runs the linter and the whole test suite on the CPU.
 # Triton kernels are tested under TRITON_INTERPRET=1 when no GPU is present.
-# With no arguments the suite runs as two pytest processes: the kernel and executor tests
-# (computation in the test process, no services, no tight waits) at the lowest CPU priority
+# With no arguments the suite runs as two pytest processes: the kernel and executor tests, the
+# benchmarks' tests and the service tests of the model families and quantized checkpoints
+# (none with tight waits or timed assertions, one service at a time) at the lowest CPU priority
 # beside the rest, whose services leave a core idle much of the time; the second's output
 # follows the first's. With arguments: one pytest process, the arguments passed on.
 set -euo pipefail
@@ -12,7 +13,10 @@ bash scripts/setup.sh
 if [ $# -gt 0 ]; then
     exec .venv/bin/python -m pytest -q "$@"
 fi
-BACKGROUND=(tests/kernels) IGNORE=(--ignore=tests/kernels)
+BACKGROUND=(tests/kernels tests/benchmarks tests/integration/test_families.py
+            tests/integration/test_quantized.py tests/integration/test_fp8.py)
+IGNORE=()
+for f in "${BACKGROUND[@]}"; do IGNORE+=("--ignore=$f"); done
 for f in tests/executor_svc/test_*.py; do  # test_server.py waits on timers: in the front
     [ "$f" = tests/executor_svc/test_server.py ] && continue
     BACKGROUND+=("$f") IGNORE+=("--ignore=$f")
@@ -25,7 +29,7 @@ background=$!
 status=0
 .venv/bin/python -m pytest -q --basetemp "$base/main" "${IGNORE[@]}" tests || status=$?
 wait "$background" || status=$?
-echo "=== tests/kernels and tests/executor_svc (run beside the rest)"
+echo "=== ${BACKGROUND[*]:0:5} and tests/executor_svc (run beside the rest)"
 cat "$log"
 rm -rf "$base"
 exit "$status"
