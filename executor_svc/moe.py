@@ -83,10 +83,11 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         logits = self.gate(x)
-        weights, ids = self.ops.moe_route(logits, self.top_k, self.renormalize)
-        # HF combines the experts with the weights in the activations' dtype
+        # HF combines the experts with the weights in the activations' dtype: the router
+        # stores them so (a cast launch a layer less)
+        weights, ids = self.ops.moe_route(logits, self.top_k, self.renormalize, x.dtype)
         scales = {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale} if self.fp8 else {}
-        y = self.ops.fused_moe(x, self.w13, self.w2, weights.to(x.dtype), ids, **scales)
+        y = self.ops.fused_moe(x, self.w13, self.w2, weights, ids, **scales)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
         return tp.all_reduce(y, self.cfg)

@@ -141,27 +141,35 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     if RENORMALIZE:
         weights = weights / tl.sum(weights, 0)
     keep = slots < TOP_K
-    tl.store(weights_ptr + row * TOP_K + slots, weights, mask=keep)
+    tl.store(weights_ptr + row * TOP_K + slots,
+             weights.to(weights_ptr.dtype.element_ty), mask=keep)
     tl.store(ids_ptr + row * TOP_K + slots, ids, mask=keep)
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] float32, [T, k] int32)
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+              dtype: torch.dtype = torch.float32
+              ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] dtype, [T, k] int32)
     """moe_reference.moe_route in one launch (it takes five: softmax, topk, sum, divide,
-    cast), a token per program."""
+    cast), a token per program; the weights stored in dtype (rounded from float32 as
+    .to(dtype) rounds them: no cast launch after it)."""
     check_tensor("router_logits", router_logits, 2, FLOAT_DTYPES)
     t, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k {top_k} must be in 1..{num_experts} (the experts)")
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
-    weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    # the interpreter's float32 -> bfloat16 store truncates where the GPU's (and .to) round to
+    # nearest even: interpreted, the kernel stores float32 and torch rounds
+    store = torch.float32 if INTERPRETED else dtype
+    weights = torch.empty((t, top_k), dtype=store, device=logits.device)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
     if t:
         e_pad = triton.next_power_of_2(num_experts)
         _route_kernel[(t,)](logits, weights, ids, num_experts, logits.stride(0), TOP_K=top_k,
                             K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
                             E_PAD=e_pad, num_warps=1 if e_pad <= 256 else 4)
-    return weights, ids
+    return weights.to(dtype), ids
 
 
 @triton.jit(do_not_specialize=["numel", "num_blocks"])

@@ -35,11 +35,13 @@ def moe_route(
     router_logits: torch.Tensor,  # [T, E] float
     top_k: int,
     renormalize: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] float32, [T, k] int32)
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] dtype, [T, k] int32)
     """Softmax over the experts in float32, the top k (torch.topk: its order and ties), then,
     if asked, the k weights divided by their sum: HF's Mixtral (always), Qwen2-MoE and
     Qwen3-MoE (config.norm_topk_prob) routers, and vLLM's fused_topk. HF's Qwen routers then
-    round the weights to the logits' dtype; these stay float32, as vLLM keeps them."""
+    round the weights to the logits' dtype; these are float32 (vLLM keeps them so) unless
+    dtype asks for the rounding."""
     check_tensor("router_logits", router_logits, 2, FLOAT_DTYPES)
     num_experts = router_logits.shape[1]
     if not 1 <= top_k <= num_experts:
@@ -48,7 +50,7 @@ def moe_route(
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
+    return weights.to(dtype), ids.to(torch.int32)
 
 
 def check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,

@@ -117,6 +117,11 @@ def test_triton_route_equals_the_reference(t, e, k, norm, dtype, device):
     untied = (top.diff(dim=-1) != 0).all(-1)  # no ties among the top k and the next
     assert torch.equal(ids[untied], want_ids[untied])  # there: the reference's own ids
     assert untied.sum() >= (t - 2) // 2
+    # weights stored in the activations' dtype: float32's, rounded as .to rounds them
+    for route, (w32, ids32) in ((fm.moe_route, (w, ids)), (ref.moe_route, (want_w, want_ids))):
+        w16, ids16 = route(logits, k, norm, torch.bfloat16)
+        assert w16.dtype == torch.bfloat16 and torch.equal(w16, w32.to(torch.bfloat16))
+        assert torch.equal(ids16, ids32)
 
 
 def test_triton_route_of_no_tokens_and_a_strided_view(device):
