@@ -5,8 +5,10 @@
     moe_align_block_size   the T*k (token, slot) pairs sorted by expert, each expert's run
                            padded to a multiple of BLOCK_M; one Triton program up to
                            ALIGN_ONE_PROGRAM pairs (decode), torch ops beyond (prefill)
-    GEMM 1 (_moe_gemm)     cache1[p] = w13[e] @ x[p // k]                 [T*k, 2I]
-    silu_and_mul           cache2 = silu(gate) * up (kernels/fused.py)    [T*k, I]
+    GEMM 1 (_moe_gemm)     cache2[p] = silu(gate) * up of w13[e] @ x[p // k]   [T*k, I]
+                           (GATED: each program the same BLOCK_N columns of gate and of up,
+                           rounded to x's dtype as cache1 held them, then silu_and_mul's
+                           math: no [T*k, 2I] cache1, no silu_and_mul launch)
     GEMM 2 (_moe_gemm)     cache3[p] = topk_weights[p] * (w2[e] @ cache2[p])   [T*k, H]
     _moe_sum               out[t] = sum_j cache3[t*k + j], in float32     [T, H]
 
@@ -43,6 +45,9 @@ CHUNK_TOKENS = 16 * 1024  # tokens per pass (vLLM's VLLM_FUSED_MOE_CHUNK_SIZE): 
 CONFIG_FILE = Path(__file__).with_name("moe_configs.json")
 # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw 16-bit patterns in tl.dot
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# GEMM 1 applies silu_and_mul in its epilogue (PAGEDSERVE_MOE_FUSE_SILU=0: the separate launch,
+# for an A/B on the GPU)
+FUSE_SILU = os.environ.get("PAGEDSERVE_MOE_FUSE_SILU", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -228,8 +233,10 @@ def _moe_gemm_kernel(
     TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GATED: tl.constexpr,
 ):
-    """c[p] = a[p // TOP_K] @ b[e].T for the pairs p of one M-block (expert e); b [E, N, K]."""
+    """c[p] = a[p // TOP_K] @ b[e].T for the pairs p of one M-block (expert e); b [E, N, K].
+    GATED: b is [E, 2N, K] (gate rows, then up rows) and c[p] = silu(gate) * up, N wide."""
     pid = tl.program_id(0)
     num_pid_m = EM // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -249,30 +256,49 @@ def _moe_gemm_kernel(
     a_ptrs = a_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         b = b.to(a.dtype)
+        if GATED:
+            bu = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            bu = bu.to(a.dtype)
         if DOT_FP32:  # exact products summed in fp32: what the bf16 MMA computes
             a = a.to(tl.float32)
             b = b.to(tl.float32)
+            if GATED:
+                bu = bu.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if GATED:
+            up = tl.dot(a, bu, up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_ok, other=0.0)[None, :]
+        if GATED:
+            up *= tl.load(scale_ptr + expert * stride_se + N + offs_n, mask=n_ok,
+                          other=0.0)[None, :]
+    if GATED:  # as cache1 held gate and up (c's dtype), then silu_and_mul's own math
+        act = c_ptr.dtype.element_ty
+        g = acc.to(act).to(tl.float32)
+        acc = (g / (1.0 + tl.exp(-g))).to(act).to(tl.float32) * up.to(act).to(tl.float32)
     if MUL_ROUTED_WEIGHT:
         acc *= tl.load(weight_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :],
              acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def moe_gemm(a, w, c, align, top_k: int, cfg: MoeConfig, *, scale=None, routed_weights=None):
+def moe_gemm(a, w, c, align, top_k: int, cfg: MoeConfig, *, scale=None, routed_weights=None,
+             gated: bool = False):
     """c [P, N] rows p = a [., K] row p // top_k times w[expert of p] [N, K]^T (* scale [E, N])
-    (* routed_weights [P]), for every pair p of align = moe_align_block_size(...)."""
+    (* routed_weights [P]), for every pair p of align = moe_align_block_size(...). gated: w is
+    [E, 2N, K] (gate, then up) and c [P, N] = silu(gate) * up."""
     sorted_ids, expert_ids, post_pad = align
     e, n, k = w.shape
+    if gated:
+        n //= 2
     grid = (expert_ids.numel() * triton.cdiv(n, cfg.block_n),)
     _moe_gemm_kernel[grid](
         a, w, c, scale if scale is not None else c, routed_weights if routed_weights is not None
@@ -282,7 +308,7 @@ def moe_gemm(a, w, c, align, top_k: int, cfg: MoeConfig, *, scale=None, routed_w
         TOP_K=top_k, MUL_ROUTED_WEIGHT=routed_weights is not None, HAS_SCALE=scale is not None,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         DOT_FP32=INTERPRETED and a.dtype == torch.bfloat16, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, GATED=gated,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -312,8 +338,8 @@ def moe_sum(cache3: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor
 
 
 def workspace_size(num_tokens: int, top_k: int, hidden: int, inter: int) -> int:
-    """Elements (x's dtype) of the caches of one pass: cache1 and cache3 share a region (cache1
-    is dead once silu_and_mul has read it), cache2 its own."""
+    """Elements (x's dtype) of the caches of one pass: cache1 (unfused GEMM 1 only) and cache3
+    share a region (cache1 is dead once silu_and_mul has read it), cache2 its own."""
     pairs = min(num_tokens, CHUNK_TOKENS) * top_k
     return pairs * (max(2 * inter, hidden) + inter)
 
@@ -363,8 +389,15 @@ def _fused_pass(x, w13, w2, weights, ids, w13_scale, w2_scale, out, workspace) -
     cfg1 = pick_config(t, k, w13, x.dtype)
     cfg2 = pick_config(t, k, w2, x.dtype)
     align = moe_align_block_size(ids, cfg1.block_m, num_experts)
-    moe_gemm(x, w13, cache1, align, k, cfg1, scale=w13_scale)
-    silu_and_mul(cache1, out=cache2)
+    if FUSE_SILU:
+        # gate and up tiles of half the tuned width: the tuned tile's bytes, shared memory and
+        # program count, and the SiLU in the epilogue
+        half = MoeConfig(cfg1.block_m, max(16, cfg1.block_n // 2), cfg1.block_k, cfg1.group_m,
+                         cfg1.num_warps, cfg1.num_stages)
+        moe_gemm(x, w13, cache2, align, k, half, scale=w13_scale, gated=True)
+    else:
+        moe_gemm(x, w13, cache1, align, k, cfg1, scale=w13_scale)
+        silu_and_mul(cache1, out=cache2)
     if cfg2.block_m != cfg1.block_m:
         align = moe_align_block_size(ids, cfg2.block_m, num_experts)
     moe_gemm(cache2, w2, cache3, align, 1, cfg2, scale=w2_scale,
