@@ -112,6 +112,9 @@ def results_dir() -> Path:
     return Path(os.environ.get("PAGEDSERVE_RESULTS") or RESULTS)
 
 
+ENV_SWITCHES = ("PAGEDSERVE_MOE_FUSE_SILU",)  # kernels/fused_moe.py: SiLU in GEMM 1's epilogue
+
+
 def environment() -> dict:
     import torch
 
@@ -125,9 +128,13 @@ def environment() -> dict:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
         cwd=RESULTS.parent).stdout.strip()  # the device machine gets no .git: pass it in
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    # switches the service reads from the environment, not its flags: an A/B of one in a call
+    # tells its records apart by them (named one by one: the environment may hold keys)
+    env = {k: os.environ[k] for k in ENV_SWITCHES if k in os.environ}
     return {"commit": commit, "gpu": gpu, "cpu": platform.processor() or platform.machine(),
             "torch": torch.__version__, "triton": triton_version,
-            "command": " ".join([Path(sys.executable).name, *sys.argv])}
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            **({"env": env} if env else {})}
 
 
 def append(path: Path, records: list[dict]) -> Path:

@@ -90,6 +90,8 @@
 #   moew2     W2 on both at the default flags, no peer (HF generate's W2 batch runs 1,024
 #             steps: minutes)
 #   moelat    Qwen3-30B-A3B single-stream decode, 128 -> 512 tokens, 1 running
+#   moelatab  moelat with PAGEDSERVE_MOE_FUSE_SILU 0 1 0 1 (records carry env), then the fused-MoE
+#             kernel tests on the GPU with it on; ~4 min
 #   profilemoe  torch profile of W1 on Qwen3-30B-A3B at the default flags
 #   qwen3     W1 on Llama-3.1-8B then Qwen3-8B at the default flags (q/k norm's cost)
 #   numerics  bf16 drift from fp32 on the default model's real weights, beside HF's own bf16
@@ -423,6 +425,12 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     moew2) for m in ${MOE_MODELS:-MQ30 MMIX}; do tp W2 $m "${DEFAULTS[@]}"; done ;;
     moelat) tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 --max-num-seqs 1 \
       --max-num-batched-tokens 0 ;;
+    moelatab) for fuse in 0 1 0 1; do  # SiLU in the first MoE GEMM's epilogue, off and on
+        PAGEDSERVE_MOE_FUSE_SILU=$fuse tp "" MQ30 --hf none --requests 2 --prompt 128 \
+          --output 512 --max-num-seqs 1 --max-num-batched-tokens 0
+      done
+      PAGEDSERVE_MOE_FUSE_SILU=1 python3 -m pytest -q -rs tests/kernels/test_fused_moe.py \
+        2>&1 | tee $B/pytest_moe.log | tail -4 ;;
     profilemoe) profile MQ30 moe30b "${DEFAULTS[@]}" ;;
     qwen3) for m in M8 MQ8; do tp W1 $m "${DEFAULTS[@]}"; done ;;
     lora)  # multi-LoRA: the kernels' GPU tests, W1 8B with LORA_N (8) rank-16 adapters

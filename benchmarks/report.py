@@ -118,6 +118,7 @@ def settings(r: dict) -> str:
     words += [" ".join(flags.split())] if flags.strip() else []
     words += [] if _overlapped(r) else ["sync"]
     words += [f"{k}={v}" for k, v in r.get("sampling", {}).items()]
+    words += [f"{k}={v}" for k, v in r.get("env", {}).items()]
     return ", ".join(words) or "defaults"
 
 

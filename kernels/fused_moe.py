@@ -5,10 +5,11 @@
     moe_align_block_size   the T*k (token, slot) pairs sorted by expert, each expert's run
                            padded to a multiple of BLOCK_M; one Triton program up to
                            ALIGN_ONE_PROGRAM pairs (decode), torch ops beyond (prefill)
-    GEMM 1 (_moe_gemm)     cache2[p] = silu(gate) * up of w13[e] @ x[p // k]   [T*k, I]
-                           (GATED: each program the same BLOCK_N columns of gate and of up,
-                           rounded to x's dtype as cache1 held them, then silu_and_mul's
-                           math: no [T*k, 2I] cache1, no silu_and_mul launch)
+    GEMM 1 (_moe_gemm)     cache1[p] = w13[e] @ x[p // k]                 [T*k, 2I]
+    silu_and_mul           cache2 = silu(gate) * up (kernels/fused.py)    [T*k, I]
+                           (FUSE_SILU: GEMM 1 GATED writes cache2 itself, each program the
+                           same BLOCK_N columns of gate and of up, rounded to x's dtype as
+                           cache1 held them, then silu_and_mul's math)
     GEMM 2 (_moe_gemm)     cache3[p] = topk_weights[p] * (w2[e] @ cache2[p])   [T*k, H]
     _moe_sum               out[t] = sum_j cache3[t*k + j], in float32     [T, H]
 
@@ -45,9 +46,10 @@ CHUNK_TOKENS = 16 * 1024  # tokens per pass (vLLM's VLLM_FUSED_MOE_CHUNK_SIZE): 
 CONFIG_FILE = Path(__file__).with_name("moe_configs.json")
 # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw 16-bit patterns in tl.dot
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# GEMM 1 applies silu_and_mul in its epilogue (PAGEDSERVE_MOE_FUSE_SILU=0: the separate launch,
-# for an A/B on the GPU)
-FUSE_SILU = os.environ.get("PAGEDSERVE_MOE_FUSE_SILU", "1") != "0"
+# PAGEDSERVE_MOE_FUSE_SILU=1: GEMM 1 applies silu_and_mul in its epilogue (GATED). Off by
+# default until a GPU run has timed it against the separate launch (gpu.sh moelatab): it is
+# equal to it under the interpreter, not yet run on a GPU
+FUSE_SILU = os.environ.get("PAGEDSERVE_MOE_FUSE_SILU", "0") == "1"
 
 
 @dataclass(frozen=True)
