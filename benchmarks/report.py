@@ -147,6 +147,8 @@ def defaults_section(throughput: list[dict], serve: list[dict]) -> list[str]:
     """The default-flag targets beside the newest run that measures each (H200, 8B and 1B
     random weights, through gRPC)."""
     rows = []
+    throughput = [r for r in throughput if "H200" in (r.get("gpu") or "")]  # the goals' GPU
+    serve = [r for r in serve if "H200" in (r.get("gpu") or "")]
     for (w, m), target in TARGETS.items():
         r = next((r for r in reversed(throughput) if r["workload"] == w and r["model"] == m
                   and r["engine"] == "pagedserve" and _at_defaults(r)), None)
