@@ -778,6 +778,16 @@ def raw_sweep(family: str, rec: dict) -> bool:
     return family in SWEEPS and SWEEPS[family][0](rec) and "sweep_configs" not in rec
 
 
+def _archive(folder: Path, family: str, what: str, by_date: dict[str, list[str]]) -> None:
+    """Appends each day's record lines to archive/<date>_<family>_<what>.jsonl.xz."""
+    for date, lines in by_date.items():
+        archive = folder / "archive" / f"{date}_{family}_{what}.jsonl.xz"
+        archive.parent.mkdir(exist_ok=True)
+        held = lzma.decompress(archive.read_bytes()).decode() if archive.exists() else ""
+        with lzma.open(archive, "wt", preset=9 | lzma.PRESET_EXTREME) as f:
+            f.write(held + "\n".join(lines) + "\n")
+
+
 def summarise_sweeps(family: str, folder: Path = RESULTS) -> int:
     """Collapses the family's raw sweep records to the best config per shape and run (in the
     place of the shape's first record) and archives the raw lines by date; returns how many
@@ -799,12 +809,7 @@ def summarise_sweeps(family: str, folder: Path = RESULTS) -> int:
         raw_by_date[rec["recorded_at"][:10]].append(line)
     if not shapes:
         return 0
-    for date, raw in raw_by_date.items():
-        archive = folder / "archive" / f"{date}_{family}_sweeps.jsonl.xz"
-        archive.parent.mkdir(exist_ok=True)
-        held = lzma.decompress(archive.read_bytes()).decode() if archive.exists() else ""
-        with lzma.open(archive, "wt", preset=9 | lzma.PRESET_EXTREME) as f:
-            f.write(held + "\n".join(raw) + "\n")
+    _archive(folder, family, "sweeps", raw_by_date)
 
     def best(recs: list[dict]) -> str:
         ok = [r for r in recs if r.get("impl") != "sweep_wrong" and math.isfinite(r["ms"])]
@@ -838,12 +843,7 @@ def archive_superseded(family: str, folder: Path = RESULTS) -> int:
     for i, (line, rec) in enumerate(zip(lines, recs, strict=True)):
         if i not in keep:
             old_by_date[rec["recorded_at"][:10]].append(line)
-    for date, old in old_by_date.items():
-        archive = folder / "archive" / f"{date}_{family}_superseded.jsonl.xz"
-        archive.parent.mkdir(exist_ok=True)
-        held = lzma.decompress(archive.read_bytes()).decode() if archive.exists() else ""
-        with lzma.open(archive, "wt", preset=9 | lzma.PRESET_EXTREME) as f:
-            f.write(held + "\n".join(old) + "\n")
+    _archive(folder, family, "superseded", old_by_date)
     path.write_text("".join(line + "\n" for i, line in enumerate(lines) if i in keep))
     return len(lines) - len(keep)
 
