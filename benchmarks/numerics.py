@@ -109,7 +109,7 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-ABLATE = ("paged_attention", "write_kv_cache", "rms_norm", "rotary_embedding", "silu_and_mul")
+ABLATE = ("paged_attention", "rotary_and_cache", "rms_norm", "silu_and_mul")
 
 
 def measure(model_dir: Path, device: str, ablate: bool = False) -> dict:

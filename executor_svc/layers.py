@@ -161,11 +161,11 @@ class Attention(nn.Module):
         elif self.cfg.qk_norm == "head":  # over each head: in the rotation's own pass
             norms = {"q_norm_weight": self.q_norm.weight, "k_norm_weight": self.k_norm.weight,
                      "norm_eps": self.q_norm.eps}
-        q, k = self.ops.rotary_embedding(positions, q.reshape(t, h, d), k.reshape(t, hkv, d),
-                                         cos_sin, **norms)
         k_cache, v_cache = kv_cache
-        self.ops.write_kv_cache(k, v.reshape(t, hkv, d), k_cache, v_cache, meta.slot_mapping,
-                                self.k_scale, self.v_scale)
+        # q rotated; k rotated and v stored in the cache, in one pass
+        q = self.ops.rotary_and_cache(positions, q.reshape(t, h, d), k.reshape(t, hkv, d),
+                                      v.reshape(t, hkv, d), cos_sin, k_cache, v_cache,
+                                      meta.slot_mapping, self.k_scale, self.v_scale, **norms)
         o = self.ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,

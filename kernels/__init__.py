@@ -1,12 +1,12 @@
 """Model kernels: torch reference ops (CPU path, test oracle) and their Triton versions.
 
 ``get_ops("torch" | "triton")`` returns a namespace with write_kv_cache, paged_attention,
-rms_norm, rotary_embedding, silu_and_mul, gelu_tanh_and_mul, w4a16_gemm (4-bit weights; its
-torch version lives in w4a16_reference) and the sampler's exponential_race (its torch version in
-sampling_reference). Submodules import lazily, so importing the package costs nothing until an
-op is asked for. fp8_gemm (FP8 weights and activations) has its torch
-version in fp8_reference. lora_shrink and lora_expand (multi-LoRA, segment-grouped) have theirs
-in lora_reference.
+rms_norm, rotary_embedding, rotary_and_cache (the two before attention in one), silu_and_mul,
+gelu_tanh_and_mul, w4a16_gemm (4-bit weights; its torch version lives in w4a16_reference) and
+the sampler's exponential_race (its torch version in sampling_reference). Submodules import
+lazily, so importing the package costs nothing until an op is asked for. fp8_gemm (FP8 weights
+and activations) has its torch version in fp8_reference. lora_shrink and lora_expand
+(multi-LoRA, segment-grouped) have theirs in lora_reference.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ _OP_MODULES = {
     "paged_attention": "paged_attention",
     "rms_norm": "fused",
     "rotary_embedding": "fused",
+    "rotary_and_cache": "fused",
     "silu_and_mul": "fused",
     "gelu_tanh_and_mul": "fused",
     "w4a16_gemm": "w4a16",

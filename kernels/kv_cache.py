@@ -22,7 +22,9 @@ from pagedserve.kernels._checks import (
 
 
 @triton.jit
-def _quantize(x, scale, FP8_MAX: tl.constexpr):
+def fp8_saturate(x, scale, FP8_MAX: tl.constexpr):
+    """x / scale in fp32, clamped to the e4m3 range: an FP8 cache's value before the store's cast
+    (write_kv_cache's and rotary_and_cache's)."""
     # divide (not multiply by 1/scale): the reference does the same, so the bits match
     x = x.to(tl.float32) / scale
     return tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
@@ -45,23 +47,18 @@ def _write_kv_kernel(
     k = tl.load(key_ptr + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
     if FP8:
-        k = _quantize(k, k_scale, FP8_MAX)
-        v = _quantize(v, v_scale, FP8_MAX)
+        k = fp8_saturate(k, k_scale, FP8_MAX)
+        v = fp8_saturate(v, v_scale, FP8_MAX)
     # Cache is contiguous [N, BS, Hkv, D]: a slot's rows are Hkv*D apart.
     dst = slot * (num_kv_heads * head_dim) + offs_h * head_dim + offs_d
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv_cache(
-    key: torch.Tensor,  # [T, Hkv, D]
-    value: torch.Tensor,  # [T, Hkv, D]
-    k_cache: torch.Tensor,  # [N, BS, Hkv, D]
-    v_cache: torch.Tensor,  # [N, BS, Hkv, D]
-    slot_mapping: torch.Tensor,  # [T] int64; negative = skip
-    k_scale: float = 1.0,  # FP8 caches only: stored = saturate(key / k_scale)
-    v_scale: float = 1.0,
-) -> None:
+def check_kv_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float,
+                  v_scale: float) -> bool:
+    """Checks write_kv_cache's arguments (rotary_and_cache's too); whether the cache is FP8."""
     check_tensor("k_cache", k_cache, 4, KV_DTYPES)
     dev = k_cache.device
     check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), dev)
@@ -80,11 +77,26 @@ def write_kv_cache(
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,), dev)
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries, want {num_tokens}")
-    if num_tokens == 0:
-        return
     fp8 = k_cache.dtype == FP8_KV_DTYPE
     if fp8 and not (k_scale > 0 and v_scale > 0):
         raise ValueError(f"FP8 KV scales must be > 0, got k_scale {k_scale}, v_scale {v_scale}")
+    return fp8
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [N, BS, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64; negative = skip
+    k_scale: float = 1.0,  # FP8 caches only: stored = saturate(key / k_scale)
+    v_scale: float = 1.0,
+) -> None:
+    fp8 = check_kv_args(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    _, _, hkv, d = k_cache.shape
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

@@ -217,6 +217,29 @@ def rotary_embedding(
     return rot(q), rot(k)
 
 
+def rotary_and_cache(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,  # [N, BS, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64; negative: not stored
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    *,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 0.0,
+) -> torch.Tensor:
+    """rotary_embedding, then write_kv_cache of the rotated k and of v; the rotated q."""
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache, q_norm_weight=q_norm_weight,
+                            k_norm_weight=k_norm_weight, norm_eps=norm_eps)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

@@ -58,7 +58,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 import pagedserve.kernels.paged_attention as pa  # noqa: E402
-from pagedserve.kernels import fused, reference  # noqa: E402
+from pagedserve.kernels import fused, kv_cache, reference  # noqa: E402
 
 DEV = torch.device("cpu" if ARGS.dry else "cuda")
 DT = torch.float32 if ARGS.dry else torch.bfloat16
@@ -369,6 +369,13 @@ def prefill_sweep() -> None:
         del k_cache, v_cache
 
 
+def _rotary_then_cache(pos, q, k, v, cs, kc, vc, slots):
+    """The two launches rotary_and_cache replaces."""
+    rq, rk = fused.rotary_embedding(pos, q, k, cs)
+    kv_cache.write_kv_cache(rk, v, kc, vc, slots)
+    return rq
+
+
 @section
 def fused_ops() -> None:
     hidden, inter = (96, 200) if ARGS.dry else (4096, 14336)
@@ -385,6 +392,9 @@ def fused_ops() -> None:
         q, k = qkv[:, :H], qkv[:, H:H + HKV]
         pos = torch.randint(0, max_pos, (t,), device=DEV)
         g = torch.randn(t, 2 * inter, device=DEV, dtype=DT)
+        v = qkv[:, H + HKV:]
+        kc, vc = (torch.empty(t // 16 + 1, 16, HKV, D, device=DEV, dtype=DT) for _ in range(2))
+        slots = torch.randperm(t, device=DEV)
         part = functools.partial
         ops = {
             "rms_norm": (part(fused.rms_norm, x, w, 1e-5, r),
@@ -394,15 +404,21 @@ def fused_ops() -> None:
                        2 * t * (H + HKV) * D * el + t * D * 4),
             "silu_and_mul": (part(fused.silu_and_mul, g), part(reference.silu_and_mul, g),
                              3 * t * inter * el),
+            # against the two Triton launches it replaces (the peer named "pair"): bytes of
+            # q and k read and q written, k and v stored, v read, the cos/sin rows
+            "rotary_and_cache": (part(fused.rotary_and_cache, pos, q, k, v, cs, kc, vc, slots),
+                                 part(_rotary_then_cache, pos, q, k, v, cs, kc, vc, slots),
+                                 2 * t * (H + 2 * HKV) * D * el + t * D * 4, "pair"),
         }
-        for name, (ours, peer, nbytes) in ops.items():
+        for name, (ours, peer, nbytes, *peer_name) in ops.items():
             a, b = ours(), peer()
             a, b = (a, b) if isinstance(a, torch.Tensor) else (a[0], b[0])
             err = ((a.float() - b.float()).norm() / b.float().norm()).item()
-            for impl, fn in (("pagedserve", ours), ("torch", peer)):
+            peer_name = peer_name[0] if peer_name else "torch"
+            for impl, fn in (("pagedserve", ours), (peer_name, peer)):
                 ms = bench(fn)
                 record(kind=name, impl=impl, rows=t, ms=ms, tbps=nbytes / ms / 1e9,
-                       dtype=str(DT), rel_err_vs_torch=err)
+                       dtype=str(DT), **{f"rel_err_vs_{peer_name}": err})
                 ROWS.append(f"{name:12s} {impl:10s} T={t:<6d} {ms * 1e3:9.1f} us "
                             f"{nbytes / ms / 1e9:6.2f} TB/s")
 

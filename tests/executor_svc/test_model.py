@@ -79,6 +79,28 @@ def test_matches_hf_across_chunked_prefill_and_decode(hf_and_ours):
     assert_paged_equals_hf(hf, run_paged(ours, cfg, seqs, chunks), seqs, chunks)
 
 
+def test_the_triton_kernels_match_hf_through_the_layers(tmp_path):
+    """The model on the Triton ops (interpreted on the CPU, compiled on a GPU): the attention
+    layer's one launch that rotates q and k and stores k and v in the cache, then attention,
+    give HF's logits across chunked prefill and decode."""
+    from pagedserve.kernels import get_ops
+
+    torch.manual_seed(0)
+    d = dict(CONFIGS["llama"])
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d),
+                                          dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ours = build_model(cfg, get_ops("triton"), torch.float32, torch.device(device), 512,
+                       tmp_path)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 13)]
+    chunks = [(7, 5), (12, 7), (1, 1)]
+    outs = run_paged(ours, cfg, seqs, chunks, device=device)
+    assert_paged_equals_hf(hf, [[o.cpu() for o in per] for per in outs], seqs, chunks)
+
+
 def assert_paged_equals_hf(hf, outs, seqs, chunks, tol=1e-4):
     """run_paged's logits at the end of every step equal HF's over the whole sequence."""
     for b, seq in enumerate(seqs):

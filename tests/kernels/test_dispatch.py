@@ -5,7 +5,8 @@ import pytest
 from pagedserve import kernels
 from pagedserve.kernels import reference
 
-OPS = ("write_kv_cache", "paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul")
+OPS = ("write_kv_cache", "paged_attention", "rms_norm", "rotary_embedding", "rotary_and_cache",
+       "silu_and_mul")
 
 
 def test_torch_backend_is_reference():

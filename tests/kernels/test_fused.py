@@ -5,7 +5,14 @@ import torch
 from kernel_utils import rel_err
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.fused import gelu_tanh_and_mul, rms_norm, rotary_embedding, silu_and_mul
+from pagedserve.kernels.fused import (
+    gelu_tanh_and_mul,
+    rms_norm,
+    rotary_and_cache,
+    rotary_embedding,
+    silu_and_mul,
+)
+from pagedserve.kernels.kv_cache import write_kv_cache
 
 CUDA = torch.cuda.is_available()
 # (tokens, dtype, tolerance): interpreter fp32 small; CUDA bf16 at model sizes.
@@ -89,6 +96,69 @@ def test_rotary_with_each_heads_norm_first(device, tokens, dtype, tol, head_dim)
         rotary_embedding(pos, q, k, cache, q_norm_weight=qw)
     with pytest.raises(ValueError, match="k_norm_weight must be contiguous"):
         rotary_embedding(pos, q, k, cache, q_norm_weight=qw, k_norm_weight=kw[:-2])
+
+
+@pytest.mark.parametrize("tokens,dtype,tol", CASES)
+@pytest.mark.parametrize("head_dim,norm,cache", [(128, False, "same"), (96, True, "same"),
+                                                 (64, False, "fp8"), (96, True, "fp8")])
+def test_rotary_and_cache_equals_the_pair_bit_for_bit(device, tokens, dtype, tol, head_dim, norm,
+                                                      cache):
+    """One launch stores exactly what rotary_embedding then write_kv_cache store (the rotated
+    k rounded to the activations' dtype first, an FP8 cache quantized from that), leaves the
+    slots it was not given and the padding tokens' (-1) alone, and returns the pair's q; both
+    are the torch reference's to within tol."""
+    device = _dev(device, dtype)
+    h, hkv, max_pos, blocks, bs = (32, 8, 8192, 512, 16) if CUDA else (4, 2, 64, 4, 16)
+    gen = torch.Generator().manual_seed(head_dim + norm)
+    qkv = (3 * torch.randn(tokens, (h + 2 * hkv) * head_dim, generator=gen)).to(device, dtype)
+    q, k, v = (x.view(tokens, -1, head_dim) for x in
+               qkv.split([h * head_dim, hkv * head_dim, hkv * head_dim], dim=-1))
+    pos = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
+    table = torch.randn(max_pos, head_dim, generator=gen).to(device)
+    slots = torch.randperm(blocks * bs, generator=gen)[:tokens]
+    slots[::5] = -1
+    slots = slots.to(device)
+    norms = {}
+    if norm:
+        qw, kw = ((1 + 0.5 * torch.randn(head_dim, generator=gen)).to(device, dtype)
+                  for _ in range(2))
+        norms = {"q_norm_weight": qw, "k_norm_weight": kw, "norm_eps": 1e-6}
+    scales = (0.5, 2.0) if cache == "fp8" else (1.0, 1.0)
+    kv_dtype = torch.float8_e4m3fn if cache == "fp8" else dtype
+    nan = torch.full((blocks, bs, hkv, head_dim), 0x7F, dtype=torch.uint8, device=device)
+    kc, vc, kc2, vc2, kc3, vc3 = ((nan.view(kv_dtype) if cache == "fp8" else
+                                   _nan(nan.shape, dtype, device)).clone() for _ in range(6))
+    pq, pk = rotary_embedding(pos, q, k, table, **norms)
+    write_kv_cache(pk, v, kc, vc, slots, *scales)
+    out_q = rotary_and_cache(pos, q, k, v, table, kc2, vc2, slots, *scales,
+                             q_out=_nan(q.shape, dtype, device), **norms)
+    assert torch.equal(out_q, pq)
+    for want, got in ((kc, kc2), (vc, vc2)):
+        assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+    written = (slots >= 0).sum().item() * hkv * head_dim
+    assert (~kc2.float().isnan()).sum().item() == written
+    ref_q = reference.rotary_and_cache(pos, q, k, v, table, kc3, vc3, slots, *scales, **norms)
+    assert rel_err(out_q, ref_q) < tol
+    ok = ~kc3.float().isnan()
+    assert rel_err(kc2.float()[ok], kc3.float()[ok]) < (0.07 if cache == "fp8" else tol)
+    assert torch.equal(vc2.view(torch.uint8), vc3.view(torch.uint8))
+
+
+def test_rotary_and_cache_rejects_misuse(device):
+    q = torch.randn(3, 4, 64, device=device)
+    k = v = torch.randn(3, 2, 64, device=device)
+    pos = torch.arange(3, device=device)
+    table = torch.randn(8, 64, device=device)
+    cache = torch.zeros(2, 16, 2, 64, device=device)
+    slots = torch.arange(3, device=device)
+    with pytest.raises(ValueError, match="slot_mapping has 2 entries"):
+        rotary_and_cache(pos, q, k, v, table, cache, cache.clone(), slots[:2])
+    with pytest.raises(ValueError, match="value shape"):
+        rotary_and_cache(pos, q, k, v[:, :1], table, cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match="v dtype"):
+        rotary_and_cache(pos, q, k, v.half(), table, cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match="go together"):
+        rotary_and_cache(pos, q, k, v, table, cache, cache.clone(), slots, q_norm_weight=q[0, 0])
 
 
 @pytest.mark.parametrize("tokens,dtype,tol", CASES)
