@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import paged_prefill_hopper as hopper
 from pagedserve.kernels._checks import (
     FLOAT_DTYPES,
     FP8_KV_DTYPE,
@@ -481,8 +482,15 @@ def paged_attention(
                                               max_seq_len, sliding_window)
         if num_long_splits < 1:
             raise ValueError(f"num_long_splits must be >= 1, got {num_long_splits}")
-        launch(*args, cfg, per_seq=False, num_splits=num_long_splits, min_q_len=short_q + 1,
-               **opts)
+        if num_long_splits == 1 and hopper.enabled() and hopper.available(q, k_cache):
+            # TMA + wgmma on sm_90 (opt-in until measured): programs enough to fill the GPU
+            hopper.launch_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                               scale, out, min_q_len=short_q + 1,
+                               sliding_window=int(sliding_window),
+                               logits_soft_cap=float(logits_soft_cap))
+        else:
+            launch(*args, cfg, per_seq=False, num_splits=num_long_splits,
+                   min_q_len=short_q + 1, **opts)
     return out
 
 

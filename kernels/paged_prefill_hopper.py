@@ -1,0 +1,417 @@
+"""Paged prefill attention for Hopper (sm_90) in Gluon: TMA loads of K/V pages, wgmma, the
+softmax of one key tile overlapped with the P @ V product of the one before.
+
+The long-row launch of paged_attention (kernels/paged_attention.py: prefill rows and chunks,
+q_len above the short rows' block) done the way FlashAttention-3 does it on an H100/H200:
+
+- **TMA from the paged cache.** A key tile of TILE_N keys is TILE_N / BLOCK_SIZE pages; each
+  page is one TMA box [BLOCK_SIZE, head_dim] at (block id x BLOCK_SIZE, kv head x head_dim) of
+  the cache viewed as [blocks x BLOCK_SIZE, KV heads x head_dim], copied into its rows of the
+  tile's shared buffer. No address math in registers; NUM_STAGES tiles in flight. Pages past
+  the sequence's keys load from past the end of the view, which TMA fills with zeros (so one
+  constant byte count per tile's barrier).
+- **wgmma** for S = Q K^T (Q and K from shared memory) and O += P V (P from registers, V from
+  shared memory), fp32 accumulators.
+- **Overlap** (FA3's intra-warpgroup pipelining): tile j's S is issued, then the previous
+  tile's P V; the softmax of tile j runs while P V is in flight, and O is rescaled once it
+  lands. Tiles below the block's first query position need no causal mask (a loop of their
+  own); tiles wholly before a sliding window are never read.
+- GQA packing as the portable kernel: a program's BLOCK_M rows are BLOCK_M / GROUP tokens x
+  the GROUP query heads of one KV head, so each K/V tile is read once per group.
+
+Covers bf16 and fp16, head sizes 64, 128 and 256 (others: the portable kernel), sliding
+windows and logit soft-capping. An FP8 cache, float32 and launches whose programs are too few
+to fill the GPU without splitting the keys stay on the portable kernel (`available`).
+
+Opt-in while it is unmeasured on a GPU: PAGEDSERVE_PREFILL_KERNEL=hopper. The portable kernel
+and kernels/reference.py remain the oracles (tests/kernels/test_paged_prefill_hopper.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+try:  # Gluon is experimental: present in Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # async_copy_global_to_shared in Triton 3.6, async_load (same arguments) from 3.7
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+except ImportError:  # pragma: no cover - older Triton
+    gluon = None
+
+ENV = "PAGEDSERVE_PREFILL_KERNEL"  # "hopper": this kernel for the long rows where available
+HEAD_DIMS = (64, 128, 256)
+LOAD_REGS = triton.language.constexpr(40)  # the load warp's registers (setmaxnreg)
+# registers a thread at launch: (8 + 4) warps x 32 x 168 fit the SM's 64K; setmaxnreg then
+# moves the load warpgroup's spare registers to the two that multiply
+MAXNREG = 168
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class HopperConfig:
+    block_m: int = 128  # query rows (tokens x group heads) per program: wgmma's M
+    tile_n: int = 128  # keys per tile: S's N, P V's K
+    num_stages: int = 2  # K/V tiles in flight
+    num_warps: int = 8  # two warpgroups, 64 rows each
+
+
+def config_for(head_dim: int) -> HopperConfig:
+    # shared memory: Q [128, D] + stages x (K + V) [TILE_N, D], 2 bytes each: 160 KB at D 128
+    # (128-key tiles, 2 stages) of the 227 KB an sm_90 SM has. At D 256 the O accumulator
+    # alone is 128 registers a thread: 64-key tiles spilled (40-148 bytes with a window and
+    # a soft cap, benchmarks/kernels/sm90_build.py), 32-key tiles do not; 3 stages, 160 KB.
+    if head_dim == 256:
+        return HopperConfig(tile_n=32, num_stages=3)
+    return HopperConfig()
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "") == "hopper"
+
+
+@functools.lru_cache(maxsize=8)
+def _sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether this kernel can run these long rows: Gluon, an sm_90 GPU, bf16/fp16 q and a
+    cache of q's dtype (not FP8), head_dim 64/128/256, a contiguous cache whose block size
+    divides the tile or is a multiple of it, and at most BLOCK_M query heads a KV head."""
+    if gluon is None or not q.is_cuda or not _sm90(q.device):
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
+        return False
+    _, block_size, hkv, d = k_cache.shape
+    cfg = config_for(d)
+    return (d in HEAD_DIMS and k_cache.is_contiguous() and q.shape[1] // hkv <= cfg.block_m
+            and (cfg.tile_n % block_size == 0 or block_size % cfg.tile_n == 0)
+            and block_size >= 8)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _find_long_block(cu_q_ptr, num_seqs, qb, BLOCK_Q: gl.constexpr):
+        """Query block qb of the long-row layout (cu_q[b] // BLOCK_Q + b is sequence b's first
+        block): its sequence, first query row, query count and first token."""
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if gl.load(cu_q_ptr + mid) // BLOCK_Q + mid <= qb:
+                lo = mid + 1
+            else:
+                hi = mid
+        seq = lo - 1
+        q_start = gl.load(cu_q_ptr + seq)
+        q_len = gl.load(cu_q_ptr + seq + 1) - q_start
+        q_tok0 = (qb - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+        return seq, q_start, q_len, q_tok0
+
+    @gluon.jit
+    def _tile_blocks(bt_row, tile, kv_end, BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr,
+                     BOX: gl.constexpr):
+        """The block ids of tile `tile`'s boxes in one load (each thread holds them all); the
+        boxes past kv_end get -1."""
+        PAGES: gl.constexpr = TILE_N // BOX
+        ids_layout: gl.constexpr = gl.BlockedLayout([PAGES], [32], [1], [0])
+        key0 = tile * TILE_N + gl.arange(0, PAGES, layout=ids_layout) * BOX
+        return gl.load(bt_row + key0 // BLOCK_SIZE, mask=key0 < kv_end, other=-1)
+
+    @gluon.jit
+    def _load_partition(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, bt_row,
+                        t_lo, t_hi, kv_end, kv_col, past_end, BLOCK_SIZE: gl.constexpr,
+                        TILE_N: gl.constexpr, BOX: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        NUM_STAGES: gl.constexpr):
+        """One warp: for each tile, wait for its slot to be released, then one TMA box per
+        page of K and of V. Boxes past kv_end load from row past_end (zeros), so each tile's
+        barrier expects a constant byte count. The next tile's block ids load ahead."""
+        PAGES: gl.constexpr = TILE_N // BOX
+        nbytes: gl.constexpr = TILE_N * HEAD_DIM * 2  # 16-bit K (V), every box counted
+        pages = gl.arange(0, PAGES, layout=gl.BlockedLayout([PAGES], [32], [1], [0]))
+        ids = _tile_blocks(bt_row, t_lo, kv_end, BLOCK_SIZE, TILE_N, BOX)
+        for j in range(t_lo, t_hi):
+            i = j - t_lo
+            slot = i % NUM_STAGES
+            ids_next = _tile_blocks(bt_row, j + 1, kv_end, BLOCK_SIZE, TILE_N, BOX)
+            # mbarriers start with phase 1 complete: the first NUM_STAGES waits pass
+            mbarrier.wait(empty.index(slot), ((i // NUM_STAGES) & 1) ^ 1)
+            k_buf = k_bufs.index(slot)
+            v_buf = v_bufs.index(slot)
+            mbarrier.expect(k_ready.index(slot), nbytes)
+            mbarrier.expect(v_ready.index(slot), nbytes)
+            for p in gl.static_range(PAGES):
+                blk = gl.sum(gl.where(pages == p, ids, gl.zeros_like(ids)), 0)
+                row = gl.where(blk >= 0, blk * BLOCK_SIZE + (j * TILE_N + p * BOX) % BLOCK_SIZE,
+                               past_end)
+                _tma_load(k_desc, [row, kv_col], k_ready.index(slot), k_buf.slice(p * BOX, BOX))
+                _tma_load(v_desc, [row, kv_col], v_ready.index(slot), v_buf.slice(p * BOX, BOX))
+            ids = ids_next
+
+    @gluon.jit
+    def _zero_rows_past(v_buf, tile, kv_end, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        num_warps: gl.constexpr):
+        """Zeros the rows of a V tile at keys >= kv_end: the tail of the sequence's last page
+        holds whatever the block held before (P is 0 there, but 0 x NaN is not)."""
+        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        keys = tile * TILE_N + gl.arange(0, TILE_N, layout=gl.SliceLayout(1, blocked))
+        v = v_buf.load(blocked)
+        v = gl.where(gl.expand_dims(keys < kv_end, 1), v, gl.zeros_like(v))
+        v_buf.store(v)
+        fence_async_shared()  # before wgmma (the async proxy) reads it
+
+    @gluon.jit
+    def _scores(s, tile, q_pos, kv_end, qk_scale, window, soft_cap, s_layout: gl.constexpr,
+                TILE_N: gl.constexpr, MASK: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                SOFT_CAP: gl.constexpr):
+        """S in the log2 domain, capped and masked as the portable kernel's _attend_tile."""
+        s = s * qk_scale
+        if SOFT_CAP:  # c * tanh(x / c) as 2 * sigmoid(2u) - 1 (see paged_attention.py)
+            u = gl.exp2(s * (-2.0 / soft_cap))
+            s = (soft_cap * 1.4426950408889634) * (2.0 / (1.0 + u) - 1.0)
+        if MASK:
+            k_pos = tile * TILE_N + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, s_layout))
+            kp = gl.expand_dims(k_pos, 0)
+            qp = gl.expand_dims(q_pos, 1)
+            keep = (kp <= qp) & (kp < kv_end)
+            if HAS_WINDOW:
+                keep = keep & (kp > qp - window)
+            s = gl.where(keep, s, gl.full_like(s, float("-inf")))
+        return s
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i):
+        """Online softmax of one tile's scores: new max, P, the old sum rescaled plus P's row
+        sums, and alpha (the factor O must be rescaled by)."""
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), gl.zeros_like(m_new), m_new)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return m_new, p, l_i, alpha
+
+    @gluon.jit
+    def _step(j, t_lo, p_prev, acc, m_i, l_i, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty,
+              q_pos, kv_end, qk_scale, window, soft_cap, s_layout: gl.constexpr,
+              o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+              TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+              MASK: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFT_CAP: gl.constexpr,
+              num_warps: gl.constexpr):
+        """Tile j (> t_lo): its S issued, then tile j - 1's P V; tile j's softmax while P V
+        runs; tile j - 1's slot released to the load warp; O rescaled."""
+        i = j - t_lo
+        slot = i % NUM_STAGES
+        phase = (i // NUM_STAGES) & 1
+        prev = (i - 1) % NUM_STAGES
+        mbarrier.wait(k_ready.index(slot), phase)
+        s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)),
+                          gl.zeros([BLOCK_M, TILE_N], gl.float32, s_layout), use_acc=False,
+                          is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((i - 1) // NUM_STAGES) & 1)
+        acc = warpgroup_mma(p_prev, v_bufs.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        s = _scores(s, j, q_pos, kv_end, qk_scale, window, soft_cap, s_layout, TILE_N, MASK,
+                    HAS_WINDOW, SOFT_CAP)
+        m_i, p, l_i, alpha = _softmax(s, m_i, l_i)
+        p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index(prev), count=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        if MASK:  # noqa: SIM102 (a constexpr, then a runtime test)
+            # a tile reaching past the keys: clean its V before its P V (next step)
+            if (j + 1) * TILE_N > kv_end:
+                mbarrier.wait(v_ready.index(slot), phase)
+                _zero_rows_past(v_bufs.index(slot), j, kv_end, TILE_N, HEAD_DIM, num_warps)
+        return p, acc, m_i, l_i
+
+    @gluon.jit
+    def _compute_partition(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_pos, t_lo, t_hi,
+                           t_win, t_full, kv_end, qk_scale, window, soft_cap,
+                           s_layout: gl.constexpr, o_layout: gl.constexpr,
+                           p_layout: gl.constexpr, BLOCK_M: gl.constexpr,
+                           TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                           SOFT_CAP: gl.constexpr, num_warps: gl.constexpr):
+        """The two warpgroups that multiply: O (unnormalised) and the row sums."""
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+        # the first tile, masked (it may hold the window's edge, the causal edge or both)
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)),
+                          gl.zeros([BLOCK_M, TILE_N], gl.float32, s_layout), use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        s = _scores(s, t_lo, q_pos, kv_end, qk_scale, window, soft_cap, s_layout, TILE_N,
+                    True, HAS_WINDOW, SOFT_CAP)
+        m_i, p, l_i, alpha = _softmax(s, m_i, l_i)
+        p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        if (t_lo + 1) * TILE_N > kv_end:
+            mbarrier.wait(v_ready.index(0), 0)
+            _zero_rows_past(v_bufs.index(0), t_lo, kv_end, TILE_N, HEAD_DIM, num_warps)
+
+        # the rest: the window's edge masked, then unmasked tiles, then the causal tail
+        t_mid = gl.maximum(t_lo + 1, t_win)
+        t_tail = gl.maximum(t_mid, t_full)
+        for j in range(t_lo + 1, gl.minimum(t_mid, t_hi)):
+            p, acc, m_i, l_i = _step(
+                j, t_lo, p, acc, m_i, l_i, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty,
+                q_pos, kv_end, qk_scale, window, soft_cap, s_layout, o_layout, p_layout,
+                BLOCK_M, TILE_N, HEAD_DIM, NUM_STAGES, True, HAS_WINDOW, SOFT_CAP, num_warps)
+        for j in range(t_mid, gl.minimum(t_tail, t_hi)):
+            p, acc, m_i, l_i = _step(
+                j, t_lo, p, acc, m_i, l_i, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty,
+                q_pos, kv_end, qk_scale, window, soft_cap, s_layout, o_layout, p_layout,
+                BLOCK_M, TILE_N, HEAD_DIM, NUM_STAGES, False, HAS_WINDOW, SOFT_CAP, num_warps)
+        for j in range(t_tail, t_hi):
+            p, acc, m_i, l_i = _step(
+                j, t_lo, p, acc, m_i, l_i, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty,
+                q_pos, kv_end, qk_scale, window, soft_cap, s_layout, o_layout, p_layout,
+                BLOCK_M, TILE_N, HEAD_DIM, NUM_STAGES, True, HAS_WINDOW, SOFT_CAP, num_warps)
+
+        # the last tile's P V
+        i_last = t_hi - 1 - t_lo
+        mbarrier.wait(v_ready.index(i_last % NUM_STAGES), (i_last // NUM_STAGES) & 1)
+        acc = warpgroup_mma(p, v_bufs.index(i_last % NUM_STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        return acc, l_i
+
+    # as the portable kernel's: step-varying ints are not specialised on (a compile while
+    # serving stalls the step); past_end (the cache's rows) is fixed per run
+    @gluon.jit(do_not_specialize=["num_seqs", "min_q_len", "window", "stride_bt"])
+    def _prefill_kernel(
+        q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, cu_q_ptr, out_ptr,
+        qk_scale, num_seqs, min_q_len, window, soft_cap, past_end,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+        GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_M: gl.constexpr,
+        HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFT_CAP: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        BOX: gl.constexpr = k_desc.block_type.shape[0]  # keys a TMA box holds
+        DTYPE: gl.constexpr = k_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, TILE_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                     k_width=2)
+        q_blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+
+        kvh = gl.program_id(1)
+        seq, q_start, q_len, q_tok0 = _find_long_block(cu_q_ptr, num_seqs, gl.program_id(0),
+                                                       BLOCK_Q)
+        if (q_tok0 >= q_len) | (q_len < min_q_len):
+            return
+        ctx = gl.load(seq_lens_ptr + seq)
+        first_pos = ctx - q_len + q_tok0
+        kv_end = gl.minimum(ctx, first_pos + BLOCK_Q)  # keys any row of this block may see
+        t_hi = gl.cdiv(kv_end, TILE_N)
+        t_full = (first_pos + 1) // TILE_N  # tiles below need no causal or length mask
+        if HAS_WINDOW:
+            t_lo = gl.maximum(first_pos - window + 1, 0) // TILE_N
+            t_win = gl.cdiv(gl.maximum(kv_end - window, 0), TILE_N)  # from here: all inside
+        else:
+            t_lo = 0
+            t_win = 0
+
+        # Q: BLOCK_Q tokens x GROUP heads, loaded once into shared memory
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_blocked))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_blocked))
+        tok = q_tok0 + rows // GROUP
+        head = kvh * GROUP + rows % GROUP
+        row_ok = (tok < q_len) & (rows < BLOCK_Q * GROUP)
+        q_off = (q_start + tok).to(gl.int64) * stride_qt + head * stride_qh
+        q = gl.load(q_ptr + gl.expand_dims(q_off, 1) + gl.expand_dims(cols, 0),
+                    mask=gl.expand_dims(row_ok, 1), other=0.0)
+        q_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, HEAD_DIM],
+                                           gl.NVMMASharedLayout.get_default_for(
+                                               [BLOCK_M, HEAD_DIM], DTYPE), q)
+        fence_async_shared()
+
+        k_bufs = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, TILE_N, HEAD_DIM], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, TILE_N, HEAD_DIM], v_desc.layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_ready.index(st), count=1)
+            mbarrier.init(v_ready.index(st), count=1)
+            mbarrier.init(empty.index(st), count=1)
+        bt_row = block_tables_ptr + seq.to(gl.int64) * stride_bt
+        q_pos = first_pos + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) // GROUP
+
+        acc, l_i = gl.warp_specialize([
+            (_compute_partition, (q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_pos, t_lo,
+                                  t_hi, t_win, t_full, kv_end, qk_scale, window, soft_cap,
+                                  s_layout, o_layout, p_layout, BLOCK_M, TILE_N, HEAD_DIM,
+                                  NUM_STAGES, HAS_WINDOW, SOFT_CAP, num_warps)),
+            (_load_partition, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, bt_row,
+                               t_lo, t_hi, kv_end, kvh * HEAD_DIM, past_end, BLOCK_SIZE,
+                               TILE_N, BOX, HEAD_DIM, NUM_STAGES)),
+        ], [1], [LOAD_REGS])
+        for st in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(k_ready.index(st))
+            mbarrier.invalidate(v_ready.index(st))
+            mbarrier.invalidate(empty.index(st))
+
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        o = acc / gl.expand_dims(gl.where(l_o == 0.0, gl.full_like(l_o, 1.0), l_o), 1)
+        o_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_tok = q_tok0 + o_rows // GROUP
+        o_head = kvh * GROUP + o_rows % GROUP
+        o_ok = (o_tok < q_len) & (o_rows < BLOCK_Q * GROUP)
+        o_off = (q_start + o_tok).to(gl.int64) * stride_ot + o_head * stride_oh
+        gl.store(out_ptr + gl.expand_dims(o_off, 1) + gl.expand_dims(o_cols, 0),
+                 o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(o_ok, 1))
+
+
+def _layout(shape, dtype: torch.dtype):
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for(shape, gdt)
+
+
+def launch_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float,
+                out: torch.Tensor, *, min_q_len: int, sliding_window: int = 0,
+                logits_soft_cap: float = 0.0, config: HopperConfig | None = None) -> None:
+    """The long rows (q_len >= min_q_len) of paged_attention over checked arguments that
+    `available` accepted; the other rows of out are left alone."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    cfg = config or config_for(head_dim)
+    group = num_heads // num_kv_heads
+    block_q = cfg.block_m // group
+    box = min(block_size, cfg.tile_n)
+    layout = _layout([box, head_dim], q.dtype)
+    descs = [TensorDescriptor(c.view(num_blocks * block_size, num_kv_heads * head_dim),
+                              [num_blocks * block_size, num_kv_heads * head_dim],
+                              [num_kv_heads * head_dim, 1], [box, head_dim], layout)
+             for c in (k_cache, v_cache)]
+    num_seqs = seq_lens.shape[0]
+    _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
+        q, descs[0], descs[1], block_tables, seq_lens, cu_seqlens_q, out,
+        scale * _LOG2E, num_seqs, min_q_len, int(sliding_window), float(logits_soft_cap),
+        num_blocks * block_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, NUM_STAGES=cfg.num_stages,
+        HAS_WINDOW=sliding_window > 0, SOFT_CAP=logits_soft_cap > 0,
+        num_warps=cfg.num_warps, maxnreg=MAXNREG)
