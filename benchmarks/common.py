@@ -112,7 +112,8 @@ def results_dir() -> Path:
     return Path(os.environ.get("PAGEDSERVE_RESULTS") or RESULTS)
 
 
-ENV_SWITCHES = ("PAGEDSERVE_MOE_FUSE_SILU",)  # kernels/fused_moe.py: SiLU in GEMM 1's epilogue
+ENV_SWITCHES = ("PAGEDSERVE_MOE_FUSE_SILU",  # kernels/fused_moe.py: SiLU in GEMM 1's epilogue
+                "PAGEDSERVE_PREFILL_KERNEL")  # "hopper": kernels/paged_prefill_hopper.py
 
 
 def environment() -> dict:

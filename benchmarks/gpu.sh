@@ -11,6 +11,9 @@
 #   prefillbench  paged prefill attention beside cuDNN SDPA at 1 x 8k, 4 x 4k, 16 x 1k, 1 x 32k,
 #             1 x 128k, then the long rows' launch over configs (bench_kernels.py's prefill
 #             and prefill_sweep sections); ~3 min
+#   hopperprefill  the Hopper paged prefill kernel (PAGEDSERVE_PREFILL_KERNEL=hopper): its GPU
+#             tests, then (if they pass) the prefill section beside the portable kernel and
+#             cuDNN, then 1 x 128k at 2,048-token chunks with it (LONG_PROMPTS); ~4 min
 #   fp8kv     the FP8 KV-cache kernel tests on the GPU, then decode attention at batch 64 x 8k
 #             (8B shapes) over an FP8 cache beside bf16 (benchmarks/kernels/bench_fp8_kv.py)
 #   overhead  host cost per step with a stub model: step_overhead at 16, 64, 256 running
@@ -298,6 +301,19 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         | tail -8 ;;
     prefillbench) python3 benchmarks/kernels/bench_kernels.py --out $B/records \
       --sections ceilings,prefill,prefill_sweep 2>&1 | tee -a $B/kernels.log | grep -v "^{" ;;
+    hopperprefill)
+      python3 -m pytest -q -rs tests/kernels/test_paged_prefill_hopper.py 2>&1 \
+        | tee $B/pytest_hopper_prefill.log | tail -12
+      if grep -q " passed" $B/pytest_hopper_prefill.log \
+          && ! grep -qE " failed| error" $B/pytest_hopper_prefill.log; then
+        python3 benchmarks/kernels/bench_kernels.py --out $B/records --sections prefill 2>&1 \
+          | tee -a $B/kernels.log | grep -v "^{"
+        PAGEDSERVE_PREFILL_KERNEL=hopper python3 -m benchmarks.long_context "${M8[@]}" \
+          $(for n in ${LONG_PROMPTS:-131072}; do echo --prompt $n; done) --requests 1 --decoders 0 \
+          --server-flag=--long-prefill-token-threshold --server-flag=2048 \
+          2>&1 | tee -a $B/long_context.log | quiet 10
+        save
+      fi ;;
     fp8kvsweep) python3 benchmarks/kernels/bench_fp8_kv.py --sweep 2>&1 \
       | tee -a $B/fp8kv.log | grep -v "^wrote" ;;
     fp8kv)

@@ -18,6 +18,7 @@ random data; small cases rotate over enough copies to exceed the 60 MB L2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -58,6 +59,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 import pagedserve.kernels.paged_attention as pa  # noqa: E402
+import pagedserve.kernels.paged_prefill_hopper as hopper  # noqa: E402
 from pagedserve.kernels import fused, kv_cache, reference  # noqa: E402
 
 DEV = torch.device("cpu" if ARGS.dry else "cuda")
@@ -255,10 +257,22 @@ def prefill() -> None:
         def peer(qt=qt, k=k, v=v):
             return SDPA(qt, k, v, is_causal=True, scale=scale)
 
-        ours()
+        out_h = torch.empty_like(q)
+
+        def ours_hopper(q=q, bt=bt, k_cache=k_cache, v_cache=v_cache, cu=cu, sl=sl, seq=seq,
+                        out_h=out_h):
+            # the Hopper long-row kernel (kernels/paged_prefill_hopper.py, opt-in)
+            with _env(hopper.ENV, "hopper"):
+                pa.paged_attention(q, k_cache, v_cache, bt, sl, cu, scale, max_query_len=seq,
+                                   max_seq_len=seq, out=out_h, num_long_splits=1)
+
+        impls = [("pagedserve", ours, out), ("torch_sdpa", peer, None)]
+        if hopper.available(q, k_cache):
+            impls.insert(1, ("pagedserve_hopper", ours_hopper, out_h))
         ref = peer().transpose(1, 2).reshape(b * seq, H, D).float()
-        err = ((out.float() - ref).norm() / ref.norm()).item()
-        for impl, fn in (("pagedserve", ours), ("torch_sdpa", peer)):
+        for impl, fn, got in impls:
+            fn()
+            err = ((got.float() - ref).norm() / ref.norm()).item() if got is not None else 0.0
             ms = bench(fn)
             record(kind="prefill", impl=impl, batch=b, ctx=seq, q_len=seq, ms=ms,
                    tflops=flops / ms / 1e9, dtype=str(DT), block_size=BS, rel_err_vs_sdpa=err)
@@ -367,6 +381,19 @@ def prefill_sweep() -> None:
             ROWS.append(f"prefill_sweep B={b} L={seq:<6d} {cfg} {ms:8.4f} ms "
                         f"{flops / ms / 1e9:6.1f} TFLOP/s err {err:.1e}")
         del k_cache, v_cache
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def _rotary_then_cache(pos, q, k, v, cs, kc, vc, slots):
