@@ -11,6 +11,8 @@
 #   prefillbench  paged prefill attention beside cuDNN SDPA at 1 x 8k, 4 x 4k, 16 x 1k, 1 x 32k,
 #             1 x 128k, then the long rows' launch over configs (bench_kernels.py's prefill
 #             and prefill_sweep sections); ~3 min
+#   fusedops  RMSNorm, rotary, SiLU-and-mul and the rotary pass that writes the KV cache
+#             (against the two launches it replaces) at 256 and 16,384 rows; ~1 min
 #   hopperprefill  the Hopper paged prefill kernel (PAGEDSERVE_PREFILL_KERNEL=hopper): its GPU
 #             tests, then (if they pass) the prefill section beside the portable kernel and
 #             cuDNN, then 1 x 128k at 2,048-token chunks with it (LONG_PROMPTS); ~4 min
@@ -301,6 +303,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         | tail -8 ;;
     prefillbench) python3 benchmarks/kernels/bench_kernels.py --out $B/records \
       --sections ceilings,prefill,prefill_sweep 2>&1 | tee -a $B/kernels.log | grep -v "^{" ;;
+    fusedops) python3 benchmarks/kernels/bench_kernels.py --out $B/records --sections fused_ops \
+      2>&1 | tee -a $B/kernels.log | grep -v "^{" ;;
     hopperprefill)
       python3 -m pytest -q -rs tests/kernels/test_paged_prefill_hopper.py 2>&1 \
         | tee $B/pytest_hopper_prefill.log | tail -12
