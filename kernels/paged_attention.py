@@ -13,7 +13,10 @@ launches of the same kernel, each skipping the sequences that belong to the othe
   chunk of a long prompt: a 512-token chunk of an 8-KV-head model makes 128 on 132 SMs, each
   walking every key), the keys are split as decode's are, the partials merged per token.
 
-So decode rows keep their small, fast config even when a prefill shares the step.
+So decode rows keep their small, fast config even when a prefill shares the step. On an sm_90
+GPU with PAGEDSERVE_PREFILL_KERNEL=hopper (opt-in), the long rows' launch goes to the Gluon
+kernel of paged_prefill_hopper.py where it covers them (16-bit cache, head 64/128/256, programs
+enough without key splits).
 
 An FP8 cache (float8_e4m3fn) is read as stored * scale: K and V tiles are widened to q's dtype,
 fp16 when q is bf16 (exact: every e4m3 value is an fp16 value), and the dots run as for a
