@@ -4,18 +4,22 @@ softmax of one key tile overlapped with the P @ V product of the one before.
 The long-row launch of paged_attention (kernels/paged_attention.py: prefill rows and chunks,
 q_len above the short rows' block) done the way FlashAttention-3 does it on an H100/H200:
 
-- **TMA from the paged cache.** A key tile of TILE_N keys is TILE_N / BLOCK_SIZE pages; each
-  page is one TMA box [BLOCK_SIZE, head_dim] at (block id x BLOCK_SIZE, kv head x head_dim) of
-  the cache viewed as [blocks x BLOCK_SIZE, KV heads x head_dim], copied into its rows of the
-  tile's shared buffer. No address math in registers; NUM_STAGES tiles in flight. Pages past
-  the sequence's keys load from past the end of the view, which TMA fills with zeros (so one
-  constant byte count per tile's barrier).
+- **TMA from the paged cache, from a load warp of its own** (warp specialization). A key tile
+  of TILE_N keys is TILE_N / BLOCK_SIZE pages (or a TILE_N slice of one larger page); each is
+  one TMA box [BLOCK_SIZE, head_dim] at (block id x BLOCK_SIZE, kv head x head_dim) of the
+  cache viewed as [blocks x BLOCK_SIZE, KV heads x head_dim], copied into its rows of the
+  tile's shared buffer: no address math in the warps that multiply, NUM_STAGES tiles in
+  flight, slots handed back and forth by mbarriers. Pages past the sequence's keys load from
+  past the end of the view, which TMA fills with zeros (so one constant byte count per tile's
+  barrier). The block-id loads and the barrier Triton places between two copies into one
+  buffer stall only that warp.
 - **wgmma** for S = Q K^T (Q and K from shared memory) and O += P V (P from registers, V from
   shared memory), fp32 accumulators.
 - **Overlap** (FA3's intra-warpgroup pipelining): tile j's S is issued, then the previous
   tile's P V; the softmax of tile j runs while P V is in flight, and O is rescaled once it
-  lands. Tiles below the block's first query position need no causal mask (a loop of their
-  own); tiles wholly before a sliding window are never read.
+  lands (not FA3's ping-pong: the two warpgroups meet at a barrier each tile). Tiles below
+  the block's first query position need no causal mask (a loop of their own); tiles wholly
+  before a sliding window are never read.
 - GQA packing as the portable kernel: a program's BLOCK_M rows are BLOCK_M / GROUP tokens x
   the GROUP query heads of one KV head, so each K/V tile is read once per group.
 
