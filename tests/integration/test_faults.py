@@ -126,6 +126,22 @@ def recovers(request, hf_greedy):
         assert rss <= 1.1 * before[role], (role, before, after)
 
 
+def finished_record(path: Path, seen: int, request_id: str, timeout: float = 10.0) -> dict:
+    """The request_finished record of request_id in the log at path past offset `seen`, once
+    it is there: it is written after the stream's last message (by its API process, through
+    serve's log under serve), so a client can read the end of a stream before the record."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = [json.loads(line) for line in path.read_text()[seen:].splitlines()
+                   if line.startswith('{"event": "request_finished"')
+                   and f'"request_id": "{request_id}"' in line]
+        if records:
+            [record] = records
+            return record
+        assert time.monotonic() < deadline, f"no record of {request_id} in {timeout}s"
+        time.sleep(0.05)
+
+
 def logged_time(asctime: str) -> float:
     """A log line's time (logging's asctime, local time) as time.time() would give it."""
     from datetime import datetime
@@ -202,10 +218,9 @@ def test_under_serve_a_killed_executor_is_noticed_at_once_and_no_request_is_lost
         ids.extend(chunk.token_ids)
     assert ids == hf_greedy[4]
     assert [t for chunk in late for t in chunk.token_ids] == hf_greedy[4]
+    record = finished_record(served.log_path, seen, "sent-during-the-outage")
     log = served.log_path.read_text()[seen:]
     assert "executor exited with -9; restarting" in log
-    [record] = [json.loads(line) for line in log.splitlines()
-                if '"request_id": "sent-during-the-outage"' in line]
     back = re.search(r"^(\S+ \S+) INFO pagedserve.scheduler: readiness: SERVING$", log, re.M)
     assert record["ts"] - record["e2e_s"] < logged_time(back.group(1))  # it arrived, and waited
 
@@ -290,10 +305,7 @@ def test_an_executor_killed_in_a_long_prefill_loses_nothing(stack, recovers, mod
     stack.executor = stack.start_executor()
     got = [t for chunk in stream for t in chunk.token_ids]
     assert got == want
-    log = (stack.tmp / "scheduler.log").read_text()
-    [record] = [json.loads(line) for line in log.splitlines()
-                if line.startswith('{"event": "request_finished"')
-                and '"request_id": "killed-in-prefill"' in line]
+    record = finished_record(stack.tmp / "scheduler.log", 0, "killed-in-prefill")
     assert record["preemptions"] == 1  # recomputed on the new executor, from its prompt
     arrival = record["ts"] - record["e2e_s"]
     assert arrival + record["ttft_s"] > killed_at  # no token before the kill: it was prefilling
