@@ -127,6 +127,21 @@ def _rope_heads(src, dst, w_ptr, num_heads, stride_sh, stride_dh, cos, sin, eps,
 
 
 @triton.jit
+def _rope_rotate_q(t, pos_ptr, q_ptr, cs_ptr, qo_ptr, qw_ptr, num_heads, stride_qt, stride_qh,
+                   stride_qot, stride_qoh, stride_cs, eps, HALF: tl.constexpr,
+                   BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+    """Token t's cos/sin row (fp32, for its k too) and its q heads rotated into qo."""
+    pos = tl.load(pos_ptr + t)
+    offs = tl.arange(0, BLOCK_HALF)[None, :]
+    d_ok = offs < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + offs, mask=d_ok, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs, mask=d_ok, other=0.0).to(tl.float32)
+    _rope_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, qw_ptr, num_heads, stride_qh,
+                stride_qoh, cos, sin, eps, HALF, BLOCK_HALF, BLOCK_H, NORM)
+    return cos, sin
+
+
+@triton.jit
 def _rope_kernel(
     pos_ptr, q_ptr, k_ptr, cs_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, num_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh,
@@ -135,13 +150,9 @@ def _rope_kernel(
     BLOCK_HK: tl.constexpr, NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t)
-    offs = tl.arange(0, BLOCK_HALF)[None, :]
-    d_ok = offs < HALF
-    cos = tl.load(cs_ptr + pos * stride_cs + offs, mask=d_ok, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs, mask=d_ok, other=0.0).to(tl.float32)
-    _rope_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, qw_ptr, num_heads, stride_qh,
-                stride_qoh, cos, sin, eps, HALF, BLOCK_HALF, BLOCK_H, NORM)
+    cos, sin = _rope_rotate_q(t, pos_ptr, q_ptr, cs_ptr, qo_ptr, qw_ptr, num_heads, stride_qt,
+                              stride_qh, stride_qot, stride_qoh, stride_cs, eps, HALF,
+                              BLOCK_HALF, BLOCK_H, NORM)
     _rope_heads(k_ptr + t * stride_kt, ko_ptr + t * stride_kot, kw_ptr, num_kv_heads, stride_kh,
                 stride_koh, cos, sin, eps, HALF, BLOCK_HALF, BLOCK_HK, NORM)
 
@@ -195,13 +206,9 @@ def _rope_cache_kernel(
     BLOCK_HK: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t)
-    offs = tl.arange(0, BLOCK_HALF)[None, :]
-    d_ok = offs < HALF
-    cos = tl.load(cs_ptr + pos * stride_cs + offs, mask=d_ok, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs, mask=d_ok, other=0.0).to(tl.float32)
-    _rope_heads(q_ptr + t * stride_qt, qo_ptr + t * stride_qot, qw_ptr, num_heads, stride_qh,
-                stride_qoh, cos, sin, eps, HALF, BLOCK_HALF, BLOCK_H, NORM)
+    cos, sin = _rope_rotate_q(t, pos_ptr, q_ptr, cs_ptr, qo_ptr, qw_ptr, num_heads, stride_qt,
+                              stride_qh, stride_qot, stride_qoh, stride_cs, eps, HALF,
+                              BLOCK_HALF, BLOCK_H, NORM)
     slot = tl.load(slot_ptr + t)
     if slot < 0:  # padding: its q is rotated (and ignored), nothing is stored
         return
