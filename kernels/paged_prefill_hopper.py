@@ -40,22 +40,16 @@ from dataclasses import dataclass
 import torch
 import triton
 
-try:  # Gluon is experimental: present in Triton >= 3.5
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    # async_copy_global_to_shared in Triton 3.6, async_load (same arguments) from 3.7
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-except ImportError:  # pragma: no cover - older Triton
-    gluon = None
+from pagedserve.kernels._gluon import (
+    TensorDescriptor,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    tma_load,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 ENV = "PAGEDSERVE_PREFILL_KERNEL"  # "hopper": this kernel for the long rows where available
 HEAD_DIMS = (64, 128, 256)
@@ -164,8 +158,8 @@ if gluon is not None:
                 blk = gl.sum(gl.where(pages == p, ids, gl.zeros_like(ids)), 0)
                 row = gl.where(blk >= 0, blk * BLOCK_SIZE + (j * TILE_N + p * BOX) % BLOCK_SIZE,
                                past_end)
-                _tma_load(k_desc, [row, kv_col], k_ready.index(slot), k_buf.slice(p * BOX, BOX))
-                _tma_load(v_desc, [row, kv_col], v_ready.index(slot), v_buf.slice(p * BOX, BOX))
+                tma_load(k_desc, [row, kv_col], k_ready.index(slot), k_buf.slice(p * BOX, BOX))
+                tma_load(v_desc, [row, kv_col], v_ready.index(slot), v_buf.slice(p * BOX, BOX))
             ids = ids_next
 
     @gluon.jit

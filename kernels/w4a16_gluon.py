@@ -27,6 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels._gluon import (
+    TensorDescriptor,
+    gl,
+    gluon,
+    mbarrier,
+    tma_load,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from pagedserve.kernels.w4a16_common import (
     PLANE_BLOCK,
     check_gemm_args,
@@ -35,23 +44,6 @@ from pagedserve.kernels.w4a16_common import (
     split_k_partials,
     x2_variants,
 )
-
-try:  # Gluon is experimental: present in Triton >= 3.5
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    # TMA global-to-shared copy: async_copy_global_to_shared in Triton 3.6, async_load (same
-    # arguments) from 3.7, where the old name raises
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-except ImportError:  # pragma: no cover - older Triton
-    gluon = None
 
 PLANE = PLANE_BLOCK  # K per tile: 16 words of 8 nibbles
 
@@ -172,7 +164,7 @@ if gluon is not None:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         nxt = t + NUM_STAGES
         mbarrier.expect(bars.index(buf), x_desc.block_type.nbytes, pred=nxt < n_even)
-        _tma_load(x_desc, [off_m, k_start + nxt * 128], bars.index(buf), xs.index(buf),
+        tma_load(x_desc, [off_m, k_start + nxt * 128], bars.index(buf), xs.index(buf),
                   pred=nxt < n_even)
         return acc, p_next, qw, s, z
 
@@ -210,7 +202,7 @@ if gluon is not None:
             mbarrier.init(bars.index(i), count=1)
         for i in gl.static_range(NUM_STAGES):  # the first x tiles
             mbarrier.expect(bars.index(i), x_desc.block_type.nbytes, pred=i < n_even)
-            _tma_load(x_desc, [off_m, k_start + i * 128], bars.index(i), xs.index(i),
+            tma_load(x_desc, [off_m, k_start + i * 128], bars.index(i), xs.index(i),
                       pred=i < n_even)
 
         qw, s, z = _load_words(qw_ptr, s_ptr, z_ptr, 0, n_tiles, k_start, offs_n, offs_w, n_ok,
