@@ -123,6 +123,18 @@ if gluon is not None:
         return seq, q_start, q_len, q_tok0
 
     @gluon.jit
+    def _packed_rows(q_tok0, q_start, q_len, kvh, stride_t, stride_h, layout: gl.constexpr,
+                     GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_M: gl.constexpr):
+        """A program's BLOCK_M packed rows (BLOCK_Q tokens x the GROUP heads of KV head kvh),
+        in layout's rows: each row's element offset in q (or out) and whether it is a real
+        row (a token of the sequence; a group that is not a power of two leaves rows over)."""
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        tok = q_tok0 + rows // GROUP
+        head = kvh * GROUP + rows % GROUP
+        ok = (tok < q_len) & (rows < BLOCK_Q * GROUP)
+        return (q_start + tok).to(gl.int64) * stride_t + head * stride_h, ok
+
+    @gluon.jit
     def _tile_blocks(bt_row, tile, kv_end, BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr,
                      BOX: gl.constexpr):
         """The block ids of tile `tile`'s boxes in one load (each thread holds them all); the
@@ -331,12 +343,9 @@ if gluon is not None:
             t_win = 0
 
         # Q: BLOCK_Q tokens x GROUP heads, loaded once into shared memory
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_blocked))
+        q_off, row_ok = _packed_rows(q_tok0, q_start, q_len, kvh, stride_qt, stride_qh,
+                                     q_blocked, GROUP, BLOCK_Q, BLOCK_M)
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_blocked))
-        tok = q_tok0 + rows // GROUP
-        head = kvh * GROUP + rows % GROUP
-        row_ok = (tok < q_len) & (rows < BLOCK_Q * GROUP)
-        q_off = (q_start + tok).to(gl.int64) * stride_qt + head * stride_qh
         q = gl.load(q_ptr + gl.expand_dims(q_off, 1) + gl.expand_dims(cols, 0),
                     mask=gl.expand_dims(row_ok, 1), other=0.0)
         q_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, HEAD_DIM],
@@ -372,12 +381,9 @@ if gluon is not None:
 
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         o = acc / gl.expand_dims(gl.where(l_o == 0.0, gl.full_like(l_o, 1.0), l_o), 1)
-        o_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        o_off, o_ok = _packed_rows(q_tok0, q_start, q_len, kvh, stride_ot, stride_oh, o_layout,
+                                   GROUP, BLOCK_Q, BLOCK_M)
         o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        o_tok = q_tok0 + o_rows // GROUP
-        o_head = kvh * GROUP + o_rows % GROUP
-        o_ok = (o_tok < q_len) & (o_rows < BLOCK_Q * GROUP)
-        o_off = (q_start + o_tok).to(gl.int64) * stride_ot + o_head * stride_oh
         gl.store(out_ptr + gl.expand_dims(o_off, 1) + gl.expand_dims(o_cols, 0),
                  o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(o_ok, 1))
 
