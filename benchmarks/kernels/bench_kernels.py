@@ -18,7 +18,6 @@ random data; small cases rotate over enough copies to exceed the 60 MB L2.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -30,6 +29,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -262,7 +262,7 @@ def prefill() -> None:
         def ours_hopper(q=q, bt=bt, k_cache=k_cache, v_cache=v_cache, cu=cu, sl=sl, seq=seq,
                         out_h=out_h):
             # the Hopper long-row kernel (kernels/paged_prefill_hopper.py, opt-in)
-            with _env(hopper.ENV, "hopper"):
+            with mock.patch.dict(os.environ, {hopper.ENV: "hopper"}):
                 pa.paged_attention(q, k_cache, v_cache, bt, sl, cu, scale, max_query_len=seq,
                                    max_seq_len=seq, out=out_h, num_long_splits=1)
 
@@ -381,19 +381,6 @@ def prefill_sweep() -> None:
             ROWS.append(f"prefill_sweep B={b} L={seq:<6d} {cfg} {ms:8.4f} ms "
                         f"{flops / ms / 1e9:6.1f} TFLOP/s err {err:.1e}")
         del k_cache, v_cache
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def _rotary_then_cache(pos, q, k, v, cs, kc, vc, slots):
