@@ -29,7 +29,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -394,8 +394,7 @@ def _fused_pass(x, w13, w2, weights, ids, w13_scale, w2_scale, out, workspace) -
     if FUSE_SILU:
         # gate and up tiles of half the tuned width: the tuned tile's bytes, shared memory and
         # program count, and the SiLU in the epilogue
-        half = MoeConfig(cfg1.block_m, max(16, cfg1.block_n // 2), cfg1.block_k, cfg1.group_m,
-                         cfg1.num_warps, cfg1.num_stages)
+        half = replace(cfg1, block_n=max(16, cfg1.block_n // 2))
         moe_gemm(x, w13, cache2, align, k, half, scale=w13_scale, gated=True)
     else:
         moe_gemm(x, w13, cache1, align, k, cfg1, scale=w13_scale)
