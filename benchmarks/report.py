@@ -411,12 +411,17 @@ def kernels_section(records: list[dict]) -> list[str]:
     for (kind, shape), impls in by.items():
         ours = impls.pop("pagedserve", None) or impls.pop("triton", None)  # graphed, as served
         impls.pop("triton_eager", None)
+        # other kernels of ours for the shape (pagedserve_hopper): beside ours in its rate cell
+        variants = {k[len("pagedserve_"):]: impls.pop(k) for k in list(impls)
+                    if k.startswith("pagedserve_")}
         ref_name, ref = next(iter(impls.items()), ("-", None))
 
         def rate(r: dict | None) -> str:
             return "-" if r is None else " / ".join(
                 f"{r[u]:.2f} {n}" for u, n in (("tbps", "TB/s"), ("tflops", "TFLOP/s")) if u in r)
-        rows.append([kind, shape, num(ours and ours["ms"], ".4f"), rate(ours), ref_name,
+        ours_rate = "; ".join([rate(ours), *(f"{v}: {rv['ms']:.4f} ms, {rate(rv)}"
+                                             for v, rv in variants.items())])
+        rows.append([kind, shape, num(ours and ours["ms"], ".4f"), ours_rate, ref_name,
                      num(ref and ref["ms"], ".4f"), rate(ref), (ours or ref)["commit"]])
     sweeps = [[r["kind"], r.get("kv_cache_dtype", "bf16"), _shape(r),
                json.dumps(r["config"]) if "config" in r else
