@@ -13,9 +13,9 @@
 #             and prefill_sweep sections); ~3 min
 #   fusedops  RMSNorm, rotary, SiLU-and-mul and the rotary pass that writes the KV cache
 #             (against the two launches it replaces) at 256 and 16,384 rows; ~1 min
-#   hopperprefill  the Hopper paged prefill kernel (PAGEDSERVE_PREFILL_KERNEL=hopper): its GPU
-#             tests, then (if they pass) the prefill section beside the portable kernel and
-#             cuDNN, then 1 x 128k at 2,048-token chunks with it (LONG_PROMPTS); ~4 min
+#   hopperprefill  the Hopper paged prefill kernel (kernels/paged_prefill_hopper.py): its GPU
+#             tests, then (if they pass) the prefill section (as served, each long-row kernel
+#             forced, cuDNN), then 1 x 128k at 2,048-token chunks as served (LONG_PROMPTS); ~4 min
 #   fp8kv     the FP8 KV-cache kernel tests on the GPU, then decode attention at batch 64 x 8k
 #             (8B shapes) over an FP8 cache beside bf16 (benchmarks/kernels/bench_fp8_kv.py)
 #   overhead  host cost per step with a stub model: step_overhead at 16, 64, 256 running
@@ -312,7 +312,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
           && ! grep -qE " failed| error" $B/pytest_hopper_prefill.log; then
         python3 benchmarks/kernels/bench_kernels.py --out $B/records --sections prefill 2>&1 \
           | tee -a $B/kernels.log | grep -v "^{"
-        PAGEDSERVE_PREFILL_KERNEL=hopper python3 -m benchmarks.long_context "${M8[@]}" \
+        python3 -m benchmarks.long_context "${M8[@]}" \
           $(for n in ${LONG_PROMPTS:-131072}; do echo --prompt $n; done) --requests 1 --decoders 0 \
           --server-flag=--long-prefill-token-threshold --server-flag=2048 \
           2>&1 | tee -a $B/long_context.log | quiet 10

@@ -14,9 +14,9 @@ launches of the same kernel, each skipping the sequences that belong to the othe
   walking every key), the keys are split as decode's are, the partials merged per token.
 
 So decode rows keep their small, fast config even when a prefill shares the step. On an sm_90
-GPU with PAGEDSERVE_PREFILL_KERNEL=hopper (opt-in), the long rows' launch goes to the Gluon
-kernel of paged_prefill_hopper.py where it covers them (16-bit cache, head 64/128/256, programs
-enough without key splits).
+GPU the long rows' launch goes to the Gluon kernel of paged_prefill_hopper.py where it covers
+them (16-bit cache, head 64/128/256, programs enough without key splits) and is the faster
+(from 4,096 keys; PAGEDSERVE_PREFILL_KERNEL=hopper or portable forces the choice).
 
 An FP8 cache (float8_e4m3fn) is read as stored * scale: K and V tiles are widened to q's dtype,
 fp16 when q is bf16 (exact: every e4m3 value is an fp16 value), and the dots run as for a
@@ -485,8 +485,9 @@ def paged_attention(
                                               max_seq_len, sliding_window)
         if num_long_splits < 1:
             raise ValueError(f"num_long_splits must be >= 1, got {num_long_splits}")
-        if num_long_splits == 1 and hopper.enabled() and hopper.available(q, k_cache):
-            # TMA + wgmma on sm_90 (opt-in until measured): programs enough to fill the GPU
+        if num_long_splits == 1 and hopper.available(q, k_cache) \
+                and hopper.chosen(max_query_len, max_seq_len):
+            # TMA + wgmma on sm_90: programs enough to fill the GPU, keys enough to pay back
             hopper.launch_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                                scale, out, min_q_len=short_q + 1,
                                sliding_window=int(sliding_window),

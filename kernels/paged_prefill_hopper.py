@@ -27,13 +27,17 @@ Covers bf16 and fp16, head sizes 64, 128 and 256 (others: the portable kernel), 
 windows and logit soft-capping. An FP8 cache, float32 and launches whose programs are too few
 to fill the GPU without splitting the keys stay on the portable kernel (`available`).
 
-Opt-in while it is unmeasured on a GPU: PAGEDSERVE_PREFILL_KERNEL=hopper. The portable kernel
-and kernels/reference.py remain the oracles (tests/kernels/test_paged_prefill_hopper.py).
+The default on sm_90 for launches over at least MIN_KEYS keys (`chosen`; first run on an H100
+2026-12-06: 0.80-0.85 of cuDNN SDPA on contiguous K/V from 4k to 128k keys, the 128k-token
+prompt's TTFT 12.6 s against 16.7 s). PAGEDSERVE_PREFILL_KERNEL=hopper or portable forces
+either. The portable kernel and kernels/reference.py remain the oracles
+(tests/kernels/test_paged_prefill_hopper.py).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -51,7 +55,14 @@ from pagedserve.kernels._gluon import (
     warpgroup_mma_wait,
 )
 
-ENV = "PAGEDSERVE_PREFILL_KERNEL"  # "hopper": this kernel for the long rows where available
+# "auto" (or unset): this kernel for the long rows where it is available and the keys are at
+# least MIN_KEYS; "hopper": wherever available; "portable": never
+ENV = "PAGEDSERVE_PREFILL_KERNEL"
+# keys below which the portable kernel's long rows are faster: at 16 x 1k a program walks ~4
+# tiles and this kernel's set-up (barriers, the load warp, Q's load) is not paid back (0.91x
+# the portable kernel's time on an H100); at 4 x 4k it is 1.05x faster, at 8k 1.13x, at 128k
+# 1.12x (bench_kernels.py's prefill section, 2026-12-06)
+MIN_KEYS = 4096
 HEAD_DIMS = (64, 128, 256)
 LOAD_REGS = triton.language.constexpr(40)  # the load warp's registers (setmaxnreg)
 # registers a thread at launch: (8 + 4) warps x 32 x 168 fit the SM's 64K; setmaxnreg then
@@ -78,8 +89,21 @@ def config_for(head_dim: int) -> HopperConfig:
     return HopperConfig()
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV, "") == "hopper"
+@functools.lru_cache(maxsize=4)
+def _warn_mode(mode: str) -> None:
+    logging.getLogger(__name__).warning("%s=%r is not auto, hopper or portable: auto", ENV, mode)
+
+
+def chosen(max_query_len: int, max_seq_len: int | None) -> bool:
+    """Whether the long rows should take this kernel (where `available`), by ENV: the
+    portable kernel below MIN_KEYS keys (max_seq_len; max_query_len when it is not known)."""
+    mode = os.environ.get(ENV, "") or "auto"
+    if mode not in ("auto", "hopper", "portable"):
+        _warn_mode(mode)  # a typo must not fail every prefill: auto, said once
+        mode = "auto"
+    if mode != "auto":
+        return mode == "hopper"
+    return (max_seq_len if max_seq_len is not None else max_query_len) >= MIN_KEYS
 
 
 @functools.lru_cache(maxsize=8)
@@ -326,8 +350,10 @@ if gluon is not None:
         q_blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
         kvh = gl.program_id(1)
-        seq, q_start, q_len, q_tok0 = _find_long_block(cu_q_ptr, num_seqs, gl.program_id(0),
-                                                       BLOCK_Q)
+        # heaviest first (FA3's LPT order): a causal block's work grows with its position, so
+        # the blocks are taken last to first and the short ones fill the final wave
+        qb = gl.num_programs(0) - 1 - gl.program_id(0)
+        seq, q_start, q_len, q_tok0 = _find_long_block(cu_q_ptr, num_seqs, qb, BLOCK_Q)
         if (q_tok0 >= q_len) | (q_len < min_q_len):
             return
         ctx = gl.load(seq_lens_ptr + seq)

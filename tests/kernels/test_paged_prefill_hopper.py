@@ -56,6 +56,20 @@ def test_not_available_off_sm90_or_for_what_it_does_not_cover():
     assert hopper.config_for(256).tile_n == 32 and hopper.config_for(128).tile_n == 128
 
 
+def test_chosen_from_min_keys_by_default_and_forced_either_way(monkeypatch, caplog):
+    monkeypatch.delenv(hopper.ENV, raising=False)
+    assert not hopper.chosen(1024, 1024)  # 16 x 1k: the portable kernel is the faster
+    assert hopper.chosen(512, 131072)  # a chunk deep in a long prompt
+    assert hopper.chosen(4096, None) and not hopper.chosen(4095, None)  # keys unknown: q_len
+    monkeypatch.setenv(hopper.ENV, "hopper")
+    assert hopper.chosen(64, 64)
+    monkeypatch.setenv(hopper.ENV, "portable")
+    assert not hopper.chosen(8192, 131072)
+    monkeypatch.setenv(hopper.ENV, "hoper")  # a typo: auto, and a warning
+    assert hopper.chosen(8192, 8192) and not hopper.chosen(128, 128)
+    assert "'hoper' is not auto, hopper or portable" in caplog.text
+
+
 def _check(batch, scale, opts=None, tol=1e-2):
     """paged_attention with the Hopper kernel taking the long rows (one key split, as it is
     chosen in service) against the reference; the portable launch must not see long rows."""
