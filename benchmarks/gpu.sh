@@ -95,8 +95,8 @@
 #   moew2     W2 on both at the default flags, no peer (HF generate's W2 batch runs 1,024
 #             steps: minutes)
 #   moelat    Qwen3-30B-A3B single-stream decode, 128 -> 512 tokens, 1 running
-#   moelatab  moelat with PAGEDSERVE_MOE_FUSE_SILU 0 1 0 1 (records carry env), then the fused-MoE
-#             kernel tests on the GPU with it on; ~4 min
+#   moelatab  moelat with PAGEDSERVE_MOE_FUSE_SILU over MOE_FUSES (default 0 1 0 1; records
+#             carry env), then the fused-MoE kernel tests on the GPU with it on; ~4 min
 #   profilemoe  torch profile of W1 on Qwen3-30B-A3B at the default flags
 #   qwen3     W1 on Llama-3.1-8B then Qwen3-8B at the default flags (q/k norm's cost)
 #   numerics  bf16 drift from fp32 on the default model's real weights, beside HF's own bf16
@@ -445,7 +445,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     moew2) for m in ${MOE_MODELS:-MQ30 MMIX}; do tp W2 $m "${DEFAULTS[@]}"; done ;;
     moelat) tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 --max-num-seqs 1 \
       --max-num-batched-tokens 0 ;;
-    moelatab) for fuse in 0 1 0 1; do  # SiLU in the first MoE GEMM's epilogue, off and on
+    moelatab) for fuse in ${MOE_FUSES:-0 1 0 1}; do  # SiLU in GEMM 1's epilogue, off and on
         PAGEDSERVE_MOE_FUSE_SILU=$fuse tp "" MQ30 --hf none --requests 2 --prompt 128 \
           --output 512 --max-num-seqs 1 --max-num-batched-tokens 0
       done

@@ -470,32 +470,66 @@ def paged_attention(
             "logits_soft_cap": float(logits_soft_cap)}
     launch(*args, short, per_seq=True, num_splits=num_splits, **opts)
     short_q = short.block_m // group
-    if max_query_len > short_q:
-        cfg = long_config(max_query_len, group, q.dtype, q.shape[2],
-                          hopper=_is_hopper(q.device),
-                          fp8_cache=k_cache.dtype == FP8_KV_DTYPE)
-        if num_long_splits is None:
-            # a chunk of a long prompt has few query blocks (512 tokens of the 8B: 16 x 8 KV
-            # heads = 128 programs on 132 SMs, each walking 128k keys): split its keys too.
-            # The partials take at most ~2 x SMs x BLOCK_M x head_dim floats (35 MB at 128),
-            # in steps of at most ~2 x SMs x BLOCK_Q / KV heads tokens: far inside the memory
-            # the profile's largest step measured.
-            programs = (num_tokens // (cfg.block_m // group) + 1) * num_kv_heads
-            num_long_splits, _ = _auto_splits(programs, cfg, group, q.device, seq_lens,
-                                              max_seq_len, sliding_window)
-        if num_long_splits < 1:
-            raise ValueError(f"num_long_splits must be >= 1, got {num_long_splits}")
-        if num_long_splits == 1 and hopper.available(q, k_cache) \
-                and hopper.chosen(max_query_len, max_seq_len):
-            # TMA + wgmma on sm_90: programs enough to fill the GPU, keys enough to pay back
-            hopper.launch_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                               scale, out, min_q_len=short_q + 1,
-                               sliding_window=int(sliding_window),
-                               logits_soft_cap=float(logits_soft_cap))
-        else:
-            launch(*args, cfg, per_seq=False, num_splits=num_long_splits,
-                   min_q_len=short_q + 1, **opts)
+    if max_query_len <= short_q:
+        return out
+    if hopper.available(q, k_cache) and hopper.chosen(max_query_len, max_seq_len):
+        # TMA + wgmma on sm_90 where it is the faster (from hopper.MIN_KEYS keys)
+        _hopper_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out,
+                     min_q_len=short_q + 1, max_seq_len=max_seq_len, num_splits=num_long_splits,
+                     sliding_window=int(sliding_window), logits_soft_cap=float(logits_soft_cap))
+        return out
+    cfg = long_config(max_query_len, group, q.dtype, q.shape[2], hopper=_is_hopper(q.device),
+                      fp8_cache=k_cache.dtype == FP8_KV_DTYPE)
+    if num_long_splits is None:
+        # a chunk of a long prompt has few query blocks (512 tokens of the 8B: 16 x 8 KV
+        # heads = 128 programs on 132 SMs, each walking 128k keys): split its keys too.
+        # The partials take at most ~2 x SMs x BLOCK_M x head_dim floats (35 MB at 128),
+        # in steps of at most ~2 x SMs x BLOCK_Q / KV heads tokens: far inside the memory
+        # the profile's largest step measured.
+        programs = (num_tokens // (cfg.block_m // group) + 1) * num_kv_heads
+        num_long_splits, _ = _auto_splits(programs, cfg, group, q.device, seq_lens,
+                                          max_seq_len, sliding_window)
+    if num_long_splits < 1:
+        raise ValueError(f"num_long_splits must be >= 1, got {num_long_splits}")
+    launch(*args, cfg, per_seq=False, num_splits=num_long_splits, min_q_len=short_q + 1, **opts)
     return out
+
+
+def _hopper_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float,
+                 out: torch.Tensor, *, min_q_len: int, max_seq_len: int | None,
+                 num_splits: int | None, sliding_window: int, logits_soft_cap: float) -> None:
+    """The long rows on the Hopper kernel, its keys split (and merged here) when its
+    programs alone would leave the last wave of SMs mostly idle (hopper.num_splits)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    block_q = hopper.config_for(head_dim).block_m // (num_heads // num_kv_heads)
+    grid0 = num_tokens // block_q + num_seqs
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        seen = min(max_seq_len, sliding_window + block_q) if sliding_window else max_seq_len
+        num_splits = hopper.num_splits(grid0 * num_kv_heads, _num_sms(q.device),
+                                       triton.cdiv(seen, hopper.config_for(head_dim).tile_n))
+    if num_splits < 1:
+        raise ValueError(f"num_long_splits must be >= 1, got {num_splits}")
+    opts = {"min_q_len": min_q_len, "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap, "num_splits": num_splits}
+    args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
+    if num_splits == 1:
+        hopper.launch_long(*args, **opts)
+        return
+    part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
+                         device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32,
+                           device=q.device)
+    hopper.launch_long(*args, partials=(part_m, part_l, part_acc), **opts)
+    _merge_long_splits_kernel[(grid0, num_heads)](
+        part_m, part_l, part_acc, out, cu_seqlens_q, num_seqs, num_heads, num_splits,
+        min_q_len, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_Q=block_q,
+        BLOCK_S=triton.next_power_of_2(num_splits))
 
 
 def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -157,6 +158,31 @@ if gluon is not None:
         head = kvh * GROUP + rows % GROUP
         ok = (tok < q_len) & (rows < BLOCK_Q * GROUP)
         return (q_start + tok).to(gl.int64) * stride_t + head * stride_h, ok
+
+    @gluon.jit
+    def _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, m_i, l_i, acc, q_tok0, q_start,
+                        q_len, kvh, num_heads, num_splits, split, GROUP: gl.constexpr,
+                        BLOCK_Q: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """One key split's (max, sum, unnormalised O) of each packed row, in the portable
+        kernel's partial layout ([token, head, split] and [token, head, split, HEAD_DIM],
+        float32), which paged_attention's merge reads."""
+        ml_layout: gl.constexpr = m_i.type.layout
+        rows = gl.arange(0, BLOCK_M, layout=ml_layout)
+        tok = q_tok0 + rows // GROUP
+        idx = ((q_start + tok).to(gl.int64) * num_heads + kvh * GROUP + rows % GROUP) \
+            * num_splits + split
+        ok = (tok < q_len) & (rows < BLOCK_Q * GROUP)
+        gl.store(part_m_ptr + idx, m_i, mask=ok)
+        gl.store(part_l_ptr + idx, l_i, mask=ok)
+        acc_layout: gl.constexpr = acc.type.layout
+        a_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        a_tok = q_tok0 + a_rows // GROUP
+        a_idx = ((q_start + a_tok).to(gl.int64) * num_heads + kvh * GROUP + a_rows % GROUP) \
+            * num_splits + split
+        a_ok = (a_tok < q_len) & (a_rows < BLOCK_Q * GROUP)
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        gl.store(part_acc_ptr + gl.expand_dims(a_idx * HEAD_DIM, 1) + gl.expand_dims(cols, 0),
+                 acc, mask=gl.expand_dims(a_ok, 1))
 
     @gluon.jit
     def _tile_blocks(bt_row, tile, kv_end, BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr,
@@ -282,7 +308,8 @@ if gluon is not None:
                            TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                            NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
                            SOFT_CAP: gl.constexpr, num_warps: gl.constexpr):
-        """The two warpgroups that multiply: O (unnormalised) and the row sums."""
+        """The two warpgroups that multiply: O (unnormalised), the row maxima (log2 domain)
+        and the row sums."""
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
@@ -325,19 +352,20 @@ if gluon is not None:
         mbarrier.wait(v_ready.index(i_last % NUM_STAGES), (i_last // NUM_STAGES) & 1)
         acc = warpgroup_mma(p, v_bufs.index(i_last % NUM_STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        return acc, l_i
+        return acc, m_i, l_i
 
     # as the portable kernel's: step-varying ints are not specialised on (a compile while
     # serving stalls the step); past_end (the cache's rows) is fixed per run
-    @gluon.jit(do_not_specialize=["num_seqs", "min_q_len", "window", "stride_bt"])
+    @gluon.jit(do_not_specialize=["num_seqs", "min_q_len", "window", "stride_bt", "num_splits"])
     def _prefill_kernel(
         q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, cu_q_ptr, out_ptr,
+        part_m_ptr, part_l_ptr, part_acc_ptr, num_heads, num_splits,
         qk_scale, num_seqs, min_q_len, window, soft_cap, past_end,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_M: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFT_CAP: gl.constexpr,
-        num_warps: gl.constexpr,
+        SPLIT: gl.constexpr, num_warps: gl.constexpr,
     ):
         BOX: gl.constexpr = k_desc.block_type.shape[0]  # keys a TMA box holds
         DTYPE: gl.constexpr = k_desc.dtype
@@ -367,6 +395,21 @@ if gluon is not None:
         else:
             t_lo = 0
             t_win = 0
+        if SPLIT:  # the splits share out the block's tiles (a chunk deep in a long prompt)
+            split = gl.program_id(2)
+            per_split = gl.cdiv(t_hi - t_lo, num_splits)
+            t_lo = t_lo + split * per_split
+            t_hi = gl.minimum(t_lo + per_split, t_hi)
+            if t_lo >= t_hi:  # no tile: weight 0 in the merge
+                z_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+                _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr,
+                                gl.full([BLOCK_M], float("-inf"), gl.float32,
+                                        gl.SliceLayout(1, z_layout)),
+                                gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, z_layout)),
+                                gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, z_layout), q_tok0,
+                                q_start, q_len, kvh, num_heads, num_splits, split, GROUP,
+                                BLOCK_Q, BLOCK_M, HEAD_DIM)
+                return
 
         # Q: BLOCK_Q tokens x GROUP heads, loaded once into shared memory
         q_off, row_ok = _packed_rows(q_tok0, q_start, q_len, kvh, stride_qt, stride_qh,
@@ -391,7 +434,7 @@ if gluon is not None:
         bt_row = block_tables_ptr + seq.to(gl.int64) * stride_bt
         q_pos = first_pos + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) // GROUP
 
-        acc, l_i = gl.warp_specialize([
+        acc, m_i, l_i = gl.warp_specialize([
             (_compute_partition, (q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_pos, t_lo,
                                   t_hi, t_win, t_full, kv_end, qk_scale, window, soft_cap,
                                   s_layout, o_layout, p_layout, BLOCK_M, TILE_N, HEAD_DIM,
@@ -405,13 +448,18 @@ if gluon is not None:
             mbarrier.invalidate(v_ready.index(st))
             mbarrier.invalidate(empty.index(st))
 
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        o = acc / gl.expand_dims(gl.where(l_o == 0.0, gl.full_like(l_o, 1.0), l_o), 1)
-        o_off, o_ok = _packed_rows(q_tok0, q_start, q_len, kvh, stride_ot, stride_oh, o_layout,
-                                   GROUP, BLOCK_Q, BLOCK_M)
-        o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(out_ptr + gl.expand_dims(o_off, 1) + gl.expand_dims(o_cols, 0),
-                 o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(o_ok, 1))
+        if SPLIT:
+            _store_partials(part_m_ptr, part_l_ptr, part_acc_ptr, m_i, l_i, acc, q_tok0,
+                            q_start, q_len, kvh, num_heads, num_splits, gl.program_id(2), GROUP,
+                            BLOCK_Q, BLOCK_M, HEAD_DIM)
+        else:
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            o = acc / gl.expand_dims(gl.where(l_o == 0.0, gl.full_like(l_o, 1.0), l_o), 1)
+            o_off, o_ok = _packed_rows(q_tok0, q_start, q_len, kvh, stride_ot, stride_oh,
+                                       o_layout, GROUP, BLOCK_Q, BLOCK_M)
+            o_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            gl.store(out_ptr + gl.expand_dims(o_off, 1) + gl.expand_dims(o_cols, 0),
+                     o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(o_ok, 1))
 
 
 def _layout(shape, dtype: torch.dtype):
@@ -421,9 +469,14 @@ def _layout(shape, dtype: torch.dtype):
 
 def launch_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float,
                 out: torch.Tensor, *, min_q_len: int, sliding_window: int = 0,
-                logits_soft_cap: float = 0.0, config: HopperConfig | None = None) -> None:
+                logits_soft_cap: float = 0.0, config: HopperConfig | None = None,
+                num_splits: int = 1,
+                partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """The long rows (q_len >= min_q_len) of paged_attention over checked arguments that
-    `available` accepted; the other rows of out are left alone."""
+    `available` accepted; the other rows of out are left alone. With num_splits > 1 each
+    block's keys are split that many ways and the splits' (max, sum, O) go to partials
+    (float32 [tokens, heads, splits] twice and [tokens, heads, splits, head_dim], the
+    portable kernel's layout) for the caller to merge; out is not written."""
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     cfg = config or config_for(head_dim)
@@ -436,12 +489,40 @@ def launch_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale
                               [num_kv_heads * head_dim, 1], [box, head_dim], layout)
              for c in (k_cache, v_cache)]
     num_seqs = seq_lens.shape[0]
-    _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
+    split = num_splits > 1
+    if split and (partials is None or partials[2].shape != (num_tokens, num_heads, num_splits,
+                                                            head_dim)):
+        raise ValueError(f"{num_splits} key splits need partials [{num_tokens}, {num_heads}, "
+                         f"{num_splits}(, {head_dim})]")
+    part_m, part_l, part_acc = partials if split else (out, out, out)  # unused without splits
+    _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads, num_splits)](
         q, descs[0], descs[1], block_tables, seq_lens, cu_seqlens_q, out,
+        part_m, part_l, part_acc, num_heads, num_splits,
         scale * _LOG2E, num_seqs, min_q_len, int(sliding_window), float(logits_soft_cap),
         num_blocks * block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, NUM_STAGES=cfg.num_stages,
-        HAS_WINDOW=sliding_window > 0, SOFT_CAP=logits_soft_cap > 0,
+        HAS_WINDOW=sliding_window > 0, SOFT_CAP=logits_soft_cap > 0, SPLIT=split,
         num_warps=cfg.num_warps, maxnreg=MAXNREG)
+
+
+MIN_TILES_PER_SPLIT = 8  # a split's set-up (Q, barriers, the pipeline's fill) paid back
+
+
+def num_splits(programs: int, num_sms: int, tiles: int) -> int:
+    """Key splits for a launch of `programs` blocks that each walk `tiles` key tiles, one
+    program an SM at a time (160 KB of shared memory each): the fewest (a power of two) that
+    fill 90 % of the last wave, else the fullest. A 512-token chunk at the end of a 128k
+    prompt (8 KV heads): 136 programs on 132 SMs, two waves, the second 4 programs; 8 splits
+    make 1,088 in 9 waves. Whole prompts make programs enough: 1."""
+    best, best_fill, s = 1, 0.0, 1
+    while s <= 64 and (s == 1 or tiles // s >= MIN_TILES_PER_SPLIT):
+        waves = programs * s / num_sms
+        fill = waves / math.ceil(waves)  # the share of the waves' slots used
+        if fill >= 0.9:
+            return s
+        if fill > best_fill:
+            best, best_fill = s, fill
+        s *= 2
+    return best

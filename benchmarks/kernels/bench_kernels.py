@@ -234,11 +234,12 @@ def decode() -> None:
 @section
 def prefill() -> None:
     # the long shapes of issue 32 (1 x 8k, 4 x 4k, 1 x 32k, 1 x 128k) and 16 x 1k, then a
-    # 2,048-token chunk at the end of a 128k prompt (as served, --long-prefill-token-threshold
-    # 2048: no SDPA peer, its causal mask is not the top-left one SDPA's flash path takes)
+    # 2,048- and a 512-token chunk (the default --long-prefill-token-threshold) at the end of
+    # a 128k prompt (no SDPA peer: its causal mask is not the top-left one SDPA's flash path
+    # takes)
     cases = [(1, 128, 128), (1, 32, 128)] if ARGS.dry else [
         (1, 8192, 8192), (4, 4096, 4096), (16, 1024, 1024), (1, 32768, 32768),
-        (1, 131072, 131072), (1, 2048, 131072)]
+        (1, 131072, 131072), (1, 2048, 131072), (1, 512, 131072)]
     scale = D**-0.5
     for b, q_len, seq in cases:
         k_cache, v_cache, cu, sl, sets = paged_case([q_len] * b, [seq] * b)
@@ -249,12 +250,11 @@ def prefill() -> None:
         def ours(kernel: str | None, out: torch.Tensor, q=q, bt=bt, k_cache=k_cache,
                  v_cache=v_cache, cu=cu, sl=sl, q_len=q_len, seq=seq):
             # kernel None: as served (the Hopper kernel from hopper.MIN_KEYS keys on sm_90);
-            # "hopper" / "portable": that long-row kernel, forced, over one key split
+            # "hopper" / "portable": that long-row kernel, forced; key splits as served
             env = {} if kernel is None else {hopper.ENV: kernel}
             with mock.patch.dict(os.environ, env):
                 pa.paged_attention(q, k_cache, v_cache, bt, sl, cu, scale, max_query_len=q_len,
-                                   max_seq_len=seq, out=out,
-                                   num_long_splits=None if kernel is None else 1)
+                                   max_seq_len=seq, out=out)
 
         impls = [("pagedserve", functools.partial(ours, None, torch.empty_like(q)))]
         if hopper.available(q, k_cache):

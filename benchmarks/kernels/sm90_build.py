@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def build_prefill(head_dim: int = 128, block_size: int = 16, group: int = 4,
-                  window: bool = False, soft_cap: bool = False, fp16: bool = False):
+                  window: bool = False, soft_cap: bool = False, fp16: bool = False,
+                  split: bool = False):
     """The compiled kernel (triton.compile's result) for these constexprs."""
     import torch
     import triton
@@ -43,13 +44,16 @@ def build_prefill(head_dim: int = 128, block_size: int = 16, group: int = 4,
                             hopper._layout([box, head_dim], dtype))
     sig = {"q_ptr": ptr, "k_desc": mangle_type(desc), "v_desc": mangle_type(desc),
            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_q_ptr": "*i32",
-           "out_ptr": ptr, "qk_scale": "fp32", "num_seqs": "i32", "min_q_len": "i32",
+           "out_ptr": ptr, "part_m_ptr": "*fp32" if split else ptr,
+           "part_l_ptr": "*fp32" if split else ptr, "part_acc_ptr": "*fp32" if split else ptr,
+           "num_heads": "i32", "num_splits": "i32", "qk_scale": "fp32", "num_seqs": "i32",
+           "min_q_len": "i32",
            "window": "i32", "soft_cap": "fp32", "past_end": "i32", "stride_qt": "i32",
            "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32"}
     consts = dict(GROUP=group, BLOCK_Q=cfg.block_m // group, BLOCK_M=cfg.block_m,
                   HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
                   NUM_STAGES=cfg.num_stages, HAS_WINDOW=window, SOFT_CAP=soft_cap,
-                  num_warps=cfg.num_warps)
+                  SPLIT=split, num_warps=cfg.num_warps)
     sig.update({n: "constexpr" for n in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values())
              if ty.startswith("*")}
@@ -84,9 +88,10 @@ def main() -> None:
     p.add_argument("--window", action="store_true")
     p.add_argument("--soft-cap", action="store_true")
     p.add_argument("--fp16", action="store_true")
+    p.add_argument("--split", action="store_true", help="the key-split variant (partials out)")
     a = p.parse_args()
     variant = {"head_dim": a.head_dim, "block_size": a.block_size, "group": a.group,
-               "window": a.window, "soft_cap": a.soft_cap, "fp16": a.fp16}
+               "window": a.window, "soft_cap": a.soft_cap, "fp16": a.fp16, "split": a.split}
     print(json.dumps({**variant, **ptxas_report(build_prefill(**variant))}))
 
 

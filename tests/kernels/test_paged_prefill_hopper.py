@@ -28,8 +28,8 @@ needs_sm90 = pytest.mark.skipif(not SM90 or hopper.gluon is None,
 @pytest.mark.parametrize("args", [[], ["--head-dim", "64", "--block-size", "32", "--group", "1",
                                        "--window"],
                                   ["--head-dim", "256", "--block-size", "256", "--group", "2",
-                                   "--window", "--soft-cap", "--fp16"]],
-                         ids=["d128", "d64-window", "d256-window-cap"])
+                                   "--window", "--soft-cap", "--fp16", "--split"]],
+                         ids=["d128", "d64-window", "d256-window-cap-split"])
 def test_builds_for_sm90_without_spills_within_shared_memory(args):
     """The kernel compiles to sm_90 machine code (outside the interpreter: a process of its
     own) at each head size, with the window and soft-cap variants and pages smaller and larger
@@ -70,9 +70,19 @@ def test_chosen_from_min_keys_by_default_and_forced_either_way(monkeypatch, capl
     assert "'hoper' is not auto, hopper or portable" in caplog.text
 
 
-def _check(batch, scale, opts=None, tol=1e-2):
-    """paged_attention with the Hopper kernel taking the long rows (one key split, as it is
-    chosen in service) against the reference; the portable launch must not see long rows."""
+def test_key_splits_fill_the_last_wave_and_keep_tiles_enough():
+    # a 512-token chunk deep in a 128k prompt (17 blocks x 8 KV heads on 132 SMs): 8 splits
+    assert hopper.num_splits(136, 132, 1024) == 8
+    assert hopper.num_splits(520, 132, 1024) == 1  # a 2,048-token chunk: 3.9 waves already
+    assert hopper.num_splits(8200, 132, 256) == 1  # a whole 32k prompt
+    assert hopper.num_splits(136, 132, 16) == 2  # 8 tiles a split at least
+    assert hopper.num_splits(8, 132, 8) == 1
+
+
+def _check(batch, scale, opts=None, tol=1e-2, splits=1):
+    """paged_attention with the Hopper kernel taking the long rows (one key split unless
+    `splits`; None: as chosen in service) against the reference; the portable launch must not
+    see long rows."""
     opts = opts or {}
     seen = []
     real = pa.launch
@@ -85,7 +95,7 @@ def _check(batch, scale, opts=None, tol=1e-2):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(hopper.ENV, "hopper")
         mp.setattr(pa, "launch", spy)
-        pa.paged_attention(*batch.args(), scale, out=out, num_long_splits=1, **opts)
+        pa.paged_attention(*batch.args(), scale, out=out, num_long_splits=splits, **opts)
     assert seen == [True], seen  # the short rows' launch only: the long rows went to Hopper
     b = batch
     ref = reference.paged_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(),
@@ -107,6 +117,25 @@ def test_llama_shapes_prefill_and_chunks(dtype, block_size):
     batch = make_paged_batch(q_lens, ctxs, 32, 8, 128, block_size, dtype,
                              torch.device("cuda"), seed=block_size)
     _check(batch, 128**-0.5)
+
+
+@needs_sm90
+@pytest.mark.parametrize("splits", [3, 16])
+def test_key_splits_merge_to_the_reference(splits):
+    """Chunks over cached prefixes with each block's keys split (3: uneven shares; 16: some
+    splits of the short rows' blocks get no tile), beside decode rows, a window and a cap."""
+    batch = make_paged_batch([1] * 4 + [512, 100, 64], [300, 2000, 40, 9] + [6000, 9000, 64],
+                             32, 8, 128, 16, torch.bfloat16, torch.device("cuda"), seed=splits)
+    _check(batch, 128**-0.5, splits=splits)
+    _check(batch, 128**-0.5, {"sliding_window": 1000, "logits_soft_cap": 30.0}, splits=splits)
+
+
+@needs_sm90
+def test_a_chunk_deep_in_a_long_prompt_splits_as_served():
+    """A 512-token chunk at the end of 64k keys, splits chosen as in service (num_splits)."""
+    batch = make_paged_batch([512], [65536], 32, 8, 128, 16, torch.bfloat16,
+                             torch.device("cuda"), seed=5)
+    _check(batch, 128**-0.5, splits=None)
 
 
 @needs_sm90
