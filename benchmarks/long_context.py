@@ -74,9 +74,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def interference(address: str, decoders: int, long_prompt: list[int], window_s: float,
-                       short_after_s: float, max_model_len: int) -> dict:
+                       short_after_s: float, max_model_len: int, decode_tokens: int) -> dict:
     """Per-token gaps of `decoders` streams before and while the long prompt prefills, and the
-    TTFT of a short request sent `short_after_s` into that prefill."""
+    TTFT of a short request sent `short_after_s` into that prefill.
+
+    Each decoder generates `decode_tokens` tokens and starts over with a fresh prompt (0: one
+    request as long as the model allows), so its context, and a plain decode step's cost,
+    stays the same before and during the prefill: a request growing through a 45 s prefill
+    reads ~6x the KV it read before it, which the comparison would count against the
+    prefill."""
     import grpc
 
     from pagedserve.protos.v1 import generate_pb2 as api
@@ -86,11 +92,22 @@ async def interference(address: str, decoders: int, long_prompt: list[int], wind
         return api.GenerateRequest(token_ids=api.TokenIds(ids=ids), sampling=api.SamplingParams(
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
+    # one list per stream; a decoder's next request appends a list of its own (a gap across
+    # two requests is a TTFT, not a token's)
     stamps: list[list[tuple[float, int]]] = [[] for _ in range(decoders)]
 
-    async def decode(stub, i: int, ids: list[int]) -> None:  # (as long as the model allows)
-        async for chunk in stub.Generate(request(ids, max_model_len - len(ids)), timeout=3600):
-            stamps[i].append((time.perf_counter(), len(chunk.token_ids)))
+    async def decode(stub, i: int, ids: list[int]) -> None:
+        mine, rounds = stamps[i], 0
+        while True:
+            n = decode_tokens or max_model_len - len(ids)
+            async for chunk in stub.Generate(request(ids, n), timeout=3600):
+                mine.append((time.perf_counter(), len(chunk.token_ids)))
+            if not decode_tokens:
+                return
+            rounds += 1
+            ids = random_prompts(1, SHORT_PROMPT, seed=1000 * rounds + i)[0]
+            mine = []
+            stamps.append(mine)
 
     async def first_token(stub, ids: list[int]) -> float:
         sent = time.perf_counter()
@@ -102,7 +119,7 @@ async def interference(address: str, decoders: int, long_prompt: list[int], wind
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         tasks = [asyncio.create_task(decode(stub, i, p)) for i, p in enumerate(prompts[:-1])]
-        while min(len(s) for s in stamps) < 4:  # every stream past its prefill
+        while min(len(s) for s in stamps[:decoders]) < 4:  # every stream past its prefill
             if failed := [t for t in tasks if t.done()]:
                 await failed[0]  # (its error; a stream does not end this early)
                 raise RuntimeError("a decoding stream ended before the measure")
@@ -158,6 +175,9 @@ def main() -> list[dict]:
     p.add_argument("--requests", type=int, action="append", default=[])
     p.add_argument("--decoders", type=int, default=64, help="0: no interference measure")
     p.add_argument("--window-s", type=float, default=3.0)
+    p.add_argument("--decode-tokens", type=int, default=256,
+                   help="a decoder's tokens a request, then a fresh one (0: one request, as "
+                        "long as the model allows, its context growing)")
     p.add_argument("--server-flag", action="append", default=[])
     args = p.parse_args()
     lengths = args.prompt or [8192, 32768, 131072]
@@ -214,9 +234,10 @@ def main() -> list[dict]:
             long_prompt = random_prompts(1, longest, seed=99)[0]
             got = asyncio.run(interference(svc.address, args.decoders, long_prompt,
                                            args.window_s, ttft_of.get(longest, 1.0) / 2,
-                                           max_len))
+                                           max_len, args.decode_tokens))
             records.append({**common, "kind": "long_context", "test": "interference",
                             "prompt": longest, "decoders": args.decoders,
+                            "decode_tokens": args.decode_tokens,
                             "short_prompt": SHORT_PROMPT, **got})
             print(f"{args.decoders} decoders, a {longest}-token prompt arriving: TPOT p99 "
                   f"{got['tpot_p99_before_ms']:.1f} -> {got['tpot_p99_during_ms']:.1f} ms "
