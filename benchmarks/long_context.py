@@ -138,10 +138,16 @@ async def interference(address: str, decoders: int, long_prompt: list[int], wind
             "short_sent_after_s": short_after_s, **window_stats(stamps, t0, t1, window_s)}
 
 
+MIN_TPOT_TOKENS = 32  # a request's tokens inside a window for its TPOT there to count
+
+
 def window_stats(stamps: list[list[tuple[float, int]]], t0: float, t1: float,
-                 window_s: float) -> dict:
-    """TPOT (per stream, over each window) and ITL (every gap, pooled) percentiles before
-    [t0 - window_s, t0] and during [t0, t1], from each stream's (arrival, tokens) chunks."""
+                 window_s: float, min_tokens: int = MIN_TPOT_TOKENS) -> dict:
+    """TPOT (per request, over its tokens inside each window) and ITL (every gap, pooled)
+    percentiles before [t0 - window_s, t0] and during [t0, t1], from each request's
+    (arrival, tokens) chunks. A request with fewer than min_tokens tokens inside a window
+    (after its first there) gives no TPOT there: the last few tokens of a request begun
+    before the window are no request's TPOT (their gaps still count in the ITL)."""
     out = {}
     for name, lo, hi in (("before", t0 - window_s, t0), ("during", t0, t1)):
         gaps, tpots = [], []
@@ -150,7 +156,7 @@ def window_stats(stamps: list[list[tuple[float, int]]], t0: float, t1: float,
             for (prev, _), (at, n) in zip(inside, inside[1:], strict=False):
                 gaps.append((at - prev) / max(n, 1))
             after_first = sum(n for _, n in inside[1:])
-            if after_first:
+            if after_first >= min_tokens:
                 tpots.append((inside[-1][0] - inside[0][0]) / after_first)
         out.update({f"tpot_p50_{name}_ms": 1e3 * percentile(tpots, 0.5),
                     f"tpot_p99_{name}_ms": 1e3 * percentile(tpots, 0.99),

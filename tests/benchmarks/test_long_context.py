@@ -69,7 +69,8 @@ def test_tpot_is_per_stream_over_the_window_and_itl_pools_the_gaps() -> None:
     # two streams; the long prompt arrives at t0 = 10 and prefills until 12
     steady = [(8.0 + 0.1 * i, 1) for i in range(21)]  # 100 ms a token, from 8.0 to 10.0
     slowed = [(8.0, 1), (9.0, 1), (10.0, 1), (10.5, 2), (12.0, 3)]  # a 3-token chunk at the end
-    got = long_context.window_stats([steady, slowed], t0=10.0, t1=12.0, window_s=2.0)
+    got = long_context.window_stats([steady, slowed], t0=10.0, t1=12.0, window_s=2.0,
+                                    min_tokens=1)
     # before: steady 2.0 s / 20 tokens, slowed 2.0 s / 2; ITL pools 20 + 2 gaps
     assert got["tpot_p99_before_ms"] == pytest.approx(1000.0)
     assert got["itl_p50_before_ms"] == pytest.approx(100.0)
@@ -79,3 +80,8 @@ def test_tpot_is_per_stream_over_the_window_and_itl_pools_the_gaps() -> None:
     assert got["tpot_p99_during_ms"] == pytest.approx(400.0)
     assert got["itl_p99_during_ms"] == pytest.approx(500.0)
     assert got["tpot_p99_ratio"] == pytest.approx(0.4)
+    # a request's few tokens inside a window (slowed's 2 before t0) are no request's TPOT
+    got = long_context.window_stats([steady, slowed], t0=10.0, t1=12.0, window_s=2.0,
+                                    min_tokens=3)
+    assert got["tpot_p99_before_ms"] == pytest.approx(100.0)
+    assert got["tpot_p99_during_ms"] == pytest.approx(400.0)  # slowed's 5 during count
