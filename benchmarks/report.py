@@ -609,6 +609,10 @@ def long_context_section(records: list[dict]) -> list[str]:
                 f"{label} {inter[f'{key}_p99_before_ms']:.0f} -> "
                 f"{inter[f'{key}_p99_during_ms']:.0f} ms (x{inter[f'{key}_p99_ratio']:.1f})"
                 for key, label in shown) + f"; short TTFT {inter['short_ttft_ms']:.0f} ms"
+            if inter.get("decode_tokens"):  # decoders starting over: their TPOT p50 too
+                during += (f"; {inter['decode_tokens']}-token requests, TPOT p50 "
+                           f"{inter['tpot_p50_before_ms']:.1f} -> "
+                           f"{inter['tpot_p50_during_ms']:.1f} ms")
         flags = r0.get("server_flags", "")
         chunk = _flag(flags, "--long-prefill-token-threshold", "512")
         share = _flag(flags, "--long-prefill-decode-share", "0")
@@ -618,7 +622,7 @@ def long_context_section(records: list[dict]) -> list[str]:
     return section(
         "Long context: prefill TTFT (fraction of the bound), decoders' p99 around it",
         table(["machine", "model", "chunk", "prefill TTFT", "decoders: p99 before -> during",
-               "commit", "recorded (UTC)"], rows[-6:])) if rows else []
+               "commit", "recorded (UTC)"], rows[-4:])) if rows else []
 
 
 def lora_section(records: list[dict]) -> list[str]:
