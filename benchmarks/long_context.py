@@ -150,19 +150,29 @@ def window_stats(stamps: list[list[tuple[float, int]]], t0: float, t1: float,
     before the window are no request's TPOT (their gaps still count in the ITL)."""
     out = {}
     for name, lo, hi in (("before", t0 - window_s, t0), ("during", t0, t1)):
-        gaps, tpots = [], []
+        gaps, tpots, worst = [], [], None
         for s in stamps:
             inside = [(at, n) for at, n in s if lo <= at <= hi]
-            for (prev, _), (at, n) in zip(inside, inside[1:], strict=False):
-                gaps.append((at - prev) / max(n, 1))
+            mine = [(at - prev) / max(n, 1)
+                    for (prev, _), (at, n) in zip(inside, inside[1:], strict=False)]
+            gaps += mine
             after_first = sum(n for _, n in inside[1:])
             if after_first >= min_tokens:
                 tpots.append((inside[-1][0] - inside[0][0]) / after_first)
+                if worst is None or tpots[-1] > worst[0]:
+                    worst = (tpots[-1], inside, mine)
         out.update({f"tpot_p50_{name}_ms": 1e3 * percentile(tpots, 0.5),
+                    f"tpot_p90_{name}_ms": 1e3 * percentile(tpots, 0.9),
                     f"tpot_p99_{name}_ms": 1e3 * percentile(tpots, 0.99),
                     f"itl_p50_{name}_ms": 1e3 * percentile(gaps, 0.5),
                     f"itl_p99_{name}_ms": 1e3 * percentile(gaps, 0.99),
-                    f"gaps_{name}": len(gaps)})
+                    f"gaps_{name}": len(gaps), f"requests_{name}": len(tpots)})
+        if worst is not None:  # what made the slowest request slow: many stalls, or one
+            tpot, inside, mine = worst
+            out[f"worst_{name}"] = {
+                "tpot_ms": 1e3 * tpot, "tokens": sum(n for _, n in inside[1:]),
+                "from_s": inside[0][0] - t0, "to_s": inside[-1][0] - t0,
+                "longest_gap_ms": 1e3 * max(mine), "gaps_over_50ms": sum(g > 0.05 for g in mine)}
     for m in ("tpot", "itl"):
         out[f"{m}_p99_ratio"] = out[f"{m}_p99_during_ms"] / out[f"{m}_p99_before_ms"]
     return out
@@ -252,6 +262,11 @@ def main() -> list[dict]:
                   f"-> {got['itl_p99_during_ms']:.1f}; a short request's TTFT mid-prefill "
                   f"{got['short_ttft_ms']:.0f} ms (the long one's {got['long_ttft_s']:.2f} s)",
                   flush=True)
+            if w := got.get("worst_during"):
+                print(f"  the slowest request during: TPOT {w['tpot_ms']:.1f} ms over "
+                      f"{w['tokens']} tokens ({w['from_s']:.1f}-{w['to_s']:.1f} s into the "
+                      f"prefill), longest gap {w['longest_gap_ms']:.0f} ms, "
+                      f"{w['gaps_over_50ms']} gaps over 50 ms", flush=True)
     finally:
         svc.stop()
     print(write_records("long_context", records))

@@ -80,6 +80,9 @@ def test_tpot_is_per_stream_over_the_window_and_itl_pools_the_gaps() -> None:
     assert got["tpot_p99_during_ms"] == pytest.approx(400.0)
     assert got["itl_p99_during_ms"] == pytest.approx(500.0)
     assert got["tpot_p99_ratio"] == pytest.approx(0.4)
+    assert got["worst_during"] == pytest.approx({"tpot_ms": 400.0, "tokens": 5, "from_s": 0.0,
+                                                 "to_s": 2.0, "longest_gap_ms": 500.0,
+                                                 "gaps_over_50ms": 2})
     # a request's few tokens inside a window (slowed's 2 before t0) are no request's TPOT
     got = long_context.window_stats([steady, slowed], t0=10.0, t1=12.0, window_s=2.0,
                                     min_tokens=3)
