@@ -193,3 +193,33 @@ def test_a_steps_constrained_tokens_are_accepted_in_one_call(monkeypatch):
     out = s.update([1, 2, 3], [0, 2, 2])  # "a" fits; "c" is refused; 3 is unconstrained
     assert calls == [[0, 2]]
     assert [o.finish_reason for o in out] == [None, "stop", None]
+
+
+def test_logits_past_the_tokenizer_are_never_allowed_and_not_xgrammars(tokenizer):
+    """A model whose logits outnumber the tokenizer's ids (an embedding padded past it, or the
+    benchmarks' 8B beside SmolLM2's tokenizer): xgrammar knows the tokenizer's ids only, and
+    the mask's words past them are 0."""
+    n = len(tokenizer)
+    wide = Grammars(tokenizer, n + 5000, [tokenizer.eos_token_id])
+    exact = Grammars(tokenizer, n, [tokenizer.eos_token_id])
+    try:
+        assert wide.grammar_vocab == n and wide.words == (n + 5000 + 31) // 32
+
+        async def compiled(g):
+            return await g.compile(Constraint("regex", "[0-9]{2,4}"))
+
+        # three rows at different points of the match (rows are filled in one call)
+        m_wide = [wide.matcher(asyncio.run(compiled(wide))) for _ in range(3)]
+        m_exact = [exact.matcher(asyncio.run(compiled(exact))) for _ in range(3)]
+        for step in range(4):
+            got, want = wide.fill(m_wide), exact.fill(m_exact)
+            assert got.shape == (3, wide.words)
+            assert (got[:, exact.words:] == 0).all()
+            assert np.array_equal(got[:, :exact.words], want)
+            digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(3)][:3 - step]
+            n = len(digits)  # row i takes 3 - i digits: "0", "01", "012"
+            assert Grammars.accept(m_wide[:n], digits[:n]) == Grammars.accept(
+                m_exact[:n], digits[:n]) == [True] * n
+    finally:
+        wide.close()
+        exact.close()
