@@ -15,8 +15,9 @@ launches of the same kernel, each skipping the sequences that belong to the othe
 
 So decode rows keep their small, fast config even when a prefill shares the step. On an sm_90
 GPU the long rows' launch goes to the Gluon kernel of paged_prefill_hopper.py where it covers
-them (16-bit cache, head 64/128/256, programs enough without key splits) and is the faster
-(from 4,096 keys; PAGEDSERVE_PREFILL_KERNEL=hopper or portable forces the choice).
+them (16-bit cache, head 64/128/256; its keys split and merged here when a chunk's programs
+are few) and is the faster (from 4,096 keys; PAGEDSERVE_PREFILL_KERNEL=hopper or portable
+forces the choice).
 
 An FP8 cache (float8_e4m3fn) is read as stored * scale: K and V tiles are widened to q's dtype,
 fp16 when q is bf16 (exact: every e4m3 value is an fp16 value), and the dots run as for a
@@ -519,6 +520,9 @@ def _hopper_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scal
     if num_splits == 1:
         hopper.launch_long(*args, **opts)
         return
+    # splits come with few programs, so with few tokens: at most ~10 waves of programs x
+    # BLOCK_Q tokens / KV heads x the heads x head_dim floats (~90 MB at the 8B's shapes), far
+    # under the activations of the profile's largest step, which sized the KV cache
     part_m = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
                          device=q.device)
     part_l = torch.empty_like(part_m)

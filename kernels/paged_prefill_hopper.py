@@ -24,13 +24,15 @@ q_len above the short rows' block) done the way FlashAttention-3 does it on an H
   the GROUP query heads of one KV head, so each K/V tile is read once per group.
 
 Covers bf16 and fp16, head sizes 64, 128 and 256 (others: the portable kernel), sliding
-windows and logit soft-capping. An FP8 cache, float32 and launches whose programs are too few
-to fill the GPU without splitting the keys stay on the portable kernel (`available`).
+windows and logit soft-capping. An FP8 cache and float32 stay on the portable kernel
+(`available`). A launch whose programs are too few to fill the GPU (a chunk deep in a long
+prompt) splits each block's keys over program_id(2) (`num_splits`); each split writes its
+(max, sum, O) partials for paged_attention to merge.
 
-The default on sm_90 for launches over at least MIN_KEYS keys (`chosen`; first run on an H100
-2026-12-06: 0.80-0.85 of cuDNN SDPA on contiguous K/V from 4k to 128k keys, the 128k-token
-prompt's TTFT 12.6 s against 16.7 s). PAGEDSERVE_PREFILL_KERNEL=hopper or portable forces
-either. The portable kernel and kernels/reference.py remain the oracles
+The default on sm_90 for launches over at least MIN_KEYS keys (`chosen`; on an H100 2026-12-06:
+0.81-0.90 of cuDNN SDPA on contiguous K/V from 4k to 128k keys, the 128k-token prompt's TTFT
+12.6 s against the portable kernel's 16.7 s; docs/kernels.md). PAGEDSERVE_PREFILL_KERNEL=hopper
+or portable forces either. The portable kernel and kernels/reference.py remain the oracles
 (tests/kernels/test_paged_prefill_hopper.py).
 """
 
