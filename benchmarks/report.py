@@ -402,8 +402,10 @@ def _shape(r: dict) -> str:
 
 
 def kernels_section(records: list[dict]) -> list[str]:
+    # sampler: performance.md; moe_align (bench_moe.py: the alignment alone, per T) has no
+    # shape of this table's kind, and is the fused-MoE rows' part
     plain = [r for r in records if "sweep" not in r["kind"]
-             and r["kind"] not in ("decode_fp8kv", "sampler_step")]  # sampler: performance.md
+             and r["kind"] not in ("decode_fp8kv", "sampler_step", "moe_align")]
     by: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in newest(plain, lambda r: (r["kind"], _shape(r), r["impl"])):
         by[(r["kind"], _shape(r))][r["impl"]] = r
