@@ -172,7 +172,8 @@ def window_stats(stamps: list[list[tuple[float, int]]], t0: float, t1: float,
             out[f"worst_{name}"] = {
                 "tpot_ms": 1e3 * tpot, "tokens": sum(n for _, n in inside[1:]),
                 "from_s": inside[0][0] - t0, "to_s": inside[-1][0] - t0,
-                "longest_gap_ms": 1e3 * max(mine), "gaps_over_50ms": sum(g > 0.05 for g in mine)}
+                "longest_gap_ms": 1e3 * max(mine, default=0.0),
+                "gaps_over_50ms": sum(g > 0.05 for g in mine)}
     for m in ("tpot", "itl"):
         out[f"{m}_p99_ratio"] = out[f"{m}_p99_during_ms"] / out[f"{m}_p99_before_ms"]
     return out
