@@ -504,14 +504,15 @@ def _hopper_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scal
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
-    block_q = hopper.config_for(head_dim).block_m // (num_heads // num_kv_heads)
+    cfg = hopper.config_for(head_dim)
+    block_q = cfg.block_m // (num_heads // num_kv_heads)
     grid0 = num_tokens // block_q + num_seqs
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
         seen = min(max_seq_len, sliding_window + block_q) if sliding_window else max_seq_len
         num_splits = hopper.num_splits(grid0 * num_kv_heads, _num_sms(q.device),
-                                       triton.cdiv(seen, hopper.config_for(head_dim).tile_n))
+                                       triton.cdiv(seen, cfg.tile_n))
     if num_splits < 1:
         raise ValueError(f"num_long_splits must be >= 1, got {num_splits}")
     opts = {"min_q_len": min_q_len, "sliding_window": sliding_window,

@@ -165,7 +165,7 @@ if gluon is not None:
         nxt = t + NUM_STAGES
         mbarrier.expect(bars.index(buf), x_desc.block_type.nbytes, pred=nxt < n_even)
         tma_load(x_desc, [off_m, k_start + nxt * 128], bars.index(buf), xs.index(buf),
-                  pred=nxt < n_even)
+                 pred=nxt < n_even)
         return acc, p_next, qw, s, z
 
     @gluon.jit(do_not_specialize=["M"])
@@ -203,7 +203,7 @@ if gluon is not None:
         for i in gl.static_range(NUM_STAGES):  # the first x tiles
             mbarrier.expect(bars.index(i), x_desc.block_type.nbytes, pred=i < n_even)
             tma_load(x_desc, [off_m, k_start + i * 128], bars.index(i), xs.index(i),
-                      pred=i < n_even)
+                     pred=i < n_even)
 
         qw, s, z = _load_words(qw_ptr, s_ptr, z_ptr, 0, n_tiles, k_start, offs_n, offs_w, n_ok,
                                N, K, group_size)
