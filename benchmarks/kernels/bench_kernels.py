@@ -256,10 +256,13 @@ def prefill() -> None:
                 pa.paged_attention(q, k_cache, v_cache, bt, sl, cu, scale, max_query_len=q_len,
                                    max_seq_len=seq, out=out)
 
-        impls = [("pagedserve", functools.partial(ours, None, torch.empty_like(q)))]
-        if hopper.available(q, k_cache):
-            impls += [(f"pagedserve_{k}", functools.partial(ours, k, torch.empty_like(q)))
-                      for k in ("portable", "hopper")]
+        # (name, timed call, its output: None for the peer)
+        kernels = [None, "portable", "hopper"] if hopper.available(q, k_cache) else [None]
+        impls = []
+        for kernel in kernels:
+            out = torch.empty_like(q)
+            impls.append(("pagedserve" + (f"_{kernel}" if kernel else ""),
+                          functools.partial(ours, kernel, out), out))
         ref = None
         if q_len == seq:
             k = k_cache[bt.long()].reshape(b, -1, HKV, D)[:, :seq].transpose(1, 2)
@@ -272,13 +275,12 @@ def prefill() -> None:
             def peer(qt=qt, k=k, v=v):
                 return SDPA(qt, k, v, is_causal=True, scale=scale)
 
-            impls.append(("torch_sdpa", peer))
+            impls.append(("torch_sdpa", peer, None))
             ref = peer().transpose(1, 2).reshape(b * seq, H, D).float()
             del k, v
         base = None  # the as-served output: the forced kernels are checked against it
-        for impl, fn in impls:
+        for impl, fn, got in impls:
             fn()
-            got = fn.args[1] if isinstance(fn, functools.partial) else None
             if base is None:
                 base = got.float()
             against = ref if ref is not None else base
