@@ -173,10 +173,32 @@ def window_stats(stamps: list[list[tuple[float, int]]], t0: float, t1: float,
                 "tpot_ms": 1e3 * tpot, "tokens": sum(n for _, n in inside[1:]),
                 "from_s": inside[0][0] - t0, "to_s": inside[-1][0] - t0,
                 "longest_gap_ms": 1e3 * max(mine, default=0.0),
-                "gaps_over_50ms": sum(g > 0.05 for g in mine)}
+                "gaps_over_50ms": sum(g > 0.05 for g in mine),
+                # a gap above is per token: a message carrying several tokens after a stall
+                # (streams coalesce under backpressure) shows here whole
+                "longest_message_gap_ms": 1e3 * max(
+                    (b - a for (a, _), (b, _) in zip(inside, inside[1:], strict=False)),
+                    default=0.0),
+                "most_tokens_a_message": max((n for _, n in inside), default=0)}
+    out["timeline"] = timeline(stamps, t0)
     for m in ("tpot", "itl"):
         out[f"{m}_p99_ratio"] = out[f"{m}_p99_during_ms"] / out[f"{m}_p99_before_ms"]
     return out
+
+
+def timeline(stamps: list[list[tuple[float, int]]], t0: float, lo_s: float = -1.0,
+             hi_s: float = 6.0, bucket_s: float = 0.25) -> dict:
+    """Tokens every stream received in each bucket_s from lo_s to hi_s around t0, and the
+    messages that carried them: whether the engine slowed (fewer tokens) or their delivery
+    did (as many tokens, in fewer, larger messages)."""
+    n = round((hi_s - lo_s) / bucket_s)
+    tokens, messages = [0] * n, [0] * n
+    for s in stamps:
+        for at, k in s:
+            if 0 <= (i := int((at - t0 - lo_s) // bucket_s)) < n:
+                tokens[i] += k
+                messages[i] += 1
+    return {"from_s": lo_s, "bucket_s": bucket_s, "tokens": tokens, "messages": messages}
 
 
 def main() -> list[dict]:
@@ -267,7 +289,13 @@ def main() -> list[dict]:
                 print(f"  the slowest request during: TPOT {w['tpot_ms']:.1f} ms over "
                       f"{w['tokens']} tokens ({w['from_s']:.1f}-{w['to_s']:.1f} s into the "
                       f"prefill), longest gap {w['longest_gap_ms']:.0f} ms, "
-                      f"{w['gaps_over_50ms']} gaps over 50 ms", flush=True)
+                      f"{w['gaps_over_50ms']} gaps over 50 ms (the longest message gap "
+                      f"{w['longest_message_gap_ms']:.0f} ms, at most "
+                      f"{w['most_tokens_a_message']} tokens a message)", flush=True)
+            tl = got["timeline"]
+            print(f"  tokens (messages) a {tl['bucket_s']} s from {tl['from_s']} s: " + " ".join(
+                f"{k}({m})" for k, m in zip(tl["tokens"], tl["messages"], strict=True)),
+                flush=True)
     finally:
         svc.stop()
     print(write_records("long_context", records))

@@ -82,7 +82,17 @@ def test_tpot_is_per_stream_over_the_window_and_itl_pools_the_gaps() -> None:
     assert got["tpot_p99_ratio"] == pytest.approx(0.4)
     assert got["worst_during"] == pytest.approx({"tpot_ms": 400.0, "tokens": 5, "from_s": 0.0,
                                                  "to_s": 2.0, "longest_gap_ms": 500.0,
-                                                 "gaps_over_50ms": 2})
+                                                 "gaps_over_50ms": 2,
+                                                 "longest_message_gap_ms": 1500.0,
+                                                 "most_tokens_a_message": 3})
+    # tokens and messages a quarter second from t0 - 1 = 9.0: steady's 9.0 .. 10.0 and all of
+    # slowed's but 8.0; its 2 tokens at 10.5 are one message, its 3 at 12.0 another
+    tl = got["timeline"]
+    assert (tl["from_s"], tl["bucket_s"], len(tl["tokens"])) == (-1.0, 0.25, 28)
+    assert tl["tokens"][:7] == [4, 2, 3, 2, 2, 0, 2]
+    assert tl["messages"][:7] == [4, 2, 3, 2, 2, 0, 1]
+    assert tl["tokens"][12] == 3 and tl["messages"][12] == 1
+    assert (sum(tl["tokens"]), sum(tl["messages"])) == (18, 15)
     # a request's few tokens inside a window (slowed's 2 before t0) are no request's TPOT
     got = long_context.window_stats([steady, slowed], t0=10.0, t1=12.0, window_s=2.0,
                                     min_tokens=3)
