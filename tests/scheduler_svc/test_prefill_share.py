@@ -30,6 +30,19 @@ def test_chunked_steps_are_repaid_by_the_share_of_plain_decode_steps():
     assert g.open
 
 
+def test_a_stalled_plain_step_counts_as_at_most_twice_the_average():
+    g = PrefillShare(0.5, decode_s=0.010)
+    g.observe(2.0, decoding=True, chunked=False, held=False)  # a kernel compiled: 2 s
+    assert g.decode_s == pytest.approx(0.012)  # 0.8 x 0.010 + 0.2 x 0.020
+    g.observe(0.030, decoding=True, chunked=True, held=False)  # so a chunk still costs
+    assert g.credit == pytest.approx(-0.018) and not g.open
+    g.observe(1.0, decoding=True, chunked=False, held=True)  # and a stall repays as much
+    assert g.credit == pytest.approx(-0.018 + 0.5 * 0.024)
+    for _ in range(12):  # a plain step that really grew is followed within a few steps
+        g.observe(0.050, decoding=True, chunked=False, held=False)
+    assert 0.045 < g.decode_s < 0.050
+
+
 def req(rid, prompt_len, priority=0):
     return Request(rid, f"r{rid}", prompt_len, [100 * rid + i for i in range(prompt_len)],
                    GenerationParams(max_tokens=100), priority=priority, arrival_seq=rid)
