@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import time
@@ -320,7 +321,11 @@ class Worker:
             sizes += [n for n in (24, 48, 96, 192) if n <= min(self.max_model_len,
                                                           self.max_num_batched_tokens)
                       and -(-n // self.block_size) <= self.num_blocks]
-        with phase(f"warm-up forwards of {sizes} tokens"):
+        compiled = self.device.type == "cuda" and self.backend == "triton"
+        if compiled:
+            from pagedserve.kernels import paged_attention as attention
+        with phase(f"warm-up forwards of {sizes} tokens"), (
+                attention.recording() if compiled else contextlib.nullcontext()) as kinds:
             for step, n in enumerate(sizes):
                 req = pb.NewRequest(req_id=0, token_ids=[0] * n, num_computed_tokens=0,
                                     block_ids=list(range(-(-n // self.block_size))),
@@ -328,6 +333,11 @@ class Worker:
                 self.runner.execute(pb.StepPlan(step_id=step, new_requests=[req],
                                                 new_num_scheduled_tokens=[n]))
                 self.runner.reset()  # the slots hold garbage now; nothing reads them unwritten
+        if compiled and kinds:  # each layer kind's attention variants (splits, long rows'
+            # configs, the Hopper kernel): the forwards above reach only some of them
+            with phase(f"compiling the attention variants of {len(kinds)} layer kind(s)"):
+                for kind in sorted(kinds, key=repr):
+                    attention.warm_up_variants(kind)
         if self.lora is not None and self.backend == "triton":
             with phase("compiling the LoRA kernels"):
                 warm_up_lora(self.lora, self.max_num_batched_tokens)

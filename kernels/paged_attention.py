@@ -36,7 +36,9 @@ Options (both 0 = off, and compiled out then; same contract as the reference):
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +56,7 @@ from pagedserve.kernels._checks import (
 from pagedserve.kernels.reference import check_attention_options
 
 _LOG2E = 1.4426950408889634
+MAX_AUTO_SPLITS = 64  # the most context splits _pick_num_splits (and hopper.num_splits) picks
 
 
 @triton.jit
@@ -371,7 +374,7 @@ def _pick_num_splits(programs: int, device: torch.device, max_seq_len: int, tile
         return 1
     want = triton.next_power_of_2(triton.cdiv(target, programs))
     most = max(1, triton.cdiv(max_seq_len, 4 * tile_n))  # keep >= 4 tiles per split
-    return max(1, min(want, most, 64))
+    return max(1, min(want, most, MAX_AUTO_SPLITS))
 
 
 def _auto_splits(programs: int, cfg: Config, group: int, device: torch.device,
@@ -444,6 +447,8 @@ def paged_attention(
     """
     _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
     check_attention_options(sliding_window, logits_soft_cap)
+    if _recorded is not None:
+        _recorded.add(Signature.of(q, k_cache, sliding_window, logits_soft_cap))
     num_tokens, num_heads, _ = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -534,7 +539,14 @@ def _hopper_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scal
         part_m, part_l, part_acc, out, cu_seqlens_q, num_seqs, num_heads, num_splits,
         min_q_len, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_Q=block_q,
-        BLOCK_S=triton.next_power_of_2(num_splits))
+        BLOCK_S=merge_width(num_splits))
+
+
+def merge_width(num_splits: int) -> int:
+    """The merge kernels' split lanes (BLOCK_S): two widths, not one a power of two, so
+    warm_up_variants compiles every merge a serving step can launch (a width first met in a
+    step compiled there, ~1 s with every stream waiting)."""
+    return 8 if num_splits <= 8 else max(MAX_AUTO_SPLITS, triton.next_power_of_2(num_splits))
 
 
 def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float,
@@ -586,12 +598,107 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: flo
             part_m, part_l, part_acc, out, cu_seqlens_q, num_heads, num_splits,
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_Q=block_q,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=merge_width(num_splits),
         )
     elif split:
         _merge_long_splits_kernel[(grid0, num_heads)](
             part_m, part_l, part_acc, out, cu_seqlens_q, num_seqs, num_heads, num_splits,
             min_q_len, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_Q=block_q,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=merge_width(num_splits),
         )
+
+
+# --------------------------------------------------------------------------- warm-up
+@dataclass(frozen=True)
+class Signature:
+    """What decides a paged_attention call's compiled variants besides its shapes' sizes: a
+    layer kind of a model (a Gemma has two, its sliding and its global layers)."""
+
+    dtype: torch.dtype
+    num_heads: int
+    head_dim: int
+    cache_dtype: torch.dtype
+    block_size: int
+    num_kv_heads: int
+    window: bool
+    soft_cap: bool
+    device: torch.device
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int,
+           logits_soft_cap: float) -> Signature:
+        return cls(q.dtype, q.shape[1], q.shape[2], k_cache.dtype, k_cache.shape[1],
+                   k_cache.shape[2], sliding_window > 0, logits_soft_cap > 0, q.device)
+
+
+_recorded: set[Signature] | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[set[Signature]]:
+    """The signatures of the paged_attention calls made inside (the executor's warm-up
+    forwards), for warm_up_variants."""
+    global _recorded
+    outer, _recorded = _recorded, set()
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer
+
+
+# the context splits that reach each compiled variant: none, and each merge width
+_WARM_SPLITS = (1, 2, 16)
+
+
+def warm_up_variants(sig: Signature) -> list[tuple]:
+    """Launch every variant a call of this signature can compile, on a small scratch cache:
+    short rows split or not, the long rows' configs (each block_m long_config gives some
+    query length) split or not, the Hopper kernel's where it runs, and each merge width.
+    Which variant a serving step takes depends on its rows, contexts and the device's SMs,
+    so a long prompt's first chunks beside running decodes met variants that no warm-up
+    forward had, and compiled them there: ~2 s with no stream served, on an H100. Returns
+    the variants launched, as (rows, block_m, num_splits)."""
+    group = sig.num_heads // sig.num_kv_heads
+    keys = 2048  # 16 splits of the Hopper kernel's 128-key tiles: one tile each
+    blocks = -(-keys // sig.block_size)
+    dev = sig.device
+    k_cache = torch.zeros((blocks, sig.block_size, sig.num_kv_heads, sig.head_dim),
+                          dtype=sig.cache_dtype, device=dev)
+    v_cache = torch.zeros_like(k_cache)
+    opts = {"sliding_window": 128 if sig.window else 0,
+            "logits_soft_cap": 30.0 if sig.soft_cap else 0.0}
+    scale = sig.head_dim ** -0.5
+
+    def rows(q_len: int) -> tuple:
+        q = torch.zeros((q_len, sig.num_heads, sig.head_dim), dtype=sig.dtype, device=dev)
+        tables = torch.arange(blocks, dtype=torch.int32, device=dev)[None]
+        lens = torch.tensor([keys], dtype=torch.int32, device=dev)
+        cu = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
+        return q, k_cache, v_cache, tables, lens, cu, scale, torch.empty_like(q)
+
+    done: list[tuple] = []
+    short = short_config(group, sig.cache_dtype == FP8_KV_DTYPE)
+    for s in _WARM_SPLITS:
+        launch(*rows(1), short, per_seq=True, num_splits=s, **opts)
+        done.append((1, short.block_m, s))
+    short_q = short.block_m // group
+    configs: dict[Config, int] = {}
+    for q_len in (short_q + 1, 64 // group + 1, 128 // group + 1, 256 // group + 1):
+        q_len = max(q_len, short_q + 1)  # (long_config's block_m tiers, by q_len x group)
+        cfg = long_config(q_len, group, sig.dtype, sig.head_dim, hopper=_is_hopper(dev),
+                          fp8_cache=sig.cache_dtype == FP8_KV_DTYPE)
+        configs.setdefault(cfg, q_len)
+    for cfg, q_len in configs.items():
+        for s in _WARM_SPLITS:
+            launch(*rows(q_len), cfg, per_seq=False, num_splits=s, min_q_len=short_q + 1,
+                   **opts)
+            done.append((q_len, cfg.block_m, s))
+    q_len = max(short_q + 1, hopper.config_for(sig.head_dim).block_m // group)
+    probe = rows(q_len)
+    if hopper.available(probe[0], k_cache):
+        for s in _WARM_SPLITS:
+            _hopper_long(*probe, min_q_len=short_q + 1, max_seq_len=keys, num_splits=s,
+                         **opts)
+            done.append((q_len, hopper.config_for(sig.head_dim).block_m, s))
+    return done

@@ -374,3 +374,73 @@ def test_cuda_window_model_shapes(model, fp8):
             _check_fp8(batch, d**-0.5, 0.02, 0.03, 1e-2, opts)
         else:
             _check(batch, d**-0.5, 1e-2, opts)
+
+
+# ----------------------------------------------------------------------------- warm-up
+def test_recording_keeps_each_layer_kinds_signature_inside_it_only(device):
+    from pagedserve.kernels import paged_attention as pa
+
+    batch = make_paged_batch([1, 5], [9, 5], 4, 2, 64, 16, DTYPE, device)
+    _run(batch, 0.125)  # outside: nothing kept
+    with pa.recording() as kinds:
+        for window in (0, 4, 0):
+            _run(batch, 0.125, sliding_window=window)
+    _run(batch, 0.125, logits_soft_cap=5.0)
+    assert kinds == {pa.Signature(DTYPE, 4, 64, DTYPE, 16, 2, window, False, device)
+                     for window in (False, True)}
+
+
+def test_merge_widths_are_two():
+    from pagedserve.kernels.paged_attention import merge_width
+
+    assert [merge_width(s) for s in (2, 3, 8, 9, 16, 64, 65)] == [8, 8, 8, 64, 64, 64, 128]
+
+
+def test_warm_up_variants_launches_each_rows_config_and_split(device):
+    from pagedserve.kernels import paged_attention as pa
+
+    # GQA 4: short rows of 16 (4 tokens); long rows' configs 64 rows (q_len 16 or less
+    # x 4) and 128 (above); on an sm_90 GPU 256 rows from q_len 64 and the Hopper kernel
+    sig = pa.Signature(DTYPE, 4, 64, DTYPE, 16, 1, True, True, device)
+    launched = pa.warm_up_variants(sig)
+    expected = [(1, 16, s) for s in (1, 2, 16)] + [(5, 64, s) for s in (1, 2, 16)]
+    expected += [(17, 128, s) for s in (1, 2, 16)]
+    if pa._is_hopper(device):
+        expected += [(65, 256, s) for s in (1, 2, 16)]
+        if pa.hopper.available(torch.zeros(1, 4, 64, dtype=DTYPE, device=device),
+                               torch.zeros(1, 16, 1, 64, dtype=DTYPE, device=device)):
+            expected += [(32, 128, s) for s in (1, 2, 16)]
+    assert launched == expected
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("window", [0, 4096])
+def test_cuda_no_step_compiles_after_the_warm_up(window):
+    """Every launch a serving step makes (decode batches beside a long prompt's chunks, at
+    any depth, split or not) was compiled by warm_up_variants: nothing compiles in a step."""
+    from pagedserve.kernels import paged_attention as pa
+
+    dev = torch.device("cuda")
+    dtype, scale = torch.bfloat16, 128**-0.5
+    kernels = [pa._paged_attn_kernel, pa._merge_splits_kernel, pa._merge_long_splits_kernel]
+    if (hopper_kernel := getattr(pa.hopper, "_prefill_kernel", None)) is not None:
+        kernels.append(hopper_kernel)
+
+    def compiled() -> int:
+        return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
+
+    with pa.recording() as kinds:
+        warm = make_paged_batch([1, 5], [9, 5], 32, 8, 128, 16, dtype, dev)
+        pa.paged_attention(*warm.args(), scale, sliding_window=window)
+    for kind in kinds:
+        pa.warm_up_variants(kind)
+    before = compiled()
+    for decoders, chunk, depth in [(1, 512, 0), (64, 512, 3584), (1, 512, 8192),
+                                   (8, 2048, 30000), (0, 8192, 0), (200, 512, 120000),
+                                   (3, 33, 5000), (0, 64, 70000)]:
+        q_lens = [1] * decoders + [chunk]
+        ctxs = [100 + 37 * i for i in range(decoders)] + [depth + chunk]
+        batch = make_paged_batch(q_lens, ctxs, 32, 8, 128, 16, dtype, dev, seed=depth)
+        pa.paged_attention(*batch.args(), scale, sliding_window=window)
+    torch.cuda.synchronize()
+    assert compiled() == before
