@@ -677,11 +677,13 @@ class ModelRunner:
 
     def _add_bitmask(self, sampling: SamplingBatch, req_ids: list[int], bitmask: Bitmask,
                      vocab: int) -> None:
-        """The step's token bitmask rows, on the device in sampling-row order."""
-        words, ids, bits = (vocab + 31) // 32, bitmask.req_ids, bitmask.bits
-        if len(bits) != 4 * words * len(ids):
+        """The step's token bitmask rows, on the device in sampling-row order: rows of at
+        most the vocabulary's words, the ids past a narrower row's never allowed."""
+        most, ids, bits = (vocab + 31) // 32, bitmask.req_ids, bitmask.bits
+        words = len(bits) // (4 * len(ids)) if ids else 0
+        if len(bits) != 4 * words * len(ids) or (ids and not 1 <= words <= most):
             raise ValueError(f"token_bitmask: {len(bits)} bytes for {len(ids)} "
-                             f"rows of {words} words")
+                             f"rows of 1 to {most} words")
         if not ids:  # every constrained request ended meanwhile
             return
         row_of = {rid: row for row, rid in enumerate(req_ids)}

@@ -301,10 +301,15 @@ class Sampler:
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, W] int32 bits -> [R, vocab] bool (True: allowed), on the bitmask's device."""
+    """[R, W] int32 bits -> [R, vocab] bool (True: allowed), on the bitmask's device. Rows
+    narrower than the vocabulary (W * 32 < vocab: the tokenizer's ids end before the logits
+    do) allow none of the ids past them."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask[:, :, None] >> shifts) & 1  # arithmetic shift: &1 keeps bit 31 right
-    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+    allowed = bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    return allowed
 
 
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: int

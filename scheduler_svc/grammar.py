@@ -53,7 +53,6 @@ class Grammars:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.cache_size = cache_size
-        self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
         # the ids xgrammar knows: the tokenizer's. Logit rows past it (an embedding padded
         # beyond the tokenizer) have no text and are never allowed; left to xgrammar as
         # "special" ids they cost every accepted token a pass over them (accept took 4.4 ms
@@ -63,7 +62,7 @@ class Grammars:
             self.grammar_vocab = min(vocab_size, len(tokenizer))
         except TypeError:  # a tokenizer that does not say its size (a stand-in): the logits'
             self.grammar_vocab = vocab_size
-        self.grammar_words = (self.grammar_vocab + 31) // 32
+        self.grammar_words = (self.grammar_vocab + 31) // 32  # int32 words per bitmask row
         self._cache: OrderedDict[Constraint, asyncio.Future] = OrderedDict()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         self._compiler: Any = None
@@ -149,25 +148,18 @@ class Grammars:
         return xgr.GrammarMatcher(compiled)
 
     def fill(self, matchers: list[Any]) -> np.ndarray:
-        """The bitmask rows of these matchers' next tokens, [R, words] int32 (the bytes of
-        StepBitmask's rows, sent as they are: no copy; none may be terminated). One batched
+        """The bitmask rows of these matchers' next tokens, [R, grammar_words] int32 (the
+        bytes of StepBitmask's rows, sent as they are: no copy; none may be terminated): as
+        wide as the tokenizer's ids, which may end before the logits do (the executor allows
+        none past them), so the rows are no wider than xgrammar writes them. One batched
         call: xgrammar spreads the rows over its threads and releases the GIL once, where a
         call per row released and re-took it per row (with another thread of this process
         running, each re-take can wait a GIL switch interval)."""
         import torch
 
-        mask = np.empty((len(matchers), self.words), np.int32)
-        if not matchers:
-            return mask
-        if self.grammar_words == self.words:  # xgrammar fills a tensor sharing this memory
+        mask = np.empty((len(matchers), self.grammar_words), np.int32)
+        if matchers:  # xgrammar fills a tensor sharing this memory
             self._get_batch().batch_fill_next_token_bitmask(matchers, torch.from_numpy(mask))
-            return mask
-        # rows as wide as the tokenizer's ids (xgrammar writes them contiguous, whatever the
-        # tensor's strides), then copied into the logits' width; the ids past: never allowed
-        narrow = np.empty((len(matchers), self.grammar_words), np.int32)
-        self._get_batch().batch_fill_next_token_bitmask(matchers, torch.from_numpy(narrow))
-        mask[:, :self.grammar_words] = narrow
-        mask[:, self.grammar_words:] = 0
         return mask
 
     @staticmethod

@@ -258,6 +258,19 @@ def test_bitmask_rows_sample_only_allowed_tokens_and_others_are_untouched():
     assert out[2] == logits[2].argmax()
 
 
+def test_a_bitmask_narrower_than_the_logits_allows_none_past_it():
+    """Rows as wide as the tokenizer's ids (2 words, 64 ids) over 100 logits: ids 64-99, the
+    largest logits here, are never sampled."""
+    logits = torch.arange(100, dtype=torch.float32)[None].repeat(2, 1)
+    allowed = torch.ones(2, 64, dtype=torch.bool)
+    allowed[1, 63] = False
+    batch = SamplingBatch([SamplingSpec(), SamplingSpec()], [1, 1], bitmask=_pack(allowed),
+                          bitmask_rows=[0, 1])
+    x = Sampler(torch.device("cpu")).process(logits, batch)
+    assert torch.isinf(x[:, 64:]).all() and torch.equal(x[0, :64], logits[0, :64])
+    assert Sampler(torch.device("cpu")).sample(logits, batch).tokens.tolist() == [63, 62]
+
+
 def test_bitmask_leaves_logprobs_those_of_the_raw_logits():
     logits = torch.randn(1, 40)
     allowed = torch.zeros(1, 40, dtype=torch.bool)

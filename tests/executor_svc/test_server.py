@@ -137,19 +137,19 @@ def test_a_malformed_mask_fails_its_step(link):
     link.send(new(20, 3, [2], bitmask_follows=True))
     link.send(b"\xff\xff\xff")  # not a message at all: dropped, still waiting
     bad = only(20, 3, 1)
-    bad.bitmask.token_bitmask = bad.bitmask.token_bitmask[:-4]
+    bad.bitmask.token_bitmask = bad.bitmask.token_bitmask[:-2]  # not whole words
     link.send(bad)
     got = link.result()
     assert (got.step_id, list(got.req_ids)) == (20, [])
-    assert got.error == f"ValueError: token_bitmask: {4 * WORDS - 4} bytes for 1 rows of " \
-                        f"{WORDS} words"
+    assert got.error == f"ValueError: token_bitmask: {4 * WORDS - 2} bytes for 1 rows of " \
+                        f"1 to {WORDS} words"
     link.send(new(21, 3, [2], bitmask_follows=True))  # the same, the rows as a frame
     bad = only(21, 3, 1)
-    bad.bitmask.token_bitmask = bad.bitmask.token_bitmask + b"\0"
+    bad.bitmask.token_bitmask = bad.bitmask.token_bitmask + b"\0" * 4  # wider than the vocab
     link.send_mask_frame(bad)
     got = link.result()
-    assert got.error == f"ValueError: token_bitmask: {4 * WORDS + 1} bytes for 1 rows of " \
-                        f"{WORDS} words"
+    assert got.error == f"ValueError: token_bitmask: {4 * WORDS + 4} bytes for 1 rows of " \
+                        f"1 to {WORDS} words"
 
 
 def test_a_plan_before_the_awaited_mask_fails_that_step_and_then_runs(link):

@@ -143,7 +143,7 @@ def test_the_batched_fill_gives_each_row_its_own_matchers_mask(grammars, tokeniz
     digits, xy = asyncio.run(run())
     ms = [grammars.matcher(g) for g in (digits, xy, digits, xy, digits)]
     assert ms[2].accept_token(tokenizer.encode("7")[0])
-    words = grammars.words
+    words = grammars.grammar_words
     batched = np.frombuffer(grammars.fill(ms), np.int32).reshape(len(ms), words)
     for m, row in zip(ms, batched, strict=True):
         one = xgr.allocate_token_bitmask(1, len(tokenizer))
@@ -198,12 +198,12 @@ def test_a_steps_constrained_tokens_are_accepted_in_one_call(monkeypatch):
 def test_logits_past_the_tokenizer_are_never_allowed_and_not_xgrammars(tokenizer):
     """A model whose logits outnumber the tokenizer's ids (an embedding padded past it, or the
     benchmarks' 8B beside SmolLM2's tokenizer): xgrammar knows the tokenizer's ids only, and
-    the mask's words past them are 0."""
+    the rows end with them (the executor allows none of the logits past a row)."""
     n = len(tokenizer)
     wide = Grammars(tokenizer, n + 5000, [tokenizer.eos_token_id])
     exact = Grammars(tokenizer, n, [tokenizer.eos_token_id])
     try:
-        assert wide.grammar_vocab == n and wide.words == (n + 5000 + 31) // 32
+        assert wide.grammar_vocab == n and wide.grammar_words == (n + 31) // 32
 
         async def compiled(g):
             return await g.compile(Constraint("regex", "[0-9]{2,4}"))
@@ -213,9 +213,8 @@ def test_logits_past_the_tokenizer_are_never_allowed_and_not_xgrammars(tokenizer
         m_exact = [exact.matcher(asyncio.run(compiled(exact))) for _ in range(3)]
         for step in range(4):
             got, want = wide.fill(m_wide), exact.fill(m_exact)
-            assert got.shape == (3, wide.words)
-            assert (got[:, exact.words:] == 0).all()
-            assert np.array_equal(got[:, :exact.words], want)
+            assert got.shape == (3, exact.grammar_words)
+            assert np.array_equal(got, want)
             digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(3)][:3 - step]
             n = len(digits)  # row i takes 3 - i digits: "0", "01", "012"
             assert Grammars.accept(m_wide[:n], digits[:n]) == Grammars.accept(
