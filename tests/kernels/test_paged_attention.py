@@ -400,17 +400,12 @@ def test_warm_up_variants_launches_each_rows_config_and_split(device):
     from pagedserve.kernels import paged_attention as pa
 
     # GQA 4: short rows of 16 (4 tokens); long rows' configs 64 rows (q_len 16 or less
-    # x 4) and 128 (above); on an sm_90 GPU 256 rows from q_len 64 and the Hopper kernel
+    # x 4) and 128 (above); float32 takes neither the 256-row config nor the Hopper kernel
+    # on an sm_90 GPU (test_cuda_no_step_compiles_after_the_warm_up covers those, in bf16)
     sig = pa.Signature(DTYPE, 4, 64, DTYPE, 16, 1, True, True, device)
     launched = pa.warm_up_variants(sig)
     expected = [(1, 16, s) for s in (1, 2, 16)] + [(5, 64, s) for s in (1, 2, 16)]
-    expected += [(17, 128, s) for s in (1, 2, 16)]
-    if pa._is_hopper(device):
-        expected += [(65, 256, s) for s in (1, 2, 16)]
-        if pa.hopper.available(torch.zeros(1, 4, 64, dtype=DTYPE, device=device),
-                               torch.zeros(1, 16, 1, 64, dtype=DTYPE, device=device)):
-            expected += [(32, 128, s) for s in (1, 2, 16)]
-    assert launched == expected
+    assert launched == expected + [(17, 128, s) for s in (1, 2, 16)]
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
