@@ -124,7 +124,7 @@
 #             64 decoders' TPOT before and while a 128k prompt prefills and a short request's
 #             TTFT mid-prefill, at each --long-prefill-token-threshold in LONG_CHUNKS
 #   longshare the 64 decoders and one 128k prompt again at each --long-prefill-decode-share
-#             in LONG_SHARES (default 0.5), chunk 512; ~3 min each
+#             in LONG_SHARES (default 0.5), chunk 512; ~2 min each
 #   lora      multi-LoRA (benchmarks/lora.py): the kernels' and the graphed LoRA decode's GPU
 #             tests; the kernels beside their layers (bench_lora.py); W1 8B with LORA_N (8)
 #             rank-16 adapters over the requests against the base alone; 8B single stream
