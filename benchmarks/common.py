@@ -65,13 +65,19 @@ def step_breakdown(before: dict[str, float], after: dict[str, float], wall: floa
         return {v: round(1e3 * delta(f'{family}_seconds_total{{{label}="{v}"}}') / n, 4)
                 for v in values}
 
+    loop = per_step_ms("scheduler_loop", "phase", LOOP_PHASES)
     return {"graph_steps": steps("cuda_graph"), "eager_steps": steps("eager"),
             "step_ms": 1e3 * wall / n,
+            # tokens a step (a running request planned in every step gives one): fewer than
+            # the running requests means some sat steps out; and the loop's time a step in none
+            # of its phases (waiting with nothing in flight, or outside the loop's accounting)
+            "tokens_per_step": delta("generation_tokens_total") / n,
+            "loop_unaccounted_ms": round(1e3 * wall / n - sum(loop.values()), 4),
             "plan_ms": mean_ms("scheduler_plan_seconds"),
             "round_trip_ms": mean_ms("step_round_trip_seconds"),
             "execute_ms": mean_ms("executor_step_seconds"),
             # per step, where each process's time went (pagedserve_*_seconds_total by phase)
-            "scheduler_loop_ms": per_step_ms("scheduler_loop", "phase", LOOP_PHASES),
+            "scheduler_loop_ms": loop,
             "executor_host_ms": per_step_ms("executor_host", "phase", EXECUTOR_PHASES),
             "device_ms": per_step_ms("executor_device", "state", ("busy", "gap")),
             # CPU time per step of each process (every thread): near step_ms, it is saturated
@@ -94,6 +100,9 @@ def step_split(r: dict | None) -> str:
         return " ".join(f"{k} {v:.2f}" for k, v in d.items() if v >= keep)
 
     out = [head]
+    if "tokens_per_step" in r:
+        out[0] += (f" ({r['tokens_per_step']:.1f} tokens a step, "
+                   f"{r['loop_unaccounted_ms']:.2f} ms outside the loop's phases)")
     if any(r["device_ms"].values()):
         out.append(f"device {parts(r['device_ms'], 0)}")
     if "cpu_ms" in r:

@@ -1,0 +1,23 @@
+"""benchmarks/common.py: a run's step breakdown from two metric scrapes."""
+
+import pytest
+
+from benchmarks.common import step_breakdown, step_split
+
+
+def test_step_breakdown_counts_tokens_a_step_and_the_loops_unaccounted_time():
+    before = {'pagedserve_executor_steps_total{mode="cuda_graph"}': 10.0,
+              "pagedserve_generation_tokens_total": 100.0}
+    after = {'pagedserve_executor_steps_total{mode="cuda_graph"}': 90.0,
+             'pagedserve_executor_steps_total{mode="eager"}': 20.0,
+             "pagedserve_generation_tokens_total": 100.0 + 100 * 192,
+             'pagedserve_scheduler_loop_seconds_total{phase="plan"}': 0.1,
+             'pagedserve_scheduler_loop_seconds_total{phase="await_executor"}': 1.1}
+    r = step_breakdown(before, after, wall=2.0)  # 100 steps in 2 s, 12 ms of them accounted
+    assert (r["graph_steps"], r["eager_steps"]) == (80.0, 20.0)
+    assert r["step_ms"] == pytest.approx(20.0) and r["tokens_per_step"] == pytest.approx(192.0)
+    assert r["loop_unaccounted_ms"] == pytest.approx(8.0)
+    assert r["scheduler_loop_ms"]["plan"] == pytest.approx(1.0)
+    split = step_split(r)
+    assert split.startswith("20.0 (192.0 tokens a step, 8.00 ms outside the loop's phases); ")
+    assert "scheduler plan 1.00 await_executor 11.00" in split
