@@ -2,8 +2,9 @@
 # Sets up .venv (scripts/setup.sh), then runs the linter and the whole test suite on the CPU.
 # Triton kernels are tested under TRITON_INTERPRET=1 when no GPU is present.
 # With no arguments the suite runs as two pytest processes: the kernel and executor tests, the
-# benchmarks' tests and the service tests of the model families and quantized checkpoints
-# (none with tight waits or timed assertions, one service at a time) at the lowest CPU priority
+# benchmarks' tests and the service tests of the model families, quantized checkpoints, LoRA
+# adapters and the FP8 cache's non-preemption cases (none with tight waits, timed assertions
+# or requests that must overlap; one service at a time) at the lowest CPU priority
 # beside the rest, whose services leave a core idle much of the time; the second's output
 # follows the first's. With arguments: one pytest process, the arguments passed on.
 set -euo pipefail
