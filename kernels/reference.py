@@ -165,10 +165,39 @@ def _sequence_attention(q, k_cache, v_cache, block_table, ctx, scale, kv_scales,
         scores = _soft_cap(torch.einsum("hqd,hkd->hqk", qb, kb) * scale, cap)
         p = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         o = torch.einsum("hqk,hkd->hqd", p, vb)
+    elif not window and qb.device.type == "cpu" and _cpu_flash() is not None:
+        o = _prefix_then_causal(qb, kb, vb, scale)
     else:
         o = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask,
                                                              scale=scale)
     return o.transpose(0, 1).to(q.dtype)
+
+
+def _cpu_flash():
+    """torch's CPU flash attention, which also gives each row's log-sum-exp; None where this
+    torch has none."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _prefix_then_causal(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Causal attention of the last q_len positions of n ([H, q_len, D] over [H, n, D]) as two
+    CPU flash passes merged by their log-sum-exps: the keys before the chunk (all visible),
+    then the chunk's own (causal, aligned at its start). SDPA given the bottom-right mask
+    takes its math path and writes every score: [9, 2,048, 16k] float32 is 1.2 GB for one
+    layer of the default model, and a 16k-token prompt prefilled 4x slower (254 s)."""
+    flash = _cpu_flash()
+    q_len, n = qb.shape[1], kb.shape[1]
+    q4 = qb[None]
+    o_own, lse_own = flash(q4, kb[None, :, n - q_len:], vb[None, :, n - q_len:], 0.0, True,
+                           scale=scale)
+    if n == q_len:
+        return o_own[0]
+    o_pre, lse_pre = flash(q4, kb[None, :, :n - q_len], vb[None, :, :n - q_len], 0.0, False,
+                           scale=scale)
+    top = torch.maximum(lse_pre, lse_own)
+    w_pre, w_own = (lse_pre - top).exp()[..., None], (lse_own - top).exp()[..., None]
+    return ((o_pre * w_pre + o_own * w_own) / (w_pre + w_own))[0]
 
 
 def rms_norm(

@@ -3,10 +3,11 @@
 # Triton kernels are tested under TRITON_INTERPRET=1 when no GPU is present.
 # With no arguments the suite runs as two pytest processes: the kernel and executor tests, the
 # benchmarks' tests and the service tests of the model families, quantized checkpoints, LoRA
-# adapters and the FP8 cache's non-preemption cases (none with tight waits, timed assertions
-# or requests that must overlap; one service at a time) at the lowest CPU priority
-# beside the rest, whose services leave a core idle much of the time; the second's output
-# follows the first's. With arguments: one pytest process, the arguments passed on.
+# adapters, a 16k-token prompt and the FP8 cache's non-preemption cases (none with tight
+# waits, timed assertions or requests that must overlap; one service at a time) at the lowest
+# CPU priority beside the rest, whose services leave a core idle much of the time; the
+# second's output follows the first's. With arguments: one pytest process, the arguments
+# passed on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,7 +18,7 @@ fi
 FP8_CACHE=tests/integration/test_kv_cache_fp8.py  # its swap-preemption test stays in the front
 BACKGROUND=(tests/kernels tests/benchmarks tests/integration/test_families.py
             tests/integration/test_quantized.py tests/integration/test_fp8.py
-            tests/integration/test_lora_serving.py
+            tests/integration/test_lora_serving.py tests/integration/test_long_prompt.py
             "$FP8_CACHE::test_fp8_service_matches_the_fp8_reference_path"
             "$FP8_CACHE::test_fp8_prefix_cache_hits_keep_outputs_identical")
 IGNORE=()

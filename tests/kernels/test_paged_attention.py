@@ -251,6 +251,34 @@ def test_reference_window_and_cap_by_hand():
         assert rel_err(reference.paged_attention(*b.args(), scale, **opts), want) > 1e-2
 
 
+def test_reference_causal_rows_by_hand_on_the_cpu_flash_passes(monkeypatch):
+    """Without a window or cap the reference's prompt rows take two CPU flash passes merged
+    by their log-sum-exps (the keys before a chunk, then the chunk's own): the masked
+    softmax written out, for chunks over cached prefixes (one a block's worth, one of 1
+    token past it), a prefill from scratch and GQA; and the same as SDPA's masked path."""
+    b = make_paged_batch([6, 9, 40, 2], [30, 9, 57, 17], 4, 2, 16, 8, DTYPE,
+                         torch.device("cpu"), seed=37)
+    scale = 0.3
+    want = torch.empty_like(b.q, dtype=torch.float64)
+    cu, lens = b.cu_seqlens_q.tolist(), b.seq_lens.tolist()
+    for s, ctx in enumerate(lens):
+        slots = (b.block_tables[s, :-(-ctx // 8)].long()[:, None] * 8
+                 + torch.arange(8)).flatten()
+        k = b.k_cache.flatten(0, 1)[slots[:ctx]].double()
+        v = b.v_cache.flatten(0, 1)[slots[:ctx]].double()
+        q_len = cu[s + 1] - cu[s]
+        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - q_len, ctx)[:, None]
+        for h in range(4):
+            x = b.q[cu[s]:cu[s + 1], h].double() @ k[:, h // 2].T * scale
+            p = torch.where(mask, (x - x.max()).exp(), 0.0)
+            want[cu[s]:cu[s + 1], h] = (p / p.sum(1, keepdim=True)) @ v[:, h // 2]
+    assert reference._cpu_flash() is not None  # (this torch has it: the passes are tested)
+    got = reference.paged_attention(*b.args(), scale)
+    assert rel_err(got, want) < 1e-6
+    monkeypatch.setattr(reference, "_cpu_flash", lambda: None)  # SDPA's masked path
+    assert rel_err(reference.paged_attention(*b.args(), scale), got) < 1e-6
+
+
 @pytest.mark.parametrize("window,cap,num_splits", [
     (1, 0.0, 1), (7, 0.0, 3), (16, 2.5, 1), (37, 0.0, 3), (37, 2.5, 1), (64, 0.0, 1),
     (100, 2.5, 3), (1000, 0.0, 3), (0, 2.5, 3),
