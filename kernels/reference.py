@@ -156,6 +156,8 @@ def _sequence_attention(q, k_cache, v_cache, block_table, ctx, scale, kv_scales,
     qb = q.transpose(0, 1).float()  # [H, q_len, D]
     kb = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, n, D]
     vb = v.transpose(0, 1).repeat_interleave(group, dim=0)
+    if not (window or cap) and qb.device.type == "cpu" and _cpu_flash() is not None:
+        return _prefix_then_causal(qb, kb, vb, scale).transpose(0, 1).to(q.dtype)
     q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
     k_pos = torch.arange(first * block_size, ctx, device=q.device)[None, :]
     mask = k_pos <= q_pos  # [q_len, n]
@@ -165,8 +167,6 @@ def _sequence_attention(q, k_cache, v_cache, block_table, ctx, scale, kv_scales,
         scores = _soft_cap(torch.einsum("hqd,hkd->hqk", qb, kb) * scale, cap)
         p = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         o = torch.einsum("hqk,hkd->hqd", p, vb)
-    elif not window and qb.device.type == "cpu" and _cpu_flash() is not None:
-        o = _prefix_then_causal(qb, kb, vb, scale)
     else:
         o = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask,
                                                              scale=scale)
