@@ -694,11 +694,12 @@ def warm_up_variants(sig: Signature) -> list[tuple]:
             launch(*rows(q_len), cfg, per_seq=False, num_splits=s, min_q_len=short_q + 1,
                    **opts)
             done.append((q_len, cfg.block_m, s))
-    q_len = max(short_q + 1, hopper.config_for(sig.head_dim).block_m // group)
+    block_m = hopper.config_for(sig.head_dim).block_m
+    q_len = max(short_q + 1, block_m // group)
     probe = rows(q_len)
     if hopper.available(probe[0], k_cache):
         for s in _WARM_SPLITS:
             _hopper_long(*probe, min_q_len=short_q + 1, max_seq_len=keys, num_splits=s,
                          **opts)
-            done.append((q_len, hopper.config_for(sig.head_dim).block_m, s))
+            done.append((q_len, block_m, s))
     return done
