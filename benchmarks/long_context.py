@@ -274,10 +274,16 @@ def main() -> list[dict]:
             got = asyncio.run(interference(svc.address, args.decoders, long_prompt,
                                            args.window_s, ttft_of.get(longest, 1.0) / 2,
                                            max_len, args.decode_tokens))
+            # the decoders' share logs what each stretch of held prefill's steps took
+            time.sleep(1.0)
+            share_log = [line.split(": ", 1)[1].strip()
+                         for line in svc.log_path.read_text().splitlines()
+                         if "scheduler: prefill share " in line]
             records.append({**common, "kind": "long_context", "test": "interference",
                             "prompt": longest, "decoders": args.decoders,
                             "decode_tokens": args.decode_tokens,
-                            "short_prompt": SHORT_PROMPT, **got})
+                            "short_prompt": SHORT_PROMPT, **got,
+                            **({"share_log": share_log} if share_log else {})})
             print(f"{args.decoders} decoders, a {longest}-token prompt arriving: TPOT p99 "
                   f"{got['tpot_p99_before_ms']:.1f} -> {got['tpot_p99_during_ms']:.1f} ms "
                   f"(x{got['tpot_p99_ratio']:.2f}), p50 {got['tpot_p50_before_ms']:.1f} -> "
@@ -292,6 +298,8 @@ def main() -> list[dict]:
                       f"{w['gaps_over_50ms']} gaps over 50 ms (the longest message gap "
                       f"{w['longest_message_gap_ms']:.0f} ms, at most "
                       f"{w['most_tokens_a_message']} tokens a message)", flush=True)
+            for line in share_log:
+                print(f"  {line}", flush=True)
             tl = got["timeline"]
             print(f"  tokens (messages) a {tl['bucket_s']} s from {tl['from_s']} s: " + " ".join(
                 f"{k}({m})" for k, m in zip(tl["tokens"], tl["messages"], strict=True)),

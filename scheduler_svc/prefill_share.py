@@ -20,14 +20,27 @@ on first use, a collection) would otherwise raise the average past the chunked s
 times, so that they seemed to cost nothing beyond it and went in every step (on an H100,
 a 2 s stall at a 128k prompt's start let its chunks take every step for the rest of its
 prefill: the decoders' TPOT p50 7.0 -> 59 ms).
+
+Two things make a chunk cost more than its own step. The AFTER results that follow it are
+charged what they took beyond a plain step (at most OUTLIER of them) and stay out of the
+average: with steps planned ahead (--async-scheduling) the steps behind a long one can come
+late, and on an H100 the decoders saw 1.52-1.54x at shares 0.4 and 0.5, not 1.4-1.5. And at
+most one chunk is in flight: with a step planned before the previous result is in, a second
+chunk went in on the credit the first had not been charged yet (`reserve`, until its result
+or RESERVE_RESULTS results). Each stretch of held prefill logs what its steps took.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 DECODE_EMA = 0.2  # weight of the newest plain step in the average
 OUTLIER = 2.0  # a plain step counts at most this many times the average
+AFTER = 2  # results after a chunked one charged to it (steps in flight: 2)
+RESERVE_RESULTS = 3  # a planned chunk's reservation lapses after this many results
+
+log = logging.getLogger("pagedserve.scheduler")
 
 
 @dataclass(slots=True)
@@ -35,25 +48,60 @@ class PrefillShare:
     share: float  # > 0
     credit: float = 0.0  # seconds; a chunk goes in while it is >= 0
     decode_s: float = 0.0  # a plain decode step's time (0: none seen yet)
+    after: int = 0  # results still to charge to the last chunked step
+    reserved: int = 0  # a chunk is planned and not observed: results until that lapses
+    # this stretch's steps: kind -> [steps, seconds] (logged when it ends)
+    tally: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def open(self) -> bool:
-        return self.credit >= 0.0
+        return self.credit >= 0.0 and not self.reserved
+
+    def reserve(self) -> None:
+        """A chunk was planned: no other goes in until its result is observed."""
+        self.reserved = RESERVE_RESULTS
 
     def observe(self, seconds: float, *, decoding: bool, chunked: bool, held: bool) -> None:
         """A step's result: it took `seconds`, had decode rows (`decoding`), a partial
         prefill's chunk (`chunked`), or held one back (`held`)."""
+        self.reserved = 0 if chunked else max(self.reserved - 1, 0)
         if not decoding:
-            self.credit = 0.0  # nobody decoded: nothing to repay
+            self.credit, self.after = 0.0, 0  # nobody decoded: nothing to repay
+            self._end()
             return
         if chunked:
             # a step of unknown plain cost counts whole (the next plain step sets it)
             self.credit -= max(seconds - self.decode_s, 0.0) if self.decode_s else seconds
+            self.after = AFTER
+            self._count("chunked", seconds)
             return
-        if self.decode_s:
-            seconds = min(seconds, OUTLIER * self.decode_s)
-            self.decode_s = (1 - DECODE_EMA) * self.decode_s + DECODE_EMA * seconds
+        after = self.after > 0
+        plain = min(seconds, OUTLIER * self.decode_s) if self.decode_s else seconds
+        if after:  # what it took beyond a plain step is the chunk's
+            self.after -= 1
+            self._count("after a chunk", seconds)
+            if self.decode_s:
+                self.credit -= plain - min(plain, self.decode_s)
+        elif self.decode_s:
+            self.decode_s += DECODE_EMA * (plain - self.decode_s)
         else:
             self.decode_s = seconds
         if held:  # repaying: never banked past zero, so a later prompt starts even
-            self.credit = min(self.credit + self.share * seconds, 0.0)
+            self.credit = min(self.credit + self.share * plain, 0.0)
+            if not after:
+                self._count("held", seconds)
+        elif not after:
+            self._end()
+
+    def _count(self, kind: str, seconds: float) -> None:
+        t = self.tally.setdefault(kind, [0, 0.0])
+        t[0] += 1
+        t[1] += seconds
+
+    def _end(self) -> None:
+        """A stretch of held prefill is over: what its steps took, beside a plain step's."""
+        if self.tally.get("chunked"):
+            log.info("prefill share %.2f: %s; a plain step %.2f ms", self.share, ", ".join(
+                f"{int(n)} steps {kind} {s:.2f} s ({1e3 * s / n:.1f} ms each)"
+                for kind, (n, s) in self.tally.items()), 1e3 * self.decode_s)
+        self.tally.clear()

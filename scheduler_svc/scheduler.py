@@ -264,6 +264,7 @@ class Scheduler:
                 out.decoding = True
             elif guarded:
                 out.chunked = True
+                self.prefill_share.reserve()  # one chunk in flight at a time
             spec = self._draft(req, min(drafts, budget - n)) if drafts and n == 1 else []
             # a draft model proposes the next step's drafts in slots past this step's tokens,
             # never past the last position the request can reach (within max_model_len)

@@ -4,6 +4,7 @@ recorded, and its prefill FLOPs are the ones the roofline bound counts."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -30,7 +31,8 @@ def test_a_small_run_records_both_measures(tmp_path, monkeypatch) -> None:
         "long_context", "--prompt", "160", "--requests", "1", "--requests", "2",
         "--decoders", "2", "--window-s", "1",
         "--server-flag=--max-num-batched-tokens", "--server-flag=64",
-        "--server-flag=--long-prefill-token-threshold", "--server-flag=32"])
+        "--server-flag=--long-prefill-token-threshold", "--server-flag=32",
+        "--server-flag=--long-prefill-decode-share", "--server-flag=0.5"])
     records = long_context.main()
     prefill = [r for r in records if r["test"] == "prefill"]
     assert [(r["prompt"], r["requests"], len(r["ttft_each_s"])) for r in prefill] == [
@@ -39,6 +41,10 @@ def test_a_small_run_records_both_measures(tmp_path, monkeypatch) -> None:
     inter = next(r for r in records if r["test"] == "interference")
     assert inter["gaps_before"] > 0 and inter["gaps_during"] > 0  # 5 chunks of 32 beside them
     assert inter["short_ttft_ms"] > 0 and inter["long_ttft_s"] > 0
+    # the share's log of the prompt's held stretch: its chunks beyond the first, and more
+    assert len(inter["share_log"]) >= 1, inter
+    assert inter["share_log"][-1].startswith("prefill share 0.50: ")
+    assert re.search(r"\b[1-4] steps chunked ", inter["share_log"][-1])
     lines = (tmp_path / "long_context.jsonl").read_text().splitlines()
     assert [json.loads(x)["test"] for x in lines] == ["prefill", "prefill", "interference"]
 

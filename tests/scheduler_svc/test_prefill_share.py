@@ -1,6 +1,8 @@
 """--long-prefill-decode-share: a partial prefill's chunks wait while the decoders' share of
 time is spent (scheduler_svc/prefill_share.py)."""
 
+import logging
+
 import pytest
 
 from pagedserve.scheduler.block_manager import BlockManager
@@ -9,22 +11,35 @@ from pagedserve.scheduler.request import GenerationParams, Request
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
-def test_chunked_steps_are_repaid_by_the_share_of_plain_decode_steps():
+def test_chunked_steps_and_the_steps_behind_them_are_repaid_by_the_share(caplog):
     g = PrefillShare(0.5)
     assert g.open
     g.observe(0.030, decoding=True, chunked=True, held=False)  # no plain step known: all of it
     assert g.credit == pytest.approx(-0.030) and not g.open
+    g.observe(0.020, decoding=True, chunked=False, held=True)  # behind the chunk: no average
     g.observe(0.010, decoding=True, chunked=False, held=True)
-    assert (g.decode_s, g.credit) == (pytest.approx(0.010), pytest.approx(-0.025))
+    assert (g.decode_s, g.credit) == (0.0, pytest.approx(-0.015))
+    g.observe(0.010, decoding=True, chunked=False, held=True)  # the first plain step
+    assert (g.decode_s, g.credit) == (pytest.approx(0.010), pytest.approx(-0.010))
     g.observe(0.020, decoding=True, chunked=False, held=True)  # the average moves by 0.2
-    assert (g.decode_s, g.credit) == (pytest.approx(0.012), pytest.approx(-0.015))
+    assert (g.decode_s, g.credit) == (pytest.approx(0.012), pytest.approx(0.0))
     g.observe(0.052, decoding=True, chunked=True, held=False)  # 0.040 beyond a plain step
-    assert g.credit == pytest.approx(-0.055)
-    g.observe(0.012, decoding=True, chunked=False, held=False)  # nothing held: nothing repaid
-    assert g.credit == pytest.approx(-0.055)
-    for _ in range(10):
+    assert g.credit == pytest.approx(-0.040)
+    # the two results behind it: 0.008 and 0 beyond a plain step, each repaying its share
+    g.observe(0.020, decoding=True, chunked=False, held=True)
+    g.observe(0.012, decoding=True, chunked=False, held=True)
+    assert g.credit == pytest.approx(-0.040 - 0.008 + 0.010 + 0.006)
+    assert g.decode_s == pytest.approx(0.012)  # neither moved the average
+    with caplog.at_level(logging.INFO, logger="pagedserve.scheduler"):
+        for _ in range(6):
+            g.observe(0.012, decoding=True, chunked=False, held=True)
         g.observe(0.012, decoding=True, chunked=False, held=True)
-    assert g.credit == 0.0 and g.open  # repaid, and never banked past zero
+        assert not caplog.records and g.credit == 0.0 and g.open  # never banked past zero
+        g.observe(0.012, decoding=True, chunked=False, held=False)  # the prefill is done
+        assert g.credit == 0.0  # nothing held: nothing repaid
+    assert caplog.messages == [
+        "prefill share 0.50: 2 steps chunked 0.08 s (41.0 ms each), 4 steps after a chunk 0.06 s "
+        "(15.5 ms each), 9 steps held 0.11 s (12.7 ms each); a plain step 12.00 ms"]
     g.observe(0.2, decoding=True, chunked=True, held=False)
     g.observe(0.1, decoding=False, chunked=True, held=False)  # nobody decodes: debt forgiven
     assert g.open
@@ -36,11 +51,29 @@ def test_a_stalled_plain_step_counts_as_at_most_twice_the_average():
     assert g.decode_s == pytest.approx(0.012)  # 0.8 x 0.010 + 0.2 x 0.020
     g.observe(0.030, decoding=True, chunked=True, held=False)  # so a chunk still costs
     assert g.credit == pytest.approx(-0.018) and not g.open
+    g.observe(1.0, decoding=True, chunked=False, held=True)  # behind it: at most 2 x 0.012
+    assert g.credit == pytest.approx(-0.018 - 0.012 + 0.5 * 0.024)
+    g.observe(0.012, decoding=True, chunked=False, held=True)
     g.observe(1.0, decoding=True, chunked=False, held=True)  # and a stall repays as much
-    assert g.credit == pytest.approx(-0.018 + 0.5 * 0.024)
+    assert g.credit == pytest.approx(-0.018 + 0.006 + 0.012)
     for _ in range(12):  # a plain step that really grew is followed within a few steps
         g.observe(0.050, decoding=True, chunked=False, held=False)
     assert 0.045 < g.decode_s < 0.050
+
+
+def test_one_chunk_is_in_flight_at_a_time():
+    g = PrefillShare(0.5, decode_s=0.010)
+    g.reserve()  # a chunk is planned; the next step is planned before its result
+    assert g.credit == 0.0 and not g.open
+    g.observe(0.010, decoding=True, chunked=False, held=True)  # the step before it
+    assert not g.open
+    g.observe(0.010, decoding=True, chunked=True, held=False)  # its result: nothing beyond
+    assert g.open
+    g.reserve()  # a chunk whose result never comes (the executor was lost) lapses
+    for _ in range(3):
+        assert not g.open
+        g.observe(0.010, decoding=True, chunked=False, held=True)
+    assert g.open
 
 
 def req(rid, prompt_len, priority=0):
