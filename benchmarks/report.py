@@ -608,8 +608,8 @@ def long_context_section(records: list[dict]) -> list[str]:
             shown = ([("tpot", "TPOT"), ("itl", "ITL")] if "itl_p99_before_ms" in inter
                      else [("tpot", "ITL")])
             during = f"{inter['decoders']}: " + ", ".join(
-                f"{label} {inter[f'{key}_p99_before_ms']:.0f} -> "
-                f"{inter[f'{key}_p99_during_ms']:.0f} ms (x{inter[f'{key}_p99_ratio']:.1f})"
+                f"{label} {inter[f'{key}_p99_before_ms']:.1f} -> "
+                f"{inter[f'{key}_p99_during_ms']:.1f} ms (x{inter[f'{key}_p99_ratio']:.2f})"
                 for key, label in shown) + f"; short TTFT {inter['short_ttft_ms']:.0f} ms"
             if inter.get("decode_tokens"):  # decoders starting over: their TPOT p50 too
                 during += (f"; {inter['decode_tokens']}-token requests, TPOT p50 "

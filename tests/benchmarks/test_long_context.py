@@ -65,10 +65,10 @@ def test_the_report_gives_a_run_one_row() -> None:
               "itl_p99_during_ms": 101.0, "itl_p99_ratio": 10.98, "short_ttft_ms": 120.0}]
     rows = [x for x in long_context_section(recs) if x.startswith("| H200")]
     # the older record's tpot_* were ITL percentiles
-    assert rows == ["| H200 | llama3.1-8b | 2048 | 1x128k 12.0 s (0.77) | 64: ITL 10 -> 72 ms "
-                    "(x7.0); short TTFT 140 ms | c0ffee | 2026-12-05 00:00 |",
-                    "| H200 | llama3.1-8b | 512, share 0.5 | - | 64: TPOT 6 -> 9 ms (x1.5), "
-                    "ITL 9 -> 101 ms (x11.0); short TTFT 120 ms | c0ffee | 2026-12-05 00:00 |"]
+    assert rows == ["| H200 | llama3.1-8b | 2048 | 1x128k 12.0 s (0.77) | 64: ITL 10.2 -> 71.9 ms "
+                    "(x7.05); short TTFT 140 ms | c0ffee | 2026-12-05 00:00 |",
+                    "| H200 | llama3.1-8b | 512, share 0.5 | - | 64: TPOT 6.1 -> 8.9 ms (x1.46), "
+                    "ITL 9.2 -> 101.0 ms (x10.98); short TTFT 120 ms | c0ffee | 2026-12-05 00:00 |"]
 
 
 def test_tpot_is_per_stream_over_the_window_and_itl_pools_the_gaps() -> None:
