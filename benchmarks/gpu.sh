@@ -98,6 +98,7 @@
 #   moelatab  moelat with PAGEDSERVE_MOE_FUSE_SILU over MOE_FUSES (default 0 1 0 1; records
 #             carry env), then the fused-MoE kernel tests on the GPU with it on; ~4 min
 #   profilemoe  torch profile of W1 on Qwen3-30B-A3B at the default flags
+#   profilemoelat  torch profile of moelat's single stream (4 graphed decode steps)
 #   qwen3     W1 on Llama-3.1-8B then Qwen3-8B at the default flags (q/k norm's cost)
 #   numerics  bf16 drift from fp32 on the default model's real weights, beside HF's own bf16
 #             (benchmarks/numerics.py): its GGUF carried in two halves, .gguf_a/ on a call of
@@ -452,6 +453,12 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       PAGEDSERVE_MOE_FUSE_SILU=1 python3 -m pytest -q -rs tests/kernels/test_fused_moe.py \
         2>&1 | tee $B/pytest_moe.log | tail -4 ;;
     profilemoe) profile MQ30 moe30b "${DEFAULTS[@]}" ;;
+    profilemoelat) tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 \
+        --max-num-seqs 1 --max-num-batched-tokens 0 \
+        --server-flag=--torch-profile-dir --server-flag=/tmp/profile_moelat \
+        --server-flag=--torch-profile-steps --server-flag=80:4
+      mkdir -p $B/profile_moelat && cp /tmp/profile_moelat/ops_* $B/profile_moelat/
+      cat /tmp/profile_moelat/ops_*_80.txt | cut -c1-200 | head -70 ;;
     qwen3) for m in M8 MQ8; do tp W1 $m "${DEFAULTS[@]}"; done ;;
     lora)  # multi-LoRA: the kernels' GPU tests, W1 8B with LORA_N (8) rank-16 adapters
       # against the base alone, then 8B single stream (128 -> 512) with one adapter and without
