@@ -21,13 +21,18 @@ times, so that they seemed to cost nothing beyond it and went in every step (on 
 a 2 s stall at a 128k prompt's start let its chunks take every step for the rest of its
 prefill: the decoders' TPOT p50 7.0 -> 59 ms).
 
-Two things make a chunk cost more than its own step. The AFTER results that follow it are
-charged what they took beyond a plain step (at most OUTLIER of them) and stay out of the
-average: with steps planned ahead (--async-scheduling) the steps behind a long one can come
-late, and on an H100 the decoders saw 1.52-1.54x at shares 0.4 and 0.5, not 1.4-1.5. And at
-most one chunk is in flight: with a step planned before the previous result is in, a second
-chunk went in on the credit the first had not been charged yet (`reserve`, until its result
-or RESERVE_RESULTS results). Each stretch of held prefill logs what its steps took.
+Within a stretch of held prefill (from its first chunk beside decoders to the first step
+that neither carries nor holds one) every step is measured against the plain step's time at
+its start (`ref`, frozen), and each allows (1 + share) of it: a chunked step is charged what
+it took beyond ref, and so are the steps behind it and the held ones, each earning share x
+ref. On an H100 at 8B, 64 decoders and a 128k prompt, the plain steps took 8.9 ms inside
+the stretch against 7.3 before it, and the steps right behind a chunk 10.7: an average kept
+inside the stretch followed them, and the decoders saw 1.5-1.9x at shares 0.4 and 0.5. A
+held step still earns at least FLOOR of its share, so that a stretch in which plain steps
+grew for reasons of their own (more decoders) ends. At most one chunk is in flight: with a
+step planned before the previous result is in, a second chunk went in on credit the first
+had not been charged yet (`reserve`, until its result or RESERVE_RESULTS results). Each
+stretch logs what its steps took.
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ import logging
 from dataclasses import dataclass, field
 
 DECODE_EMA = 0.2  # weight of the newest plain step in the average
-OUTLIER = 2.0  # a plain step counts at most this many times the average
-AFTER = 2  # results after a chunked one charged to it (steps in flight: 2)
+OUTLIER = 2.0  # a plain step counts at most this many times the average (or ref)
+AFTER = 2  # results after a chunked one: "after a chunk" in the log (steps in flight: 2)
 RESERVE_RESULTS = 3  # a planned chunk's reservation lapses after this many results
+FLOOR = 0.25  # a held step earns at least this part of share x ref
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -47,8 +53,9 @@ log = logging.getLogger("pagedserve.scheduler")
 class PrefillShare:
     share: float  # > 0
     credit: float = 0.0  # seconds; a chunk goes in while it is >= 0
-    decode_s: float = 0.0  # a plain decode step's time (0: none seen yet)
-    after: int = 0  # results still to charge to the last chunked step
+    decode_s: float = 0.0  # a plain decode step's time outside stretches (0: none seen yet)
+    ref: float = 0.0  # within a stretch: decode_s at its start (0: none, or not known then)
+    after: int = 0  # results still to count as behind the last chunked step
     reserved: int = 0  # a chunk is planned and not observed: results until that lapses
     # this stretch's steps: kind -> [steps, seconds] (logged when it ends)
     tally: dict[str, list[float]] = field(default_factory=dict)
@@ -70,28 +77,37 @@ class PrefillShare:
             self._end()
             return
         if chunked:
-            # a step of unknown plain cost counts whole (the next plain step sets it)
-            self.credit -= max(seconds - self.decode_s, 0.0) if self.decode_s else seconds
-            self.after = AFTER
-            self._count("chunked", seconds)
+            kind, self.after = "chunked", AFTER
+        elif self.after:
+            kind, self.after = "after a chunk", self.after - 1
+        elif held:
+            kind = "held"
+        else:  # a plain step, no stretch (or its end)
+            self._end()
+            self._average(seconds)
             return
-        after = self.after > 0
-        plain = min(seconds, OUTLIER * self.decode_s) if self.decode_s else seconds
-        if after:  # what it took beyond a plain step is the chunk's
-            self.after -= 1
-            self._count("after a chunk", seconds)
-            if self.decode_s:
-                self.credit -= plain - min(plain, self.decode_s)
-        elif self.decode_s:
-            self.decode_s += DECODE_EMA * (plain - self.decode_s)
+        if not self.tally:  # a stretch starts
+            self.ref = self.decode_s
+        self._count(kind, seconds)
+        ref = self.ref
+        if not ref:  # no plain step known: a chunk counts whole, the first plain one sets ref
+            if chunked:
+                self.credit -= seconds
+            elif kind == "held":
+                self._average(seconds)
+                self.ref = self.decode_s
+            return
+        took = seconds if chunked else min(seconds, OUTLIER * ref)
+        earned = self.share * ref - (took - ref)
+        if kind == "held":
+            earned = max(earned, FLOOR * self.share * ref)
+        self.credit = min(self.credit + earned, 0.0)  # never banked: a later prompt starts even
+
+    def _average(self, seconds: float) -> None:
+        if self.decode_s:
+            self.decode_s += DECODE_EMA * (min(seconds, OUTLIER * self.decode_s) - self.decode_s)
         else:
             self.decode_s = seconds
-        if held:  # repaying: never banked past zero, so a later prompt starts even
-            self.credit = min(self.credit + self.share * plain, 0.0)
-            if not after:
-                self._count("held", seconds)
-        elif not after:
-            self._end()
 
     def _count(self, kind: str, seconds: float) -> None:
         t = self.tally.setdefault(kind, [0, 0.0])
@@ -99,9 +115,10 @@ class PrefillShare:
         t[1] += seconds
 
     def _end(self) -> None:
-        """A stretch of held prefill is over: what its steps took, beside a plain step's."""
+        """A stretch of held prefill is over: what its steps took, beside its reference."""
         if self.tally.get("chunked"):
-            log.info("prefill share %.2f: %s; a plain step %.2f ms", self.share, ", ".join(
-                f"{int(n)} steps {kind} {s:.2f} s ({1e3 * s / n:.1f} ms each)"
-                for kind, (n, s) in self.tally.items()), 1e3 * self.decode_s)
+            log.info("prefill share %.2f: %s; the plain step before it %.2f ms", self.share,
+                     ", ".join(f"{int(n)} steps {kind} {s:.2f} s ({1e3 * s / n:.1f} ms each)"
+                               for kind, (n, s) in self.tally.items()), 1e3 * self.ref)
         self.tally.clear()
+        self.ref = 0.0

@@ -41,10 +41,10 @@ def test_a_small_run_records_both_measures(tmp_path, monkeypatch) -> None:
     inter = next(r for r in records if r["test"] == "interference")
     assert inter["gaps_before"] > 0 and inter["gaps_during"] > 0  # 5 chunks of 32 beside them
     assert inter["short_ttft_ms"] > 0 and inter["long_ttft_s"] > 0
-    # the share's log of the prompt's held stretch: its chunks beyond the first, and more
+    # the share's log of the prompt's held stretch: its chunks, the first among them
     assert len(inter["share_log"]) >= 1, inter
     assert inter["share_log"][-1].startswith("prefill share 0.50: ")
-    assert re.search(r"\b[1-4] steps chunked ", inter["share_log"][-1])
+    assert re.search(r"\b[1-9] steps chunked ", inter["share_log"][-1])
     lines = (tmp_path / "long_context.jsonl").read_text().splitlines()
     assert [json.loads(x)["test"] for x in lines] == ["prefill", "prefill", "interference"]
 
