@@ -21,15 +21,18 @@ def test_freezing_moves_every_live_object_out_of_the_collector():
 @pytest.mark.timeout(120)
 def test_an_executor_exits_without_nanobind_leak_warnings(model_dir):
     """The executor freezes what it loaded (triton's nanobind extension among it, through
-    torch); frozen objects escape the interpreter's last collections, and nanobind counted
+    torch); frozen objects escaped the interpreter's last collections, and nanobind counted
     those in cycles as leaked at every exit ("nanobind: leaked 4 instances!", then 64 types
     and 514 functions). The real executor, stopped as serve stops it, once it is serving, on
-    the Triton backend (the torch one, a CPU's default, no longer loads triton)."""
+    the Triton backend (the torch one, a CPU's default, no longer loads triton), exits 0
+    and quietly."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("PAGEDSERVE_SUPERVISOR_READY_FILE", None)
-    code = ("import runpy, sys, atexit; "  # the executor as `pagedserve executor` runs it
-            "atexit.register(lambda: print('triton loaded:', 'triton._C.libtriton' in "
-            "sys.modules, file=sys.stderr)); "
+    # the executor as `pagedserve executor` runs it, saying at its exit (os._exit: the
+    # command line skips the interpreter's teardown, pagedserve.cli.entry) what it loaded
+    code = ("import os, runpy, sys; exit_now = os._exit; "
+            "os._exit = lambda code: (print('triton loaded:', 'triton._C.libtriton' in "
+            "sys.modules, file=sys.stderr, flush=True), exit_now(code)); "
             "sys.argv = ['pagedserve', 'executor', '--model', sys.argv[1], "
             "'--attention-backend', 'triton', "  # Triton's kernels (interpreted on a CPU)
             "'--scheduler-address', 'tcp://127.0.0.1:9']; "  # nothing answers: it waits

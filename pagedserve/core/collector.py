@@ -10,7 +10,8 @@ what serving allocates.
 At exit they are handed back: the interpreter's last collections never look at frozen objects,
 so whatever sits in a reference cycle would outlive them, and extension modules that count
 their objects at teardown would report it (triton's nanobind module printed "nanobind: leaked
-N instances ... types ... functions" at every executor exit).
+N instances ... types ... functions" at every executor exit). The command line's processes
+skip that teardown altogether once their command returns (pagedserve.cli.entry).
 """
 
 from __future__ import annotations
