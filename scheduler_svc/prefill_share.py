@@ -21,18 +21,15 @@ times, so that they seemed to cost nothing beyond it and went in every step (on 
 a 2 s stall at a 128k prompt's start let its chunks take every step for the rest of its
 prefill: the decoders' TPOT p50 7.0 -> 59 ms).
 
-Within a stretch of held prefill (from its first chunk beside decoders to the first step
-that neither carries nor holds one) every step is measured against the plain step's time at
-its start (`ref`, frozen), and each allows (1 + share) of it: a chunked step is charged what
-it took beyond ref, and so are the steps behind it and the held ones, each earning share x
-ref. On an H100 at 8B, 64 decoders and a 128k prompt, the plain steps took 8.9 ms inside
-the stretch against 7.3 before it, and the steps right behind a chunk 10.7: an average kept
-inside the stretch followed them, and the decoders saw 1.5-1.9x at shares 0.4 and 0.5. A
-held step still earns at least FLOOR of its share, so that a stretch in which plain steps
-grew for reasons of their own (more decoders) ends. At most one chunk is in flight: with a
-step planned before the previous result is in, a second chunk went in on credit the first
-had not been charged yet (`reserve`, until its result or RESERVE_RESULTS results). Each
-stretch logs what its steps took.
+Each stretch of held prefill (from its first chunked step beside decoders to the first step
+that neither carries nor holds a chunk) logs what its steps took by kind: chunked, the AFTER
+results behind a chunk, held. On an H100 (8B, 64 decoders, a 128k prompt) the held plain
+steps took 8.9-10.4 ms where the decoders had seen 7.3 ms a token before the prompt came,
+which the share cannot repay: it measures chunks against the plain steps it sees. Two
+accountings that charged that too (the steps behind a chunk and one chunk in flight; then
+every step against the plain step's time frozen at the stretch's start) measured worse on
+that GPU (TPOT p99 x1.80-1.86 against this one's x1.48-1.54) and were taken back
+(docs/performance.md#long-context).
 """
 
 from __future__ import annotations
@@ -41,10 +38,8 @@ import logging
 from dataclasses import dataclass, field
 
 DECODE_EMA = 0.2  # weight of the newest plain step in the average
-OUTLIER = 2.0  # a plain step counts at most this many times the average (or ref)
-AFTER = 2  # results after a chunked one: "after a chunk" in the log (steps in flight: 2)
-RESERVE_RESULTS = 3  # a planned chunk's reservation lapses after this many results
-FLOOR = 0.25  # a held step earns at least this part of share x ref
+OUTLIER = 2.0  # a plain step counts at most this many times the average
+AFTER = 2  # results behind a chunked one, logged as "after a chunk" (steps in flight: 2)
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -53,61 +48,42 @@ log = logging.getLogger("pagedserve.scheduler")
 class PrefillShare:
     share: float  # > 0
     credit: float = 0.0  # seconds; a chunk goes in while it is >= 0
-    decode_s: float = 0.0  # a plain decode step's time outside stretches (0: none seen yet)
-    ref: float = 0.0  # within a stretch: decode_s at its start (0: none, or not known then)
-    after: int = 0  # results still to count as behind the last chunked step
-    reserved: int = 0  # a chunk is planned and not observed: results until that lapses
+    decode_s: float = 0.0  # a plain decode step's time (0: none seen yet)
+    after: int = 0  # results still to log as behind the last chunked step
     # this stretch's steps: kind -> [steps, seconds] (logged when it ends)
     tally: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def open(self) -> bool:
-        return self.credit >= 0.0 and not self.reserved
-
-    def reserve(self) -> None:
-        """A chunk was planned: no other goes in until its result is observed."""
-        self.reserved = RESERVE_RESULTS
+        return self.credit >= 0.0
 
     def observe(self, seconds: float, *, decoding: bool, chunked: bool, held: bool) -> None:
         """A step's result: it took `seconds`, had decode rows (`decoding`), a partial
         prefill's chunk (`chunked`), or held one back (`held`)."""
-        self.reserved = 0 if chunked else max(self.reserved - 1, 0)
         if not decoding:
-            self.credit, self.after = 0.0, 0  # nobody decoded: nothing to repay
+            self.credit = 0.0  # nobody decoded: nothing to repay
             self._end()
             return
         if chunked:
-            kind, self.after = "chunked", AFTER
-        elif self.after:
-            kind, self.after = "after a chunk", self.after - 1
+            self._count("chunked", seconds)
+            self.after = AFTER
+            # a step of unknown plain cost counts whole (the next plain step sets it)
+            self.credit -= max(seconds - self.decode_s, 0.0) if self.decode_s else seconds
+            return
+        if self.after:
+            self.after -= 1
+            self._count("after a chunk", seconds)
         elif held:
-            kind = "held"
-        else:  # a plain step, no stretch (or its end)
+            self._count("held", seconds)
+        else:
             self._end()
-            self._average(seconds)
-            return
-        if not self.tally:  # a stretch starts
-            self.ref = self.decode_s
-        self._count(kind, seconds)
-        ref = self.ref
-        if not ref:  # no plain step known: a chunk counts whole, the first plain one sets ref
-            if chunked:
-                self.credit -= seconds
-            elif kind == "held":
-                self._average(seconds)
-                self.ref = self.decode_s
-            return
-        took = seconds if chunked else min(seconds, OUTLIER * ref)
-        earned = self.share * ref - (took - ref)
-        if kind == "held":
-            earned = max(earned, FLOOR * self.share * ref)
-        self.credit = min(self.credit + earned, 0.0)  # never banked: a later prompt starts even
-
-    def _average(self, seconds: float) -> None:
         if self.decode_s:
-            self.decode_s += DECODE_EMA * (min(seconds, OUTLIER * self.decode_s) - self.decode_s)
+            seconds = min(seconds, OUTLIER * self.decode_s)
+            self.decode_s = (1 - DECODE_EMA) * self.decode_s + DECODE_EMA * seconds
         else:
             self.decode_s = seconds
+        if held:  # repaying: never banked past zero, so a later prompt starts even
+            self.credit = min(self.credit + self.share * seconds, 0.0)
 
     def _count(self, kind: str, seconds: float) -> None:
         t = self.tally.setdefault(kind, [0, 0.0])
@@ -115,10 +91,10 @@ class PrefillShare:
         t[1] += seconds
 
     def _end(self) -> None:
-        """A stretch of held prefill is over: what its steps took, beside its reference."""
+        """A stretch of held prefill is over: what its steps took, beside a plain step's."""
         if self.tally.get("chunked"):
-            log.info("prefill share %.2f: %s; the plain step before it %.2f ms", self.share,
-                     ", ".join(f"{int(n)} steps {kind} {s:.2f} s ({1e3 * s / n:.1f} ms each)"
-                               for kind, (n, s) in self.tally.items()), 1e3 * self.ref)
+            log.info("prefill share %.2f: %s; a plain step %.2f ms", self.share, ", ".join(
+                f"{int(n)} steps {kind} {s:.2f} s ({1e3 * s / n:.1f} ms each)"
+                for kind, (n, s) in self.tally.items()), 1e3 * self.decode_s)
         self.tally.clear()
-        self.ref = 0.0
+        self.after = 0

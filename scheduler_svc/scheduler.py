@@ -131,7 +131,6 @@ class Scheduler:
         self.lora = LoraSlots(cfg.max_loras) if cfg.max_loras else None
         share = cfg.long_prefill_decode_share
         self.prefill_share = PrefillShare(share) if share > 0 else None
-        self._guard: int | None = None  # the last plan's most important decoder (the share's)
         self.num_held_chunks = 0  # partial prefills' chunks held for the decoders
         # adapter id -> name (the engine's LoraRegistry shares its own, loaded at run time too)
         self.lora_names = {i + 1: name for i, (name, _) in enumerate(cfg.lora_modules)}
@@ -246,7 +245,6 @@ class Scheduler:
         if self.prefill_share is not None:
             guard = min((r.priority for r in self.running
                          if r.num_tokens - r.num_computed_tokens <= 1), default=None)
-        self._guard = guard
         closed = guard is not None and not self.prefill_share.open
         i = 0
         while i < len(self.running) and budget > 0:
@@ -266,7 +264,6 @@ class Scheduler:
                 out.decoding = True
             elif guarded:
                 out.chunked = True
-                self.prefill_share.reserve()  # one chunk in flight at a time
             spec = self._draft(req, min(drafts, budget - n)) if drafts and n == 1 else []
             # a draft model proposes the next step's drafts in slots past this step's tokens,
             # never past the last position the request can reach (within max_model_len)
@@ -375,12 +372,6 @@ class Scheduler:
         if self.cfg.enable_prefix_caching:
             self.prefix_queried_tokens += req.num_tokens
             self.prefix_hit_tokens += req.num_computed_tokens
-        if (out.decoding and self._guard is not None and self._guard <= req.priority
-                and req.num_computed_tokens + n < req.num_tokens):
-            # a long prompt's first chunk: never held, but the share pays for it (and its
-            # step is no plain one)
-            out.chunked = True
-            self.prefill_share.reserve()
         self._emit(out, req, n, new_blocks)
         return n
 

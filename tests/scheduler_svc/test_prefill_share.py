@@ -11,43 +11,25 @@ from pagedserve.scheduler.request import GenerationParams, Request
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
-def test_a_stretch_is_measured_against_the_plain_step_before_it(caplog):
-    g = PrefillShare(0.5, decode_s=0.010)
-    assert g.open
-    g.observe(0.050, decoding=True, chunked=True, held=False)  # 0.040 beyond, earns 0.005
-    assert (g.ref, g.credit) == (0.010, pytest.approx(-0.035)) and not g.open
-    g.observe(0.020, decoding=True, chunked=False, held=True)  # behind it: 0.010 beyond
-    g.observe(0.010, decoding=True, chunked=False, held=True)
-    assert g.credit == pytest.approx(-0.035)
-    g.observe(0.015, decoding=True, chunked=False, held=True)  # held: at least 0.25 x 0.005
-    assert g.credit == pytest.approx(-0.03375)
-    g.observe(1.0, decoding=True, chunked=False, held=True)  # a stall counts as 2 x ref
-    assert g.credit == pytest.approx(-0.0325)
-    with caplog.at_level(logging.INFO, logger="pagedserve.scheduler"):
-        for _ in range(7):
-            g.observe(0.010, decoding=True, chunked=False, held=True)
-        assert not caplog.records and g.credit == 0.0 and g.open  # never banked past zero
-        assert g.decode_s == 0.010  # nothing inside the stretch moved the average
-        g.observe(0.012, decoding=True, chunked=False, held=False)  # the prefill is done
-    assert caplog.messages == [
-        "prefill share 0.50: 1 steps chunked 0.05 s (50.0 ms each), 2 steps after a chunk "
-        "0.03 s (15.0 ms each), 9 steps held 1.08 s (120.6 ms each); the plain step before "
-        "it 10.00 ms"]
-    assert (g.ref, g.credit) == (0.0, 0.0) and g.decode_s == pytest.approx(0.0104)
-
-
-def test_without_a_plain_step_known_a_chunk_counts_whole():
+def test_chunked_steps_are_repaid_by_the_share_of_plain_decode_steps():
     g = PrefillShare(0.5)
-    g.observe(0.030, decoding=True, chunked=True, held=False)
-    g.observe(0.020, decoding=True, chunked=False, held=True)  # behind it
+    assert g.open
+    g.observe(0.030, decoding=True, chunked=True, held=False)  # no plain step known: all of it
+    assert g.credit == pytest.approx(-0.030) and not g.open
     g.observe(0.010, decoding=True, chunked=False, held=True)
-    assert (g.ref, g.credit) == (0.0, pytest.approx(-0.030))
-    g.observe(0.010, decoding=True, chunked=False, held=True)  # the first plain step: ref
-    assert (g.ref, g.decode_s, g.credit) == (0.010, 0.010, pytest.approx(-0.030))
-    g.observe(0.010, decoding=True, chunked=False, held=True)
-    assert g.credit == pytest.approx(-0.025)
+    assert (g.decode_s, g.credit) == (pytest.approx(0.010), pytest.approx(-0.025))
+    g.observe(0.020, decoding=True, chunked=False, held=True)  # the average moves by 0.2
+    assert (g.decode_s, g.credit) == (pytest.approx(0.012), pytest.approx(-0.015))
+    g.observe(0.052, decoding=True, chunked=True, held=False)  # 0.040 beyond a plain step
+    assert g.credit == pytest.approx(-0.055)
+    g.observe(0.012, decoding=True, chunked=False, held=False)  # nothing held: nothing repaid
+    assert g.credit == pytest.approx(-0.055)
+    for _ in range(10):
+        g.observe(0.012, decoding=True, chunked=False, held=True)
+    assert g.credit == 0.0 and g.open  # repaid, and never banked past zero
+    g.observe(0.2, decoding=True, chunked=True, held=False)
     g.observe(0.1, decoding=False, chunked=True, held=False)  # nobody decodes: debt forgiven
-    assert g.open and g.ref == 0.0
+    assert g.open
 
 
 def test_a_stalled_plain_step_counts_as_at_most_twice_the_average():
@@ -55,25 +37,26 @@ def test_a_stalled_plain_step_counts_as_at_most_twice_the_average():
     g.observe(2.0, decoding=True, chunked=False, held=False)  # a kernel compiled: 2 s
     assert g.decode_s == pytest.approx(0.012)  # 0.8 x 0.010 + 0.2 x 0.020
     g.observe(0.030, decoding=True, chunked=True, held=False)  # so a chunk still costs
-    assert g.credit == pytest.approx(0.006 - 0.018) and not g.open
-    for _ in range(14):  # a plain step that really grew is followed within a few steps
-        g.observe(0.050, decoding=True, chunked=False, held=False)  # (2 behind the chunk)
+    assert g.credit == pytest.approx(-0.018) and not g.open
+    g.observe(1.0, decoding=True, chunked=False, held=True)  # and a stall repays as much
+    assert g.credit == pytest.approx(-0.018 + 0.5 * 0.024)
+    for _ in range(12):  # a plain step that really grew is followed within a few steps
+        g.observe(0.050, decoding=True, chunked=False, held=False)
     assert 0.045 < g.decode_s < 0.050
 
 
-def test_one_chunk_is_in_flight_at_a_time():
+def test_each_stretch_logs_its_steps_by_kind(caplog):
     g = PrefillShare(0.5, decode_s=0.010)
-    g.reserve()  # a chunk is planned; the next step is planned before its result
-    assert g.credit == 0.0 and not g.open
-    g.observe(0.010, decoding=True, chunked=False, held=True)  # the step before it
-    assert not g.open
-    g.observe(0.010, decoding=True, chunked=True, held=False)  # its result: nothing beyond
-    assert g.open
-    g.reserve()  # a chunk whose result never comes (the executor was lost) lapses
-    for _ in range(3):
-        assert not g.open
-        g.observe(0.010, decoding=True, chunked=False, held=True)
-    assert g.open
+    with caplog.at_level(logging.INFO, logger="pagedserve.scheduler"):
+        g.observe(0.050, decoding=True, chunked=True, held=False)
+        for took in (0.020, 0.010, 0.012, 0.012):  # two behind the chunk, then two held
+            g.observe(took, decoding=True, chunked=False, held=True)
+        assert not caplog.records
+        g.observe(0.010, decoding=True, chunked=False, held=False)  # the prefill is done
+        g.observe(0.010, decoding=True, chunked=False, held=False)  # (once)
+    assert caplog.messages == [
+        "prefill share 0.50: 1 steps chunked 0.05 s (50.0 ms each), 2 steps after a chunk "
+        "0.03 s (15.0 ms each), 2 steps held 0.02 s (12.0 ms each); a plain step 11.74 ms"]
 
 
 def req(rid, prompt_len, priority=0):
@@ -100,23 +83,21 @@ def test_a_long_prompts_later_chunks_wait_for_the_decoders_and_its_first_does_no
     s = Scheduler(cfg, BlockManager(32, 4, 0, False))
     s.add(req(1, 3))
     step(s, s.schedule())  # a's prompt; a decodes from now on
-    step(s, s.schedule(), 0.010)  # a plain decode step: 10 ms
     s.add(req(2, 16))
     out = s.schedule()
-    assert plan(out) == [(2, 4), (1, 1)]  # b's first chunk joins at once, and it counts
-    assert (out.decoding, out.chunked, out.held_chunks) == (True, True, 0)
-    step(s, out, 0.010)  # (no more than a plain step)
+    assert plan(out) == [(2, 4), (1, 1)]  # b's first chunk joins at once
+    assert (out.decoding, out.chunked, out.held_chunks) == (True, False, 0)
+    step(s, out, 0.010)  # a plain decode step: 10 ms
     out = s.schedule()
     assert plan(out) == [(1, 1), (2, 4)] and out.chunked  # the share is not spent yet
-    # 20 ms beyond a plain step, 5 ms earned: the 15 ms left take three plain steps at 0.5
-    step(s, out, 0.030)
+    step(s, out, 0.030)  # 20 ms beyond a plain step: 40 ms of plain steps at 0.5 repay it
     plans = []
-    for took in (0.010, 0.010, 0.010, 0.030):
+    for took in (0.010, 0.010, 0.010, 0.010, 0.030):
         out = s.schedule()
         plans.append((plan(out), out.held_chunks))
         step(s, out, took)
-    assert plans == [([(1, 1)], 1)] * 3 + [([(1, 1), (2, 4)], 0)]
-    assert s.stats().held_chunks == 3
+    assert plans == [([(1, 1)], 1)] * 4 + [([(1, 1), (2, 4)], 0)]
+    assert s.stats().held_chunks == 4
     assert not s.prefill_share.open
     s.finish(1)  # a ends: with nobody decoding, b's last chunk is not held
     out = s.schedule()
