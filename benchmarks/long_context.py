@@ -37,7 +37,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import AboveTheBound, model_flags, write_records
+from benchmarks.common import (
+    AboveTheBound,
+    model_flags,
+    step_breakdown,
+    step_split,
+    write_records,
+)
 from benchmarks.throughput import (
     PROMPT_VOCAB,
     _send_all,
@@ -74,9 +80,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def interference(address: str, decoders: int, long_prompt: list[int], window_s: float,
-                       short_after_s: float, max_model_len: int, decode_tokens: int) -> dict:
+                       short_after_s: float, max_model_len: int, decode_tokens: int,
+                       scrape=None) -> dict:
     """Per-token gaps of `decoders` streams before and while the long prompt prefills, and the
-    TTFT of a short request sent `short_after_s` into that prefill.
+    TTFT of a short request sent `short_after_s` into that prefill. With `scrape` (the
+    service's metrics), where a step's time went in the window before and during the prefill
+    (common.step_breakdown: `phases_before`, `phases_during`).
 
     Each decoder generates `decode_tokens` tokens and starts over with a fresh prompt (0: one
     request as long as the model allows), so its context, and a plain decode step's cost,
@@ -124,18 +133,33 @@ async def interference(address: str, decoders: int, long_prompt: list[int], wind
                 await failed[0]  # (its error; a stream does not end this early)
                 raise RuntimeError("a decoding stream ended before the measure")
             await asyncio.sleep(0.05)
+        scraped = []
+
+        async def mark() -> None:  # (off the event loop: the streams' stamps go on)
+            if scrape is not None:
+                scraped.append((await asyncio.to_thread(scrape), time.perf_counter()))
+
+        await mark()
         await asyncio.sleep(window_s)
+        await mark()
         t0 = time.perf_counter()
         long_task = asyncio.create_task(first_token(stub, long_prompt))
         await asyncio.sleep(short_after_s)
         short_ttft = await first_token(stub, prompts[-1])
         long_ttft = await long_task
         t1 = t0 + long_ttft
+        await mark()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    phases = {}
+    if scraped:
+        (m0, s0), (m1, s1), (m2, s2) = scraped
+        phases = {"phases_before": step_breakdown(m0, m1, s1 - s0),
+                  "phases_during": step_breakdown(m1, m2, s2 - s1)}
     return {"long_ttft_s": long_ttft, "short_ttft_ms": 1e3 * short_ttft,
-            "short_sent_after_s": short_after_s, **window_stats(stamps, t0, t1, window_s)}
+            "short_sent_after_s": short_after_s, **window_stats(stamps, t0, t1, window_s),
+            **phases}
 
 
 MIN_TPOT_TOKENS = 32  # a request's tokens inside a window for its TPOT there to count
@@ -273,7 +297,7 @@ def main() -> list[dict]:
             long_prompt = random_prompts(1, longest, seed=99)[0]
             got = asyncio.run(interference(svc.address, args.decoders, long_prompt,
                                            args.window_s, ttft_of.get(longest, 1.0) / 2,
-                                           max_len, args.decode_tokens))
+                                           max_len, args.decode_tokens, svc.metrics))
             # the decoders' share logs what each stretch of held prefill's steps took
             time.sleep(1.0)
             share_log = [line.split(": ", 1)[1].strip()
@@ -300,6 +324,8 @@ def main() -> list[dict]:
                       f"{w['most_tokens_a_message']} tokens a message)", flush=True)
             for line in share_log:
                 print(f"  {line}", flush=True)
+            for when in ("before", "during"):
+                print(f"  a step {when}: {step_split(got[f'phases_{when}'])}", flush=True)
             tl = got["timeline"]
             print(f"  tokens (messages) a {tl['bucket_s']} s from {tl['from_s']} s: " + " ".join(
                 f"{k}({m})" for k, m in zip(tl["tokens"], tl["messages"], strict=True)),

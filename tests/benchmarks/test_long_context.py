@@ -41,6 +41,10 @@ def test_a_small_run_records_both_measures(tmp_path, monkeypatch) -> None:
     inter = next(r for r in records if r["test"] == "interference")
     assert inter["gaps_before"] > 0 and inter["gaps_during"] > 0  # 5 chunks of 32 beside them
     assert inter["short_ttft_ms"] > 0 and inter["long_ttft_s"] > 0
+    # where a step's time went before and during: steps ran in both windows
+    assert inter["phases_before"]["eager_steps"] + inter["phases_before"]["graph_steps"] > 0
+    assert inter["phases_during"]["step_ms"] > 0
+    assert inter["phases_during"]["scheduler_loop_ms"]["plan"] > 0
     # the share's log of the prompt's held stretch: its chunks, the first among them
     assert len(inter["share_log"]) >= 1, inter
     assert inter["share_log"][-1].startswith("prefill share 0.50: ")
