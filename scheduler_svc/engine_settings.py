@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import json
 import logging
 import pstats
 from collections.abc import Iterator
@@ -73,11 +74,31 @@ log = logging.getLogger("pagedserve.scheduler")
 async def load_tokenizer(args: argparse.Namespace) -> tuple[Path, Any]:
     """--model's directory and the tokenizer (--tokenizer's, else the model's), loaded off
     the event loop."""
-    from transformers import AutoTokenizer
-
     model_dir = resolve_model(args.model)
     tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
-    return model_dir, await asyncio.to_thread(AutoTokenizer.from_pretrained, str(tokenizer_dir))
+    return model_dir, await asyncio.to_thread(auto_tokenizer, Path(tokenizer_dir))
+
+
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def auto_tokenizer(folder: Path) -> Any:
+    """AutoTokenizer.from_pretrained(folder). Where tokenizer_config.json names the generic
+    fast tokenizer and tokenizer.json is there (what AutoTokenizer then builds anyway), that
+    class directly: AutoTokenizer first reads the model's config through transformers'
+    configuration classes, which import torch, 2-3 s of CPU at every engine core's and API
+    process's start."""
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named in GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 @contextlib.contextmanager

@@ -140,7 +140,17 @@ def read_generation_eos(path: Path) -> list[int]:
 
 def read_max_position_embeddings(path: Path) -> int:
     """The model's context length as its config states it (transformers' default where the
-    file leaves it out), which is what the executor serves unless --max-model-len says."""
+    file leaves it out), which is what the executor serves unless --max-model-len says.
+    Read from config.json where it is there: transformers' AutoConfig imports torch (~1 s of
+    a start, in every API process)."""
+    try:
+        d = json.loads((Path(path) / "config.json").read_text())
+        # a vision-language checkpoint's language model (Gemma 3 4B and up)
+        d = d.get("text_config") or d
+        if isinstance(d.get("max_position_embeddings"), int):
+            return d["max_position_embeddings"]
+    except (OSError, ValueError, AttributeError):
+        pass
     from transformers import AutoConfig
 
     # get_text_config: a vision-language checkpoint's language model (Gemma 3 4B and up)
