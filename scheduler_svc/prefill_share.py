@@ -23,13 +23,13 @@ prefill: the decoders' TPOT p50 7.0 -> 59 ms).
 
 Each stretch of held prefill (from its first chunked step beside decoders to the first step
 that neither carries nor holds a chunk) logs what its steps took by kind: chunked, the AFTER
-results behind a chunk, held. On an H100 (8B, 64 decoders, a 128k prompt) the held plain
-steps took 8.9-10.4 ms where the decoders had seen 7.3 ms a token before the prompt came,
-which the share cannot repay: it measures chunks against the plain steps it sees. Two
-accountings that charged that too (the steps behind a chunk and one chunk in flight; then
-every step against the plain step's time frozen at the stretch's start) measured worse on
-that GPU (TPOT p99 x1.80-1.86 against this one's x1.48-1.54) and were taken back
-(docs/performance.md#long-context).
+results behind a chunk, held. On an H100 (8B, 64 decoders, a 128k prompt; logged under the
+two accountings below) the held plain steps took 8.9-10.4 ms where the decoders had seen
+7.3 ms a token before the prompt came, which this accounting cannot repay: it measures
+chunks against the plain steps it sees. Two accountings that charged that too (the steps
+behind a chunk and one chunk in flight; then every step against the plain step's time
+frozen at the stretch's start) measured worse on that GPU (TPOT p99 x1.66-1.86 against this
+one's x1.48-1.54) and were taken back (docs/performance.md#long-context).
 """
 
 from __future__ import annotations
