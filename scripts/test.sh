@@ -3,8 +3,8 @@
 # Triton kernels are tested under TRITON_INTERPRET=1 when no GPU is present.
 # With no arguments the suite runs as two pytest processes: the kernel and executor tests, the
 # benchmarks' tests and the service tests of the model families, quantized checkpoints, LoRA
-# adapters, a 16k-token prompt and the FP8 cache's non-preemption cases (none with tight
-# waits, timed assertions or requests that must overlap; one service at a time) at the lowest
+# adapters and a 16k-token prompt (none with tight waits, timed assertions or requests that
+# must overlap; one service at a time; an entry with :: is one test) at the lowest
 # CPU priority beside the rest, whose services leave a core idle much of the time; the
 # second's output follows the first's. With arguments: one pytest process, the arguments
 # passed on.
@@ -15,12 +15,9 @@ bash scripts/setup.sh
 if [ $# -gt 0 ]; then
     exec .venv/bin/python -m pytest -q "$@"
 fi
-FP8_CACHE=tests/integration/test_kv_cache_fp8.py  # its swap-preemption test stays in the front
 BACKGROUND=(tests/kernels tests/benchmarks tests/integration/test_families.py
             tests/integration/test_quantized.py tests/integration/test_fp8.py
-            tests/integration/test_lora_serving.py tests/integration/test_long_prompt.py
-            "$FP8_CACHE::test_fp8_service_matches_the_fp8_reference_path"
-            "$FP8_CACHE::test_fp8_prefix_cache_hits_keep_outputs_identical")
+            tests/integration/test_lora_serving.py tests/integration/test_long_prompt.py)
 IGNORE=()
 for f in "${BACKGROUND[@]}"; do  # a file is ignored by the front, a test deselected
     if [[ $f == *::* ]]; then IGNORE+=("--deselect=$f"); else IGNORE+=("--ignore=$f"); fi
