@@ -191,10 +191,14 @@ def test_the_engine_core_killed_every_stream_continues_with_the_same_tokens(spli
         time.sleep(0.05)
     assert statuses == [health_pb2.HealthCheckResponse.NOT_SERVING] * 8
     assert time.monotonic() - killed < 1.0
-    # new requests meanwhile: UNAVAILABLE with a retry hint (or they wait for the engine)
-    with pytest.raises(grpc.RpcError) as e:
-        watchers[0].complete(text="hello", max_tokens=2)
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    # a new request meanwhile: UNAVAILABLE with a retry hint, or (the engine core back by
+    # then: it restarts in ~2 s here) served by the new one
+    try:
+        _, tokens, _ = watchers[0].complete(text="hello", max_tokens=2)
+        assert len(tokens) == 2
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+        assert "retry" in e.details(), e
     got = [f.result(timeout=180) for f in futs]
     pool.shutdown()
     assert got == expected
