@@ -125,7 +125,8 @@
 #             64 decoders' TPOT before and while a 128k prompt prefills and a short request's
 #             TTFT mid-prefill, at each --long-prefill-token-threshold in LONG_CHUNKS
 #   longshare the 64 decoders and one 128k prompt again at each --long-prefill-decode-share
-#             in LONG_SHARES (default 0.5), chunk 512; ~2 min each
+#             in LONG_SHARES (default 0.5), chunk 512; ~2 min each; LONG_FLAGS: more
+#             long_context flags (e.g. --server-flag=--torch-profile-steps ...)
 #   lora      multi-LoRA (benchmarks/lora.py): the kernels' and the graphed LoRA decode's GPU
 #             tests; the kernels beside their layers (bench_lora.py); W1 8B with LORA_N (8)
 #             rank-16 adapters over the requests against the base alone; 8B single stream
@@ -544,7 +545,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       for share in ${LONG_SHARES:-0.5}; do
         python3 -m benchmarks.long_context "${M8[@]}" --prompt 131072 --requests 1 \
           --decoders 64 --server-flag=--long-prefill-decode-share --server-flag=$share \
-          2>&1 | tee -a $B/long_context.log | quiet 10
+          ${LONG_FLAGS:-} 2>&1 | tee -a $B/long_context.log | quiet 10
         save
       done ;;
     remeasure)
