@@ -89,7 +89,8 @@
 #             beside the torch expert loop, with the tiles the installed moe_configs.json gives
 #   moetune   the tiles swept per shape and token count for MOE_TUNE_S seconds (default 200),
 #             merged into the installed moe_configs.json (later parts of the call use them) and
-#             copied to $B: commit it as kernels/moe_configs.json
+#             copied to $B: commit it as kernels/moe_configs.json; MOE_TUNE_ARGS: more
+#             bench_moe.py flags (e.g. --shapes qwen3_30b_a3b --tokens 1)
 #   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX) beside HF generate
 #             bs256, serve's default step bounds
 #   moew2     W2 on both at the default flags, no peer (HF generate's W2 batch runs 1,024
@@ -434,7 +435,9 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     moekernel)
       python3 benchmarks/kernels/bench_moe.py 2>&1 | tee -a $B/moe.log | tail -40 ;;
     moetune)
-      python3 benchmarks/kernels/bench_moe.py --tune --budget-s "${MOE_TUNE_S:-200}" 2>&1 \
+      # shellcheck disable=SC2086  # MOE_TUNE_ARGS is a list of flags (--shapes, --tokens)
+      python3 benchmarks/kernels/bench_moe.py --tune --budget-s "${MOE_TUNE_S:-200}" \
+        ${MOE_TUNE_ARGS:-} 2>&1 \
         | tee -a $B/moe.log | grep -v Error | tail -24
       cp "$(python3 -c 'from pagedserve.kernels import fused_moe; print(fused_moe.CONFIG_FILE)')" \
         $B/ ;;

@@ -11,8 +11,11 @@ top-2), TP 1. Decode at 1, 16, 64, 256 tokens, prefill at 4096 and 16384; fresh 
 weights, random router logits routed with renormalisation. Timing: medians of
 triton.testing.do_bench (it clears L2 before each run): impl `triton_eager` and `torch` (the
 loop syncs on the host), and of CUDA-graph replays (do_bench_cudagraph) for impl `triton`, as
-the executor runs decode steps. Records (family `kernels`, kind `fused_moe`): ms, TB/s
-of the bytes touched (the distinct experts' weights + x read + out written), TFLOP/s
+the executor runs decode steps. A replay cycles through copies of the experts (record field
+`weight_copies`) until it reads COLD_L2 L2 caches' worth of weights: a model's step reads each
+layer's experts once, from HBM, while one layer's timed alone stays in L2 (Qwen3-30B-A3B's 8
+experts at one token are 75 MB; the L2 is 50). Records (family `kernels`, kind `fused_moe`):
+ms, TB/s of the bytes touched (the distinct experts' weights + x read + out written), TFLOP/s
 (2 T k 3 H I), the fraction of the copy and bf16 GEMM ceilings measured in the same run, and
 the relative error against the torch loop; kind `moe_align` times the alignment alone (the
 one-program kernel against torch ops), kind `moe_tune_sweep` each swept config (report.py
@@ -50,6 +53,8 @@ DECODE, PREFILL = (1, 16, 64, 256), (4096, 16384)
 # in the order tuned (a --budget-s run stops between them): W1's decode batch, then the other
 # decode sizes (they reuse its compiled tiles), prefill
 TUNE_TOKENS = (256, 1, 16, 64, 4096, 16384, 1024)
+COLD_L2 = 4  # a timed replay reads at least this many L2 caches of expert weights
+MAX_COPIES = 16
 
 
 def parse() -> argparse.Namespace:
@@ -113,6 +118,22 @@ def make_experts(s: Shape) -> tuple[torch.Tensor, torch.Tensor]:
     return w13, w2
 
 
+def weight_copies(touched: int, weight_bytes: int) -> int:
+    """How many copies of the experts a timed replay cycles through for its weight reads to
+    come from HBM, not L2 (touched: the bytes of weight one pass reads); at most what a
+    quarter of the free memory holds."""
+    if DEV.type != "cuda":
+        return 1
+    l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
+    fit = torch.cuda.mem_get_info(DEV)[0] // 4 // max(weight_bytes, 1)
+    return max(1, min(-(-COLD_L2 * l2 // max(touched, 1)), fit, MAX_COPIES))
+
+
+def cycled(fns: list) -> functools.partial:
+    """One pass of each of fns (one per copy of the experts), in order."""
+    return functools.partial(lambda fns: [f() for f in fns], fns)
+
+
 def make_batch(s: Shape, tokens: int):
     x = torch.randn(tokens, s.hidden, device=DEV, dtype=DT)
     logits = torch.randn(tokens, s.experts, device=DEV)
@@ -122,7 +143,8 @@ def make_batch(s: Shape, tokens: int):
 
 def run_shape(name: str, s: Shape, tokens: list[int], copy_tbps: float, gemm_tflops: float):
     records = []
-    w13, w2 = make_experts(s)
+    copies = [make_experts(s)]
+    w13, w2 = copies[0]
     elt = w13.element_size()
     for t in tokens:
         x, weights, ids = make_batch(s, t)
@@ -137,8 +159,13 @@ def run_shape(name: str, s: Shape, tokens: list[int], copy_tbps: float, gemm_tfl
         nbytes = hit * 3 * s.hidden * s.inter * elt + 2 * t * s.hidden * x.element_size()
         flops = 2 * t * s.top_k * 3 * s.hidden * s.inter
         phase = "decode" if t <= max(DECODE) else "prefill"
+        n = weight_copies(nbytes, (w13.numel() + w2.numel()) * elt)
+        copies += [make_experts(s) for _ in range(n - len(copies))]
+        fns["triton"] = cycled([functools.partial(fm.fused_moe, x, a, b, weights, ids, out=out,
+                                                  workspace=ws) for a, b in copies[:n]])
         for impl, fn in fns.items():
-            ms = bench(fn, graph=impl == "triton")
+            reps = n if impl == "triton" else 1
+            ms = bench(fn, graph=impl == "triton") / reps
             tbps, tflops = nbytes / ms / 1e9, flops / ms / 1e9
             records.append({"kind": "fused_moe", "shape": name, "tokens": t, "impl": impl,
                             "phase": phase, "dtype": str(DT).removeprefix("torch."), "ms": ms,
@@ -146,7 +173,7 @@ def run_shape(name: str, s: Shape, tokens: list[int], copy_tbps: float, gemm_tfl
                             "flops": flops, "of_copy": tbps / copy_tbps,
                             "of_gemm": tflops / gemm_tflops, "rel_err_vs_torch": err,
                             "hidden": s.hidden, "inter": s.inter, "experts": s.experts,
-                            "top_k": s.top_k, "smoke": ARGS.smoke})
+                            "top_k": s.top_k, "weight_copies": reps, "smoke": ARGS.smoke})
             rate = f"{tbps:6.2f} TB/s" if phase == "decode" else f"{tflops:6.1f} TFLOP/s"
             print(f"{name} T={t:5d} {impl:12s} {ms:9.4f} ms {rate}  err {err:.1e}", flush=True)
         if err > 2e-2:
@@ -168,9 +195,12 @@ def time_align(name: str, s: Shape, w13: torch.Tensor, ids: torch.Tensor) -> lis
     return out
 
 
-def tune_grid(rows_per_expert: float) -> list[fm.MoeConfig]:
+def tune_grid(rows_per_expert: float, tokens: int) -> list[fm.MoeConfig]:
     if ARGS.smoke:
         return [fm.MoeConfig(16, 32, 32, 1, 4, 2), fm.MoeConfig(32, 64, 64, 8, 4, 3)]
+    if tokens <= 4:  # a token or few an expert: a GEMV; narrow tiles give every SM a share
+        grid = itertools.product((16, 32, 64), (128, 256), (2, 4), (3, 4, 5))
+        return [fm.MoeConfig(16, bn, bk, 1, w, st) for bn, bk, w, st in grid]
     if rows_per_expert <= 64:  # decode: the weight read is the work; wide tiles, deep K
         bms = (16, 32) if rows_per_expert <= 16 else (32, 64)
         grid = itertools.product(bms, (64, 128, 256), (128, 256), (4,), (2, 4))
@@ -185,8 +215,11 @@ def tune_shape(name: str, s: Shape, tokens: list[int], path: Path, budget_s: flo
                ) -> list[dict]:
     """Each GEMM timed alone per config (CUDA-graph replays); for each BLOCK_M the best of each
     GEMM, then the BLOCK_M whose two bests add up least (one alignment serves both). Each token
-    count's pair is merged into `path` as soon as it is chosen."""
-    w13, w2 = make_experts(s)
+    count's pair is merged into `path` as soon as it is chosen. Each GEMM's replay cycles
+    through copies of its weight (weight_copies): cold, as in a model's step."""
+    copies = [make_experts(s)]
+    w13, w2 = copies[0]
+    elt = w13.element_size()
     records = []
     start = time.monotonic()
     for t in tokens:
@@ -200,21 +233,27 @@ def tune_shape(name: str, s: Shape, tokens: list[int], path: Path, budget_s: flo
         c2 = torch.randn(pairs, s.inter, device=DEV, dtype=DT)
         c3 = torch.empty(pairs, s.hidden, device=DEV, dtype=DT)
         flat_w = weights.reshape(-1)
+        hit = int(ids.unique().numel())
+        n = weight_copies(hit * s.hidden * s.inter * elt, (w13.numel() + w2.numel()) * elt)
+        copies += [make_experts(s) for _ in range(n - len(copies))]
         best: dict[int, dict[str, tuple[float, fm.MoeConfig]]] = {}
-        for cfg in tune_grid(pairs / s.experts):
+        for cfg in tune_grid(pairs / s.experts, t):
             align = fm.moe_align_block_size(ids, cfg.block_m, s.experts)
-            gemms = {"up": functools.partial(fm.moe_gemm, x, w13, c1, align, s.top_k, cfg),
-                     "down": functools.partial(fm.moe_gemm, c2, w2, c3, align, 1, cfg,
-                                               routed_weights=flat_w)}
-            for gemm, fn in gemms.items():
+            gemms = {"up": [functools.partial(fm.moe_gemm, x, a, c1, align, s.top_k, cfg)
+                            for a, _ in copies[:n]],
+                     "down": [functools.partial(fm.moe_gemm, c2, b, c3, align, 1, cfg,
+                                                routed_weights=flat_w) for _, b in copies[:n]]}
+            for gemm, fns in gemms.items():
                 try:
-                    fn()  # compiles outside the graph; a refused config raises here
-                    ms = bench(fn, graph=True)  # decode GEMMs last microseconds: no launch time
+                    fns[0]()  # compiles outside the graph; a refused config raises here
+                    # decode GEMMs last microseconds: replays, no launch time
+                    ms = bench(cycled(fns), graph=True) / n
                 except Exception as e:  # noqa: BLE001  (a config the compiler refuses)
                     print(f"{name} T={t} {gemm} {cfg}: {type(e).__name__}", flush=True)
                     continue
                 records.append({"kind": "moe_tune_sweep", "shape": name, "tokens": t, "gemm": gemm,
-                                **cfg.to_json(), "ms": ms, "smoke": ARGS.smoke})
+                                **cfg.to_json(), "ms": ms, "weight_copies": n,
+                                "smoke": ARGS.smoke})
                 slot = best.setdefault(cfg.block_m, {})
                 if gemm not in slot or ms < slot[gemm][0]:
                     slot[gemm] = (ms, cfg)
