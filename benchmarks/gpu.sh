@@ -159,6 +159,8 @@
 #   rm -f .whl/pagedserve-*.whl && .venv/bin/python -m pip wheel --no-deps --no-build-isolation \
 #     -w .whl .   # from the tree measured, which PAGEDSERVE_COMMIT names: with edits in the
 #                   # working tree, run it in a `git archive HEAD` export instead of "."
+# SMI_MS: log the GPU's SM and memory clocks, power, temperatures and throttle reasons every
+# SMI_MS milliseconds through the call into $B/smi.csv (a part slower than before: was it hot?).
 # BASELINE (ab): a copy of an older commit's tree with its generated stubs, whose top-level
 # packages run from PYTHONPATH=/tmp/deps:<dir>, e.g. carried as .baseline/ (git-ignored).
 set -uo pipefail
@@ -286,8 +288,17 @@ ab() {
     done
   done
 }
+if [ -n "${SMI_MS:-}" ]; then
+  q=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,temperature.memory
+  for why in clocks_event_reasons.active clocks_throttle_reasons.active; do  # (driver's name)
+    nvidia-smi --query-gpu=$why --format=csv >/dev/null 2>&1 && { q=$q,$why; break; }
+  done
+  nvidia-smi --query-gpu=$q --format=csv -lms "$SMI_MS" > $B/smi.csv &
+  smi=$!
+fi
 for part in $PARTS; do
   stamp "$part"
+  [ -n "${SMI_MS:-}" ] && echo "== $part at $(date -u +%H:%M:%S.%N)" >> $B/smi.csv
   case $part in
     env)
       nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
@@ -561,4 +572,5 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
   save
 done
 stamp done
+[ -n "${SMI_MS:-}" ] && kill "$smi"
 ls -R $B | head -40
