@@ -81,7 +81,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def interference(address: str, decoders: int, long_prompt: list[int], window_s: float,
                        short_after_s: float, max_model_len: int, decode_tokens: int,
-                       scrape=None) -> dict:
+                       scrape=None, stagger: bool = True) -> dict:
     """Per-token gaps of `decoders` streams before and while the long prompt prefills, and the
     TTFT of a short request sent `short_after_s` into that prefill. With `scrape` (the
     service's metrics), where a step's time went in the window before and during the prefill
@@ -91,7 +91,12 @@ async def interference(address: str, decoders: int, long_prompt: list[int], wind
     request as long as the model allows), so its context, and a plain decode step's cost,
     stays the same before and during the prefill: a request growing through a 45 s prefill
     reads ~6x the KV it read before it, which the comparison would count against the
-    prefill."""
+    prefill. With `stagger`, decoder i's first request is (i + 1) / decoders of decode_tokens
+    long (at least STAGGER_MIN), so the streams start over at evenly spread steps, a fresh
+    prompt every few steps, in both windows alike; without it they start over all in the same
+    step before the prompt (their restart prefill in nobody's TPOT), while during the prefill
+    the chunks split that cohort and its restart prefill lands in steps the others decode in
+    (H100, f8340c5: held steps averaged 8.9 ms where profiled graphed ones took 7.0-7.2)."""
     import grpc
 
     from pagedserve.protos.v1 import generate_pb2 as api
@@ -108,7 +113,8 @@ async def interference(address: str, decoders: int, long_prompt: list[int], wind
     async def decode(stub, i: int, ids: list[int]) -> None:
         mine, rounds = stamps[i], 0
         while True:
-            n = decode_tokens or max_model_len - len(ids)
+            n = (decode_tokens or max_model_len - len(ids)) if rounds else \
+                first_tokens(i, decoders, decode_tokens, stagger) or max_model_len - len(ids)
             async for chunk in stub.Generate(request(ids, n), timeout=3600):
                 mine.append((time.perf_counter(), len(chunk.token_ids)))
             if not decode_tokens:
@@ -163,6 +169,14 @@ async def interference(address: str, decoders: int, long_prompt: list[int], wind
 
 
 MIN_TPOT_TOKENS = 32  # a request's tokens inside a window for its TPOT there to count
+STAGGER_MIN = 16  # the shortest first request of a staggered decoder (the start waits for 4)
+
+
+def first_tokens(i: int, decoders: int, decode_tokens: int, stagger: bool) -> int:
+    """Decoder i's first request's tokens (0: as long as the model allows)."""
+    if not stagger or not decode_tokens:
+        return decode_tokens
+    return max(min(STAGGER_MIN, decode_tokens), decode_tokens * (i + 1) // decoders)
 
 
 def window_stats(stamps: list[list[tuple[float, int]]], t0: float, t1: float,
@@ -241,6 +255,10 @@ def main() -> list[dict]:
     p.add_argument("--decode-tokens", type=int, default=256,
                    help="a decoder's tokens a request, then a fresh one (0: one request, as "
                         "long as the model allows, its context growing)")
+    p.add_argument("--stagger", action=argparse.BooleanOptionalAction, default=True,
+                   help="spread the decoders' fresh requests evenly over the steps (default); "
+                        "--no-stagger: they all start over in the same step (records before "
+                        "2026-12-06 ran so)")
     p.add_argument("--server-flag", action="append", default=[])
     args = p.parse_args()
     lengths = args.prompt or [8192, 32768, 131072]
@@ -297,7 +315,8 @@ def main() -> list[dict]:
             long_prompt = random_prompts(1, longest, seed=99)[0]
             got = asyncio.run(interference(svc.address, args.decoders, long_prompt,
                                            args.window_s, ttft_of.get(longest, 1.0) / 2,
-                                           max_len, args.decode_tokens, svc.metrics))
+                                           max_len, args.decode_tokens, svc.metrics,
+                                           args.stagger))
             # the decoders' share logs what each stretch of held prefill's steps took
             time.sleep(1.0)
             share_log = [line.split(": ", 1)[1].strip()
@@ -305,7 +324,7 @@ def main() -> list[dict]:
                          if "scheduler: prefill share " in line]
             records.append({**common, "kind": "long_context", "test": "interference",
                             "prompt": longest, "decoders": args.decoders,
-                            "decode_tokens": args.decode_tokens,
+                            "decode_tokens": args.decode_tokens, "stagger": args.stagger,
                             "short_prompt": SHORT_PROMPT, **got,
                             **({"share_log": share_log} if share_log else {})})
             print(f"{args.decoders} decoders, a {longest}-token prompt arriving: TPOT p99 "

@@ -41,6 +41,7 @@ def test_a_small_run_records_both_measures(tmp_path, monkeypatch) -> None:
     inter = next(r for r in records if r["test"] == "interference")
     assert inter["gaps_before"] > 0 and inter["gaps_during"] > 0  # 5 chunks of 32 beside them
     assert inter["short_ttft_ms"] > 0 and inter["long_ttft_s"] > 0
+    assert inter["stagger"] is True and inter["decode_tokens"] == 256
     # where a step's time went before and during: steps ran in both windows
     assert inter["phases_before"]["eager_steps"] + inter["phases_before"]["graph_steps"] > 0
     assert inter["phases_during"]["step_ms"] > 0
@@ -108,3 +109,11 @@ def test_tpot_is_per_stream_over_the_window_and_itl_pools_the_gaps() -> None:
                                     min_tokens=3)
     assert got["tpot_p99_before_ms"] == pytest.approx(100.0)
     assert got["tpot_p99_during_ms"] == pytest.approx(400.0)  # slowed's 5 during count
+
+
+def test_staggered_decoders_start_over_at_evenly_spread_steps() -> None:
+    firsts = [long_context.first_tokens(i, 64, 256, True) for i in range(64)]
+    assert firsts[:4] == [16, 16, 16, 16] and firsts[4:6] == [20, 24] and firsts[-1] == 256
+    assert [long_context.first_tokens(i, 64, 256, False) for i in (0, 63)] == [256, 256]
+    assert long_context.first_tokens(0, 4, 8, True) == 8  # never past a request's tokens
+    assert long_context.first_tokens(3, 4, 0, True) == 0  # one request, as long as allowed
