@@ -612,7 +612,8 @@ def long_context_section(records: list[dict]) -> list[str]:
                 f"{inter[f'{key}_p99_during_ms']:.1f} ms (x{inter[f'{key}_p99_ratio']:.2f})"
                 for key, label in shown) + f"; short TTFT {inter['short_ttft_ms']:.0f} ms"
             if inter.get("decode_tokens"):  # decoders starting over: their TPOT p50 too
-                during += (f"; {inter['decode_tokens']}-token requests, TPOT p50 "
+                start = "staggered " if inter.get("stagger") else ""
+                during += (f"; {start}{inter['decode_tokens']}-token requests, TPOT p50 "
                            f"{inter['tpot_p50_before_ms']:.1f} -> "
                            f"{inter['tpot_p50_during_ms']:.1f} ms")
         flags = r0.get("server_flags", "")
