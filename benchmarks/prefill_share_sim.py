@@ -2,23 +2,25 @@
 PrefillShare, a cost model of the device in place of the executor, simulated time.
 
     python -m benchmarks.prefill_share_sim [--share 0.5] [--chunk 512] [--budget 8192]
-        [--decoders 64] [--decode-tokens 256] [--prompt 131072]
+        [--decoders 64] [--decode-tokens 256] [--prompt 131072] [--no-stagger]
 
 Each step takes a plain decode step's time (--decode-ms, 7.2: the 8B's 64 decoders on an
 H100) plus its prefill tokens' GEMMs (--gemm-us a token) and their causal attention at their
 depth (4 x layers x q heads x head_dim FLOPs a query-key pair, at --attn-tflops). Decoders
-generate --decode-tokens each and start over with a fresh --short-prompt, as
-benchmarks/long_context.py's do; the long prompt arrives after --warm-s and the windows'
-statistics are long_context.window_stats's. What it leaves out is what a GPU run adds beside
-the scheduler's choices (host stalls, the executor, streaming): on the H100 at 151eb00 the
-model gave the prompt's TTFT 41.3 s against 40.8 measured and TPOT p50 10.7 ms against 11.3,
-but TPOT p99 11.3 against 35.8."""
+generate --decode-tokens each and start over with a fresh --short-prompt, their first requests
+staggered (--no-stagger: all in one step), as benchmarks/long_context.py's do; the long prompt
+arrives after --warm-s and the windows' statistics are long_context.window_stats's. What it
+leaves out is what a GPU run adds beside the scheduler's choices (host stalls, the executor,
+streaming): on the H100 at 151eb00 the model gave the prompt's TTFT 41.3 s against 40.8
+measured and TPOT p50 10.7 ms against 11.3, but TPOT p99 11.3 against 35.8. Staggered, at
+4c00774: TPOT p99 x1.35 at share 0.3 and x1.47 at 0.4 against the H100's x1.40 and x1.52, the
+prompt's TTFT 56.6 and 46.3 s against 51.6 and 44.5."""
 
 from __future__ import annotations
 
 import argparse
 
-from benchmarks.long_context import window_stats
+from benchmarks.long_context import first_tokens, window_stats
 from pagedserve.scheduler.block_manager import BlockManager
 from pagedserve.scheduler.request import GenerationParams, Request
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -27,7 +29,8 @@ from pagedserve.scheduler.scheduler import Scheduler, SchedulerConfig
 def simulate(share: float, chunk: int, budget: int, decoders: int, decode_tokens: int,
              prompt: int, short_prompt: int = 128, decode_ms: float = 7.2, gemm_us: float = 23.0,
              attn_tflops: float = 480.0, attn_flops_per_pair: int = 4 * 32 * 4096,
-             warm_s: float = 5.0, window_s: float = 3.0, slow_during: float = 1.0) -> dict:
+             warm_s: float = 5.0, window_s: float = 3.0, slow_during: float = 1.0,
+             stagger: bool = True) -> dict:
     """window_stats of the decoders before and during the long prompt's prefill, with its
     TTFT (`long_ttft_s`), all in simulated seconds."""
     cfg = SchedulerConfig(max_num_seqs=max(256, decoders + 1), max_num_batched_tokens=budget,
@@ -53,8 +56,8 @@ def simulate(share: float, chunk: int, budget: int, decoders: int, decode_tokens
                       / (attn_tflops * 1e12))
         return t
 
-    for _ in range(decoders):
-        add(short_prompt, decode_tokens)
+    for i in range(decoders):
+        add(short_prompt, first_tokens(i, decoders, decode_tokens, stagger))
     stamps: dict[int, list[tuple[float, int]]] = {}
     now, t0, t1, long_id = 0.0, None, None, None
     while t1 is None:
@@ -92,9 +95,12 @@ def main() -> dict:
     p.add_argument("--slow-during", type=float, default=1.0,
                    help="every step's decode part this much slower while the prompt prefills "
                         "(1.22: the plain steps' 7.3 -> 8.9 ms on an H100 at d96218f)")
+    p.add_argument("--stagger", action=argparse.BooleanOptionalAction, default=True,
+                   help="the decoders' first requests staggered (long_context's default)")
     a = p.parse_args()
     got = simulate(a.share, a.chunk, a.budget, a.decoders, a.decode_tokens, a.prompt,
-                   decode_ms=a.decode_ms, attn_tflops=a.attn_tflops, slow_during=a.slow_during)
+                   decode_ms=a.decode_ms, attn_tflops=a.attn_tflops, slow_during=a.slow_during,
+                   stagger=a.stagger)
     print(f"share {a.share}, chunk {a.chunk}: the prompt's TTFT {got['long_ttft_s']:.1f} s; "
           + "; ".join(f"{m} {got[f'{m}_before_ms']:.1f} -> {got[f'{m}_during_ms']:.1f} ms"
                       for m in ("tpot_p50", "tpot_p90", "tpot_p99", "itl_p99")))
