@@ -257,8 +257,8 @@ def main() -> list[dict]:
                         "long as the model allows, its context growing)")
     p.add_argument("--stagger", action=argparse.BooleanOptionalAction, default=True,
                    help="spread the decoders' fresh requests evenly over the steps (default); "
-                        "--no-stagger: they all start over in the same step (records before "
-                        "2026-12-06 ran so)")
+                        "--no-stagger: they all start over in the same step (records with no "
+                        "`stagger` field ran so)")
     p.add_argument("--server-flag", action="append", default=[])
     args = p.parse_args()
     lengths = args.prompt or [8192, 32768, 131072]
