@@ -1,5 +1,6 @@
 """The mixture-of-experts MLP: a softmax router picks top_k experts per token, the fused-MoE
-op runs them (kernels: moe_route, fused_moe), Qwen2-MoE adds a gated shared expert.
+op runs them (kernels: routed_moe, that is moe_route then fused_moe), Qwen2-MoE adds a gated
+shared expert.
 
     gate               [E, hidden]          the router (replicated on every rank)
     w13                [E, 2 * I, hidden]   each expert's gate rows then up rows
@@ -85,9 +86,9 @@ class SparseMoe(nn.Module):
         logits = self.gate(x)
         # HF combines the experts with the weights in the activations' dtype: the router
         # stores them so (a cast launch a layer less)
-        weights, ids = self.ops.moe_route(logits, self.top_k, self.renormalize, x.dtype)
         scales = {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale} if self.fp8 else {}
-        y = self.ops.fused_moe(x, self.w13, self.w2, weights, ids, **scales)
+        y = self.ops.routed_moe(x, logits, self.top_k, self.renormalize, self.w13, self.w2,
+                                **scales)
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
         return tp.all_reduce(y, self.cfg)

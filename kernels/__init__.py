@@ -50,6 +50,7 @@ _OP_MODULES = {
     # mixture of experts (layout and the torch path: moe_reference)
     "moe_route": "fused_moe",
     "fused_moe": "fused_moe",
+    "routed_moe": "fused_moe",
     # the sampler's draw (its generator and the torch path: sampling_reference)
     "exponential_race": "sampling",
     # multi-LoRA over a step's segments (layout and the torch path: lora_reference)
@@ -60,6 +61,7 @@ _TORCH_MODULES = {"w4a16_gemm": "w4a16_reference",  # default: reference
                   "fp8_gemm": "fp8_reference",
                   "moe_route": "moe_reference",
                   "fused_moe": "moe_reference",
+                  "routed_moe": "moe_reference",
                   "exponential_race": "sampling_reference",
                   "lora_shrink": "lora_reference",
                   "lora_expand": "lora_reference"}

@@ -5,6 +5,9 @@
     moe_align_block_size   the T*k (token, slot) pairs sorted by expert, each expert's run
                            padded to a multiple of BLOCK_M; one Triton program up to
                            ALIGN_ONE_PROGRAM pairs (decode), torch ops beyond (prefill)
+    routed_moe             the two above and the experts from the router's logits
+                           (FUSE_ROUTE: routing and alignment in one program up to
+                           ROUTE_ALIGN_TOKENS tokens, a launch a layer less at decode)
     GEMM 1 (_moe_gemm)     cache1[p] = w13[e] @ x[p // k]                 [T*k, 2I]
     silu_and_mul           cache2 = silu(gate) * up (kernels/fused.py)    [T*k, I]
                            (FUSE_SILU: GEMM 1 GATED writes cache2 itself, each program the
@@ -50,6 +53,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # default until a GPU run has timed it against the separate launch (gpu.sh moelatab): it is
 # equal to it under the interpreter, not yet run on a GPU
 FUSE_SILU = os.environ.get("PAGEDSERVE_MOE_FUSE_SILU", "0") == "1"
+# PAGEDSERVE_MOE_FUSE_ROUTE=1: routed_moe routes and aligns up to ROUTE_ALIGN_TOKENS tokens in
+# one program (_route_align_kernel). Off by default until a GPU has run its tests and timed it
+# (equal to moe_route then moe_align_block_size under the interpreter)
+FUSE_ROUTE = os.environ.get("PAGEDSERVE_MOE_FUSE_ROUTE", "0") == "1"
+ROUTE_ALIGN_TOKENS = 64  # tokens one program routes ([tokens, experts] in registers)
 
 
 @dataclass(frozen=True)
@@ -228,6 +236,98 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
     return sorted_ids, expert_ids, post_pad
 
 
+@triton.jit(do_not_specialize=["T", "num_blocks"])
+def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ids_ptr,
+                        post_pad_ptr, T, num_experts, stride_l, num_blocks, TOP_K: tl.constexpr,
+                        K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr,
+                        T_PAD: tl.constexpr, N_PAD: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """_route_kernel for T tokens at once ([T_PAD, E_PAD] in registers), then _align_kernel
+    over their pairs p = t * TOP_K + j: the same outputs, one launch."""
+    rows = tl.arange(0, T_PAD)
+    offs = tl.arange(0, E_PAD)
+    row_ok = rows < T
+    ok = row_ok[:, None] & (offs < num_experts)[None, :]
+    x = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + offs[None, :], mask=ok,
+                other=-float("inf")).to(tl.float32)
+    m = tl.where(row_ok, tl.max(x, 1), 0.0)  # (rows past T: all -inf)
+    e = tl.where(ok, tl.exp(x - m[:, None]), 0.0)
+    total = tl.where(row_ok, tl.sum(e, 1), 1.0)
+    p = tl.where(ok, e / total[:, None], -1.0)  # lanes past the experts are never picked
+    slots = tl.arange(0, K_PAD)
+    weights = tl.zeros((T_PAD, K_PAD), dtype=tl.float32)
+    ids = tl.zeros((T_PAD, K_PAD), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 1)
+        pick = tl.min(tl.where(p == best[:, None], offs[None, :], E_PAD), 1)
+        weights = tl.where(slots[None, :] == j, best[:, None], weights)
+        ids = tl.where(slots[None, :] == j, pick[:, None], ids)
+        p = tl.where(offs[None, :] == pick[:, None], -1.0, p)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 1)[:, None]
+    keep = row_ok[:, None] & (slots < TOP_K)[None, :]
+    pair = rows[:, None] * TOP_K + slots[None, :]
+    tl.store(weights_ptr + pair, weights.to(weights_ptr.dtype.element_ty), mask=keep)
+    tl.store(ids_ptr + pair, ids, mask=keep)
+    # the alignment (_align_kernel's steps) over N_PAD = T_PAD * K_PAD lanes, those past the
+    # pairs reading expert 0
+    numel = T * TOP_K
+    flat_keep = tl.reshape(keep, (N_PAD,))
+    flat_e = tl.reshape(tl.where(keep, ids, 0), (N_PAD,))
+    flat_pair = tl.reshape(pair, (N_PAD,))
+    experts = tl.arange(0, E_PAD)
+    counts = tl.histogram(flat_e, E_PAD) - tl.where(experts == 0, N_PAD - numel, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(post_pad_ptr, tl.sum(padded, 0))
+    delta = ends - padded - (tl.cumsum(counts, 0) - counts)
+    key = tl.sort(tl.where(flat_keep, flat_e, E_PAD) * N_PAD + flat_pair)  # past the pairs: last
+    i = tl.arange(0, N_PAD)
+    dest = i + tl.gather(delta, tl.minimum(key // N_PAD, E_PAD - 1), 0)
+    offs_c = tl.arange(0, CHUNK)
+    for q in range(0, num_blocks * BLOCK_M, CHUNK):
+        tl.store(sorted_ptr + q + offs_c, numel, mask=q + offs_c < num_blocks * BLOCK_M)
+    for b in range(0, num_blocks, CHUNK // E_PAD):
+        blk = b + tl.arange(0, CHUNK // E_PAD)
+        eid = tl.sum((ends[None, :] <= blk[:, None] * BLOCK_M).to(tl.int32), 1)
+        tl.store(expert_ids_ptr + blk, tl.minimum(eid, NUM_EXPERTS - 1), mask=blk < num_blocks)
+    tl.debug_barrier()  # the padding fill lands before the pairs overwrite it
+    tl.store(sorted_ptr + dest, key % N_PAD, mask=i < numel)
+
+
+def moe_route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                    dtype: torch.dtype, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(weights, ids) = moe_route(...) and moe_align_block_size(ids, block_m, E) in one
+    launch, for T <= ROUTE_ALIGN_TOKENS tokens of E <= 1024 experts; beyond, the two calls."""
+    check_tensor("router_logits", router_logits, 2, FLOAT_DTYPES)
+    t, num_experts = router_logits.shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k {top_k} must be in 1..{num_experts} (the experts)")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    if not 1 <= t <= ROUTE_ALIGN_TOKENS or num_experts > 1024:
+        weights, ids = moe_route(router_logits, top_k, renormalize, dtype)
+        return weights, ids, moe_align_block_size(ids, block_m, num_experts)
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    dev = logits.device
+    store = torch.float32 if INTERPRETED else dtype  # (as moe_route: the interpreter truncates)
+    weights = torch.empty((t, top_k), dtype=store, device=dev)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
+    cap = align_block_size_capacity(t * top_k, block_m, num_experts)
+    sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
+    post_pad = torch.empty(1, dtype=torch.int32, device=dev)
+    e_pad, k_pad = triton.next_power_of_2(num_experts), triton.next_power_of_2(top_k)
+    t_pad = max(16 // k_pad, 2, triton.next_power_of_2(t))  # (>= 16 lanes to sort, as align)
+    _route_align_kernel[(1,)](
+        logits, weights, ids, sorted_ids, expert_ids, post_pad, t, num_experts,
+        logits.stride(0), cap // block_m, TOP_K=top_k, K_PAD=k_pad, RENORMALIZE=renormalize,
+        E_PAD=e_pad, T_PAD=t_pad, N_PAD=t_pad * k_pad, NUM_EXPERTS=num_experts,
+        BLOCK_M=block_m, CHUNK=max(1024, e_pad), num_warps=4)
+    return weights.to(dtype), ids, (sorted_ids, expert_ids, post_pad)
+
+
 @triton.jit(do_not_specialize=["EM", "num_valid"])
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, scale_ptr, weight_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
@@ -358,6 +458,7 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,  # [E, H] float32, FP8 w2
     out: torch.Tensor | None = None,  # [T, H] x.dtype
     workspace: torch.Tensor | None = None,  # >= workspace_size(...) elements of x.dtype
+    align: tuple[tuple[torch.Tensor, ...], int] | None = None,  # (topk_ids aligned, its block_m)
 ) -> torch.Tensor:  # [T, H]
     t, h, _, inter, k = check_moe_args(x, w13, w2, topk_weights, topk_ids, activation,
                                        w13_scale, w2_scale, out)
@@ -376,11 +477,26 @@ def fused_moe(
     for s in range(0, t, CHUNK_TOKENS):
         e = min(t, s + CHUNK_TOKENS)
         _fused_pass(x[s:e], w13, w2, weights[s:e], ids[s:e], w13_scale, w2_scale, out[s:e],
-                    workspace)
+                    workspace, align if t <= CHUNK_TOKENS else None)
     return out
 
 
-def _fused_pass(x, w13, w2, weights, ids, w13_scale, w2_scale, out, workspace) -> None:
+def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               w13: torch.Tensor, w2: torch.Tensor, **kwargs) -> torch.Tensor:
+    """fused_moe(x, w13, w2, *moe_route(router_logits, top_k, renormalize, x.dtype),
+    **kwargs); with FUSE_ROUTE, a decode step's routing and alignment in one launch."""
+    t = x.shape[0]
+    if FUSE_ROUTE and 1 <= t <= ROUTE_ALIGN_TOKENS and w13.shape[0] <= 1024:
+        block_m = pick_config(t, top_k, w13, x.dtype).block_m
+        weights, ids, align = moe_route_align(router_logits, top_k, renormalize, x.dtype,
+                                              block_m)
+        return fused_moe(x, w13, w2, weights, ids, align=(align, block_m), **kwargs)
+    weights, ids = moe_route(router_logits, top_k, renormalize, x.dtype)
+    return fused_moe(x, w13, w2, weights, ids, **kwargs)
+
+
+def _fused_pass(x, w13, w2, weights, ids, w13_scale, w2_scale, out, workspace,
+                given=None) -> None:
     t, k = ids.shape
     num_experts, two_i, h = w13.shape
     pairs = t * k
@@ -390,7 +506,10 @@ def _fused_pass(x, w13, w2, weights, ids, w13_scale, w2_scale, out, workspace) -
     cache3 = workspace[:pairs * h].view(pairs, h)
     cfg1 = pick_config(t, k, w13, x.dtype)
     cfg2 = pick_config(t, k, w2, x.dtype)
-    align = moe_align_block_size(ids, cfg1.block_m, num_experts)
+    if given is not None and given[1] == cfg1.block_m:
+        align = given[0]  # (routed_moe's, made with the routing)
+    else:
+        align = moe_align_block_size(ids, cfg1.block_m, num_experts)
     if FUSE_SILU:
         # gate and up tiles of half the tuned width: the tuned tile's bytes, shared memory and
         # program count, and the SiLU in the epilogue

@@ -53,6 +53,14 @@ def moe_route(
     return weights.to(dtype), ids.to(torch.int32)
 
 
+def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               w13: torch.Tensor, w2: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The experts of x routed by router_logits: moe_route (weights in x's dtype, as HF's
+    routers round them), then fused_moe."""
+    weights, ids = moe_route(router_logits, top_k, renormalize, x.dtype)
+    return fused_moe(x, w13, w2, weights, ids, **kwargs)
+
+
 def check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
                    out) -> tuple[int, int, int, int, int]:
     """(T, H, E, I, k) of a valid call; anything else raises ValueError."""

@@ -350,10 +350,53 @@ def test_config_file_ships_in_the_wheel():
     assert any(fnmatch.fnmatch(fm.CONFIG_FILE.name, pat) for pat in data["pagedserve.kernels"])
 
 
+@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (1, 8, 2), (5, 60, 6), (16, 4, 4), (64, 8, 1),
+                                   (3, 6, 3)])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_route_and_align_in_one_launch_equal_the_two(t, e, k, block_m, device):
+    """moe_route_align (FUSE_ROUTE's one program) gives moe_route's weights and ids and the
+    alignment's definition over them: k not a power of two, k = E, experts left empty."""
+    g = torch.Generator().manual_seed(t * e + k + block_m)
+    logits = (torch.randn(t, e, generator=g) * 3).to(device)
+    logits[0] = torch.randint(0, 3, (e,), generator=g).float()  # ties: the lower id first
+    for norm in (True, False):
+        w, ids, (sorted_ids, expert_ids, total) = fm.moe_route_align(logits, k, norm,
+                                                                       torch.float32, block_m)
+        want_w, want_ids = fm.moe_route(logits, k, norm)
+        assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
+        got = (sorted_ids.tolist(), expert_ids.tolist(), total.item())
+        assert got == align_by_definition(ids, block_m, e)
+    # past ROUTE_ALIGN_TOKENS tokens: the two calls, the same results
+    many = torch.randn(fm.ROUTE_ALIGN_TOKENS + 1, e, generator=g).to(device)
+    w, ids, align = fm.moe_route_align(many, k, True, torch.float32, block_m)
+    assert torch.equal(ids, fm.moe_route(many, k, True)[1])
+    assert [a.tolist() for a in align] == [a.tolist() for a in
+                                           fm.moe_align_block_size(ids, block_m, e)]
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_routed_moe_equals_route_then_experts(fuse, monkeypatch, device):
+    """routed_moe from the router's logits, its routing fused or not, equals the reference's
+    routed_moe, and each equals moe_route then fused_moe."""
+    monkeypatch.setattr(fm, "FUSE_ROUTE", fuse)
+    w13, w2 = experts(8, device=device)
+    for t in (1, 7, fm.ROUTE_ALIGN_TOKENS + 3):
+        g = torch.Generator().manual_seed(t)
+        x = torch.randn(t, HID, generator=g).to(device)
+        logits = torch.randn(t, 8, generator=g).to(device)
+        got = fm.routed_moe(x, logits, 2, True, w13, w2)
+        want = ref.routed_moe(x, logits, 2, True, w13, w2)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, fm.fused_moe(x, w13, w2, *fm.moe_route(logits, 2, True)),
+                                   rtol=0, atol=0)
+
+
 def test_registered_ops():
     assert kernels.get_ops("triton").fused_moe is fm.fused_moe
     assert kernels.get_ops("torch").fused_moe is ref.fused_moe
     assert kernels.get_ops("torch").moe_route is ref.moe_route
+    assert kernels.get_ops("triton").routed_moe is fm.routed_moe
+    assert kernels.get_ops("torch").routed_moe is ref.routed_moe
 
 
 @pytest.mark.parametrize("impl", [ref.fused_moe, fm.fused_moe])
