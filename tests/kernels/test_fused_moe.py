@@ -363,7 +363,9 @@ def test_route_and_align_in_one_launch_equal_the_two(t, e, k, block_m, device):
         w, ids, (sorted_ids, expert_ids, total) = fm.moe_route_align(logits, k, norm,
                                                                        torch.float32, block_m)
         want_w, want_ids = fm.moe_route(logits, k, norm)
-        assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
+        assert torch.equal(ids, want_ids)
+        # (a GPU may sum a row of the tile in another order than the one-token kernel does)
+        torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7)
         got = (sorted_ids.tolist(), expert_ids.tolist(), total.item())
         assert got == align_by_definition(ids, block_m, e)
     # past ROUTE_ALIGN_TOKENS tokens: the two calls, the same results
