@@ -389,8 +389,9 @@ def test_routed_moe_equals_route_then_experts(fuse, monkeypatch, device):
         got = fm.routed_moe(x, logits, 2, True, w13, w2)
         want = ref.routed_moe(x, logits, 2, True, w13, w2)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        # bitwise unfused; fused, the weights may differ in their last bit on a GPU
         torch.testing.assert_close(got, fm.fused_moe(x, w13, w2, *fm.moe_route(logits, 2, True)),
-                                   rtol=0, atol=0)
+                                   rtol=1e-5 if fuse else 0, atol=1e-6 if fuse else 0)
 
 
 def test_registered_ops():
