@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import re
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -35,22 +37,43 @@ DEFAULT_PORTS = frozenset({50051, 8080, 8000, 5557})
 _PORTS = range(20000, 32000)
 _handed_out: set[int] = set()
 _rng = random.Random()  # seeded from the OS: two suites at once draw different ports
+# Ports handed out by every test process on this machine (scripts/test.sh runs two pytest
+# processes at once), "port@unix time" a line, under an exclusive lock: a port one process
+# handed out and whose service has not bound it yet looks free to the other (it happened: an
+# engine's --executor-bind found its port taken, twice, and serve gave up)
+_REGISTRY = Path(tempfile.gettempdir()) / "pagedserve-test-ports"
+_REGISTRY_KEEP_S = 3600.0  # a port handed out this long ago may be handed out again
 
 
 def free_port() -> int:
-    """A port nobody listens on, never handed out before in this process, outside the
-    ephemeral range and the service's defaults."""
-    while True:
-        port = _rng.choice(_PORTS)
-        if port in _handed_out or port in DEFAULT_PORTS:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
+    """A port nobody listens on, not handed out in the last hour by any test process here,
+    outside the ephemeral range and the service's defaults."""
+    with open(_REGISTRY, "a+") as registry:
+        fcntl.flock(registry, fcntl.LOCK_EX)  # (released when the file closes)
+        registry.seek(0)
+        now = time.time()
+        recent = {}
+        for line in registry.read().split():
+            port, _, when = line.partition("@")
+            if port.isdigit() and when.replace(".", "", 1).isdigit() and \
+                    now - float(when) < _REGISTRY_KEEP_S:
+                recent[int(port)] = when
+        while True:
+            port = _rng.choice(_PORTS)
+            if port in _handed_out or port in DEFAULT_PORTS or port in recent:
                 continue
-        _handed_out.add(port)
-        return port
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            break
+        recent[port] = f"{now:.0f}"
+        registry.seek(0)
+        registry.truncate()
+        registry.write("".join(f"{p}@{w}\n" for p, w in recent.items()))
+    _handed_out.add(port)
+    return port
 
 
 def health(channel: grpc.Channel, service: str = READINESS) -> int | None:
