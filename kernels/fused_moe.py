@@ -161,19 +161,25 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     tl.store(ids_ptr + row * TOP_K + slots, ids, mask=keep)
 
 
+def _route_args(router_logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The logits with unit stride over the experts; ValueError for a bad call."""
+    check_tensor("router_logits", router_logits, 2, FLOAT_DTYPES)
+    num_experts = router_logits.shape[1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k {top_k} must be in 1..{num_experts} (the experts)")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    return router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+
+
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
               dtype: torch.dtype = torch.float32
               ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] dtype, [T, k] int32)
     """moe_reference.moe_route in one launch (it takes five: softmax, topk, sum, divide,
     cast), a token per program; the weights stored in dtype (rounded from float32 as
     .to(dtype) rounds them: no cast launch after it)."""
-    check_tensor("router_logits", router_logits, 2, FLOAT_DTYPES)
-    t, num_experts = router_logits.shape
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k {top_k} must be in 1..{num_experts} (the experts)")
-    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
-    if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    logits = _route_args(router_logits, top_k, dtype)
+    t, num_experts = logits.shape
     # the interpreter's float32 -> bfloat16 store truncates where the GPU's (and .to) round to
     # nearest even: interpreted, the kernel stores float32 and torch rounds
     store = torch.float32 if INTERPRETED else dtype
@@ -187,24 +193,24 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights.to(dtype), ids
 
 
-@triton.jit(do_not_specialize=["numel", "num_blocks"])
-def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, numel, num_blocks,
-                  NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, N_PAD: tl.constexpr,
-                  E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """moe_reference.moe_align_block_size in one program: a histogram, the padded prefix sums,
-    one register sort of key (expert, pair), sorted position p stored at p + the expert's
-    padding before it."""
+@triton.jit
+def _align_pairs(e, valid, pair, numel, sorted_ptr, expert_ids_ptr, post_pad_ptr, num_blocks,
+                 NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, N_PAD: tl.constexpr,
+                 E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """moe_reference.moe_align_block_size over N_PAD lanes, numel of them `valid` pairs (id
+    `pair`, expert `e`; the others expert 0): a histogram, the padded prefix sums, one
+    register sort of key (expert, pair), sorted position p stored at p + the expert's padding
+    before it."""
     i = tl.arange(0, N_PAD)
-    ok = i < numel
-    e = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
     experts = tl.arange(0, E_PAD)
-    # the N_PAD - numel lanes past the end read expert 0 (histogram's mask is newer than 3.6)
+    # the N_PAD - numel lanes past the pairs count as expert 0 (histogram's mask is newer
+    # than 3.6)
     counts = tl.histogram(e, E_PAD) - tl.where(experts == 0, N_PAD - numel, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     tl.store(post_pad_ptr, tl.sum(padded, 0))
     delta = ends - padded - (tl.cumsum(counts, 0) - counts)
-    key = tl.sort(tl.where(ok, e, E_PAD) * N_PAD + i)  # pairs past numel sort last
+    key = tl.sort(tl.where(valid, e, E_PAD) * N_PAD + pair)  # lanes past the pairs sort last
     dest = i + tl.gather(delta, tl.minimum(key // N_PAD, E_PAD - 1), 0)
     offs = tl.arange(0, CHUNK)
     for p in range(0, num_blocks * BLOCK_M, CHUNK):
@@ -214,7 +220,29 @@ def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, numel, num_
         eid = tl.sum((ends[None, :] <= blk[:, None] * BLOCK_M).to(tl.int32), 1)
         tl.store(expert_ids_ptr + blk, tl.minimum(eid, NUM_EXPERTS - 1), mask=blk < num_blocks)
     tl.debug_barrier()  # the padding fill lands before the pairs overwrite it
-    tl.store(sorted_ptr + dest, key % N_PAD, mask=ok)
+    tl.store(sorted_ptr + dest, key % N_PAD, mask=i < numel)
+
+
+@triton.jit(do_not_specialize=["numel", "num_blocks"])
+def _align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, numel, num_blocks,
+                  NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, N_PAD: tl.constexpr,
+                  E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """_align_pairs of the numel pairs in ids_ptr, in one program."""
+    i = tl.arange(0, N_PAD)
+    ok = i < numel
+    e = tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32)
+    _align_pairs(e, ok, i, numel, sorted_ptr, expert_ids_ptr, post_pad_ptr, num_blocks,
+                 NUM_EXPERTS, BLOCK_M, N_PAD, E_PAD, CHUNK)
+
+
+def _align_buffers(numel: int, block_m: int, num_experts: int, dev: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_token_ids, expert_ids, num_tokens_post_padded) to fill, at their worst-case
+    sizes."""
+    cap = align_block_size_capacity(numel, block_m, num_experts)
+    return (torch.empty(cap, dtype=torch.int32, device=dev),
+            torch.empty(cap // block_m, dtype=torch.int32, device=dev),
+            torch.empty(1, dtype=torch.int32, device=dev))
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
@@ -223,14 +251,11 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
     numel = topk_ids.numel()
     if numel > ALIGN_ONE_PROGRAM or numel == 0 or num_experts > 1024:
         return moe_align_torch(topk_ids, block_m, num_experts)
-    dev = topk_ids.device
-    cap = align_block_size_capacity(numel, block_m, num_experts)
-    sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
-    post_pad = torch.empty(1, dtype=torch.int32, device=dev)
+    sorted_ids, expert_ids, post_pad = _align_buffers(numel, block_m, num_experts,
+                                                      topk_ids.device)
     e_pad = triton.next_power_of_2(num_experts)
     _align_kernel[(1,)](topk_ids.contiguous(), sorted_ids, expert_ids, post_pad, numel,
-                        cap // block_m, NUM_EXPERTS=num_experts, BLOCK_M=block_m,
+                        expert_ids.numel(), NUM_EXPERTS=num_experts, BLOCK_M=block_m,
                         N_PAD=max(16, triton.next_power_of_2(numel)), E_PAD=e_pad,
                         CHUNK=max(1024, e_pad), num_warps=4)
     return sorted_ids, expert_ids, post_pad
@@ -242,7 +267,7 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ids
                         K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr,
                         T_PAD: tl.constexpr, N_PAD: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                         BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """_route_kernel for T tokens at once ([T_PAD, E_PAD] in registers), then _align_kernel
+    """_route_kernel for T tokens at once ([T_PAD, E_PAD] in registers), then _align_pairs
     over their pairs p = t * TOP_K + j: the same outputs, one launch."""
     rows = tl.arange(0, T_PAD)
     offs = tl.arange(0, E_PAD)
@@ -269,30 +294,10 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ids
     pair = rows[:, None] * TOP_K + slots[None, :]
     tl.store(weights_ptr + pair, weights.to(weights_ptr.dtype.element_ty), mask=keep)
     tl.store(ids_ptr + pair, ids, mask=keep)
-    # the alignment (_align_kernel's steps) over N_PAD = T_PAD * K_PAD lanes, those past the
-    # pairs reading expert 0
-    numel = T * TOP_K
-    flat_keep = tl.reshape(keep, (N_PAD,))
-    flat_e = tl.reshape(tl.where(keep, ids, 0), (N_PAD,))
-    flat_pair = tl.reshape(pair, (N_PAD,))
-    experts = tl.arange(0, E_PAD)
-    counts = tl.histogram(flat_e, E_PAD) - tl.where(experts == 0, N_PAD - numel, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    tl.store(post_pad_ptr, tl.sum(padded, 0))
-    delta = ends - padded - (tl.cumsum(counts, 0) - counts)
-    key = tl.sort(tl.where(flat_keep, flat_e, E_PAD) * N_PAD + flat_pair)  # past the pairs: last
-    i = tl.arange(0, N_PAD)
-    dest = i + tl.gather(delta, tl.minimum(key // N_PAD, E_PAD - 1), 0)
-    offs_c = tl.arange(0, CHUNK)
-    for q in range(0, num_blocks * BLOCK_M, CHUNK):
-        tl.store(sorted_ptr + q + offs_c, numel, mask=q + offs_c < num_blocks * BLOCK_M)
-    for b in range(0, num_blocks, CHUNK // E_PAD):
-        blk = b + tl.arange(0, CHUNK // E_PAD)
-        eid = tl.sum((ends[None, :] <= blk[:, None] * BLOCK_M).to(tl.int32), 1)
-        tl.store(expert_ids_ptr + blk, tl.minimum(eid, NUM_EXPERTS - 1), mask=blk < num_blocks)
-    tl.debug_barrier()  # the padding fill lands before the pairs overwrite it
-    tl.store(sorted_ptr + dest, key % N_PAD, mask=i < numel)
+    # the alignment over N_PAD = T_PAD * K_PAD lanes, those past the pairs expert 0
+    _align_pairs(tl.reshape(tl.where(keep, ids, 0), (N_PAD,)), tl.reshape(keep, (N_PAD,)),
+                 tl.reshape(pair, (N_PAD,)), T * TOP_K, sorted_ptr, expert_ids_ptr,
+                 post_pad_ptr, num_blocks, NUM_EXPERTS, BLOCK_M, N_PAD, E_PAD, CHUNK)
 
 
 def moe_route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -300,29 +305,21 @@ def moe_route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """(weights, ids) = moe_route(...) and moe_align_block_size(ids, block_m, E) in one
     launch, for T <= ROUTE_ALIGN_TOKENS tokens of E <= 1024 experts; beyond, the two calls."""
-    check_tensor("router_logits", router_logits, 2, FLOAT_DTYPES)
-    t, num_experts = router_logits.shape
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k {top_k} must be in 1..{num_experts} (the experts)")
-    if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    logits = _route_args(router_logits, top_k, dtype)
+    t, num_experts = logits.shape
     if not 1 <= t <= ROUTE_ALIGN_TOKENS or num_experts > 1024:
-        weights, ids = moe_route(router_logits, top_k, renormalize, dtype)
+        weights, ids = moe_route(logits, top_k, renormalize, dtype)
         return weights, ids, moe_align_block_size(ids, block_m, num_experts)
-    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     dev = logits.device
     store = torch.float32 if INTERPRETED else dtype  # (as moe_route: the interpreter truncates)
     weights = torch.empty((t, top_k), dtype=store, device=dev)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=dev)
-    cap = align_block_size_capacity(t * top_k, block_m, num_experts)
-    sorted_ids = torch.empty(cap, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
-    post_pad = torch.empty(1, dtype=torch.int32, device=dev)
+    sorted_ids, expert_ids, post_pad = _align_buffers(t * top_k, block_m, num_experts, dev)
     e_pad, k_pad = triton.next_power_of_2(num_experts), triton.next_power_of_2(top_k)
     t_pad = max(16 // k_pad, 2, triton.next_power_of_2(t))  # (>= 16 lanes to sort, as align)
     _route_align_kernel[(1,)](
         logits, weights, ids, sorted_ids, expert_ids, post_pad, t, num_experts,
-        logits.stride(0), cap // block_m, TOP_K=top_k, K_PAD=k_pad, RENORMALIZE=renormalize,
+        logits.stride(0), expert_ids.numel(), TOP_K=top_k, K_PAD=k_pad, RENORMALIZE=renormalize,
         E_PAD=e_pad, T_PAD=t_pad, N_PAD=t_pad * k_pad, NUM_EXPERTS=num_experts,
         BLOCK_M=block_m, CHUNK=max(1024, e_pad), num_warps=4)
     return weights.to(dtype), ids, (sorted_ids, expert_ids, post_pad)
