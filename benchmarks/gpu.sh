@@ -91,7 +91,7 @@
 #             merged into the installed moe_configs.json (later parts of the call use them) and
 #             copied to $B: commit it as kernels/moe_configs.json; MOE_TUNE_ARGS: more
 #             bench_moe.py flags (e.g. --shapes qwen3_30b_a3b --tokens 1)
-#   moeroute  the fused routing-and-alignment kernel's tests on the GPU, then Qwen3-30B-A3B
+#   moeroute  the routing and alignment kernels' tests on the GPU, then Qwen3-30B-A3B
 #             single stream with it off and on (MOE_ROUTES: 0 1 0 1)
 #   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX) beside HF generate
 #             bs256, serve's default step bounds
@@ -470,7 +470,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       PAGEDSERVE_MOE_FUSE_SILU=1 python3 -m pytest -q -rs tests/kernels/test_fused_moe.py \
         2>&1 | tee $B/pytest_moe.log | tail -4 ;;
     moeroute)  # routing and alignment in one launch (PAGEDSERVE_MOE_FUSE_ROUTE), off and on
-      python3 -m pytest -q -rs tests/kernels/test_fused_moe.py -k "one_launch or routed_moe" \
+      python3 -m pytest -q -rs tests/kernels/test_fused_moe.py -k "one_launch or routed_moe or align" \
         2>&1 | tee $B/pytest_moe_route.log | tail -4
       for fuse in ${MOE_ROUTES:-0 1 0 1}; do
         PAGEDSERVE_MOE_FUSE_ROUTE=$fuse tp "" MQ30 --hf none --requests 2 --prompt 128 \
