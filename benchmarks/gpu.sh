@@ -470,8 +470,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       PAGEDSERVE_MOE_FUSE_SILU=1 python3 -m pytest -q -rs tests/kernels/test_fused_moe.py \
         2>&1 | tee $B/pytest_moe.log | tail -4 ;;
     moeroute)  # routing and alignment in one launch (PAGEDSERVE_MOE_FUSE_ROUTE), off and on
-      python3 -m pytest -q -rs tests/kernels/test_fused_moe.py -k "one_launch or routed_moe or align" \
-        2>&1 | tee $B/pytest_moe_route.log | tail -4
+      python3 -m pytest -q -rs tests/kernels/test_fused_moe.py \
+        -k "one_launch or routed_moe or align" 2>&1 | tee $B/pytest_moe_route.log | tail -4
       for fuse in ${MOE_ROUTES:-0 1 0 1}; do
         PAGEDSERVE_MOE_FUSE_ROUTE=$fuse tp "" MQ30 --hf none --requests 2 --prompt 128 \
           --output 512 --max-num-seqs 1 --max-num-batched-tokens 0
