@@ -93,6 +93,9 @@
 #             bench_moe.py flags (e.g. --shapes qwen3_30b_a3b --tokens 1)
 #   moeroute  the routing and alignment kernels' tests on the GPU, then Qwen3-30B-A3B
 #             single stream with it off and on (MOE_ROUTES: 0 1 0 1)
+#   moedecode moe_decode's GPU tests (and the routing's), bench_moe.py --decode (its tiles
+#             against the grouped GEMMs at 1-8 tokens, both shapes), then Qwen3-30B-A3B single
+#             stream with PAGEDSERVE_MOE_DECODE_TOKENS over MOE_DECODES (default 0 4); ~6 min
 #   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX) beside HF generate
 #             bs256, serve's default step bounds
 #   moew2     W2 on both at the default flags, no peer (HF generate's W2 batch runs 1,024
@@ -474,6 +477,14 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         -k "one_launch or routed_moe or align" 2>&1 | tee $B/pytest_moe_route.log | tail -4
       for fuse in ${MOE_ROUTES:-0 1 0 1}; do
         PAGEDSERVE_MOE_FUSE_ROUTE=$fuse tp "" MQ30 --hf none --requests 2 --prompt 128 \
+          --output 512 --max-num-seqs 1 --max-num-batched-tokens 0
+      done ;;
+    moedecode)  # the GEMVs of a few tokens (PAGEDSERVE_MOE_DECODE_TOKENS), off and on
+      python3 -m pytest -q -rs tests/kernels/test_fused_moe.py \
+        -k "decode_gemvs or route or align" 2>&1 | tee $B/pytest_moe_decode.log | tail -4
+      python3 benchmarks/kernels/bench_moe.py --decode 2>&1 | tee -a $B/bench_moe.log | quiet 40
+      for n in ${MOE_DECODES:-0 4}; do
+        PAGEDSERVE_MOE_DECODE_TOKENS=$n tp "" MQ30 --hf none --requests 2 --prompt 128 \
           --output 512 --max-num-seqs 1 --max-num-batched-tokens 0
       done ;;
     profilemoe) profile MQ30 moe30b "${DEFAULTS[@]}" ;;

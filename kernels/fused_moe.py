@@ -7,7 +7,8 @@
                            ALIGN_ONE_PROGRAM pairs (decode), torch ops beyond (prefill)
     routed_moe             the two above and the experts from the router's logits
                            (FUSE_ROUTE: routing and alignment in one program up to
-                           ROUTE_ALIGN_TOKENS tokens, a launch a layer less at decode)
+                           ROUTE_ALIGN_TOKENS tokens, a launch a layer less at decode;
+                           up to DECODE_TOKENS tokens moe_decode instead, below)
     GEMM 1 (_moe_gemm)     cache1[p] = w13[e] @ x[p // k]                 [T*k, 2I]
     silu_and_mul           cache2 = silu(gate) * up (kernels/fused.py)    [T*k, I]
                            (FUSE_SILU: GEMM 1 GATED writes cache2 itself, each program the
@@ -15,6 +16,10 @@
                            cache1 held them, then silu_and_mul's math)
     GEMM 2 (_moe_gemm)     cache3[p] = topk_weights[p] * (w2[e] @ cache2[p])   [T*k, H]
     _moe_sum               out[t] = sum_j cache3[t*k + j], in float32     [T, H]
+
+moe_decode, a few tokens in two launches: GEMV 1 routes each token in its own programs and
+writes silu(gate) * up per (token, slot) pair; GEMV 2 computes each token's down rows and sums
+its top k. No alignment, no M tile padded to 16 rows.
 
 One GEMM program per (M-block, N-block): the M-block's rows are gathered through
 sorted_token_ids and all belong to one expert, whose weight tile is loaded once per K step.
@@ -58,6 +63,10 @@ FUSE_SILU = os.environ.get("PAGEDSERVE_MOE_FUSE_SILU", "0") == "1"
 # (equal to moe_route then moe_align_block_size under the interpreter)
 FUSE_ROUTE = os.environ.get("PAGEDSERVE_MOE_FUSE_ROUTE", "0") == "1"
 ROUTE_ALIGN_TOKENS = 64  # tokens one program routes ([tokens, experts] in registers)
+# PAGEDSERVE_MOE_DECODE_TOKENS=N: routed_moe runs up to N tokens as moe_decode's two GEMV
+# launches (routing inside the first, the top-k sum inside the second). 0 (off) by default
+# until a GPU has run its tests and timed it against the grouped GEMMs (gpu.sh moedecode)
+DECODE_TOKENS = int(os.environ.get("PAGEDSERVE_MOE_DECODE_TOKENS", "0"))
 
 
 @dataclass(frozen=True)
@@ -131,12 +140,11 @@ def pick_config(tokens: int, top_k: int, w: torch.Tensor, dtype: torch.dtype) ->
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  E_PAD: tl.constexpr):
-    """One token: the float32 softmax over its experts, the top k by repeated argmax (ties to
-    the lower expert id, as torch.topk orders them), each weight over their sum if asked."""
-    row = tl.program_id(0).to(tl.int64)
+def _top_k_of_row(logits_ptr, row, num_experts, stride_l, TOP_K: tl.constexpr,
+                  K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr):
+    """(weights [K_PAD] float32, ids [K_PAD] int32, slots) of one token: the float32 softmax
+    over its experts, the top k by repeated argmax (ties to the lower expert id, as torch.topk
+    orders them), each weight over their sum if asked; lanes from TOP_K on are 0."""
     offs = tl.arange(0, E_PAD)
     ok = offs < num_experts
     x = tl.load(logits_ptr + row * stride_l + offs, mask=ok, other=-float("inf"))
@@ -155,6 +163,17 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
         p = tl.where(offs == pick, -1.0, p)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, 0)
+    return weights, ids, slots
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  E_PAD: tl.constexpr):
+    """_top_k_of_row of one token (a program each)."""
+    row = tl.program_id(0).to(tl.int64)
+    weights, ids, slots = _top_k_of_row(logits_ptr, row, num_experts, stride_l, TOP_K, K_PAD,
+                                        RENORMALIZE, E_PAD)
     keep = slots < TOP_K
     tl.store(weights_ptr + row * TOP_K + slots,
              weights.to(weights_ptr.dtype.element_ty), mask=keep)
@@ -436,6 +455,141 @@ def moe_sum(cache3: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor
     return out
 
 
+@triton.jit
+def _decode_gated_kernel(x_ptr, logits_ptr, w_ptr, scale_ptr, c_ptr, weights_ptr, ids_ptr,
+                         num_experts, stride_xt, stride_l, stride_we, stride_wn, stride_se,
+                         N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
+                         K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr,
+                         HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pair p = t * TOP_K + j (axis 0) routes token t itself (_top_k_of_row: every program of
+    the pair alike), then c[p, n-block] = silu(gate) * up of its j-th expert over x[t]: a
+    GEMV, no M tile to fill, no alignment. The n-block-0 program stores the pair's weight and
+    expert for the down GEMV."""
+    pair = tl.program_id(0)
+    t = (pair // TOP_K).to(tl.int64)
+    j = pair % TOP_K
+    weights, ids, slots = _top_k_of_row(logits_ptr, t, num_experts, stride_l, TOP_K, K_PAD,
+                                        RENORMALIZE, E_PAD)
+    expert = tl.sum(tl.where(slots == j, ids, 0), 0)
+    if tl.program_id(1) == 0:
+        weight = tl.sum(tl.where(slots == j, weights, 0.0), 0)
+        tl.store(weights_ptr + pair, weight.to(weights_ptr.dtype.element_ty))
+        tl.store(ids_ptr + pair, expert)
+    act = c_ptr.dtype.element_ty
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):  # unrolled: every tile's load may issue at once
+        k_ok = offs_k < K - k0
+        a = tl.load(x_ptr + t * stride_xt + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        m = n_ok[:, None] & k_ok[None, :]
+        bg = tl.load(rows + k0 + offs_k[None, :], mask=m, other=0.0).to(act).to(tl.float32)
+        bu = tl.load(rows + N * stride_wn + k0 + offs_k[None, :], mask=m, other=0.0)
+        gate += tl.sum(bg * a[None, :], 1)
+        up += tl.sum(bu.to(act).to(tl.float32) * a[None, :], 1)
+    if HAS_SCALE:
+        scales = scale_ptr + expert.to(tl.int64) * stride_se + offs_n
+        gate *= tl.load(scales, mask=n_ok, other=0.0)
+        up *= tl.load(scales + N, mask=n_ok, other=0.0)
+    # as cache1 held gate and up (x's dtype), then silu_and_mul's own math
+    g = gate.to(act).to(tl.float32)
+    out = (g / (1.0 + tl.exp(-g))).to(act).to(tl.float32) * up.to(act).to(tl.float32)
+    tl.store(c_ptr + pair.to(tl.int64) * N + offs_n, out.to(act), mask=n_ok)
+
+
+@triton.jit
+def _decode_down_kernel(c_ptr, w_ptr, scale_ptr, weights_ptr, ids_ptr, out_ptr, stride_we,
+                        stride_wn, stride_se, stride_ot, N: tl.constexpr, K: tl.constexpr,
+                        TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_SCALE: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[t, n-block] = sum over j of round(weights[t, j] * (w2[ids[t, j]] @ c[t*TOP_K + j])):
+    the down GEMV of each of token t's pairs and their top-k sum (moe_sum's float32 sum of the
+    rounded rows) in one program."""
+    t = tl.program_id(0).to(tl.int64)
+    act = out_ptr.dtype.element_ty
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    slots = tl.arange(0, K_PAD)
+    ids = tl.load(ids_ptr + t * TOP_K + slots, mask=slots < TOP_K, other=0)
+    wts = tl.load(weights_ptr + t * TOP_K + slots, mask=slots < TOP_K, other=0.0)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):  # unrolled with the K steps: no load waits on another
+        expert = tl.sum(tl.where(slots == j, ids, 0), 0).to(tl.int64)
+        rows = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
+        dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            a = tl.load(c_ptr + (t * TOP_K + j) * K + k0 + offs_k, mask=k_ok, other=0.0)
+            b = tl.load(rows + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            dot += tl.sum(b.to(act).to(tl.float32) * a.to(tl.float32)[None, :], 1)
+        if HAS_SCALE:
+            dot *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_ok, other=0.0)
+        weight = tl.sum(tl.where(slots == j, wts, 0.0), 0).to(tl.float32)
+        acc += (dot * weight).to(act).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + offs_n, acc.to(act), mask=n_ok)
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """The GEMV tiles of moe_decode: BLOCK_N output rows of a weight by BLOCK_K of its inputs."""
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+
+def decode_tiles(n: int, k: int) -> DecodeTiles:
+    """4,096-element tiles (16 B of each row's weights per thread at 4 warps) of at most 1,024
+    columns: at one token, many programs each with its loads in flight at once."""
+    block_k = min(1024, triton.next_power_of_2(k))
+    return DecodeTiles(max(1, min(4096 // block_k, triton.next_power_of_2(n))), block_k)
+
+
+def moe_decode(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               w13: torch.Tensor, w2: torch.Tensor, *, w13_scale=None, w2_scale=None,
+               tiles: tuple[DecodeTiles, DecodeTiles] | None = None) -> torch.Tensor:
+    """routed_moe for a few tokens in two launches where it takes five to seven: GEMV 1
+    routes each token in its own programs and writes silu(gate) * up of every (token, slot)
+    pair, GEMV 2 runs the down projections and sums each token's top k. The same math and
+    roundings as moe_route, the two grouped GEMMs and moe_sum; each weight is read once per
+    pair (tokens that share an expert read it twice), so it serves decode steps of a few
+    tokens (DECODE_TOKENS)."""
+    logits = _route_args(router_logits, top_k, x.dtype)
+    for name, w in (("x", x), ("w13", w13), ("w2", w2)):
+        if w.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in its last dim, got {w.stride()}")
+    t, num_experts = logits.shape
+    weights = torch.empty((t, top_k), dtype=torch.float32 if INTERPRETED else x.dtype,
+                          device=x.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
+    check_moe_args(x, w13, w2, weights, ids, "silu", w13_scale, w2_scale, None)
+    _, two_i, h = w13.shape
+    inter = two_i // 2
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    cache = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    up, down = tiles or (decode_tiles(inter, h), decode_tiles(h, inter))
+    e_pad = triton.next_power_of_2(num_experts)
+    k_pad = triton.next_power_of_2(top_k)
+    fp8 = w13_scale is not None
+    _decode_gated_kernel[(t * top_k, triton.cdiv(inter, up.block_n))](
+        x, logits, w13, w13_scale if fp8 else x, cache, weights, ids, num_experts, x.stride(0),
+        logits.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0) if fp8 else 0,
+        N=inter, K=h, TOP_K=top_k, K_PAD=k_pad, RENORMALIZE=renormalize, E_PAD=e_pad,
+        HAS_SCALE=fp8, BLOCK_N=up.block_n, BLOCK_K=up.block_k, num_warps=up.num_warps)
+    _decode_down_kernel[(t, triton.cdiv(h, down.block_n))](
+        cache, w2, w2_scale if fp8 else x, weights, ids, out, w2.stride(0), w2.stride(1),
+        w2_scale.stride(0) if fp8 else 0, out.stride(0), N=h, K=inter, TOP_K=top_k,
+        K_PAD=k_pad, HAS_SCALE=fp8, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        num_warps=down.num_warps)
+    return out
+
+
 def workspace_size(num_tokens: int, top_k: int, hidden: int, inter: int) -> int:
     """Elements (x's dtype) of the caches of one pass: cache1 (unfused GEMM 1 only) and cache3
     share a region (cache1 is dead once silu_and_mul has read it), cache2 its own."""
@@ -481,8 +635,14 @@ def fused_moe(
 def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
                w13: torch.Tensor, w2: torch.Tensor, **kwargs) -> torch.Tensor:
     """fused_moe(x, w13, w2, *moe_route(router_logits, top_k, renormalize, x.dtype),
-    **kwargs); with FUSE_ROUTE, a decode step's routing and alignment in one launch."""
+    **kwargs); up to DECODE_TOKENS tokens moe_decode's two launches, else with FUSE_ROUTE a
+    decode step's routing and alignment in one launch."""
     t = x.shape[0]
+    plain = all(kwargs.get(name) is None for name in ("out", "workspace"))
+    if (1 <= t <= DECODE_TOKENS and plain and kwargs.get("activation", "silu") == "silu"
+            and w13.shape[0] <= 1024):
+        return moe_decode(x, router_logits, top_k, renormalize, w13, w2,
+                          w13_scale=kwargs.get("w13_scale"), w2_scale=kwargs.get("w2_scale"))
     if FUSE_ROUTE and 1 <= t <= ROUTE_ALIGN_TOKENS and w13.shape[0] <= 1024:
         block_m = pick_config(t, top_k, w13, x.dtype).block_m
         weights, ids, align = moe_route_align(router_logits, top_k, renormalize, x.dtype,

@@ -5,6 +5,9 @@
     python3 benchmarks/kernels/bench_moe.py --tune [--shapes qwen3_30b_a3b] [--tokens 1 16]
                                                             # tiles per shape and token count,
                                                             # the best into kernels/moe_configs.json
+    python3 benchmarks/kernels/bench_moe.py --decode [--shapes ...] [--tokens 1 4]
+                                                            # moe_decode (GEMVs) over its tiles
+                                                            # against the grouped GEMMs
 
 Shapes: Qwen3-30B-A3B (H 2048, I 768, E 128, top-8) and Mixtral-8x7B (H 4096, I 14336, E 8,
 top-2), TP 1. Decode at 1, 16, 64, 256 tokens, prefill at 4096 and 16384; fresh N(0, 0.02)
@@ -19,7 +22,8 @@ ms, TB/s of the bytes touched (the distinct experts' weights + x read + out writ
 (2 T k 3 H I), the fraction of the copy and bf16 GEMM ceilings measured in the same run, and
 the relative error against the torch loop; kind `moe_align` times the alignment alone (the
 one-program kernel against torch ops), kind `moe_tune_sweep` each swept config (report.py
-keeps the best per GEMM).
+keeps the best per GEMM), kind `moe_decode` (--decode) routed_moe's grouped GEMMs (`grouped`)
+and moe_decode's GEMVs (`decode`, each tile choice) from the router's logits.
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None,
                    help="--tune: start no token count past this many seconds (per shape, an "
                         "equal share); what was tuned is written as it goes")
+    p.add_argument("--decode", action="store_true",
+                   help="moe_decode's GEMVs (over tile choices) against the grouped GEMMs, "
+                        "both from the router's logits, at 1-8 tokens")
     p.add_argument("--configs", type=Path, default=None,
                    help="file --tune merges into (default kernels/moe_configs.json; a scratch "
                         "file with --smoke)")
@@ -195,6 +202,62 @@ def time_align(name: str, s: Shape, w13: torch.Tensor, ids: torch.Tensor) -> lis
     return out
 
 
+def decode_grid(s: Shape) -> list[tuple[fm.DecodeTiles, fm.DecodeTiles]]:
+    """moe_decode's default tiles, then GEMV 1's alternatives (GEMV 2 at its default), then
+    GEMV 2's (GEMV 1 at its default)."""
+    up, down = fm.decode_tiles(s.inter, s.hidden), fm.decode_tiles(s.hidden, s.inter)
+    if ARGS.smoke:
+        return [(up, down), (fm.DecodeTiles(8, 16), fm.DecodeTiles(16, 8))]
+    alts = [fm.DecodeTiles(bn, bk, w) for bn, bk, w in
+            ((2, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (4, 2048, 8))]
+    return ([(up, down)] + [(a, down) for a in alts if a != up]
+            + [(up, a) for a in alts if a != down])
+
+
+def run_decode(name: str, s: Shape, tokens: list[int]) -> list[dict]:
+    """routed_moe's two ways from the router's logits, each a CUDA-graph replay cycling
+    through copies of the experts (cold weights): `grouped` (moe_route, alignment, the
+    grouped GEMMs, moe_sum, as the PAGEDSERVE_MOE_FUSE_* switches of this run say) and
+    `decode` (moe_decode) at each tile choice."""
+    copies = [make_experts(s)]
+    w13, w2 = copies[0]
+    elt = w13.element_size()
+    records = []
+    for t in tokens:
+        x = torch.randn(t, s.hidden, device=DEV, dtype=DT)
+        logits = torch.randn(t, s.experts, device=DEV, dtype=DT)
+        want = ref.routed_moe(x, logits, s.top_k, True, w13, w2)
+        hit = int(fm.moe_route(logits, s.top_k, True)[1].unique().numel())
+        nbytes = hit * 3 * s.hidden * s.inter * elt
+        n = weight_copies(nbytes, (w13.numel() + w2.numel()) * elt)
+        copies += [make_experts(s) for _ in range(n - len(copies))]
+        grouped = functools.partial(fm.routed_moe, x, logits, s.top_k, True)
+        decode = functools.partial(fm.moe_decode, x, logits, s.top_k, True)
+        variants = [("grouped", None, grouped)] + [
+            ("decode", tiles, functools.partial(decode, tiles=tiles)) for tiles in decode_grid(s)]
+        for impl, tiles, fn in variants:
+            try:
+                err = rel_err(fn(w13, w2), want)  # (compiles outside the graph)
+                ms = bench(cycled([functools.partial(fn, a, b) for a, b in copies[:n]]),
+                           graph=not ARGS.smoke) / n
+            except Exception as e:  # noqa: BLE001  (a tile the compiler refuses)
+                print(f"{name} T={t} {impl} {tiles}: {type(e).__name__}: {e}", flush=True)
+                continue
+            names = {} if tiles is None else {
+                f"{g}_{f}": getattr(c, f) for g, c in zip(("up", "down"), tiles, strict=True)
+                for f in ("block_n", "block_k", "num_warps")}
+            records.append({"kind": "moe_decode", "shape": name, "tokens": t, "impl": impl,
+                            **names, "ms": ms, "tbps": nbytes / ms / 1e9, "experts_hit": hit,
+                            "bytes": nbytes, "rel_err_vs_torch": err, "weight_copies": n,
+                            "smoke": ARGS.smoke})
+            shown = " ".join(f"{c.block_n}x{c.block_k}/{c.num_warps}" for c in tiles or ())
+            print(f"{name} T={t} {impl:8s} {shown:19s} {ms * 1e3:8.1f} us "
+                  f"{nbytes / ms / 1e9:5.2f} TB/s err {err:.1e}", flush=True)
+            if err > 2e-2:
+                raise SystemExit(f"{name} T={t} {impl}: disagrees with the torch loop ({err:.1e})")
+    return records
+
+
 def tune_grid(rows_per_expert: float, tokens: int) -> list[fm.MoeConfig]:
     if ARGS.smoke:
         return [fm.MoeConfig(16, 32, 32, 1, 4, 2), fm.MoeConfig(32, 64, 64, 8, 4, 3)]
@@ -290,7 +353,12 @@ def main() -> None:
     if ARGS.shapes:
         shapes = {n: shapes[n] for n in ARGS.shapes}
     torch.manual_seed(0)
-    if ARGS.tune:
+    if ARGS.decode:
+        records = []
+        for name, s in shapes.items():
+            records += run_decode(name, s, ARGS.tokens or [1, 2, 4, 8])
+            free_cache()
+    elif ARGS.tune:
         tokens = ARGS.tokens or ([1, 16] if ARGS.smoke else list(TUNE_TOKENS))
         path = ARGS.configs or (Path(tempfile.mkdtemp()) / "moe_configs.json" if ARGS.smoke
                                 else fm.CONFIG_FILE)

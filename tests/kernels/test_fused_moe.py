@@ -394,6 +394,52 @@ def test_routed_moe_equals_route_then_experts(fuse, monkeypatch, device):
                                    rtol=1e-5 if fuse else 0, atol=1e-6 if fuse else 0)
 
 
+@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (3, 8, 2), (2, 6, 3), (1, 4, 4)])
+@pytest.mark.parametrize("case", ["fp32", "bf16", "fp8"])
+def test_decode_gemvs_equal_the_grouped_gemms(t, e, k, case, device):
+    """moe_decode (routing inside GEMV 1, the top-k sum inside GEMV 2) equals the reference's
+    experts over moe_route's routing (ties to the lower ids, which torch.topk on the CPU does
+    not promise): k not a power of two, k = E, FP8 weights with their scales."""
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    w13, w2 = experts(e, dtype, device=device)
+    scales = {}
+    if case == "fp8":
+        (w13, s13), (w2, s2) = quantize_experts(w13), quantize_experts(w2)
+        scales = {"w13_scale": s13, "w2_scale": s2}
+    g = torch.Generator().manual_seed(t * e + k)
+    x = torch.randn(t, HID, generator=g).to(device, dtype)
+    logits = (torch.randn(t, e, generator=g) * 2).to(device, dtype)
+    logits[0] = torch.randint(0, 3, (e,), generator=g).to(dtype)  # ties
+    for norm in (True, False):
+        got = fm.moe_decode(x, logits, k, norm, w13, w2, **scales)
+        want = ref.fused_moe(x, w13, w2, *fm.moe_route(logits, k, norm, dtype), **scales)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max())
+        else:
+            check_close(got, want, dtype)
+
+
+def test_decode_gemvs_of_tiles_that_do_not_divide_the_shapes(monkeypatch, device):
+    """Widths that are not powers of two, several K steps and N blocks with their masks, and
+    routed_moe taking moe_decode up to DECODE_TOKENS tokens (the grouped GEMMs past it)."""
+    e, k, h, inter = 8, 2, 48, 24
+    g = torch.Generator().manual_seed(7)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) * h**-0.5).to(device)
+    w2 = (torch.randn(e, h, inter, generator=g) * inter**-0.5).to(device)
+    x = torch.randn(4, h, generator=g).to(device)
+    logits = torch.randn(4, e, generator=g).to(device)
+    want = ref.routed_moe(x, logits, k, True, w13, w2)
+    tiles = (fm.DecodeTiles(8, 16), fm.DecodeTiles(16, 8))
+    got = fm.moe_decode(x, logits, k, True, w13, w2, tiles=tiles)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max())
+    monkeypatch.setattr(fm, "DECODE_TOKENS", 3)
+    calls = []
+    monkeypatch.setattr(fm, "moe_decode", lambda *a, **kw: calls.append(a[0].shape[0]))
+    fm.routed_moe(x[:3], logits[:3], k, True, w13, w2)
+    fm.routed_moe(x, logits, k, True, w13, w2)  # 4 tokens: the grouped GEMMs
+    assert calls == [3]
+
+
 def test_registered_ops():
     assert kernels.get_ops("triton").fused_moe is fm.fused_moe
     assert kernels.get_ops("torch").fused_moe is ref.fused_moe
@@ -469,3 +515,33 @@ def test_cuda_graph_replays_new_routings(t):
         ids.copy_(ids2)
         graph.replay()
         check_close(out, ref.fused_moe(x, w13, w2, weights, ids), torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="model sizes: CUDA")
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_decode_gemvs_at_qwen3_moe_shape(t, fp8):
+    """moe_decode at Qwen3-30B-A3B's shapes in bf16 against the grouped GEMMs, and replayed
+    from a CUDA graph for routings it was not captured with."""
+    g = torch.Generator(device="cuda").manual_seed(t)
+    e, k, h, inter = 128, 8, 2048, 768
+    w13 = torch.randn(e, 2 * inter, h, device="cuda", generator=g) * h**-0.5
+    w2 = torch.randn(e, h, inter, device="cuda", generator=g) * inter**-0.5
+    scales = {}
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_experts(w13), quantize_experts(w2)
+        scales = {"w13_scale": s13, "w2_scale": s2}
+    else:
+        w13, w2 = w13.bfloat16(), w2.bfloat16()
+    x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    logits = torch.randn(t, e, device="cuda", generator=g).bfloat16()
+    check_close(fm.moe_decode(x, logits, k, True, w13, w2, **scales),
+                ref.routed_moe(x, logits, k, True, w13, w2, **scales), torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.moe_decode(x, logits, k, True, w13, w2, **scales)
+    for _ in range(2):
+        logits.copy_(torch.randn(t, e, device="cuda", generator=g))
+        x.copy_(torch.randn(t, h, device="cuda", generator=g))
+        graph.replay()
+        check_close(out, ref.routed_moe(x, logits, k, True, w13, w2, **scales), torch.bfloat16)
