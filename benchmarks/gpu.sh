@@ -94,8 +94,11 @@
 #   moeroute  the routing and alignment kernels' tests on the GPU, then Qwen3-30B-A3B
 #             single stream with it off and on (MOE_ROUTES: 0 1 0 1)
 #   moedecode moe_decode's GPU tests (and the routing's), bench_moe.py --decode (its tiles
-#             against the grouped GEMMs at 1-8 tokens, both shapes), then Qwen3-30B-A3B single
-#             stream with PAGEDSERVE_MOE_DECODE_TOKENS over MOE_DECODES (default 0 4); ~6 min
+#             against the grouped GEMMs at 1-8 tokens, both shapes), then moelatenv; ~6 min
+#   attnmerge the fused split merge's GPU tests (PAGEDSERVE_ATTN_FUSE_MERGE), and the decode
+#             attention tests it touches
+#   moelatenv Qwen3-30B-A3B single stream once per MOELAT_ENVS entry, each a comma-separated
+#             list of VAR=value (default: PAGEDSERVE_MOE_DECODE_TOKENS=0 and =4)
 #   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX) beside HF generate
 #             bs256, serve's default step bounds
 #   moew2     W2 on both at the default flags, no peer (HF generate's W2 batch runs 1,024
@@ -191,6 +194,15 @@ start=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
 save() { tar czf "$OUT/bundle.tgz" -C $B .; }
 quiet() { grep -v INFO | tail -"$1"; }
+moelatenv() {  # moelat once per MOELAT_ENVS entry (VAR=value,VAR=value)
+  local spec
+  for spec in ${MOELAT_ENVS:-PAGEDSERVE_MOE_DECODE_TOKENS=0 PAGEDSERVE_MOE_DECODE_TOKENS=4}; do
+    # shellcheck disable=SC2046  # the entry's assignments, one word each
+    ( export $(echo "$spec" | tr , ' ')
+      tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 --max-num-seqs 1 \
+        --max-num-batched-tokens 0 )
+  done
+}
 tp() {  # workload, model array name, extra benchmarks.throughput flags
   local w=$1; declare -n model=$2; shift 2
   python3 -m benchmarks.throughput --workload "$w" "${model[@]}" "$@" 2>&1 \
@@ -483,10 +495,11 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       python3 -m pytest -q -rs tests/kernels/test_fused_moe.py \
         -k "decode_gemvs or route or align" 2>&1 | tee $B/pytest_moe_decode.log | tail -4
       python3 benchmarks/kernels/bench_moe.py --decode 2>&1 | tee -a $B/bench_moe.log | quiet 40
-      for n in ${MOE_DECODES:-0 4}; do
-        PAGEDSERVE_MOE_DECODE_TOKENS=$n tp "" MQ30 --hf none --requests 2 --prompt 128 \
-          --output 512 --max-num-seqs 1 --max-num-batched-tokens 0
-      done ;;
+      moelatenv ;;
+    moelatenv) moelatenv ;;
+    attnmerge) python3 -m pytest -q -rs tests/kernels/test_paged_attention.py \
+        -k "fused_merge or last_program or decode_only_split or cuda_llama or cuda_window" \
+        2>&1 | tee $B/pytest_attn_merge.log | tail -4 ;;
     profilemoe) profile MQ30 moe30b "${DEFAULTS[@]}" ;;
     profilemoelat) tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 \
         --max-num-seqs 1 --max-num-batched-tokens 0 \
