@@ -494,7 +494,9 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     moedecode)  # the GEMVs of a few tokens (PAGEDSERVE_MOE_DECODE_TOKENS), off and on
       python3 -m pytest -q -rs tests/kernels/test_fused_moe.py \
         -k "decode_gemvs or route or align" 2>&1 | tee $B/pytest_moe_decode.log | tail -4
-      python3 benchmarks/kernels/bench_moe.py --decode 2>&1 | tee -a $B/bench_moe.log | quiet 40
+      # shellcheck disable=SC2086  # MOE_DECODE_ARGS: more bench_moe.py flags (--tokens 1 4)
+      python3 benchmarks/kernels/bench_moe.py --decode ${MOE_DECODE_ARGS:-} 2>&1 \
+        | tee -a $B/bench_moe.log | quiet 40
       moelatenv ;;
     moelatenv) moelatenv ;;
     attnmerge) python3 -m pytest -q -rs tests/kernels/test_paged_attention.py \
