@@ -97,6 +97,7 @@
 #             against the grouped GEMMs at 1-8 tokens, both shapes), then moelatenv; ~6 min
 #   attnmerge the fused split merge's GPU tests (PAGEDSERVE_ATTN_FUSE_MERGE), and the decode
 #             attention tests it touches
+#   decodetests  attnmerge's tests and moe_decode's (moedecode's, without its bench)
 #   moelatenv Qwen3-30B-A3B single stream once per MOELAT_ENVS entry, each a comma-separated
 #             list of VAR=value (default: PAGEDSERVE_MOE_DECODE_TOKENS=0 and =4)
 #   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX) beside HF generate
@@ -499,6 +500,9 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         | tee -a $B/bench_moe.log | quiet 40
       moelatenv ;;
     moelatenv) moelatenv ;;
+    decodetests) python3 -m pytest -q -rs tests/kernels/test_fused_moe.py \
+        tests/kernels/test_paged_attention.py -k "decode_gemvs or fused_merge or last_program" \
+        2>&1 | tee $B/pytest_decode.log | tail -4 ;;
     attnmerge) python3 -m pytest -q -rs tests/kernels/test_paged_attention.py \
         -k "fused_merge or last_program or decode_only_split or cuda_llama or cuda_window" \
         2>&1 | tee $B/pytest_attn_merge.log | tail -4 ;;
