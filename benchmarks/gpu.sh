@@ -160,7 +160,7 @@
 #   .venv/bin/pip download --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
 #     --abi cp312 --abi abi3 --abi none --platform manylinux2014_x86_64 --platform \
 #     manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
-#     pyzmq==27.3.0 protobuf==7.36.2 grpcio==1.85.3 grpcio-health-checking==1.85.1 \
+#     pyzmq==27.3.0 protobuf==7.36.2 grpcio==1.85.4 grpcio-health-checking==1.85.1 \
 #     grpcio-reflection==1.85.1 gguf==0.19.0 prometheus-client==0.26.0 starlette==1.10.0 \
 #     uvicorn==0.54.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
 #     typing-inspection==0.4.5 anyio==4.16.0 h11==0.16.0 click==8.5.1 idna==3.20 \
