@@ -154,20 +154,9 @@
 # back as $OUT/bundle.tgz (the device returns at most 8 files). Back here:
 #   tar xzf bundle.tgz -C /tmp/b && .venv/bin/python -m benchmarks.common add /tmp/b/records/*
 #   .venv/bin/python -m benchmarks.report
-# .whl/ (carried, git-ignored): Python 3.12 wheels that benchmarks/device_env.sh installs; the
-# device has torch, triton, transformers, numpy. protobuf must be >= the gencode of the stubs
-# (7.35.1 from grpcio-tools 1.85.1 here) and grpcio >= 1.85.1. Made here with:
-#   .venv/bin/pip download --only-binary=:all: --no-deps --python-version 3.12 --implementation cp \
-#     --abi cp312 --abi abi3 --abi none --platform manylinux2014_x86_64 --platform \
-#     manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
-#     pyzmq==27.3.0 protobuf==7.36.2 grpcio==1.85.4 grpcio-health-checking==1.85.1 \
-#     grpcio-reflection==1.85.1 gguf==0.19.0 prometheus-client==0.26.0 starlette==1.10.0 \
-#     uvicorn==0.54.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
-#     typing-inspection==0.4.5 anyio==4.16.0 h11==0.16.0 click==8.5.1 idna==3.20 \
-#     sniffio==1.3.1 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 (add manylinux_2_27)
-#   rm -f .whl/pagedserve-*.whl && .venv/bin/python -m pip wheel --no-deps --no-build-isolation \
-#     -w .whl .   # from the tree measured, which PAGEDSERVE_COMMIT names: with edits in the
-#                   # working tree, run it in a `git archive HEAD` export instead of "."
+# .whl/ (carried, git-ignored): Python 3.12 wheels that benchmarks/device_env.sh installs, the
+# dependencies the device lacks and pagedserve's own from HEAD; made on a fresh checkout by
+# `bash benchmarks/device_wheels.sh` (again with --self after each commit measured).
 # SMI_MS: log the GPU's SM and memory clocks, power, temperatures and throttle reasons every
 # SMI_MS milliseconds through the call into $B/smi.csv (a part slower than before: was it hot?).
 # BASELINE (ab): a copy of an older commit's tree with its generated stubs, whose top-level
