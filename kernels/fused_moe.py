@@ -543,8 +543,9 @@ class DecodeTiles:
 
 
 def decode_tiles(n: int, k: int) -> DecodeTiles:
-    """4,096-element tiles (16 B of each row's weights per thread at 4 warps) of at most 1,024
-    columns: at one token, many programs each with its loads in flight at once."""
+    """Tiles of 4,096 weights (32 a thread at 4 warps), at most 1,024 columns wide: at one
+    token, many programs, each with all its loads in flight at once. Not yet tuned on a GPU
+    (bench_moe.py --decode sweeps others)."""
     block_k = min(1024, triton.next_power_of_2(k))
     return DecodeTiles(max(1, min(4096 // block_k, triton.next_power_of_2(n))), block_k)
 
