@@ -7,6 +7,7 @@ attention metadata says which rows belong to which sequence and where their KV l
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +19,30 @@ from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.quantization import Fp8Linear, QuantConfig, W4Linear
 
 Ops = Any  # the namespace kernels.get_ops() returns
+# PAGEDSERVE_DENSE_GEMV_ROWS=N: a float Linear given at most N rows on CUDA runs kernels/gemv.py
+# (one launch, no split-K reduce) instead of cuBLAS. 0 (off) by default until a GPU has timed
+# it (gpu.sh gemv)
+GEMV_ROWS = int(os.environ.get("PAGEDSERVE_DENSE_GEMV_ROWS", "0"))
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same checkpoint names) whose forward takes kernels.gemv for
+    a decode step's few rows in 16-bit on CUDA when GEMV_ROWS says so."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (GEMV_ROWS and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= GEMV_ROWS
+                and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == self.weight.dtype
+                and x.stride(1) == 1):
+            from pagedserve.kernels.gemv import gemv
+
+            return gemv(x, self.weight, self.bias)
+        return super().forward(x)
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, quant: QuantConfig | None,
                 ops: Ops) -> nn.Module:
     if quant is None:
-        return nn.Linear(in_features, out_features, bias=bias)
+        return Linear(in_features, out_features, bias=bias)
     if quant.method == "fp8":
         return Fp8Linear(in_features, out_features, bias, quant, ops)
     return W4Linear(in_features, out_features, bias, quant, ops)

@@ -23,7 +23,7 @@ from torch import nn
 
 from pagedserve.executor import tp_layers as tp
 from pagedserve.executor.config import ModelConfig
-from pagedserve.executor.layers import MLP, Ops
+from pagedserve.executor.layers import MLP, Linear, Ops
 from pagedserve.executor.quantization import QuantConfig, QuantizationError
 from pagedserve.kernels.fp8_reference import FP8, quantize_weight
 
@@ -39,7 +39,7 @@ class SparseMoe(nn.Module):
                                     f"checkpoint), not as {quant.describe()}")
         e, i, h = moe.num_experts, moe.intermediate_size, cfg.hidden_size
         self.fp8 = quant is not None
-        self.gate = nn.Linear(h, e, bias=False)
+        self.gate = Linear(h, e, bias=False)
         codes = {"dtype": FP8} if self.fp8 else {}
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, **codes), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, **codes), requires_grad=False)
@@ -51,7 +51,7 @@ class SparseMoe(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:
             self.shared_expert = MLP(cfg, ops, quant, width=moe.shared_intermediate_size)
-            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+            self.shared_expert_gate = Linear(h, 1, bias=False)
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
         self.ops, self.cfg = ops, cfg
 

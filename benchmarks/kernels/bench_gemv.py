@@ -1,0 +1,86 @@
+"""kernels/gemv.py against cuBLAS (F.linear) at a decode step's few rows, same weights.
+
+    python3 benchmarks/kernels/bench_gemv.py                # GPU: bf16, 1, 2 and 4 rows
+    python3 benchmarks/kernels/bench_gemv.py --smoke        # CPU interpreter, tiny shapes
+
+Shapes: Qwen3-30B-A3B's q/k/v (2048 -> 5120), o_proj (4096 -> 2048) and router (2048 -> 128);
+Llama-3.1-8B's q/k/v (4096 -> 6144), gate_up (4096 -> 28672) and down (14336 -> 4096). Each
+timing is a CUDA-graph replay that cycles through copies of the weight until it reads 4 L2
+caches' worth (a model's step reads each weight once, from HBM). Records (family `kernels`,
+kind `gemv`): ms and TB/s of the weight bytes, impl `cublas` or `gemv`, and gemv's relative
+error against F.linear in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.kernels.timing import interpret, median_ms  # noqa: E402
+
+SHAPES = {"qwen3_30b_a3b.qkv": (5120, 2048), "qwen3_30b_a3b.o": (2048, 4096),
+          "qwen3_30b_a3b.router": (128, 2048), "llama3.1_8b.qkv": (6144, 4096),
+          "llama3.1_8b.gate_up": (28672, 4096), "llama3.1_8b.down": (4096, 14336)}
+SMOKE_SHAPES = {"tiny": (48, 80)}
+COLD_L2 = 4
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
+    p.add_argument("--rows", nargs="*", type=int, default=[1, 2, 4])
+    return p.parse_args()
+
+
+ARGS = parse()
+if ARGS.smoke:
+    interpret("bench_gemv_")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.common import write_records  # noqa: E402
+from pagedserve.kernels.gemv import gemv  # noqa: E402
+
+DEV = torch.device("cpu" if ARGS.smoke else "cuda")
+DT = torch.float32 if ARGS.smoke else torch.bfloat16
+
+
+def copies_for(nbytes: int) -> int:
+    if DEV.type != "cuda":
+        return 1
+    l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
+    return max(1, min(-(-COLD_L2 * l2 // nbytes), 64))
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    records = []
+    for name, (n, k) in (SMOKE_SHAPES if ARGS.smoke else SHAPES).items():
+        nbytes = n * k * torch.finfo(DT).bits // 8
+        ws = [torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5
+              for _ in range(copies_for(nbytes))]
+        for m in ARGS.rows:
+            x = torch.randn(m, k, device=DEV, dtype=DT)
+            err = ((gemv(x, ws[0]).float() - F.linear(x.float(), ws[0].float())).norm()
+                   / F.linear(x.float(), ws[0].float()).norm()).item()
+            for impl, fn in (("cublas", F.linear), ("gemv", gemv)):
+                run = functools.partial(lambda fn, x, ws: [fn(x, w) for w in ws], fn, x, ws)
+                ms = median_ms(run, not ARGS.smoke, ARGS.smoke) / len(ws)
+                records.append({"kind": "gemv", "shape": name, "rows": m, "n": n, "k": k,
+                                "impl": impl, "dtype": str(DT).removeprefix("torch."),
+                                "ms": ms, "tbps": nbytes / ms / 1e9, "weight_copies": len(ws),
+                                "rel_err_vs_fp32": err if impl == "gemv" else 0.0,
+                                "smoke": ARGS.smoke})
+                print(f"{name:22s} M={m} {impl:6s} {ms * 1e3:8.2f} us "
+                      f"{nbytes / ms / 1e9:5.2f} TB/s" + (f" err {err:.1e}" if impl == "gemv"
+                                                           else ""), flush=True)
+    print("wrote", write_records("kernels", records))
+
+
+if __name__ == "__main__":
+    main()
