@@ -393,6 +393,8 @@ def load_section(records: list[dict]) -> list[str]:
 
 
 def _shape(r: dict) -> str:
+    if r.get("kind") == "gemv":  # bench_gemv.py: a model's projection at M rows
+        return f"{r['shape']} M={r['rows']}"
     if "top_k" in r or "gemm" in r:  # bench_moe.py: a model's expert shapes at T tokens
         return f"{r['shape']} T={r['tokens']}" + (f" {r['gemm']}" if "gemm" in r else "")
     if "bytes" in r:
