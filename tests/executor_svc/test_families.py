@@ -69,6 +69,33 @@ def test_family_matches_hf_across_chunks_and_windows(family, tmp_path):
     assert_paged_equals_hf(hf, run_paged(ours, cfg, seqs, chunks), seqs, chunks)
 
 
+@pytest.mark.parametrize("family", ["qwen3-moe", "qwen2-moe"])
+def test_moe_decode_and_fused_merge_through_the_layers(family, tmp_path, monkeypatch):
+    """The Triton ops (interpreted on the CPU, compiled on a GPU) with moe_decode taking the
+    steps of at most 4 tokens (PAGEDSERVE_MOE_DECODE_TOKENS) and the split merge fused where a
+    step splits its keys (PAGEDSERVE_ATTN_FUSE_MERGE; on a GPU: these contexts are too short
+    for the CPU's 4 "SMs" to split): HF's logits across chunked prefill and decode."""
+    from pagedserve.kernels import fused_moe as fm
+    from pagedserve.kernels import paged_attention as pa
+
+    monkeypatch.setattr(fm, "DECODE_TOKENS", 4)
+    monkeypatch.setattr(pa, "FUSE_MERGE", True)
+    decoded = []
+    decode = fm.moe_decode
+    monkeypatch.setattr(fm, "moe_decode", lambda x, *a, **kw: decoded.append(x.shape[0])
+                        or decode(x, *a, **kw))
+    hf, _, cfg = hf_and_ours_of(FAMILIES[family], tmp_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ours = build_model(cfg, get_ops("triton"), torch.float32, torch.device(device), 512,
+                       tmp_path)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (13, 10)]
+    chunks = [(7, 5), (4, 3), (1, 1), (1, 1)]  # the last two steps: 2 tokens, moe_decode's
+    outs = run_paged(ours, cfg, seqs, chunks, device=device)
+    assert_paged_equals_hf(hf, [[o.cpu() for o in per] for per in outs], seqs, chunks)
+    assert decoded and set(decoded) == {2}
+
+
 def test_windows_follow_the_layer_types(tmp_path):
     cfg = ModelConfig.from_hf(AutoConfig.for_model("gemma2", **TINY, sliding_window=WINDOW))
     assert cfg.layer_windows == (WINDOW, 0)  # Gemma 2 alternates, the first windowed
