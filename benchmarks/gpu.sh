@@ -186,13 +186,15 @@ start=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
 save() { tar czf "$OUT/bundle.tgz" -C $B .; }
 quiet() { grep -v INFO | tail -"$1"; }
+moelat() {  # Qwen3-30B-A3B single stream, 128 -> 512 tokens; more throughput.py flags
+  tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 --max-num-seqs 1 \
+    --max-num-batched-tokens 0 "$@"
+}
 moelatenv() {  # moelat once per MOELAT_ENVS entry (VAR=value,VAR=value)
   local spec
   for spec in ${MOELAT_ENVS:-PAGEDSERVE_MOE_DECODE_TOKENS=0 PAGEDSERVE_MOE_DECODE_TOKENS=4}; do
     # shellcheck disable=SC2046  # the entry's assignments, one word each
-    ( export $(echo "$spec" | tr , ' ')
-      tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 --max-num-seqs 1 \
-        --max-num-batched-tokens 0 )
+    ( export $(echo "$spec" | tr , ' '); moelat )
   done
 }
 tp() {  # workload, model array name, extra benchmarks.throughput flags
@@ -468,11 +470,9 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         ${NUM_FLAGS:-} 2>&1 | tee -a $B/numerics.log | quiet 3 ;;
     moew1) for m in ${MOE_MODELS:-MQ30 MMIX}; do tp W1 $m --hf generate:256 "${BOUNDS[@]}"; done ;;
     moew2) for m in ${MOE_MODELS:-MQ30 MMIX}; do tp W2 $m "${DEFAULTS[@]}"; done ;;
-    moelat) tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 --max-num-seqs 1 \
-      --max-num-batched-tokens 0 ;;
+    moelat) moelat ;;
     moelatab) for fuse in ${MOE_FUSES:-0 1 0 1}; do  # SiLU in GEMM 1's epilogue, off and on
-        PAGEDSERVE_MOE_FUSE_SILU=$fuse tp "" MQ30 --hf none --requests 2 --prompt 128 \
-          --output 512 --max-num-seqs 1 --max-num-batched-tokens 0
+        PAGEDSERVE_MOE_FUSE_SILU=$fuse moelat
       done
       PAGEDSERVE_MOE_FUSE_SILU=1 python3 -m pytest -q -rs tests/kernels/test_fused_moe.py \
         2>&1 | tee $B/pytest_moe.log | tail -4 ;;
@@ -480,8 +480,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       python3 -m pytest -q -rs tests/kernels/test_fused_moe.py \
         -k "one_launch or routed_moe or align" 2>&1 | tee $B/pytest_moe_route.log | tail -4
       for fuse in ${MOE_ROUTES:-0 1 0 1}; do
-        PAGEDSERVE_MOE_FUSE_ROUTE=$fuse tp "" MQ30 --hf none --requests 2 --prompt 128 \
-          --output 512 --max-num-seqs 1 --max-num-batched-tokens 0
+        PAGEDSERVE_MOE_FUSE_ROUTE=$fuse moelat
       done ;;
     moedecode)  # the GEMVs of a few tokens (PAGEDSERVE_MOE_DECODE_TOKENS), off and on
       python3 -m pytest -q -rs tests/kernels/test_fused_moe.py \
@@ -501,9 +500,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         -k "fused_merge or last_program or decode_only_split or cuda_llama or cuda_window" \
         2>&1 | tee $B/pytest_attn_merge.log | tail -4 ;;
     profilemoe) profile MQ30 moe30b "${DEFAULTS[@]}" ;;
-    profilemoelat) tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 \
-        --max-num-seqs 1 --max-num-batched-tokens 0 \
-        --server-flag=--torch-profile-dir --server-flag=/tmp/profile_moelat \
+    profilemoelat) moelat --server-flag=--torch-profile-dir --server-flag=/tmp/profile_moelat \
         --server-flag=--torch-profile-steps --server-flag=80:4
       mkdir -p $B/profile_moelat && cp /tmp/profile_moelat/ops_* $B/profile_moelat/
       cat /tmp/profile_moelat/ops_*_80.txt | cut -c1-200 | head -70 ;;
