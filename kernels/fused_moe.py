@@ -46,6 +46,7 @@ import triton.language as tl
 
 from pagedserve.kernels._checks import FLOAT_DTYPES, check_tensor
 from pagedserve.kernels.fused import silu_and_mul
+from pagedserve.kernels.gemv import tiles as gemv_tiles
 from pagedserve.kernels.moe_reference import align_block_size_capacity, check_moe_args
 from pagedserve.kernels.moe_reference import moe_align_block_size as moe_align_torch
 
@@ -543,11 +544,10 @@ class DecodeTiles:
 
 
 def decode_tiles(n: int, k: int) -> DecodeTiles:
-    """Tiles of 4,096 weights (32 a thread at 4 warps), at most 1,024 columns wide: at one
-    token, many programs, each with all its loads in flight at once. Not yet tuned on a GPU
-    (bench_moe.py --decode sweeps others)."""
-    block_k = min(1024, triton.next_power_of_2(k))
-    return DecodeTiles(max(1, min(4096 // block_k, triton.next_power_of_2(n))), block_k)
+    """The dense GEMV's tiles (kernels/gemv.tiles: 4,096 weights, at most 1,024 columns wide):
+    at one token, many programs, each with all its loads in flight at once. Not yet tuned on a
+    GPU (bench_moe.py --decode sweeps others)."""
+    return DecodeTiles(*gemv_tiles(n, k))
 
 
 def moe_decode(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,

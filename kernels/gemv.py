@@ -41,7 +41,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, stride_xm, stride_wn, stride_om,
 
 def tiles(n: int, k: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): 4,096 weights a program step (32 a thread at 4 warps), at most
-    1,024 columns wide (moe_decode's GEMVs take the same)."""
+    1,024 columns wide (fused_moe.decode_tiles: moe_decode's GEMVs take them too)."""
     block_k = min(1024, triton.next_power_of_2(k))
     return max(1, min(4096 // block_k, triton.next_power_of_2(n))), block_k
 

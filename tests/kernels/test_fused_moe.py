@@ -473,21 +473,26 @@ def test_bad_arguments_raise(impl):
         ref.moe_route(torch.randn(3, 4), 5, True)
 
 
+def qwen3_moe_experts(g: torch.Generator, fp8: bool):
+    """Qwen3-30B-A3B's experts (E 128, H 2048, I 768) on CUDA: bf16, or FP8 codes and their
+    scales; (w13, w2, scales as fused_moe's keywords)."""
+    e, h, inter = 128, 2048, 768
+    w13 = torch.randn(e, 2 * inter, h, device="cuda", generator=g) * h**-0.5
+    w2 = torch.randn(e, h, inter, device="cuda", generator=g) * inter**-0.5
+    if not fp8:
+        return w13.bfloat16(), w2.bfloat16(), {}
+    (w13, s13), (w2, s2) = quantize_experts(w13), quantize_experts(w2)
+    return w13, w2, {"w13_scale": s13, "w2_scale": s2}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="model sizes: CUDA")
 @pytest.mark.parametrize("t", [1, 64, 1024])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_cuda_qwen3_moe_shape(t, fp8):
     """Qwen3-30B-A3B's experts (H 2048, I 768, E 128, top-8) in bf16 at decode and prefill."""
     g = torch.Generator(device="cuda").manual_seed(t)
-    e, k, h, inter = 128, 8, 2048, 768
-    w13 = torch.randn(e, 2 * inter, h, device="cuda", generator=g) * h**-0.5
-    w2 = torch.randn(e, h, inter, device="cuda", generator=g) * inter**-0.5
-    scales = {}
-    if fp8:
-        (w13, s13), (w2, s2) = quantize_experts(w13), quantize_experts(w2)
-        scales = {"w13_scale": s13, "w2_scale": s2}
-    else:
-        w13, w2 = w13.bfloat16(), w2.bfloat16()
+    e, k, h = 128, 8, 2048
+    w13, w2, scales = qwen3_moe_experts(g, fp8)
     x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
     weights, ids = ref.moe_route(torch.randn(t, e, device="cuda", generator=g), k, True)
     got = fm.fused_moe(x, w13, w2, weights, ids, **scales)
@@ -524,15 +529,8 @@ def test_cuda_decode_gemvs_at_qwen3_moe_shape(t, fp8):
     """moe_decode at Qwen3-30B-A3B's shapes in bf16 against the grouped GEMMs, and replayed
     from a CUDA graph for routings it was not captured with."""
     g = torch.Generator(device="cuda").manual_seed(t)
-    e, k, h, inter = 128, 8, 2048, 768
-    w13 = torch.randn(e, 2 * inter, h, device="cuda", generator=g) * h**-0.5
-    w2 = torch.randn(e, h, inter, device="cuda", generator=g) * inter**-0.5
-    scales = {}
-    if fp8:
-        (w13, s13), (w2, s2) = quantize_experts(w13), quantize_experts(w2)
-        scales = {"w13_scale": s13, "w2_scale": s2}
-    else:
-        w13, w2 = w13.bfloat16(), w2.bfloat16()
+    e, k, h = 128, 8, 2048
+    w13, w2, scales = qwen3_moe_experts(g, fp8)
     x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
     logits = torch.randn(t, e, device="cuda", generator=g).bfloat16()
     check_close(fm.moe_decode(x, logits, k, True, w13, w2, **scales),
