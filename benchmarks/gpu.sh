@@ -195,6 +195,7 @@ moelatenv() {  # moelat once per MOELAT_ENVS entry (VAR=value,VAR=value)
   for spec in ${MOELAT_ENVS:-PAGEDSERVE_MOE_DECODE_TOKENS=0 PAGEDSERVE_MOE_DECODE_TOKENS=4}; do
     # shellcheck disable=SC2046  # the entry's assignments, one word each
     ( export $(echo "$spec" | tr , ' '); moelat )
+    save  # a call cut short keeps the entries that ran
   done
 }
 tp() {  # workload, model array name, extra benchmarks.throughput flags
