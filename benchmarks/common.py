@@ -126,6 +126,7 @@ ENV_SWITCHES = ("PAGEDSERVE_MOE_FUSE_SILU",  # kernels/fused_moe.py: SiLU in GEM
                 "PAGEDSERVE_MOE_DECODE_TOKENS",  # kernels/fused_moe.py: moe_decode's GEMVs
                 "PAGEDSERVE_ATTN_FUSE_MERGE",  # kernels/paged_attention.py: splits merged inside
                 "PAGEDSERVE_DENSE_GEMV_ROWS",  # executor_svc/layers.py: kernels/gemv.py's rows
+                "PAGEDSERVE_DENSE_GEMV_MAX_MIB",  # and the largest weight it takes
                 "PAGEDSERVE_PREFILL_KERNEL")  # "hopper": kernels/paged_prefill_hopper.py
 
 

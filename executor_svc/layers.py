@@ -19,23 +19,30 @@ from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.quantization import Fp8Linear, QuantConfig, W4Linear
 
 Ops = Any  # the namespace kernels.get_ops() returns
-# PAGEDSERVE_DENSE_GEMV_ROWS=N: a float Linear given at most N rows on CUDA runs kernels/gemv.py
-# (one launch, no split-K reduce) instead of cuBLAS. 0 (off) by default until a GPU has timed
-# it (gpu.sh gemv)
-GEMV_ROWS = int(os.environ.get("PAGEDSERVE_DENSE_GEMV_ROWS", "0"))
+# PAGEDSERVE_DENSE_GEMV_ROWS=N: a 16-bit Linear given at most N rows on CUDA whose weight is at
+# most PAGEDSERVE_DENSE_GEMV_MAX_MIB runs kernels/gemv.py (one launch, no split-K reduce) instead
+# of cuBLAS. Measured on an H100 (cd268e7, cold weights, bench_gemv.py): at one row it is faster
+# on Qwen3-30B-A3B's qkv (8.8 against 9.8 us), o_proj (9.8 / 11.0) and router (2.7 / 5.0), and
+# slower on Llama-3.1-8B's 48-112 MiB weights (qkv 22.2 / 20.5 us); at four rows slower
+# everywhere. Hence the defaults: one row, weights up to 24 MiB (Qwen3-30B-A3B's qkv is 20;
+# Llama-3.1-8B's o_proj, 32 and not timed, stays on cuBLAS). Qwen3-30B-A3B single stream: 227
+# -> 237 out tok/s. 0 rows: off.
+GEMV_ROWS = int(os.environ.get("PAGEDSERVE_DENSE_GEMV_ROWS", "1"))
+GEMV_MAX_BYTES = int(float(os.environ.get("PAGEDSERVE_DENSE_GEMV_MAX_MIB", "24")) * 2**20)
 
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same checkpoint names) whose forward takes kernels.gemv for
-    a decode step's few rows in 16-bit on CUDA when GEMV_ROWS says so."""
+    a decode step's few rows in 16-bit on CUDA where GEMV_ROWS and GEMV_MAX_BYTES say so."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
         if (GEMV_ROWS and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= GEMV_ROWS
-                and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == self.weight.dtype
-                and x.stride(1) == 1):
+                and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype
+                and x.stride(1) == 1 and w.numel() * w.element_size() <= GEMV_MAX_BYTES):
             from pagedserve.kernels.gemv import gemv
 
-            return gemv(x, self.weight, self.bias)
+            return gemv(x, w, self.bias)
         return super().forward(x)
 
 

@@ -51,19 +51,25 @@ def test_gemv_refuses_bad_operands():
 
 
 def test_linear_takes_gemv_only_for_a_few_half_rows_on_cuda(monkeypatch):
-    """GEMV_ROWS off, float32, more rows than it or a CPU tensor: nn.Linear's own forward."""
+    """GEMV_ROWS off, float32, more rows than it, a weight over GEMV_MAX_BYTES or a CPU tensor:
+    nn.Linear's own forward."""
     calls = []
     monkeypatch.setattr(gv, "gemv", lambda x, w, b: calls.append(x.shape[0]) or F.linear(x, w, b))
     dev = "cuda" if CUDA else "cpu"
     lin = layers.Linear(16, 8, bias=False).to(dev, torch.bfloat16)
     x = torch.randn(5, 16, device=dev, dtype=torch.bfloat16)
-    lin(x[:2])
+    monkeypatch.setattr(layers, "GEMV_ROWS", 0)
+    lin(x[:1])
     monkeypatch.setattr(layers, "GEMV_ROWS", 4)
+    monkeypatch.setattr(layers, "GEMV_MAX_BYTES", 16 * 8 * 2 - 1)  # one byte short of lin's
+    lin(x[:1])
+    monkeypatch.setattr(layers, "GEMV_MAX_BYTES", 16 * 8 * 2)
     for rows in (x[:1], x[:4], x, x[:2].float()):
         if rows.dtype == torch.float32:
             lin.float()
         torch.testing.assert_close(lin(rows), F.linear(rows, lin.weight))
     assert calls == ([1, 4] if CUDA else [])
+
 
 
 @pytest.mark.skipif(not CUDA, reason="model sizes: CUDA")
