@@ -199,14 +199,19 @@ def _days_before(stamp: str, days: int) -> str:
 
 
 def throughput_section(records: list[dict]) -> list[str]:
-    ours = [r for r in records if r["engine"] == "pagedserve" and r.get("ab") != "baseline"]
+    # profiled runs (their timings carry the profiler) are diagnostics: records only
+    ours = [r for r in records if r["engine"] == "pagedserve" and r.get("ab") != "baseline"
+            and "--torch-profile-dir" not in (r.get("server_flags") or "")]
     # settings superseded: a run 2 days older than its workload and model's newest on that
-    # machine stays in the records (and the history plots), not in this table
+    # machine stays in the records (and the history plots), not in this table; so do runs
+    # with PAGEDSERVE_* switches (experiments) of an older commit than the newest such run
     def kind(r: dict) -> tuple:
         return r["workload"], r["model"], machine(r)
 
     latest = {kind(r): r["recorded_at"] for r in newest(ours, kind)}
-    ours = [r for r in ours if r["recorded_at"] >= _days_before(latest[kind(r)], 2)]
+    trial = {kind(r): r["commit"] for r in newest((r for r in ours if r.get("env")), kind)}
+    ours = [r for r in ours if r["recorded_at"] >= _days_before(latest[kind(r)], 2)
+            and (not r.get("env") or r["commit"] == trial[kind(r)])]
     rows = [[r["workload"], r["model"], machine(r), settings(r), num(r["output_tok_s"]),
              num(r.get("bound_output_tok_s")),
              f"{num(r.get('roofline_fraction'), '.2f')}"
@@ -403,6 +408,45 @@ def _shape(r: dict) -> str:
     return ", ".join(parts) or f"{r.get('m')}x{r.get('n')}x{r.get('k')}"
 
 
+_LAST_NUMBER = re.compile(r"^(.*?)(\d+)$")
+
+
+def _joined(cells: Iterable) -> str:
+    """Cells of merged rows in one: `a / b / c`, a unit they all share said once."""
+    cells = [str(c) for c in cells]
+    units = {c.split(" ")[1] if c.count(" ") == 1 else None for c in cells}
+    if len(units) == 1 and None not in units:
+        return " / ".join(c.split(" ")[0] for c in cells) + " " + units.pop()
+    return " / ".join(cells)
+
+
+def _merge_sizes(rows: list[list]) -> list[list]:
+    """Rows of one kind and reference whose shapes differ only in their last number (`T=1`,
+    `T=16`; `rows 256`, `rows 16384`; `ctx 512`, `ctx 2048`) as one row at the first one's
+    place: shape `T=1/16`, each other cell its values in that order. Rows whose rate cell
+    lists variants of ours (`;`) or two rates (`/`) stay apart."""
+    out: list[list | None] = []
+    groups: dict[tuple, tuple[int, list]] = {}
+    for row in rows:
+        hit = _LAST_NUMBER.match(row[1])
+        if not hit or ";" in row[3] or " / " in row[3]:
+            out.append(row)
+            continue
+        key = (row[0], hit[1], row[4])
+        if key not in groups:
+            groups[key] = (len(out), [])
+            out.append(None)
+        groups[key][1].append((hit[2], row))
+    for (kind, prefix, ref), (at, members) in groups.items():
+        rs = [r for _, r in members]
+        out[at] = rs[0] if len(rs) == 1 else [
+            kind, prefix + "/".join(v for v, _ in members), *(_joined(r[i] for r in rs)
+                                                             for i in (2, 3)),
+            ref, *(_joined(r[i] for r in rs) for i in (5, 6)),
+            " ".join(dict.fromkeys(r[7] for r in rs))]
+    return out
+
+
 def kernels_section(records: list[dict]) -> list[str]:
     # sampler: performance.md; moe_align (bench_moe.py: the alignment alone, per T) has no
     # shape of this table's kind, and is the fused-MoE rows' part
@@ -427,6 +471,7 @@ def kernels_section(records: list[dict]) -> list[str]:
                                              for v, rv in variants.items())])
         rows.append([kind, shape, num(ours and ours["ms"], ".4f"), ours_rate, ref_name,
                      num(ref and ref["ms"], ".4f"), rate(ref), (ours or ref)["commit"]])
+    rows = _merge_sizes(rows)
     sweeps = [[r["kind"], r.get("kv_cache_dtype", "bf16"), _shape(r),
                json.dumps(r["config"]) if "config" in r else
                "/".join(str(r[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",

@@ -100,3 +100,18 @@ def test_superseded_records_move_to_the_archive_by_day_and_the_newest_stay(tmp_p
     assert archived == [lines[0]]
     assert report.archive_superseded("w4a16_gemm", tmp_path) == 0
     assert not (tmp_path / "archive" / "2026-11-30_w4a16_gemm_superseded.jsonl.xz").exists()
+
+
+def test_kernel_rows_differing_in_their_last_number_merge():
+    """One row per kind, shape family and reference, at the first one's place; a unit said
+    once; compound rates and other shapes left alone."""
+    rows = [["gemv", "q M=1", "0.0088", "2.38 TB/s", "cublas", "0.0098", "2.14 TB/s", "a1"],
+            ["ceiling_copy", "4 GiB", "-", "-", "torch", "1.7", "2.44 TB/s", "a1"],
+            ["gemv", "q M=4", "0.0134", "1.57 TB/s", "cublas", "0.0099", "2.12 TB/s", "b2"],
+            ["fused_moe", "x T=1", "0.03", "2.5 TB/s / 2.5 TFLOP/s", "-", "-", "-", "a1"],
+            ["fused_moe", "x T=4", "0.05", "3.0 TB/s / 9.0 TFLOP/s", "-", "-", "-", "a1"],
+            ["gemv", "q M=2", "0.0098", "-", "other", "-", "-", "a1"]]
+    assert report._merge_sizes(rows) == [
+        ["gemv", "q M=1/4", "0.0088 / 0.0134", "2.38 / 1.57 TB/s", "cublas", "0.0098 / 0.0099",
+         "2.14 / 2.12 TB/s", "a1 b2"],
+        rows[1], rows[3], rows[4], rows[5]]
