@@ -64,6 +64,7 @@ MAX_AUTO_SPLITS = 64  # the most context splits _pick_num_splits (and hopper.num
 # GPU tests pass, but on an H100 the fused launch took 35.7 us against 4.8 + 2.8 (cd268e7)
 FUSE_MERGE = os.environ.get("PAGEDSERVE_ATTN_FUSE_MERGE", "0") == "1"
 SPLIT_COUNTERS = 4096  # (sequence, KV head) pairs the counters cover
+MERGE_UNROLL = tl.constexpr(4)  # split partials a fused merge reads at once (_merge_block)
 
 
 @triton.jit
@@ -282,7 +283,10 @@ def _merge_block(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, part_row, row_t,
                  BLOCK_S: tl.constexpr):
     """_merge_row for a program's BLOCK_M rows at once (FUSE_MERGE): the splits' partials read
     past L1 (other programs wrote them), those of splits that saw no key (max -inf) not at
-    all."""
+    all, and only up to the last split that saw one: a graph captured for long contexts
+    launches up to 64 splits, of which a short context fills a few. Their acc tiles are read
+    MERGE_UNROLL at a time, unrolled, so those loads are in flight together (one at a time,
+    64 splits took 35.7 us on an H100 against the merge launch's 2.8)."""
     base = (part_row * num_heads + head) * num_splits  # [BLOCK_M]
     offs_s = tl.arange(0, BLOCK_S)
     ok = row_ok[:, None] & (offs_s < num_splits)[None, :]
@@ -293,12 +297,15 @@ def _merge_block(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, part_row, row_t,
     m_max = tl.max(m, 1)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # (rows past the block's tokens)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max[:, None]))
+    # splits past the last that saw a key hold nothing (a split's tiles follow its index)
+    used = tl.max(tl.max(tl.where(m == float("-inf"), 0, offs_s[None, :] + 1), 1), 0)
     o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(0, num_splits):
-        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)
-        a = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=q_mask & (w_s > 0.0)[:, None], other=0.0, cache_modifier=".cg")
-        o += a * w_s[:, None]
+    for s0 in range(0, used, MERGE_UNROLL):
+        for j in tl.static_range(MERGE_UNROLL):  # (w is 0 past num_splits: no load there)
+            w_s = tl.sum(tl.where(offs_s[None, :] == s0 + j, w, 0.0), 1)
+            a = tl.load(part_acc_ptr + (base + s0 + j)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=q_mask & (w_s > 0.0)[:, None], other=0.0, cache_modifier=".cg")
+            o += a * w_s[:, None]
     o = o / tl.where(row_ok, tl.sum(l_s * w, 1), 1.0)[:, None]
     tl.store(out_ptr + (row_t * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=q_mask)
