@@ -61,7 +61,9 @@ _LOG2E = 1.4426950408889634
 MAX_AUTO_SPLITS = 64  # the most context splits _pick_num_splits (and hopper.num_splits) picks
 # PAGEDSERVE_ATTN_FUSE_MERGE=1: a split decode launch merges its splits itself (the last split
 # of a (sequence, KV head) to finish, counted by an atomic), not in a second launch. Off: its
-# GPU tests pass, but on an H100 the fused launch took 35.7 us against 4.8 + 2.8 (cd268e7)
+# GPU tests pass, but on an H100 the fused launch took 35.7 us against 4.8 + 2.8 (cd268e7),
+# reading a graph's 64 splits one at a time; _merge_block since reads the used ones
+# MERGE_UNROLL at once, not yet timed
 FUSE_MERGE = os.environ.get("PAGEDSERVE_ATTN_FUSE_MERGE", "0") == "1"
 SPLIT_COUNTERS = 4096  # (sequence, KV head) pairs the counters cover
 MERGE_UNROLL = tl.constexpr(4)  # split partials a fused merge reads at once (_merge_block)
