@@ -115,3 +115,21 @@ def test_kernel_rows_differing_in_their_last_number_merge():
         ["gemv", "q M=1/4", "0.0088 / 0.0134", "2.38 / 1.57 TB/s", "cublas", "0.0098 / 0.0099",
          "2.14 / 2.12 TB/s", "a1 b2"],
         rows[1], rows[3], rows[4], rows[5]]
+
+
+def test_throughput_table_leaves_profiles_and_older_experiments_to_the_records():
+    """A profiled run, and a run with PAGEDSERVE_* switches of an older commit than the newest
+    such run of its workload and model, are in no row; the rest each are."""
+    def run(commit, at, env=None, flags=""):
+        return {"engine": "pagedserve", "workload": "W1", "model": "m", "gpu": "NVIDIA H100",
+                "recorded_at": f"2026-12-06T{at}:00Z", "commit": commit, "env": env or {},
+                "server_flags": flags, "command": "throughput.py", "output_tok_s": 100.0,
+                "run": f"throughput_{at}"}
+    records = [run("old1", "06:00", {"PAGEDSERVE_X": "1"}), run("old1", "06:01"),
+               run("new2", "22:00", {"PAGEDSERVE_Y": "0"}),
+               run("new2", "22:01", {"PAGEDSERVE_Y": "1"}),
+               run("new2", "22:02", flags="--torch-profile-dir /tmp/p")]
+    text = "\n".join(report.throughput_section(records))
+    commits = [line.split(" | ")[-2] for line in text.splitlines() if line.startswith("| W1")]
+    assert commits == ["old1", "new2", "new2"]
+    assert "PAGEDSERVE_X" not in text and "torch profile" not in text
