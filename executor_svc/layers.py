@@ -39,7 +39,8 @@ class Linear(nn.Linear):
         w = self.weight
         if (GEMV_ROWS and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= GEMV_ROWS
                 and x.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype
-                and x.stride(1) == 1 and w.numel() * w.element_size() <= GEMV_MAX_BYTES):
+                and x.stride(1) == 1 and w.stride(1) == 1
+                and w.numel() * w.element_size() <= GEMV_MAX_BYTES):
             from pagedserve.kernels.gemv import gemv
 
             return gemv(x, w, self.bias)
