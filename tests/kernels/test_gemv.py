@@ -51,8 +51,8 @@ def test_gemv_refuses_bad_operands():
 
 
 def test_linear_takes_gemv_only_for_a_few_half_rows_on_cuda(monkeypatch):
-    """GEMV_ROWS off, float32, more rows than it, a weight over GEMV_MAX_BYTES or a CPU tensor:
-    nn.Linear's own forward."""
+    """GEMV_ROWS off, float32, more rows than it, a weight over GEMV_MAX_BYTES or not of unit
+    stride in K, or a CPU tensor: nn.Linear's own forward."""
     calls = []
     monkeypatch.setattr(gv, "gemv", lambda x, w, b: calls.append(x.shape[0]) or F.linear(x, w, b))
     dev = "cuda" if CUDA else "cpu"
@@ -64,6 +64,9 @@ def test_linear_takes_gemv_only_for_a_few_half_rows_on_cuda(monkeypatch):
     monkeypatch.setattr(layers, "GEMV_MAX_BYTES", 16 * 8 * 2 - 1)  # one byte short of lin's
     lin(x[:1])
     monkeypatch.setattr(layers, "GEMV_MAX_BYTES", 16 * 8 * 2)
+    lin_t = layers.Linear(16, 8, bias=False).to(dev, torch.bfloat16)
+    lin_t.weight = torch.nn.Parameter(lin_t.weight.detach().t().contiguous().t())  # stride (1, 8)
+    torch.testing.assert_close(lin_t(x[:1]), F.linear(x[:1], lin_t.weight))
     for rows in (x[:1], x[:4], x, x[:2].float()):
         if rows.dtype == torch.float32:
             lin.float()
