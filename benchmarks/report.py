@@ -102,6 +102,11 @@ def _overlapped(r: dict) -> bool:
         "--no-async-scheduling" not in flags and r.get("recorded_at", "") >= ASYNC_DEFAULT_SINCE)
 
 
+def _profiled(r: dict) -> bool:
+    """A run under the torch profiler (its timings carry the profiler's cost)."""
+    return "--torch-profile-dir" in (r.get("server_flags") or "")
+
+
 def settings(r: dict) -> str:
     """What a throughput run asked beyond the defaults, in a few words."""
     words = []
@@ -109,9 +114,9 @@ def settings(r: dict) -> str:
     tokens = _flag(r["command"], "--max-num-batched-tokens", "2048")
     if (seqs, tokens) != ("0", "0"):
         words.append(f"{seqs} seqs x {tokens} tokens")
-    flags = r.get("server_flags") or ""
-    if "--torch-profile-dir" in flags:
+    if _profiled(r):
         words.append("torch profile")
+    flags = r.get("server_flags") or ""
     if "--scheduler-key" in flags:
         words.append("CurveZMQ keys")
     flags = re.sub(r"--(torch-profile-\S+|\S+-keys?) \S+|--(no-)?async-scheduling", "", flags)
@@ -199,9 +204,9 @@ def _days_before(stamp: str, days: int) -> str:
 
 
 def throughput_section(records: list[dict]) -> list[str]:
-    # profiled runs (their timings carry the profiler) are diagnostics: records only
+    # profiled runs are diagnostics: records only
     ours = [r for r in records if r["engine"] == "pagedserve" and r.get("ab") != "baseline"
-            and "--torch-profile-dir" not in (r.get("server_flags") or "")]
+            and not _profiled(r)]
     # settings superseded: a run 2 days older than its workload and model's newest on that
     # machine stays in the records (and the history plots), not in this table; so do runs
     # with PAGEDSERVE_* switches (experiments) of an older commit than the newest such run
