@@ -133,3 +133,22 @@ def test_throughput_table_leaves_profiles_and_older_experiments_to_the_records()
     commits = [line.split(" | ")[-2] for line in text.splitlines() if line.startswith("| W1")]
     assert commits == ["old1", "new2", "new2"]
     assert "PAGEDSERVE_X" not in text and "torch profile" not in text
+
+
+def test_targets_take_the_api_processes_auto_makes_and_an_ab_runs_after_side():
+    """The goals' rows read runs at the flags a user gets: `--api-server-count 2` (auto on the
+    16-core H200 host) counts, the single-process baseline of an A/B call and other flags do
+    not."""
+    def run(at, flags, ab=None, fraction=0.5):
+        r = {"engine": "pagedserve", "workload": "W1", "model": "llama3.2-1b",
+             "gpu": "NVIDIA H200", "recorded_at": f"2026-12-06T{at}:00Z", "commit": at,
+             "server_flags": flags, "output_tok_s": 100.0, "roofline_fraction": fraction,
+             "command": "throughput.py --max-num-seqs 0 --max-num-batched-tokens 0",
+             "run": f"throughput_{at}"}
+        return r | ({"ab": ab} if ab else {})
+    records = [run("01", "", fraction=0.41), run("02", "--api-server-count 2", "current"),
+               run("03", "--api-server-count 0", "baseline"),
+               run("04", "--api-server-count 4"), run("05", "--stream-interval 8")]
+    rows = [line for line in report.defaults_section(records, [])
+            if line.startswith("| W1 llama3.2-1b")]
+    assert [row.split(" | ")[2:4] for row in rows] == [["0.50 (100 out tok/s)", "02"]]
