@@ -127,6 +127,7 @@ ENV_SWITCHES = ("PAGEDSERVE_MOE_FUSE_SILU",  # kernels/fused_moe.py: SiLU in GEM
                 "PAGEDSERVE_ATTN_FUSE_MERGE",  # kernels/paged_attention.py: splits merged inside
                 "PAGEDSERVE_DENSE_GEMV_ROWS",  # executor_svc/layers.py: kernels/gemv.py's rows
                 "PAGEDSERVE_DENSE_GEMV_MAX_MIB",  # and the largest weight it takes
+                "PAGEDSERVE_L2_PREFETCH_ROWS",  # executor_svc/layers.py: o_proj into L2
                 "PAGEDSERVE_PREFILL_KERNEL")  # "hopper": kernels/paged_prefill_hopper.py
 
 

@@ -100,6 +100,10 @@
 #   decodetests  attnmerge's tests and moe_decode's (moedecode's, without its bench)
 #   gemv      kernels/gemv.py's GPU tests, then bench_gemv.py (it against cuBLAS at 1, 2, 4
 #             rows of Qwen3-30B-A3B's and Llama-3.1-8B's projections, cold weights); ~1 min
+#   prefetch  the L2 prefetch (kernels/prefetch.py): its GPU tests and the greedy tokens of a
+#             graphed qwen3-moe with it, bench_gemv.py --prefetch (each weight's read after a
+#             10 us wait, without and with it), then moelatenv over MOELAT_ENVS (default
+#             PAGEDSERVE_L2_PREFETCH_ROWS 0 1 0 1); ~5 min
 #   moelatenv Qwen3-30B-A3B single stream once per MOELAT_ENVS entry, each a comma-separated
 #             list of VAR=value (default: PAGEDSERVE_MOE_DECODE_TOKENS=0 and =4)
 #   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX) beside HF generate
@@ -491,6 +495,14 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         | tee -a $B/bench_moe.log | quiet 40
       moelatenv ;;
     moelatenv) moelatenv ;;
+    prefetch) python3 -m pytest -q -rs tests/kernels/test_prefetch.py \
+        tests/executor_svc/test_families_gpu.py::test_l2_prefetch_of_o_proj_changes_no_token \
+        2>&1 | tee $B/pytest_prefetch.log | tail -4
+      python3 benchmarks/kernels/bench_gemv.py --prefetch 2>&1 | tee -a $B/bench_gemv.log \
+        | quiet 12
+      save
+      MOELAT_ENVS=${MOELAT_ENVS:-"PAGEDSERVE_L2_PREFETCH_ROWS=0 PAGEDSERVE_L2_PREFETCH_ROWS=1
+        PAGEDSERVE_L2_PREFETCH_ROWS=0 PAGEDSERVE_L2_PREFETCH_ROWS=1"} moelatenv ;;
     gemv) python3 -m pytest -q -rs tests/kernels/test_gemv.py 2>&1 | tee $B/pytest_gemv.log \
         | tail -4
       python3 benchmarks/kernels/bench_gemv.py 2>&1 | tee -a $B/bench_gemv.log | quiet 40 ;;
