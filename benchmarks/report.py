@@ -471,9 +471,10 @@ def _merge_sizes(rows: list[list]) -> list[list]:
 
 def kernels_section(records: list[dict]) -> list[str]:
     # sampler: performance.md; moe_align (bench_moe.py: the alignment alone, per T) has no
-    # shape of this table's kind, and is the fused-MoE rows' part
-    plain = [r for r in records if "sweep" not in r["kind"]
-             and r["kind"] not in ("decode_fp8kv", "sampler_step", "moe_align")]
+    # shape of this table's kind, and is the fused-MoE rows' part; gemv_prefetch (a wait then
+    # a read, the L2 prefetch removed after 3a391ed): performance.md
+    plain = [r for r in records if "sweep" not in r["kind"] and r["kind"] not in (
+        "decode_fp8kv", "sampler_step", "moe_align", "gemv_prefetch")]
     by: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in newest(plain, lambda r: (r["kind"], _shape(r), r["impl"])):
         by[(r["kind"], _shape(r))][r["impl"]] = r
