@@ -124,10 +124,8 @@ def results_dir() -> Path:
 ENV_SWITCHES = ("PAGEDSERVE_MOE_FUSE_SILU",  # kernels/fused_moe.py: SiLU in GEMM 1's epilogue
                 "PAGEDSERVE_MOE_FUSE_ROUTE",  # kernels/fused_moe.py: routing and alignment fused
                 "PAGEDSERVE_MOE_DECODE_TOKENS",  # kernels/fused_moe.py: moe_decode's GEMVs
-                "PAGEDSERVE_ATTN_FUSE_MERGE",  # kernels/paged_attention.py: splits merged inside
                 "PAGEDSERVE_DENSE_GEMV_ROWS",  # executor_svc/layers.py: kernels/gemv.py's rows
                 "PAGEDSERVE_DENSE_GEMV_MAX_MIB",  # and the largest weight it takes
-                "PAGEDSERVE_L2_PREFETCH_ROWS",  # executor_svc/layers.py: o_proj into L2
                 "PAGEDSERVE_PREFILL_KERNEL")  # "hopper": kernels/paged_prefill_hopper.py
 
 

@@ -83,6 +83,8 @@
 #   defaults8b  W1 and W2 on 8B with the default flags (~3 min)
 #   defaultsw3  W3 at rate=inf, 1,000 requests, 8B, default flags, then at 0.8 of the request
 #             rate it completed (the sustainable rate's 80 %); ~5 min
+#   w3share   defaultsw3 once per --long-prefill-decode-share in W3_SHARES (default 0 0.3): what
+#             the decoders' share costs W3's throughput and TTFT (~5 min each)
 #   families  the model families' GPU tests: every family's bf16 logits against HF, graphed MoE
 #             decode (FAMILY_KERNELS: kernel test files to add, e.g. tests/kernels)
 #   moekernel the fused-MoE kernel at decode and prefill shapes of Qwen3-30B-A3B and Mixtral
@@ -95,15 +97,11 @@
 #             single stream with it off and on (MOE_ROUTES: 0 1 0 1)
 #   moedecode moe_decode's GPU tests (and the routing's), bench_moe.py --decode (its tiles
 #             against the grouped GEMMs at 1-8 tokens, both shapes), then moelatenv; ~6 min
-#   attnmerge the fused split merge's GPU tests (PAGEDSERVE_ATTN_FUSE_MERGE), and the decode
-#             attention tests it touches
-#   decodetests  attnmerge's tests and moe_decode's (moedecode's, without its bench)
+#   attnmerge the split decode attention's GPU tests (decode-only splits and their merge,
+#             the Llama and sliding-window model shapes)
+#   decodetests  moe_decode's GPU tests (moedecode's decode_gemvs, without its bench)
 #   gemv      kernels/gemv.py's GPU tests, then bench_gemv.py (it against cuBLAS at 1, 2, 4
 #             rows of Qwen3-30B-A3B's and Llama-3.1-8B's projections, cold weights); ~1 min
-#   prefetch  the L2 prefetch (kernels/prefetch.py): its GPU tests and the greedy tokens of a
-#             graphed qwen3-moe with it, bench_gemv.py --prefetch (each weight's read after a
-#             10 us wait, without and with it), then moelatenv over MOELAT_ENVS (default
-#             PAGEDSERVE_L2_PREFETCH_ROWS 0 1 0 1); ~5 min
 #   moelatenv Qwen3-30B-A3B single stream once per MOELAT_ENVS entry, each a comma-separated
 #             list of VAR=value (default: PAGEDSERVE_MOE_DECODE_TOKENS=0 and =4)
 #   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX) beside HF generate
@@ -456,6 +454,13 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 1000 --rate inf \
         --overload 0.8 --dump "$B/dumps/w3_defaults_8b_$(date +%H%M)" 2>&1 \
         | tee -a $B/serve.log | quiet 8 ;;
+    w3share) for share in ${W3_SHARES:-0 0.3}; do
+        python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 1000 --rate inf \
+          --overload 0.8 --server-flag=--long-prefill-decode-share --server-flag="$share" \
+          --dump "$B/dumps/w3_share${share}_8b_$(date +%H%M)" 2>&1 | tee -a $B/serve.log \
+          | quiet 8
+        save
+      done ;;
     families)
       python3 -m pytest -q -rs tests/executor_svc/test_families_gpu.py ${FAMILY_KERNELS:-} \
         2>&1 | tee $B/pytest_families.log | tail -15 ;;
@@ -495,22 +500,13 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         | tee -a $B/bench_moe.log | quiet 40
       moelatenv ;;
     moelatenv) moelatenv ;;
-    prefetch) python3 -m pytest -q -rs tests/kernels/test_prefetch.py \
-        tests/executor_svc/test_families_gpu.py::test_l2_prefetch_of_o_proj_changes_no_token \
-        2>&1 | tee $B/pytest_prefetch.log | tail -4
-      python3 benchmarks/kernels/bench_gemv.py --prefetch 2>&1 | tee -a $B/bench_gemv.log \
-        | quiet 12
-      save
-      MOELAT_ENVS=${MOELAT_ENVS:-"PAGEDSERVE_L2_PREFETCH_ROWS=0 PAGEDSERVE_L2_PREFETCH_ROWS=1
-        PAGEDSERVE_L2_PREFETCH_ROWS=0 PAGEDSERVE_L2_PREFETCH_ROWS=1"} moelatenv ;;
     gemv) python3 -m pytest -q -rs tests/kernels/test_gemv.py 2>&1 | tee $B/pytest_gemv.log \
         | tail -4
       python3 benchmarks/kernels/bench_gemv.py 2>&1 | tee -a $B/bench_gemv.log | quiet 40 ;;
-    decodetests) python3 -m pytest -q -rs tests/kernels/test_fused_moe.py \
-        tests/kernels/test_paged_attention.py -k "decode_gemvs or fused_merge or last_program" \
+    decodetests) python3 -m pytest -q -rs tests/kernels/test_fused_moe.py -k "decode_gemvs" \
         2>&1 | tee $B/pytest_decode.log | tail -4 ;;
     attnmerge) python3 -m pytest -q -rs tests/kernels/test_paged_attention.py \
-        -k "fused_merge or last_program or decode_only_split or cuda_llama or cuda_window" \
+        -k "decode_only_split or cuda_llama or cuda_window" \
         2>&1 | tee $B/pytest_attn_merge.log | tail -4 ;;
     profilemoe) profile MQ30 moe30b "${DEFAULTS[@]}" ;;
     profilemoelat) moelat --server-flag=--torch-profile-dir --server-flag=/tmp/profile_moelat \

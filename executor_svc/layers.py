@@ -29,10 +29,6 @@ Ops = Any  # the namespace kernels.get_ops() returns
 # -> 237 out tok/s. 0 rows: off.
 GEMV_ROWS = int(os.environ.get("PAGEDSERVE_DENSE_GEMV_ROWS", "1"))
 GEMV_MAX_BYTES = int(float(os.environ.get("PAGEDSERVE_DENSE_GEMV_MAX_MIB", "24")) * 2**20)
-# PAGEDSERVE_L2_PREFETCH_ROWS=N: on a step of at most N rows, o_proj's weight is asked into the
-# L2 on a side stream (kernels/prefetch.py) while rotary, attention and the split merge run, so
-# its read meets the cache, not HBM. 0 (off) until a GPU times it (gpu.sh part prefetch).
-PREFETCH_ROWS = int(os.environ.get("PAGEDSERVE_L2_PREFETCH_ROWS", "0"))
 
 
 class Linear(nn.Linear):
@@ -186,12 +182,6 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t, h, hkv, d = x.shape[0], self.h, self.hkv, self.d
         q, k, v = self.qkv_proj(x).split([h * d, hkv * d, hkv * d], dim=-1)
-        side = None
-        if PREFETCH_ROWS and x.is_cuda and t <= PREFETCH_ROWS \
-                and type(self.o_proj) is Linear:  # 16-bit weights in one tensor
-            from pagedserve.kernels import prefetch
-
-            side = prefetch.start(self.o_proj.weight)  # after the qkv read, beside what follows
         norms = {}
         if self.cfg.qk_norm == "full":  # over the whole projection, before the heads split
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
@@ -208,10 +198,6 @@ class Attention(nn.Module):
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
             k_scale=self.k_scale, v_scale=self.v_scale, **self.options,
         )
-        if side is not None:
-            from pagedserve.kernels import prefetch
-
-            prefetch.join(side)
         return tp.all_reduce(self.o_proj(o.reshape(t, h * d)), self.cfg)
 
 

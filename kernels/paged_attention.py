@@ -6,8 +6,7 @@ launches of the same kernel, each skipping the sequences that belong to the othe
 
 - short rows (q_len <= BLOCK_Q of a 16-row block; decode): one program per (sequence, KV head,
   split). With few sequences the context is split over ``num_splits`` programs that write fp32
-  partials (max, sum, acc) merged by a second kernel (flash-decoding), or (FUSE_MERGE) by
-  the last split of each (sequence, KV head) to finish, counted by an atomic.
+  partials (max, sum, acc) merged by a second kernel (flash-decoding).
 - long rows (prefill, chunks): 64/128-row blocks laid out per sequence at
   ``cu_seqlens_q[b] // BLOCK_Q + b``, an upper bound needing no host sync; a program finds its
   sequence by binary search and exits if its block is empty. When those programs are few (a
@@ -39,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -59,14 +57,6 @@ from pagedserve.kernels.reference import check_attention_options
 
 _LOG2E = 1.4426950408889634
 MAX_AUTO_SPLITS = 64  # the most context splits _pick_num_splits (and hopper.num_splits) picks
-# PAGEDSERVE_ATTN_FUSE_MERGE=1: a split decode launch merges its splits itself (the last split
-# of a (sequence, KV head) to finish, counted by an atomic), not in a second launch. Off: its
-# GPU tests pass, but on an H100 the fused launch took 35.7 us against 4.8 + 2.8 (cd268e7),
-# reading a graph's 64 splits one at a time; _merge_block since reads the used ones
-# MERGE_UNROLL at once, not yet timed
-FUSE_MERGE = os.environ.get("PAGEDSERVE_ATTN_FUSE_MERGE", "0") == "1"
-SPLIT_COUNTERS = 4096  # (sequence, KV head) pairs the counters cover
-MERGE_UNROLL = tl.constexpr(4)  # split partials a fused merge reads at once (_merge_block)
 
 
 @triton.jit
@@ -159,7 +149,7 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_q_len", "stride_bt", "window"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     qk_scale, v_scale, num_seqs, num_heads, num_splits, min_q_len, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -167,7 +157,7 @@ def _paged_attn_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, WIDEN_F16: tl.constexpr,
     PAD_D: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-    PRECISION: tl.constexpr, FUSE_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -264,53 +254,10 @@ def _paged_attn_kernel(
         tl.store(part_m_ptr + idx, m_i, mask=row_ok)
         tl.store(part_l_ptr + idx, l_i, mask=row_ok)
         tl.store(part_acc_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
-        if FUSE_MERGE:  # the last of the splits to finish merges them (no merge launch)
-            tl.debug_barrier()  # every thread's partials stored before the release below
-            counter = counter_ptr + seq * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                tl.store(counter, 0)  # zero again for the next launch (stream-ordered)
-                _merge_block(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, part_row, row_t,
-                             head, row_ok, q_mask, num_heads, num_splits, stride_ot, stride_oh,
-                             offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_S)
     else:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (row_t * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=q_mask)
-
-
-@triton.jit
-def _merge_block(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, part_row, row_t, head, row_ok,
-                 q_mask, num_heads, num_splits, stride_ot, stride_oh, offs_d,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_S: tl.constexpr):
-    """_merge_row for a program's BLOCK_M rows at once (FUSE_MERGE): the splits' partials read
-    past L1 (other programs wrote them), those of splits that saw no key (max -inf) not at
-    all, and only up to the last split that saw one: a graph captured for long contexts
-    launches up to 64 splits, of which a short context fills a few. Their acc tiles are read
-    MERGE_UNROLL at a time, unrolled, so those loads are in flight together (one at a time,
-    64 splits took 35.7 us on an H100 against the merge launch's 2.8)."""
-    base = (part_row * num_heads + head) * num_splits  # [BLOCK_M]
-    offs_s = tl.arange(0, BLOCK_S)
-    ok = row_ok[:, None] & (offs_s < num_splits)[None, :]
-    m = tl.load(part_m_ptr + base[:, None] + offs_s[None, :], mask=ok, other=float("-inf"),
-                cache_modifier=".cg")
-    l_s = tl.load(part_l_ptr + base[:, None] + offs_s[None, :], mask=ok, other=0.0,
-                  cache_modifier=".cg")
-    m_max = tl.max(m, 1)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # (rows past the block's tokens)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max[:, None]))
-    # splits past the last that saw a key hold nothing (a split's tiles follow its index)
-    used = tl.max(tl.max(tl.where(m == float("-inf"), 0, offs_s[None, :] + 1), 1), 0)
-    o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s0 in range(0, used, MERGE_UNROLL):
-        for j in tl.static_range(MERGE_UNROLL):  # (w is 0 past num_splits: no load there)
-            w_s = tl.sum(tl.where(offs_s[None, :] == s0 + j, w, 0.0), 1)
-            a = tl.load(part_acc_ptr + (base + s0 + j)[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=q_mask & (w_s > 0.0)[:, None], other=0.0, cache_modifier=".cg")
-            o += a * w_s[:, None]
-    o = o / tl.where(row_ok, tl.sum(l_s * w, 1), 1.0)[:, None]
-    tl.store(out_ptr + (row_t * stride_ot + head * stride_oh)[:, None] + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
@@ -595,26 +542,6 @@ def _hopper_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scal
         BLOCK_S=merge_width(num_splits))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """FUSE_MERGE's arrival counters, one per (sequence, KV head) of a split launch: zeros that
-    each launch's last split zeroes again. Made outside a CUDA-graph capture (the first eager
-    call makes them), so replays find them; None (the merge kernel instead) when fusing is off,
-    the launch has more (sequence, KV head) pairs than SPLIT_COUNTERS (a split launch has
-    fewer than twice the SMs), or no counters exist yet during a capture."""
-    if not FUSE_MERGE or needed > SPLIT_COUNTERS:
-        return None
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _COUNTERS[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32,
-                                                   device=device)
-    return counters
-
-
 def merge_width(num_splits: int) -> int:
     """The merge kernels' split lanes (BLOCK_S): two widths, not one a power of two, so
     warm_up_variants compiles every merge a serving step can launch (a width first met in a
@@ -649,10 +576,9 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: flo
     else:
         part_m = part_l = part_acc = out  # unused
     grid0 = num_seqs if per_seq else num_tokens // block_q + num_seqs
-    counters = _split_counters(q.device, num_seqs * num_kv_heads) if split and per_seq else None
     _paged_attn_kernel[(grid0, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-        out, part_m, part_l, part_acc, out if counters is None else counters,
+        out, part_m, part_l, part_acc,
         scale * _LOG2E * k_scale, float(v_scale), num_seqs, num_heads, num_splits, min_q_len,
         int(sliding_window), float(logits_soft_cap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -665,11 +591,8 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: flo
         # float32 (a check mode): exact dots, as torch's float32 matmuls; tf32 would make a
         # verification row's logits differ from a decode row's where two nearly tie
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FUSE_MERGE=counters is not None, BLOCK_S=merge_width(num_splits),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if counters is not None:
-        return
     if split and per_seq:
         _merge_splits_kernel[(num_seqs * block_q, num_heads)](
             part_m, part_l, part_acc, out, cu_seqlens_q, num_heads, num_splits,

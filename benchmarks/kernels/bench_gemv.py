@@ -2,7 +2,6 @@
 
     python3 benchmarks/kernels/bench_gemv.py                # GPU: bf16, 1, 2 and 4 rows
     python3 benchmarks/kernels/bench_gemv.py --smoke        # CPU interpreter, tiny shapes
-    python3 benchmarks/kernels/bench_gemv.py --prefetch     # GPU: after a wait, L2 prefetch
 
 Shapes: Qwen3-30B-A3B's q/k/v (2048 -> 5120), o_proj (4096 -> 2048) and router (2048 -> 128);
 Llama-3.1-8B's q/k/v (4096 -> 6144), gate_up (4096 -> 28672) and down (14336 -> 4096). Each
@@ -10,12 +9,6 @@ timing is a CUDA-graph replay that cycles through copies of the weight until it 
 caches' worth (a model's step reads each weight once, from HBM). Records (family `kernels`,
 kind `gemv`): ms and TB/s of the weight bytes, impl `cublas` or `triton` (gemv), and gemv's
 relative error against F.linear in float32.
-
---prefetch: each weight's one-row read (kernels/gemv.py, or cuBLAS past 24 MiB as the executor
-does) after a latency-bound wait of --wait-us (torch.cuda._sleep, one program: where rotary,
-attention and the split merge stand before o_proj), without and with the weight asked into the
-L2 on a side stream during the wait (kernels/prefetch.py). Records (kind `gemv_prefetch`): the
-wait alone and each pair's ms, and the read's share beyond the wait.
 """
 
 from __future__ import annotations
@@ -40,8 +33,6 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
     p.add_argument("--rows", nargs="*", type=int, default=[1, 2, 4])
-    p.add_argument("--prefetch", action="store_true", help="the read after a wait, L2 prefetch")
-    p.add_argument("--wait-us", type=float, default=10.0)
     return p.parse_args()
 
 
@@ -66,46 +57,7 @@ def copies_for(nbytes: int) -> int:
     return max(1, min(-(-COLD_L2 * l2 // nbytes), 64))
 
 
-def _wait_then_read(pre: bool | None, ws, x, read, cycles: int) -> None:
-    """Per weight: the wait, then (pre not None) its read; pre: prefetched during the wait."""
-    from pagedserve.kernels import prefetch
-
-    for w in ws:
-        side = prefetch.start(w) if pre else None
-        torch.cuda._sleep(cycles)
-        if pre is not None:
-            prefetch.join(side)
-            read(x, w)
-
-
-def prefetch_main() -> None:
-    """A wait then the read, with and without the weight prefetched during the wait."""
-    torch.manual_seed(0)
-    rate = torch.cuda.get_device_properties(DEV).clock_rate  # kHz
-    cycles = int(ARGS.wait_us * rate / 1e3)
-    records = []
-    for name, (n, k) in SHAPES.items():
-        nbytes = n * k * 2
-        ws = [torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5
-              for _ in range(copies_for(nbytes))]
-        x = torch.randn(1, k, device=DEV, dtype=DT)
-        read = gemv if nbytes <= 24 * 2**20 else F.linear
-
-        wait, plain, pre = (median_ms(functools.partial(_wait_then_read, p, ws, x, read, cycles),
-                                      True, False) / len(ws) for p in (None, False, True))
-        records.append({"kind": "gemv_prefetch", "shape": name, "rows": 1, "n": n, "k": k,
-                        "impl": "triton" if read is gemv else "cublas", "dtype": "bfloat16",
-                        "wait_us": wait * 1e3, "plain_ms": plain, "prefetch_ms": pre,
-                        "read_us": (plain - wait) * 1e3, "read_prefetched_us": (pre - wait) * 1e3,
-                        "weight_copies": len(ws)})
-        print(f"{name:22s} wait {wait * 1e3:6.2f} us; read after it {(plain - wait) * 1e3:6.2f} "
-              f"us, prefetched {(pre - wait) * 1e3:6.2f} us", flush=True)
-    print("wrote", write_records("kernels", records))
-
-
 def main() -> None:
-    if ARGS.prefetch:
-        return prefetch_main()
     torch.manual_seed(0)
     records = []
     for name, (n, k) in (SMOKE_SHAPES if ARGS.smoke else SHAPES).items():

@@ -70,16 +70,13 @@ def test_family_matches_hf_across_chunks_and_windows(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["qwen3-moe", "qwen2-moe"])
-def test_moe_decode_and_fused_merge_through_the_layers(family, tmp_path, monkeypatch):
+def test_moe_decode_through_the_layers(family, tmp_path, monkeypatch):
     """The Triton ops (interpreted on the CPU, compiled on a GPU) with moe_decode taking the
-    steps of at most 4 tokens (PAGEDSERVE_MOE_DECODE_TOKENS) and the split merge fused where a
-    step splits its keys (PAGEDSERVE_ATTN_FUSE_MERGE; on a GPU: these contexts are too short
-    for the CPU's 4 "SMs" to split): HF's logits across chunked prefill and decode."""
+    steps of at most 4 tokens (PAGEDSERVE_MOE_DECODE_TOKENS): HF's logits across chunked
+    prefill and decode."""
     from pagedserve.kernels import fused_moe as fm
-    from pagedserve.kernels import paged_attention as pa
 
     monkeypatch.setattr(fm, "DECODE_TOKENS", 4)
-    monkeypatch.setattr(pa, "FUSE_MERGE", True)
     decoded = []
     decode = fm.moe_decode
     monkeypatch.setattr(fm, "moe_decode", lambda x, *a, **kw: decoded.append(x.shape[0])

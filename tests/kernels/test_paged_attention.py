@@ -404,51 +404,6 @@ def test_cuda_window_model_shapes(model, fp8):
             _check(batch, d**-0.5, 1e-2, opts)
 
 
-@pytest.mark.parametrize("num_splits", [3, 7])
-def test_splits_merged_by_their_last_program(device, monkeypatch, num_splits):
-    """FUSE_MERGE: the last split of each (sequence, KV head) to finish merges them; equal to
-    the merge launch's result (splits that see no key among them), counters left at zero, a
-    window and an FP8 cache too."""
-    from pagedserve.kernels import paged_attention as pa
-
-    batch = make_paged_batch(MIXED_Q, MIXED_CTX, 8, 2, 64, 16, DTYPE, device, seed=num_splits)
-    apart = _run(batch, 0.125, num_splits=num_splits)
-    monkeypatch.setattr(pa, "FUSE_MERGE", True)
-    fused = _run(batch, 0.125, num_splits=num_splits)
-    torch.testing.assert_close(fused, apart, rtol=1e-6, atol=1e-6)
-    counters = pa._COUNTERS[batch.q.device]  # (cuda:0, not the fixture's cuda)
-    assert not counters.any()
-    _check(batch, 0.125, TOL, {"sliding_window": 9}, num_splits=num_splits)
-    _check_fp8(batch, 0.125, 2.0, 0.5, TOL, num_splits=num_splits)
-    assert not counters.any()
-    monkeypatch.setattr(pa, "SPLIT_COUNTERS", 13)  # 7 sequences x 2 KV heads: the merge launch
-    torch.testing.assert_close(_run(batch, 0.125, num_splits=num_splits), apart, rtol=1e-6,
-                               atol=1e-6)
-
-
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_cuda_fused_merge_replays_agree(monkeypatch):
-    """The fused merge's release/acquire on the GPU: a captured single-sequence decode of
-    Qwen3-30B-A3B's heads at 64 splits (the graphs' count), replayed 200 times, equals the
-    merge launch every time."""
-    from pagedserve.kernels import paged_attention as pa
-
-    dev = torch.device("cuda")
-    batch = make_paged_batch([1], [3000], 32, 4, 128, 16, torch.bfloat16, dev, seed=8)
-    hints = {"num_splits": 64, "max_query_len": 1, "max_seq_len": 3000}  # (no host sync)
-    want = _run(batch, 128**-0.5, **hints)
-    monkeypatch.setattr(pa, "FUSE_MERGE", True)
-    out = _run(batch, 128**-0.5, **hints)  # compiles, makes the counters
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_attention(*batch.args(), 128**-0.5, out=out, **hints)
-    for _ in range(200):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
-    assert not pa._COUNTERS[out.device].any()
-
-
 # ----------------------------------------------------------------------------- warm-up
 def test_recording_keeps_each_layer_kinds_signature_inside_it_only(device):
     from pagedserve.kernels import paged_attention as pa
