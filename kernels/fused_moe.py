@@ -11,7 +11,7 @@
                            up to DECODE_TOKENS tokens moe_decode instead, below)
     GEMM 1 (_moe_gemm)     cache1[p] = w13[e] @ x[p // k]                 [T*k, 2I]
     silu_and_mul           cache2 = silu(gate) * up (kernels/fused.py)    [T*k, I]
-                           (FUSE_SILU: GEMM 1 GATED writes cache2 itself, each program the
+                           (FUSE_SILU_TOKENS: GEMM 1 GATED writes cache2 itself, each program the
                            same BLOCK_N columns of gate and of up, rounded to x's dtype as
                            cache1 held them, then silu_and_mul's math)
     GEMM 2 (_moe_gemm)     cache3[p] = topk_weights[p] * (w2[e] @ cache2[p])   [T*k, H]
@@ -55,14 +55,14 @@ CHUNK_TOKENS = 16 * 1024  # tokens per pass (vLLM's VLLM_FUSED_MOE_CHUNK_SIZE): 
 CONFIG_FILE = Path(__file__).with_name("moe_configs.json")
 # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw 16-bit patterns in tl.dot
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# PAGEDSERVE_MOE_FUSE_SILU=1: GEMM 1 applies silu_and_mul in its epilogue (GATED). Off by
-# default until a GPU run has timed it against the separate launch (gpu.sh moelatab): it is
-# equal to it under the interpreter, not yet run on a GPU
-FUSE_SILU = os.environ.get("PAGEDSERVE_MOE_FUSE_SILU", "0") == "1"
-# PAGEDSERVE_MOE_FUSE_ROUTE=1: routed_moe routes and aligns up to ROUTE_ALIGN_TOKENS tokens in
-# one program (_route_align_kernel). Off by default until a GPU has run its tests and timed it
-# (equal to moe_route then moe_align_block_size under the interpreter)
-FUSE_ROUTE = os.environ.get("PAGEDSERVE_MOE_FUSE_ROUTE", "0") == "1"
+# PAGEDSERVE_MOE_FUSE_SILU: GEMM 1 applies silu_and_mul in its epilogue (GATED) on passes of at
+# most FUSE_SILU_TOKENS tokens: "auto" (the default) up to 64, the decode sizes where it was
+# timed; "1" every size, "0" never. PAGEDSERVE_MOE_FUSE_ROUTE (default "1"): routed_moe routes
+# and aligns up to ROUTE_ALIGN_TOKENS tokens in one program (_route_align_kernel). Both on, on
+# an H100 (3a391ed, Qwen3-30B-A3B single stream, three pairs alternated): 240 / 240 / 241 out
+# tok/s against 234 / 234 / 234 without (docs/performance.md); their GPU tests pass there.
+FUSE_SILU_TOKENS = {"0": 0, "1": 1 << 62}.get(os.environ.get("PAGEDSERVE_MOE_FUSE_SILU"), 64)
+FUSE_ROUTE = os.environ.get("PAGEDSERVE_MOE_FUSE_ROUTE", "1") == "1"
 ROUTE_ALIGN_TOKENS = 64  # tokens one program routes ([tokens, experts] in registers)
 # PAGEDSERVE_MOE_DECODE_TOKENS=N: routed_moe runs up to N tokens as moe_decode's two GEMV
 # launches (routing inside the first, the top-k sum inside the second). 0 (off) by default:
@@ -668,7 +668,7 @@ def _fused_pass(x, w13, w2, weights, ids, w13_scale, w2_scale, out, workspace,
         align = given[0]  # (routed_moe's, made with the routing)
     else:
         align = moe_align_block_size(ids, cfg1.block_m, num_experts)
-    if FUSE_SILU:
+    if t <= FUSE_SILU_TOKENS:
         # gate and up tiles of half the tuned width: the tuned tile's bytes, shared memory and
         # program count, and the SiLU in the epilogue
         half = replace(cfg1, block_n=max(16, cfg1.block_n // 2))

@@ -268,8 +268,10 @@ def test_triton_fp8_weights(dtype, device):
 
 @pytest.mark.parametrize("case", ["fp32", "bf16", "fp8"])
 def test_silu_in_the_first_gemms_epilogue_equals_the_separate_launch(case, monkeypatch, device):
-    """GATED GEMM 1 (PAGEDSERVE_MOE_FUSE_SILU=1) against GEMM 1 then silu_and_mul: decode and
-    prefill-sized passes, FP8 weights with their scales on both halves."""
+    """GATED GEMM 1 (PAGEDSERVE_MOE_FUSE_SILU) against GEMM 1 then silu_and_mul: decode and
+    prefill-sized passes, FP8 weights with their scales on both halves; by default the fused
+    epilogue up to 64 tokens, the separate launch beyond."""
+    assert fm.FUSE_SILU_TOKENS == 64
     dtype = torch.bfloat16 if case == "bf16" else torch.float32
     w13, w2 = experts(8, dtype, device=device)
     scales = {}
@@ -278,9 +280,9 @@ def test_silu_in_the_first_gemms_epilogue_equals_the_separate_launch(case, monke
         scales = {"w13_scale": s13, "w2_scale": s2}
     for t in (1, 40):
         x, weights, ids = batch(t, 8, 2, dtype, device=device)
-        monkeypatch.setattr(fm, "FUSE_SILU", True)
+        monkeypatch.setattr(fm, "FUSE_SILU_TOKENS", 1 << 62)
         fused = fm.fused_moe(x, w13, w2, weights, ids, **scales)
-        monkeypatch.setattr(fm, "FUSE_SILU", False)
+        monkeypatch.setattr(fm, "FUSE_SILU_TOKENS", 0)
         apart = fm.fused_moe(x, w13, w2, weights, ids, **scales)
         if dtype == torch.float32:  # the same sums; the tile's width may reorder a dot's
             torch.testing.assert_close(fused, apart, rtol=1e-6, atol=1e-6 * apart.abs().max())
