@@ -207,12 +207,17 @@ def unpreempted(wide):
 @pytest.mark.parametrize("fixture, mode", [("tight_service", "recompute"),
                                            ("swap_service", "swap")])
 def test_preempted_constrained_requests_stay_valid(request, unpreempted, fixture, mode):
+    """The 8 constrained prompts at once on 10 KV blocks give their unpreempted tokens (the
+    matcher carries on where it was), round after round until one has preempted (whether one
+    does depends on how the concurrent requests happen to arrive, as in test_generation)."""
     svc = request.getfixturevalue(fixture)
     key = f'pagedserve_num_preemptions_total{{mode="{mode}"}}'
     before = svc.metrics().get(key, 0.0)
-    got = run_all(svc, PREEMPTED)
-    assert svc.metrics()[key] > before
-    assert [ids for _, ids, _ in got] == unpreempted  # the matcher carried on where it was
+    for _ in range(3):
+        assert [ids for _, ids, _ in run_all(svc, PREEMPTED)] == unpreempted
+        if svc.wait_idle().get(key, 0.0) > before:
+            return
+    raise AssertionError(f"no {mode} preemption in 3 rounds of 8 concurrent prompts")
 
 
 # ----------------------------------------------------------------- HTTP (OpenAI's SDK)
