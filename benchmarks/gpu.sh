@@ -104,6 +104,8 @@
 #   decodetests  moe_decode's GPU tests (moedecode's decode_gemvs, without its bench)
 #   gemv      kernels/gemv.py's GPU tests, then bench_gemv.py (it against cuBLAS at 1, 2, 4
 #             rows of Qwen3-30B-A3B's and Llama-3.1-8B's projections, cold weights); ~1 min
+#   gemvsweep kernels/gemv.py's tiles at one row on the shapes it serves (bench_gemv.py
+#             --sweep: Qwen3-30B-A3B's q/k/v, o_proj, router), cold weights; ~3 min
 #   moelatenv Qwen3-30B-A3B single stream once per MOELAT_ENVS entry, each a comma-separated
 #             list of VAR=value (default: PAGEDSERVE_MOE_DECODE_TOKENS=0 and =4)
 #   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX) beside HF generate
@@ -505,6 +507,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         | tee -a $B/bench_moe.log | quiet 40
       moelatenv ;;
     moelatenv) moelatenv ;;
+    gemvsweep) python3 benchmarks/kernels/bench_gemv.py --sweep 2>&1 \
+        | tee -a $B/bench_gemv.log | quiet 8 ;;
     gemv) python3 -m pytest -q -rs tests/kernels/test_gemv.py 2>&1 | tee $B/pytest_gemv.log \
         | tail -4
       python3 benchmarks/kernels/bench_gemv.py 2>&1 | tee -a $B/bench_gemv.log | quiet 40 ;;

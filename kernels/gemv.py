@@ -47,9 +47,10 @@ def tiles(n: int, k: int) -> tuple[int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         block: tuple[int, int] | None = None) -> torch.Tensor:
+         block: tuple[int, int] | None = None, num_warps: int = 4) -> torch.Tensor:
     """F.linear(x, weight, bias) for a few rows of x [M, K] (weight [N, K], x's dtype); float32
-    sums of exact products, rounded once."""
+    sums of exact products, rounded once. block (BLOCK_N, BLOCK_K) and num_warps: tiles()'s
+    and 4 unless given (bench_gemv.py --sweep times others)."""
     check_tensor("x", x, 2, FLOAT_DTYPES)
     check_tensor("weight", weight, 2, (x.dtype,), x.device)
     m, k = x.shape
@@ -69,5 +70,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(m, triton.cdiv(n, block_n))](
         x, weight, bias if bias is not None else x, out, x.stride(0), weight.stride(0),
         out.stride(0), N=n, K=k, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4)
+        num_warps=num_warps)
     return out
