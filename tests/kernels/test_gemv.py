@@ -29,8 +29,10 @@ def test_gemv_equals_linear(m, n, k, bias, device):
     x, w, b = operands(m, n, k, torch.float32, device, bias)
     want = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
     torch.testing.assert_close(gv.gemv(x, w, b), want, rtol=1e-5, atol=1e-5)
-    # several K steps and N blocks of small tiles
+    # several K steps and N blocks of small tiles, and another warp count (bench_gemv --sweep)
     torch.testing.assert_close(gv.gemv(x, w, b, block=(8, 16)), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gv.gemv(x, w, b, block=(2, 32), num_warps=8), want, rtol=1e-5,
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
