@@ -86,7 +86,7 @@
 #   defaultsw3  W3 at rate=inf, 1,000 requests, 8B, default flags, then at 0.8 of the request
 #             rate it completed (the sustainable rate's 80 %); ~5 min
 #   w3share   defaultsw3 once per --long-prefill-decode-share in W3_SHARES (default 0 0.3): what
-#             the decoders' share costs W3's throughput and TTFT (~5 min each)
+#             the decoders' share costs W3's throughput and TTFT (~5 min each: one a call)
 #   families  the model families' GPU tests: every family's bf16 logits against HF, graphed MoE
 #             decode (FAMILY_KERNELS: kernel test files to add, e.g. tests/kernels)
 #   moekernel the fused-MoE kernel at decode and prefill shapes of Qwen3-30B-A3B and Mixtral

@@ -56,12 +56,23 @@ CONFIG_FILE = Path(__file__).with_name("moe_configs.json")
 # Triton's CPU interpreter (3.9) multiplies bf16 tiles as their raw 16-bit patterns in tl.dot
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # PAGEDSERVE_MOE_FUSE_SILU: GEMM 1 applies silu_and_mul in its epilogue (GATED) on passes of at
-# most FUSE_SILU_TOKENS tokens: "auto" (the default) up to 64, the decode sizes where it was
-# timed; "1" every size, "0" never. PAGEDSERVE_MOE_FUSE_ROUTE (default "1"): routed_moe routes
+# most FUSE_SILU_TOKENS tokens: "auto" (the default) up to 64, decode sizes (timed at one
+# token); "1" every size, "0" never. PAGEDSERVE_MOE_FUSE_ROUTE (default "1"): routed_moe routes
 # and aligns up to ROUTE_ALIGN_TOKENS tokens in one program (_route_align_kernel). Both on, on
 # an H100 (3a391ed, Qwen3-30B-A3B single stream, three pairs alternated): 240 / 240 / 241 out
 # tok/s against 234 / 234 / 234 without (docs/performance.md); their GPU tests pass there.
-FUSE_SILU_TOKENS = {"0": 0, "1": 1 << 62}.get(os.environ.get("PAGEDSERVE_MOE_FUSE_SILU"), 64)
+SILU_AUTO_TOKENS = 64
+
+
+def silu_tokens(value: str | None) -> int:
+    """PAGEDSERVE_MOE_FUSE_SILU's value as the most tokens a pass fuses SiLU for."""
+    tokens = {None: SILU_AUTO_TOKENS, "auto": SILU_AUTO_TOKENS, "0": 0, "1": 1 << 62}
+    if value not in tokens:
+        raise ValueError(f"PAGEDSERVE_MOE_FUSE_SILU={value!r}: auto, 0 or 1")
+    return tokens[value]
+
+
+FUSE_SILU_TOKENS = silu_tokens(os.environ.get("PAGEDSERVE_MOE_FUSE_SILU"))
 FUSE_ROUTE = os.environ.get("PAGEDSERVE_MOE_FUSE_ROUTE", "1") == "1"
 ROUTE_ALIGN_TOKENS = 64  # tokens one program routes ([tokens, experts] in registers)
 # PAGEDSERVE_MOE_DECODE_TOKENS=N: routed_moe runs up to N tokens as moe_decode's two GEMV

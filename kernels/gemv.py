@@ -7,7 +7,8 @@ of N) walks all of K in one unrolled pass (K is a compile-time width, one varian
 projection), so each program's loads are in flight together and no reduce follows. Rows
 past one re-read the weight tile (from L2), so it serves a few rows only: the executor's
 Linear (executor_svc/layers.py) takes it on CUDA for at most PAGEDSERVE_DENSE_GEMV_ROWS rows
-(0, off, by default until a GPU times it: gpu.sh gemv). The torch path is F.linear itself.
+(1 by default since de6b1b5, weights of at most 24 MiB: timed on an H100, gpu.sh gemv; its
+tiles: bench_gemv.py --sweep). The torch path is F.linear itself.
 """
 
 from __future__ import annotations

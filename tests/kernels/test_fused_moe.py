@@ -266,6 +266,25 @@ def test_triton_fp8_weights(dtype, device):
         check_close(got, ref.fused_moe(x, dq13, dq2, weights, ids), dtype)
 
 
+def test_silu_fuses_up_to_its_token_count_and_the_switch_is_checked(monkeypatch, device):
+    """auto: GATED GEMM 1 up to 64 tokens a pass, the separate silu_and_mul launch from 65;
+    PAGEDSERVE_MOE_FUSE_SILU takes auto, 0 or 1 and refuses anything else."""
+    assert [fm.silu_tokens(v) for v in (None, "auto", "0")] == [64, 64, 0]
+    assert fm.silu_tokens("1") > 16 * 1024
+    for bad in ("true", "128", ""):
+        with pytest.raises(ValueError, match="auto, 0 or 1"):
+            fm.silu_tokens(bad)
+    monkeypatch.setattr(fm, "FUSE_SILU_TOKENS", fm.silu_tokens("auto"))
+    apart, separate = [], fm.silu_and_mul
+    monkeypatch.setattr(fm, "silu_and_mul",
+                        lambda c, out: (apart.append(len(c)), separate(c, out=out))[1])
+    w13, w2 = experts(4, device=device)
+    for t in (64, 65):
+        x, weights, ids = batch(t, 4, 2, device=device)
+        fm.fused_moe(x, w13, w2, weights, ids)
+    assert apart == [65 * 2]  # the 65-token pass's (token, slot) pairs, not the 64's
+
+
 @pytest.mark.parametrize("case", ["fp32", "bf16", "fp8"])
 def test_silu_in_the_first_gemms_epilogue_equals_the_separate_launch(case, monkeypatch, device):
     """GATED GEMM 1 (PAGEDSERVE_MOE_FUSE_SILU) against GEMM 1 then silu_and_mul: decode and
