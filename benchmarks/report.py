@@ -240,7 +240,7 @@ def throughput_section(records: list[dict]) -> list[str]:
     rows = [[r["workload"], r["model"], machine(r), settings(r), num(r["output_tok_s"]),
              num(r.get("bound_output_tok_s")),
              f"{num(r.get('roofline_fraction'), '.2f')}"
-             + (f" ({TARGETS[r['workload'], r['model']]})" if settings(r) == "defaults"
+             + (f" ({TARGETS[r['workload'], r['model']]})" if _at_defaults(r)
                 and (r["workload"], r["model"]) in TARGETS else ""),
              step_short(r), r["commit"], when(r)]
             for r in sorted(newest(ours, lambda r: (r["workload"], r["model"], machine(r),
@@ -810,7 +810,8 @@ def plots(throughput: list[dict], serve: list[dict], out: Path) -> None:
             ax.set_ylabel(label)
         _save(fig, out / name)
     w3 = [r for r in serve if r.get("gpu") and r["workload"] == "W3"
-          and r["model"] == "llama3.1-8b" and not r["server_flags"]]
+          and r["model"] == "llama3.1-8b" and r["server_flags"] in ("", AUTO_API_SERVERS)
+          and r.get("ab") != "baseline"]  # the default flags, as the targets table reads them
     fig, (top, low) = plt.subplots(2, 1, figsize=(8, 6))
     _history(top, {f"rate=inf, {n} requests": [r for r in w3 if r["rate"] == "inf"
                                                 and r["num_requests"] == n]
