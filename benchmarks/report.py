@@ -149,10 +149,17 @@ def step_short(r: dict) -> str:
     return out
 
 
-def _at_defaults(r: dict) -> bool:
-    """A run with the flags a user gets: serve's own step bounds, nothing else asked (the API
-    processes named as auto makes them on the goals' host; an A/B run's after side)."""
-    return bool(r.get("gpu")) and settings(r) in ("defaults", AUTO_API_SERVERS) \
+def _at_defaults(r: dict, asked: str = "") -> bool:
+    """A run with the flags a user gets: serve's own step bounds, nothing else asked beyond
+    `asked` (settings' words; the API processes named as auto makes them on the goals' host;
+    an A/B run's after side)."""
+    allowed = (asked, f"{asked}, {AUTO_API_SERVERS}") if asked else ("defaults", AUTO_API_SERVERS)
+    return bool(r.get("gpu")) and settings(r) in allowed and r.get("ab") != "baseline"
+
+
+def _serve_at_defaults(r: dict) -> bool:
+    """A serving run (benchmarks.serve) at the flags a user gets, as _at_defaults reads them."""
+    return bool(r.get("gpu")) and (r.get("server_flags") or "") in ("", AUTO_API_SERVERS) \
         and r.get("ab") != "baseline"
 
 
@@ -171,17 +178,14 @@ def defaults_section(throughput: list[dict], serve: list[dict]) -> list[str]:
                      r and r["commit"], got is not None and got >= target, step_split(r)])
     one = next((r for r in reversed(throughput) if r["model"] == "qwen3-30b-a3b"
                 and r["workload"] == "2x128->512" and r["engine"] == "pagedserve"
-                and settings(r) in ("1 seqs x 0 tokens", f"1 seqs x 0 tokens, {AUTO_API_SERVERS}")
-                and r.get("ab") != "baseline"), None)
+                and _at_defaults(r, "1 seqs x 0 tokens")), None)
     got = one and one.get("roofline_fraction")
     rows.append(["qwen3-30b-a3b single stream (1 running, 128 -> 512): fraction of the bound",
                  f">= {MOE_SINGLE_STREAM_TARGET}",
                  f"{num(got, '.2f')} ({num(one and one['output_tok_s'])} out tok/s)",
                  one and one["commit"], got is not None and got >= MOE_SINGLE_STREAM_TARGET,
                  step_split(one)])
-    gpu = [r for r in serve if r.get("gpu") and r["model"] == "llama3.1-8b"
-           and (r.get("server_flags") or "") in ("", AUTO_API_SERVERS)
-           and r.get("ab") != "baseline"]
+    gpu = [r for r in serve if r["model"] == "llama3.1-8b" and _serve_at_defaults(r)]
     w3 = [r for r in gpu if r["workload"] == "W3" and r["num_requests"] == 1000
           and "max_num_seqs" in r]  # runs that record the step bounds used ran at defaults
     inf = next((r for r in reversed(w3) if r["rate"] == "inf"), None)
@@ -809,9 +813,8 @@ def plots(throughput: list[dict], serve: list[dict], out: Path) -> None:
             ax.set_title(f"{model}: {PLOTS[name]}", fontsize=9)
             ax.set_ylabel(label)
         _save(fig, out / name)
-    w3 = [r for r in serve if r.get("gpu") and r["workload"] == "W3"
-          and r["model"] == "llama3.1-8b" and r["server_flags"] in ("", AUTO_API_SERVERS)
-          and r.get("ab") != "baseline"]  # the default flags, as the targets table reads them
+    w3 = [r for r in serve if r["workload"] == "W3" and r["model"] == "llama3.1-8b"
+          and _serve_at_defaults(r)]
     fig, (top, low) = plt.subplots(2, 1, figsize=(8, 6))
     _history(top, {f"rate=inf, {n} requests": [r for r in w3 if r["rate"] == "inf"
                                                 and r["num_requests"] == n]

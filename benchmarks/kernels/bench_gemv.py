@@ -54,6 +54,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks.common import write_records  # noqa: E402
+from pagedserve.executor.layers import GEMV_MAX_BYTES  # noqa: E402
 from pagedserve.kernels.gemv import gemv, tiles  # noqa: E402
 
 DEV = torch.device("cpu" if ARGS.smoke else "cuda")
@@ -82,9 +83,9 @@ def sweep_main() -> None:
     torch.manual_seed(0)
     records = []
     for name, (n, k) in (SMOKE_SHAPES if ARGS.smoke else SHAPES).items():
-        if not ARGS.smoke and n * k * 2 > 24 * 2**20:
-            continue  # past the executor's cap (PAGEDSERVE_DENSE_GEMV_MAX_MIB): cuBLAS's
         nbytes = n * k * torch.finfo(DT).bits // 8
+        if not ARGS.smoke and nbytes > GEMV_MAX_BYTES:
+            continue  # past the executor's cap (PAGEDSERVE_DENSE_GEMV_MAX_MIB): cuBLAS's
         ws = [torch.randn(n, k, device=DEV, dtype=DT) * k**-0.5
               for _ in range(copies_for(nbytes))]
         for m in ARGS.rows:
