@@ -16,6 +16,10 @@
 #   hopperprefill  the Hopper paged prefill kernel (kernels/paged_prefill_hopper.py): its GPU
 #             tests, then (if they pass) the prefill section (as served, each long-row kernel
 #             forced, cuDNN), then 1 x 128k at 2,048-token chunks as served (LONG_PROMPTS); ~4 min
+#   hopperfp8 the Hopper prefill kernel's GPU tests (its FP8-cache cases among them), then (if
+#             they pass) prefill over an FP8 cache at 1 x 8k, 4 x 4k, 1 x 32k and a 2,048-token
+#             chunk at 128k: as served, each long-row kernel forced, bf16 beside (bench_kernels
+#             section prefill_fp8); ~3 min
 #   fp8kv     the FP8 KV-cache kernel tests on the GPU, then decode attention at batch 64 x 8k
 #             (8B shapes) over an FP8 cache beside bf16 (benchmarks/kernels/bench_fp8_kv.py)
 #   overhead  host cost per step with a stub model: step_overhead at 16, 64, 256 running
@@ -349,6 +353,14 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
           --server-flag=--long-prefill-token-threshold --server-flag=2048 \
           2>&1 | tee -a $B/long_context.log | quiet 10
         save
+      fi ;;
+    hopperfp8)
+      python3 -m pytest -q -rs tests/kernels/test_paged_prefill_hopper.py 2>&1 \
+        | tee $B/pytest_hopper_fp8.log | tail -12
+      if grep -q " passed" $B/pytest_hopper_fp8.log \
+          && ! grep -qE " failed| error" $B/pytest_hopper_fp8.log; then
+        python3 benchmarks/kernels/bench_kernels.py --out $B/records --sections prefill_fp8 \
+          2>&1 | tee -a $B/kernels.log | grep -v "^{"
       fi ;;
     fp8kvsweep) python3 benchmarks/kernels/bench_fp8_kv.py --sweep 2>&1 \
       | tee -a $B/fp8kv.log | grep -v "^wrote" ;;

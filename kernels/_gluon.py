@@ -19,6 +19,9 @@ try:
     # TMA global-to-shared copy: async_copy_global_to_shared in Triton 3.6, async_load (same
     # arguments) from 3.7, where the old name raises
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # a barrier of the warps that run it (inside a warp_specialize partition, its warps):
+    # thread_barrier in Triton 3.6, barrier from 3.7
+    thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 except ImportError:  # pragma: no cover - older Triton
-    gluon = gl = fence_async_shared = mbarrier = tma = None
+    gluon = gl = fence_async_shared = mbarrier = tma = thread_barrier = None
     warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = tma_load = None

@@ -482,7 +482,8 @@ def paged_attention(
         # TMA + wgmma on sm_90 where it is the faster (from hopper.MIN_KEYS keys)
         _hopper_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out,
                      min_q_len=short_q + 1, max_seq_len=max_seq_len, num_splits=num_long_splits,
-                     sliding_window=int(sliding_window), logits_soft_cap=float(logits_soft_cap))
+                     sliding_window=int(sliding_window), logits_soft_cap=float(logits_soft_cap),
+                     k_scale=k_scale, v_scale=v_scale)
         return out
     cfg = long_config(max_query_len, group, q.dtype, q.shape[2], hopper=_is_hopper(q.device),
                       fp8_cache=k_cache.dtype == FP8_KV_DTYPE)
@@ -503,7 +504,8 @@ def paged_attention(
 
 def _hopper_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float,
                  out: torch.Tensor, *, min_q_len: int, max_seq_len: int | None,
-                 num_splits: int | None, sliding_window: int, logits_soft_cap: float) -> None:
+                 num_splits: int | None, sliding_window: int, logits_soft_cap: float,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """The long rows on the Hopper kernel, its keys split (and merged here) when its
     programs alone would leave the last wave of SMs mostly idle (hopper.num_splits)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -521,7 +523,8 @@ def _hopper_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scal
     if num_splits < 1:
         raise ValueError(f"num_long_splits must be >= 1, got {num_splits}")
     opts = {"min_q_len": min_q_len, "sliding_window": sliding_window,
-            "logits_soft_cap": logits_soft_cap, "num_splits": num_splits}
+            "logits_soft_cap": logits_soft_cap, "num_splits": num_splits, "k_scale": k_scale,
+            "v_scale": v_scale}
     args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
     if num_splits == 1:
         hopper.launch_long(*args, **opts)

@@ -24,10 +24,12 @@ q_len above the short rows' block) done the way FlashAttention-3 does it on an H
   the GROUP query heads of one KV head, so each K/V tile is read once per group.
 
 Covers bf16 and fp16, head sizes 64, 128 and 256 (others: the portable kernel), sliding
-windows and logit soft-capping. An FP8 cache and float32 stay on the portable kernel
-(`available`). A launch whose programs are too few to fill the GPU (a chunk deep in a long
-prompt) splits each block's keys over program_id(2) (`num_splits`); each split writes its
-(max, sum, O) partials for paged_attention to merge.
+windows, logit soft-capping and an FP8 (e4m3) cache: its 1-byte tiles travel by TMA and the
+warpgroups that multiply widen each to fp16 in shared memory before its product (q and P in
+fp16 too, as the portable kernel's WIDEN_F16); the scales go to S's scale and O. float32
+stays on the portable kernel (`available`). A launch whose programs are too few to fill the
+GPU (a chunk deep in a long prompt) splits each block's keys over program_id(2)
+(`num_splits`); each split writes its (max, sum, O) partials for paged_attention to merge.
 
 The default on sm_90 for launches over at least MIN_KEYS keys (`chosen`; on an H100 2026-12-06:
 0.81-0.90 of cuDNN SDPA on contiguous K/V from 4k to 128k keys, the 128k-token prompt's TTFT
@@ -47,12 +49,14 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from pagedserve.kernels._checks import FP8_KV_DTYPE
 from pagedserve.kernels._gluon import (
     TensorDescriptor,
     fence_async_shared,
     gl,
     gluon,
     mbarrier,
+    thread_barrier,
     tma_load,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -116,11 +120,12 @@ def _sm90(device: torch.device) -> bool:
 
 def available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether this kernel can run these long rows: Gluon, an sm_90 GPU, bf16/fp16 q and a
-    cache of q's dtype (not FP8), head_dim 64/128/256, a contiguous cache whose block size
+    cache of q's dtype or FP8 (e4m3), head_dim 64/128/256, a contiguous cache whose block size
     divides the tile or is a multiple of it, and at most BLOCK_M query heads a KV head."""
     if gluon is None or not q.is_cuda or not _sm90(q.device):
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
+    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype not in (q.dtype,
+                                                                                FP8_KV_DTYPE):
         return False
     _, block_size, hkv, d = k_cache.shape
     cfg = config_for(d)
@@ -200,12 +205,12 @@ if gluon is not None:
     def _load_partition(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, bt_row,
                         t_lo, t_hi, kv_end, kv_col, past_end, BLOCK_SIZE: gl.constexpr,
                         TILE_N: gl.constexpr, BOX: gl.constexpr, HEAD_DIM: gl.constexpr,
-                        NUM_STAGES: gl.constexpr):
+                        NUM_STAGES: gl.constexpr, KV_BYTES: gl.constexpr):
         """One warp: for each tile, wait for its slot to be released, then one TMA box per
         page of K and of V. Boxes past kv_end load from row past_end (zeros), so each tile's
         barrier expects a constant byte count. The next tile's block ids load ahead."""
         PAGES: gl.constexpr = TILE_N // BOX
-        nbytes: gl.constexpr = TILE_N * HEAD_DIM * 2  # 16-bit K (V), every box counted
+        nbytes: gl.constexpr = TILE_N * HEAD_DIM * KV_BYTES  # K (V), every box counted
         pages = gl.arange(0, PAGES, layout=gl.BlockedLayout([PAGES], [32], [1], [0]))
         ids = _tile_blocks(bt_row, t_lo, kv_end, BLOCK_SIZE, TILE_N, BOX)
         for j in range(t_lo, t_hi):
@@ -239,6 +244,20 @@ if gluon is not None:
         fence_async_shared()  # before wgmma (the async proxy) reads it
 
     @gluon.jit
+    def _widen(src, dst, tile, kv_end, TILE_N: gl.constexpr, MASK: gl.constexpr,
+               num_warps: gl.constexpr):
+        """An FP8 (e4m3) K or V tile in shared memory widened to fp16 into dst, the operand
+        wgmma reads (as the portable kernel's WIDEN_F16: e4m3 -> fp16 is exact); with MASK
+        the rows at keys >= kv_end are zeroed (the tail of a last page may hold NaN)."""
+        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        x = src.load(blocked).to(gl.float16)
+        if MASK:
+            keys = tile * TILE_N + gl.arange(0, TILE_N, layout=gl.SliceLayout(1, blocked))
+            x = gl.where(gl.expand_dims(keys < kv_end, 1), x, gl.zeros_like(x))
+        dst.store(x)
+        fence_async_shared()  # before wgmma (the async proxy) reads it
+
+    @gluon.jit
     def _scores(s, tile, q_pos, kv_end, qk_scale, window, soft_cap, s_layout: gl.constexpr,
                 TILE_N: gl.constexpr, MASK: gl.constexpr, HAS_WINDOW: gl.constexpr,
                 SOFT_CAP: gl.constexpr):
@@ -269,24 +288,40 @@ if gluon is not None:
         return m_new, p, l_i, alpha
 
     @gluon.jit
-    def _step(j, t_lo, p_prev, acc, m_i, l_i, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty,
-              q_pos, kv_end, qk_scale, window, soft_cap, s_layout: gl.constexpr,
-              o_layout: gl.constexpr, p_layout: gl.constexpr, BLOCK_M: gl.constexpr,
-              TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              MASK: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFT_CAP: gl.constexpr,
-              num_warps: gl.constexpr):
+    def _step(j, t_lo, p_prev, acc, m_i, l_i, q_smem, k_bufs, v_bufs, k_wide, v_wide, k_ready,
+              v_ready, empty, q_pos, kv_end, qk_scale, window, soft_cap,
+              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+              BLOCK_M: gl.constexpr, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              NUM_STAGES: gl.constexpr, MASK: gl.constexpr, HAS_WINDOW: gl.constexpr,
+              SOFT_CAP: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr):
         """Tile j (> t_lo): its S issued, then tile j - 1's P V; tile j's softmax while P V
-        runs; tile j - 1's slot released to the load warp; O rescaled."""
+        runs; tile j - 1's slot released to the load warp; O rescaled. FP8: each tile widened
+        to k_wide / v_wide just before its product (tile j - 1 is never the last, so its V
+        needs no mask)."""
         i = j - t_lo
         slot = i % NUM_STAGES
         phase = (i // NUM_STAGES) & 1
         prev = (i - 1) % NUM_STAGES
         mbarrier.wait(k_ready.index(slot), phase)
-        s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)),
+        if FP8:
+            # both warpgroups' S of the tile before (read from k_wide) have been waited for
+            thread_barrier()
+            _widen(k_bufs.index(slot), k_wide, j, kv_end, TILE_N, False, num_warps)
+            thread_barrier()
+            k_op = k_wide
+        else:
+            k_op = k_bufs.index(slot)
+        s = warpgroup_mma(q_smem, k_op.permute((1, 0)),
                           gl.zeros([BLOCK_M, TILE_N], gl.float32, s_layout), use_acc=False,
                           is_async=True)
         mbarrier.wait(v_ready.index(prev), ((i - 1) // NUM_STAGES) & 1)
-        acc = warpgroup_mma(p_prev, v_bufs.index(prev), acc, is_async=True)
+        if FP8:
+            _widen(v_bufs.index(prev), v_wide, j - 1, kv_end, TILE_N, False, num_warps)
+            thread_barrier()
+            v_op = v_wide
+        else:
+            v_op = v_bufs.index(prev)
+        acc = warpgroup_mma(p_prev, v_op, acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
         s = _scores(s, j, q_pos, kv_end, qk_scale, window, soft_cap, s_layout, TILE_N, MASK,
                     HAS_WINDOW, SOFT_CAP)
@@ -295,7 +330,7 @@ if gluon is not None:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index(prev), count=1)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        if MASK:  # noqa: SIM102 (a constexpr, then a runtime test)
+        if MASK and not FP8:  # noqa: SIM102 (constexprs, then a runtime test)
             # a tile reaching past the keys: clean its V before its P V (next step)
             if (j + 1) * TILE_N > kv_end:
                 mbarrier.wait(v_ready.index(slot), phase)
@@ -303,22 +338,28 @@ if gluon is not None:
         return p, acc, m_i, l_i
 
     @gluon.jit
-    def _compute_partition(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_pos, t_lo, t_hi,
-                           t_win, t_full, kv_end, qk_scale, window, soft_cap,
+    def _compute_partition(q_smem, k_bufs, v_bufs, k_wide, v_wide, k_ready, v_ready, empty,
+                           q_pos, t_lo, t_hi, t_win, t_full, kv_end, qk_scale, window, soft_cap,
                            s_layout: gl.constexpr, o_layout: gl.constexpr,
                            p_layout: gl.constexpr, BLOCK_M: gl.constexpr,
                            TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                            NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr,
-                           SOFT_CAP: gl.constexpr, num_warps: gl.constexpr):
+                           SOFT_CAP: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr):
         """The two warpgroups that multiply: O (unnormalised), the row maxima (log2 domain)
-        and the row sums."""
+        and the row sums. FP8: K and V tiles are widened to fp16 (k_wide, v_wide) first."""
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
         # the first tile, masked (it may hold the window's edge, the causal edge or both)
         mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)),
+        if FP8:
+            _widen(k_bufs.index(0), k_wide, t_lo, kv_end, TILE_N, False, num_warps)
+            thread_barrier()
+            k_op = k_wide
+        else:
+            k_op = k_bufs.index(0)
+        s = warpgroup_mma(q_smem, k_op.permute((1, 0)),
                           gl.zeros([BLOCK_M, TILE_N], gl.float32, s_layout), use_acc=False,
                           is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
@@ -326,33 +367,45 @@ if gluon is not None:
                     True, HAS_WINDOW, SOFT_CAP)
         m_i, p, l_i, alpha = _softmax(s, m_i, l_i)
         p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        if (t_lo + 1) * TILE_N > kv_end:
-            mbarrier.wait(v_ready.index(0), 0)
-            _zero_rows_past(v_bufs.index(0), t_lo, kv_end, TILE_N, HEAD_DIM, num_warps)
+        if not FP8:  # noqa: SIM102 (a constexpr; FP8 masks the V tiles as they widen)
+            if (t_lo + 1) * TILE_N > kv_end:
+                mbarrier.wait(v_ready.index(0), 0)
+                _zero_rows_past(v_bufs.index(0), t_lo, kv_end, TILE_N, HEAD_DIM, num_warps)
 
         # the rest: the window's edge masked, then unmasked tiles, then the causal tail
         t_mid = gl.maximum(t_lo + 1, t_win)
         t_tail = gl.maximum(t_mid, t_full)
         for j in range(t_lo + 1, gl.minimum(t_mid, t_hi)):
             p, acc, m_i, l_i = _step(
-                j, t_lo, p, acc, m_i, l_i, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty,
-                q_pos, kv_end, qk_scale, window, soft_cap, s_layout, o_layout, p_layout,
-                BLOCK_M, TILE_N, HEAD_DIM, NUM_STAGES, True, HAS_WINDOW, SOFT_CAP, num_warps)
+                j, t_lo, p, acc, m_i, l_i, q_smem, k_bufs, v_bufs, k_wide, v_wide, k_ready,
+                v_ready, empty, q_pos, kv_end, qk_scale, window, soft_cap, s_layout, o_layout,
+                p_layout, BLOCK_M, TILE_N, HEAD_DIM, NUM_STAGES, True, HAS_WINDOW, SOFT_CAP, FP8,
+                num_warps)
         for j in range(t_mid, gl.minimum(t_tail, t_hi)):
             p, acc, m_i, l_i = _step(
-                j, t_lo, p, acc, m_i, l_i, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty,
-                q_pos, kv_end, qk_scale, window, soft_cap, s_layout, o_layout, p_layout,
-                BLOCK_M, TILE_N, HEAD_DIM, NUM_STAGES, False, HAS_WINDOW, SOFT_CAP, num_warps)
+                j, t_lo, p, acc, m_i, l_i, q_smem, k_bufs, v_bufs, k_wide, v_wide, k_ready,
+                v_ready, empty, q_pos, kv_end, qk_scale, window, soft_cap, s_layout, o_layout,
+                p_layout, BLOCK_M, TILE_N, HEAD_DIM, NUM_STAGES, False, HAS_WINDOW, SOFT_CAP, FP8,
+                num_warps)
         for j in range(t_tail, t_hi):
             p, acc, m_i, l_i = _step(
-                j, t_lo, p, acc, m_i, l_i, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty,
-                q_pos, kv_end, qk_scale, window, soft_cap, s_layout, o_layout, p_layout,
-                BLOCK_M, TILE_N, HEAD_DIM, NUM_STAGES, True, HAS_WINDOW, SOFT_CAP, num_warps)
+                j, t_lo, p, acc, m_i, l_i, q_smem, k_bufs, v_bufs, k_wide, v_wide, k_ready,
+                v_ready, empty, q_pos, kv_end, qk_scale, window, soft_cap, s_layout, o_layout,
+                p_layout, BLOCK_M, TILE_N, HEAD_DIM, NUM_STAGES, True, HAS_WINDOW, SOFT_CAP, FP8,
+                num_warps)
 
         # the last tile's P V
         i_last = t_hi - 1 - t_lo
         mbarrier.wait(v_ready.index(i_last % NUM_STAGES), (i_last // NUM_STAGES) & 1)
-        acc = warpgroup_mma(p, v_bufs.index(i_last % NUM_STAGES), acc, is_async=True)
+        if FP8:
+            thread_barrier()  # the P V before (from v_wide) waited for by both warpgroups
+            _widen(v_bufs.index(i_last % NUM_STAGES), v_wide, t_hi - 1, kv_end, TILE_N, True,
+                   num_warps)
+            thread_barrier()
+            v_op = v_wide
+        else:
+            v_op = v_bufs.index(i_last % NUM_STAGES)
+        acc = warpgroup_mma(p, v_op, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         return acc, m_i, l_i
 
@@ -362,15 +415,18 @@ if gluon is not None:
     def _prefill_kernel(
         q_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, cu_q_ptr, out_ptr,
         part_m_ptr, part_l_ptr, part_acc_ptr, num_heads, num_splits,
-        qk_scale, num_seqs, min_q_len, window, soft_cap, past_end,
+        qk_scale, v_scale, num_seqs, min_q_len, window, soft_cap, past_end,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
         GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_M: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, HAS_WINDOW: gl.constexpr, SOFT_CAP: gl.constexpr,
-        SPLIT: gl.constexpr, num_warps: gl.constexpr,
+        SPLIT: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr,
     ):
         BOX: gl.constexpr = k_desc.block_type.shape[0]  # keys a TMA box holds
-        DTYPE: gl.constexpr = k_desc.dtype
+        KV_DTYPE: gl.constexpr = k_desc.dtype
+        # the products' operand type: q's, or fp16 over an FP8 cache (its tiles widen to it)
+        DTYPE: gl.constexpr = gl.float16 if FP8 else KV_DTYPE
+        KV_BYTES: gl.constexpr = 1 if FP8 else 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, TILE_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -419,13 +475,25 @@ if gluon is not None:
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_blocked))
         q = gl.load(q_ptr + gl.expand_dims(q_off, 1) + gl.expand_dims(cols, 0),
                     mask=gl.expand_dims(row_ok, 1), other=0.0)
+        if FP8:  # fp16 as the portable kernel's WIDEN_F16 (clamped to its range)
+            q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
         q_smem = gl.allocate_shared_memory(DTYPE, [BLOCK_M, HEAD_DIM],
                                            gl.NVMMASharedLayout.get_default_for(
                                                [BLOCK_M, HEAD_DIM], DTYPE), q)
         fence_async_shared()
 
-        k_bufs = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, TILE_N, HEAD_DIM], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(DTYPE, [NUM_STAGES, TILE_N, HEAD_DIM], v_desc.layout)
+        k_bufs = gl.allocate_shared_memory(KV_DTYPE, [NUM_STAGES, TILE_N, HEAD_DIM],
+                                           k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(KV_DTYPE, [NUM_STAGES, TILE_N, HEAD_DIM],
+                                           v_desc.layout)
+        if FP8:  # one widened K and V tile (each read by one product, then rewritten)
+            wide_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+                [TILE_N, HEAD_DIM], gl.float16)
+            k_wide = gl.allocate_shared_memory(gl.float16, [TILE_N, HEAD_DIM], wide_layout)
+            v_wide = gl.allocate_shared_memory(gl.float16, [TILE_N, HEAD_DIM], wide_layout)
+        else:  # unused
+            k_wide = k_bufs
+            v_wide = v_bufs
         k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -437,14 +505,17 @@ if gluon is not None:
         q_pos = first_pos + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout)) // GROUP
 
         acc, m_i, l_i = gl.warp_specialize([
-            (_compute_partition, (q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_pos, t_lo,
-                                  t_hi, t_win, t_full, kv_end, qk_scale, window, soft_cap,
-                                  s_layout, o_layout, p_layout, BLOCK_M, TILE_N, HEAD_DIM,
-                                  NUM_STAGES, HAS_WINDOW, SOFT_CAP, num_warps)),
+            (_compute_partition, (q_smem, k_bufs, v_bufs, k_wide, v_wide, k_ready, v_ready,
+                                  empty, q_pos, t_lo, t_hi, t_win, t_full, kv_end, qk_scale,
+                                  window, soft_cap, s_layout, o_layout, p_layout, BLOCK_M,
+                                  TILE_N, HEAD_DIM, NUM_STAGES, HAS_WINDOW, SOFT_CAP, FP8,
+                                  num_warps)),
             (_load_partition, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, bt_row,
                                t_lo, t_hi, kv_end, kvh * HEAD_DIM, past_end, BLOCK_SIZE,
-                               TILE_N, BOX, HEAD_DIM, NUM_STAGES)),
+                               TILE_N, BOX, HEAD_DIM, NUM_STAGES, KV_BYTES)),
         ], [1], [LOAD_REGS])
+        if FP8:
+            acc = acc * v_scale  # V read as stored x v_scale
         for st in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(k_ready.index(st))
             mbarrier.invalidate(v_ready.index(st))
@@ -465,7 +536,8 @@ if gluon is not None:
 
 
 def _layout(shape, dtype: torch.dtype):
-    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+           FP8_KV_DTYPE: gl.float8e4nv}[dtype]
     return gl.NVMMASharedLayout.get_default_for(shape, gdt)
 
 
@@ -473,9 +545,11 @@ def launch_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale
                 out: torch.Tensor, *, min_q_len: int, sliding_window: int = 0,
                 logits_soft_cap: float = 0.0, config: HopperConfig | None = None,
                 num_splits: int = 1,
-                partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """The long rows (q_len >= min_q_len) of paged_attention over checked arguments that
-    `available` accepted; the other rows of out are left alone. With num_splits > 1 each
+    `available` accepted; the other rows of out are left alone. An FP8 cache's keys and values
+    read as stored x k_scale and x v_scale (ignored for a 16-bit cache). With num_splits > 1 each
     block's keys are split that many ways and the splits' (max, sum, O) go to partials
     (float32 [tokens, heads, splits] twice and [tokens, heads, splits, head_dim], the
     portable kernel's layout) for the caller to merge; out is not written."""
@@ -485,7 +559,10 @@ def launch_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale
     group = num_heads // num_kv_heads
     block_q = cfg.block_m // group
     box = min(block_size, cfg.tile_n)
-    layout = _layout([box, head_dim], q.dtype)
+    fp8 = k_cache.dtype == FP8_KV_DTYPE
+    if not fp8:
+        k_scale = v_scale = 1.0
+    layout = _layout([box, head_dim], k_cache.dtype)
     descs = [TensorDescriptor(c.view(num_blocks * block_size, num_kv_heads * head_dim),
                               [num_blocks * block_size, num_kv_heads * head_dim],
                               [num_kv_heads * head_dim, 1], [box, head_dim], layout)
@@ -500,12 +577,13 @@ def launch_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale
     _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads, num_splits)](
         q, descs[0], descs[1], block_tables, seq_lens, cu_seqlens_q, out,
         part_m, part_l, part_acc, num_heads, num_splits,
-        scale * _LOG2E, num_seqs, min_q_len, int(sliding_window), float(logits_soft_cap),
+        scale * _LOG2E * k_scale, float(v_scale), num_seqs, min_q_len, int(sliding_window),
+        float(logits_soft_cap),
         num_blocks * block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, NUM_STAGES=cfg.num_stages,
-        HAS_WINDOW=sliding_window > 0, SOFT_CAP=logits_soft_cap > 0, SPLIT=split,
+        HAS_WINDOW=sliding_window > 0, SOFT_CAP=logits_soft_cap > 0, SPLIT=split, FP8=fp8,
         num_warps=cfg.num_warps, maxnreg=MAXNREG)
 
 

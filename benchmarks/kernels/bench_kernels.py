@@ -5,8 +5,8 @@
 1. runs tests/kernels (CUDA cases: bf16/fp16 at model sizes);
 2. re-measures the two ceilings (device copy TB/s, bf16 GEMM TFLOP/s);
 3. decode paged attention vs torch SDPA on contiguous K/V (Llama-3.1-8B: 32 q heads, 8 KV
-   heads, D=128, block 16), prefill vs SDPA causal, config sweeps (decode, and the long
-   prefill rows), fused ops vs torch;
+   heads, D=128, block 16), prefill vs SDPA causal, prefill over an FP8 cache (each long-row
+   kernel), config sweeps (decode, and the long prefill rows), fused ops vs torch;
 4. writes one JSON record per measurement to <out>/kernels_<date>.jsonl (BENCHMARKS.md).
 
 Timings are CUDA-graph replays (triton.testing.do_bench_cudagraph, median) so that host launch
@@ -296,6 +296,53 @@ def prefill() -> None:
 
 
 @section
+def prefill_fp8() -> None:
+    """Prefill over an FP8 (e4m3) cache: as served, and each long-row kernel forced (the
+    Hopper kernel widens its tiles to fp16 in shared memory, the portable one in registers),
+    beside the same shapes over the bf16 cache as served (prefill's records)."""
+    from pagedserve.kernels.reference import quantize_fp8
+
+    cases = [(1, 128, 128)] if ARGS.dry else [
+        (1, 8192, 8192), (4, 4096, 4096), (1, 32768, 32768), (1, 2048, 131072)]
+    scale = D**-0.5
+    for b, q_len, seq in cases:
+        k_cache, v_cache, cu, sl, sets = paged_case([q_len] * b, [seq] * b)
+        q, bt = sets[0]
+        caches = {"bfloat16": (k_cache, v_cache),
+                  "fp8": (quantize_fp8(k_cache, 0.5), quantize_fp8(v_cache, 0.5))}
+        del k_cache, v_cache
+        flops = 4 * b * H * D * q_len * (seq - q_len + (q_len + 1) / 2)
+        base = None
+        for cache, (kc, vc) in caches.items():
+            kernels = [None]
+            if cache == "fp8":
+                kernels += ["portable", "hopper"] if hopper.available(q, kc) else []
+            for kernel in kernels:
+                out = torch.empty_like(q)
+                env = {} if kernel is None else {hopper.ENV: kernel}
+                scales = {"k_scale": 0.5, "v_scale": 0.5} if cache == "fp8" else {}
+
+                def run(env=env, kc=kc, vc=vc, out=out, scales=scales, args=(q, bt, sl, cu),
+                        q_len=q_len, seq=seq):
+                    q_, bt_, sl_, cu_ = args
+                    with mock.patch.dict(os.environ, env):
+                        pa.paged_attention(q_, kc, vc, bt_, sl_, cu_, scale, max_query_len=q_len,
+                                           max_seq_len=seq, out=out, **scales)
+                run()
+                if base is None:
+                    base = out.float()  # bf16 as served: what FP8 storage moves it from
+                err = ((out.float() - base).norm() / base.norm()).item()
+                ms = bench(run)
+                impl = "pagedserve" + (f"_{kernel}" if kernel else "")
+                record(kind="prefill_fp8", impl=impl, batch=b, ctx=seq, q_len=q_len, ms=ms,
+                       tflops=flops / ms / 1e9, dtype=str(DT), kv_cache_dtype=cache,
+                       block_size=BS, rel_err_vs_bf16_cache=err)
+                ROWS.append(f"prefill {cache:8s} {impl:19s} B={b:<3d} L={q_len:<6d} "
+                            f"ctx={seq:<6d} {ms:8.4f} ms {flops / ms / 1e9:6.1f} TFLOP/s")
+        del caches
+
+
+@section
 def mixed_and_chunked() -> None:
     scale = D**-0.5
     cases = {
@@ -463,6 +510,7 @@ def main() -> None:
     ceilings()
     decode()
     prefill()
+    prefill_fp8()
     mixed_and_chunked()
     fused_ops()
     sweep()

@@ -4,7 +4,7 @@ variant. Triton lowers and ptxas assembles without a GPU (both ship in the Trito
 variant that would spill or overflow shared memory shows here before device time is spent.
 
     python benchmarks/kernels/sm90_build.py [--head-dim 128] [--block-size 16] [--group 4]
-        [--window] [--soft-cap] [--fp16]
+        [--window] [--soft-cap] [--fp16] [--fp8] [--split]
 
 Run it without TRITON_INTERPRET (under the interpreter, Gluon's jit functions do not build).
 """
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 def build_prefill(head_dim: int = 128, block_size: int = 16, group: int = 4,
                   window: bool = False, soft_cap: bool = False, fp16: bool = False,
-                  split: bool = False):
+                  split: bool = False, fp8: bool = False):
     """The compiled kernel (triton.compile's result) for these constexprs."""
     import torch
     import triton
@@ -39,21 +39,23 @@ def build_prefill(head_dim: int = 128, block_size: int = 16, group: int = 4,
     ptr = "*fp16" if fp16 else "*bf16"
     cfg = hopper.config_for(head_dim)
     box = min(block_size, cfg.tile_n)
-    cache = torch.empty(8 * block_size, 2 * head_dim, dtype=dtype)
+    cache_dtype = hopper.FP8_KV_DTYPE if fp8 else dtype  # (fp8: an FP8 KV cache)
+    cache = torch.empty(8 * block_size, 2 * head_dim, dtype=cache_dtype)
     desc = TensorDescriptor(cache, list(cache.shape), list(cache.stride()), [box, head_dim],
-                            hopper._layout([box, head_dim], dtype))
+                            hopper._layout([box, head_dim], cache_dtype))
     sig = {"q_ptr": ptr, "k_desc": mangle_type(desc), "v_desc": mangle_type(desc),
            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_q_ptr": "*i32",
            "out_ptr": ptr, "part_m_ptr": "*fp32" if split else ptr,
            "part_l_ptr": "*fp32" if split else ptr, "part_acc_ptr": "*fp32" if split else ptr,
-           "num_heads": "i32", "num_splits": "i32", "qk_scale": "fp32", "num_seqs": "i32",
+           "num_heads": "i32", "num_splits": "i32", "qk_scale": "fp32", "v_scale": "fp32",
+           "num_seqs": "i32",
            "min_q_len": "i32",
            "window": "i32", "soft_cap": "fp32", "past_end": "i32", "stride_qt": "i32",
            "stride_qh": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32"}
     consts = dict(GROUP=group, BLOCK_Q=cfg.block_m // group, BLOCK_M=cfg.block_m,
                   HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
                   NUM_STAGES=cfg.num_stages, HAS_WINDOW=window, SOFT_CAP=soft_cap,
-                  SPLIT=split, num_warps=cfg.num_warps)
+                  SPLIT=split, FP8=fp8, num_warps=cfg.num_warps)
     sig.update({n: "constexpr" for n in consts})
     attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values())
              if ty.startswith("*")}
@@ -89,9 +91,11 @@ def main() -> None:
     p.add_argument("--soft-cap", action="store_true")
     p.add_argument("--fp16", action="store_true")
     p.add_argument("--split", action="store_true", help="the key-split variant (partials out)")
+    p.add_argument("--fp8", action="store_true", help="over an FP8 (e4m3) KV cache")
     a = p.parse_args()
     variant = {"head_dim": a.head_dim, "block_size": a.block_size, "group": a.group,
-               "window": a.window, "soft_cap": a.soft_cap, "fp16": a.fp16, "split": a.split}
+               "window": a.window, "soft_cap": a.soft_cap, "fp16": a.fp16, "split": a.split,
+               "fp8": a.fp8}
     print(json.dumps({**variant, **ptxas_report(build_prefill(**variant))}))
 
 

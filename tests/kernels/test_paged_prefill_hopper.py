@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,22 +29,27 @@ needs_sm90 = pytest.mark.skipif(not SM90 or hopper.gluon is None,
 @pytest.mark.parametrize("args", [[], ["--head-dim", "64", "--block-size", "32", "--group", "1",
                                        "--window"],
                                   ["--head-dim", "256", "--block-size", "256", "--group", "2",
-                                   "--window", "--soft-cap", "--fp16", "--split"]],
-                         ids=["d128", "d64-window", "d256-window-cap-split"])
+                                   "--window", "--soft-cap", "--fp16", "--split"],
+                                  ["--fp8", "--split"]],
+                         ids=["d128", "d64-window", "d256-window-cap-split", "d128-fp8-split"])
 def test_builds_for_sm90_without_spills_within_shared_memory(args):
     """The kernel compiles to sm_90 machine code (outside the interpreter: a process of its
     own) at each head size, with the window and soft-cap variants and pages smaller and larger
     than a tile: Q plus the stages of K and V tiles within an SM's 227 KB of shared memory,
     the launch's 168 registers a thread (12 warps in 64K; the two warpgroups that multiply
     take 240 each from the load warp's), and no spills (at head 256 with a window and a soft
-    cap, 64-key tiles spilled: config_for takes 32)."""
+    cap, 64-key tiles spilled: config_for takes 32). Over an FP8 cache the stages hold 1-byte
+    tiles and one K and one V tile more, widened to fp16."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks/kernels/sm90_build.py"), *args],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     cfg = hopper.config_for(got["head_dim"])
-    tiles = 2 * cfg.num_stages * cfg.tile_n * got["head_dim"] * 2  # K and V, 2 bytes
+    tile = cfg.tile_n * got["head_dim"]
+    # K and V: the stages (2 bytes, FP8's 1), and FP8's widened pair (2 bytes)
+    tiles = 2 * cfg.num_stages * tile * 2 if not got["fp8"] else 2 * cfg.num_stages * tile \
+        + 2 * tile * 2
     assert tiles + cfg.block_m * got["head_dim"] * 2 <= got["shared_bytes"] <= 227 * 1024
     assert got["registers"] == hopper.MAXNREG, got
     assert got["spill_bytes"] == 0, got
@@ -98,7 +104,9 @@ def _check(batch, scale, opts=None, tol=1e-2, splits=1):
         pa.paged_attention(*batch.args(), scale, out=out, num_long_splits=splits, **opts)
     assert seen == [True], seen  # the short rows' launch only: the long rows went to Hopper
     b = batch
-    ref = reference.paged_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(),
+    fp8 = b.k_cache.dtype == pa.FP8_KV_DTYPE  # (the reference reads it with opts' scales)
+    ref = reference.paged_attention(b.q.float(), b.k_cache if fp8 else b.k_cache.float(),
+                                    b.v_cache if fp8 else b.v_cache.float(),
                                     b.block_tables, b.seq_lens, b.cu_seqlens_q, scale, **opts)
     assert not out.isnan().any(), "unwritten or NaN-polluted output rows"
     err = rel_err(out, ref)
@@ -170,3 +178,25 @@ def test_long_prompt_at_model_size():
               per_seq=False, min_q_len=1)
     assert not out.isnan().any()
     assert rel_err(out, want) < 1e-2
+
+
+@needs_sm90
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,dtype,opts", [
+    (32, 8, 128, 16, torch.bfloat16, {}),
+    (8, 8, 64, 32, torch.float16, {"sliding_window": 1000}),
+    (16, 8, 256, 256, torch.bfloat16, {"sliding_window": 300, "logits_soft_cap": 30.0}),
+], ids=["d128-bf16", "d64-fp16-window", "d256-bf16-window-cap"])
+def test_fp8_cache(heads, kv_heads, head_dim, block_size, dtype, opts):
+    """An FP8 (e4m3) cache, scales off one: its K and V tiles widened to fp16 in shared
+    memory (q too, as the portable kernel's WIDEN_F16), against the reference over the same
+    cache; whole prompts, chunks over cached prefixes and decode rows, NaN in every slot no
+    sequence owns (FP8's NaN: a last page's tail must not reach P V); keys split 3 ways too."""
+    batch = make_paged_batch([1] * 4 + [700, 37, 300], [300, 2000, 40, 9, 700, 5000, 1300],
+                             heads, kv_heads, head_dim, block_size, dtype,
+                             torch.device("cuda"), seed=head_dim)
+    b8 = replace(batch, k_cache=reference.quantize_fp8(batch.k_cache, 0.5),
+                 v_cache=reference.quantize_fp8(batch.v_cache, 2.0))
+    assert hopper.available(b8.q, b8.k_cache)
+    opts = {**opts, "k_scale": 0.5, "v_scale": 2.0}
+    _check(b8, head_dim**-0.5, opts)
+    _check(b8, head_dim**-0.5, opts, splits=3)
