@@ -333,7 +333,9 @@ def prefill_fp8() -> None:
                     base = out.float()  # bf16 as served: what FP8 storage moves it from
                 err = ((out.float() - base).norm() / base.norm()).item()
                 ms = bench(run)
-                impl = "pagedserve" + (f"_{kernel}" if kernel else "")
+                # the bf16 cache as served is the table's reference for the FP8 rows
+                impl = "bf16_cache" if cache == "bfloat16" else \
+                    "pagedserve" + (f"_{kernel}" if kernel else "")
                 record(kind="prefill_fp8", impl=impl, batch=b, ctx=seq, q_len=q_len, ms=ms,
                        tflops=flops / ms / 1e9, dtype=str(DT), kv_cache_dtype=cache,
                        block_size=BS, rel_err_vs_bf16_cache=err)
