@@ -67,6 +67,8 @@
 #             SPLIT_N (default 2), alternated 0 N N 0 per workload; records carry ab=baseline (0)
 #             or current, api_server_count; SPLIT_W3=1 adds W3 8B at rate=inf (1,000 requests)
 #             and SPLIT_JSON=1 benchmarks.structured at 64 and 256 running, both at 0 then N
+#   fallback  W1 on 1B at the default flags natively, then through the transformers fallback
+#             (--model-impl transformers: HF's modeling code, eager, the paged attention); ~3 min
 #   apiscale  W1 on 1B at the default flags once per --api-server-count in API_COUNTS (default
 #             1 2 4): the engine core's CPU a step at 256 running as API processes are added
 #   curve     the executor link's CURVE keys against none: W1 on 1B, throughput settings,
@@ -470,6 +472,8 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       python3 -m benchmarks.serve "${M8[@]}" --workload W3 --num-requests 1000 --rate inf \
         --overload 0.8 --dump "$B/dumps/w3_defaults_8b_$(date +%H%M)" 2>&1 \
         | tee -a $B/serve.log | quiet 8 ;;
+    fallback) tp W1 M1 "${DEFAULTS[@]}"; save
+      tp W1 M1 "${DEFAULTS[@]}" --server-flag=--model-impl --server-flag=transformers ;;
     apiscale) for n in ${API_COUNTS:-1 2 4}; do
         tp W1 M1 "${DEFAULTS[@]}" --server-flag=--api-server-count --server-flag="$n"; save
       done ;;
