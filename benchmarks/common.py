@@ -129,6 +129,21 @@ ENV_SWITCHES = ("PAGEDSERVE_MOE_FUSE_SILU",  # kernels/fused_moe.py: SiLU in GEM
                 "PAGEDSERVE_PREFILL_KERNEL")  # "hopper": kernels/paged_prefill_hopper.py
 
 
+def switches() -> dict:
+    """What each of ENV_SWITCHES is in effect here, defaults included, as the service started
+    from this environment reads them: a record from before a default changed reads apart
+    from one after (`env` names only the switches set)."""
+    from pagedserve.executor import layers
+    from pagedserve.kernels import fused_moe, paged_prefill_hopper
+
+    return {"moe_fuse_silu_tokens": fused_moe.FUSE_SILU_TOKENS,
+            "moe_fuse_route": fused_moe.FUSE_ROUTE,
+            "moe_decode_tokens": fused_moe.DECODE_TOKENS,
+            "dense_gemv_rows": layers.GEMV_ROWS,
+            "dense_gemv_max_mib": layers.GEMV_MAX_BYTES / 2**20,
+            "prefill_kernel": os.environ.get(paged_prefill_hopper.ENV) or "auto"}
+
+
 def environment() -> dict:
     import torch
 
@@ -148,7 +163,7 @@ def environment() -> dict:
     return {"commit": commit, "gpu": gpu, "cpu": platform.processor() or platform.machine(),
             "torch": torch.__version__, "triton": triton_version,
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            **({"env": env} if env else {})}
+            **({"env": env} if env else {}), "switches": switches()}
 
 
 def append(path: Path, records: list[dict]) -> Path:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.common import step_breakdown, step_split
+from benchmarks.common import ENV_SWITCHES, step_breakdown, step_split
 
 
 def test_step_breakdown_counts_tokens_a_step_and_the_loops_unaccounted_time():
@@ -21,3 +21,29 @@ def test_step_breakdown_counts_tokens_a_step_and_the_loops_unaccounted_time():
     split = step_split(r)
     assert split.startswith("20.0 (192.0 tokens a step, 8.00 ms outside the loop's phases); ")
     assert "scheduler plan 1.00 await_executor 11.00" in split
+
+
+
+def test_switches_read_the_defaults_and_what_the_environment_sets():
+    """Records keep every switch's effective value, defaults included (the modules read the
+    environment at import: each case is a fresh process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = "import json; from benchmarks.common import switches; print(json.dumps(switches()))"
+    clean = {k: v for k, v in os.environ.items() if k not in ENV_SWITCHES}
+
+    def run(**env: str) -> dict:
+        out = subprocess.run([sys.executable, "-c", code], env={**clean, **env},
+                             capture_output=True, text=True, check=True).stdout
+        return json.loads(out)
+
+    defaults = {"moe_fuse_silu_tokens": 64, "moe_fuse_route": True, "moe_decode_tokens": 0,
+                "dense_gemv_rows": 1, "dense_gemv_max_mib": 24.0, "prefill_kernel": "auto"}
+    assert run() == defaults
+    assert run(PAGEDSERVE_MOE_FUSE_SILU="0", PAGEDSERVE_PREFILL_KERNEL="hopper",
+               PAGEDSERVE_DENSE_GEMV_MAX_MIB="8") == {
+        **defaults, "moe_fuse_silu_tokens": 0, "prefill_kernel": "hopper",
+        "dense_gemv_max_mib": 8.0}
