@@ -478,7 +478,8 @@ def paged_attention(
     short_q = short.block_m // group
     if max_query_len <= short_q:
         return out
-    if hopper.available(q, k_cache) and hopper.chosen(max_query_len, max_seq_len):
+    if hopper.available(q, k_cache) and hopper.chosen(max_query_len, max_seq_len,
+                                                      k_cache.dtype == FP8_KV_DTYPE):
         # TMA + wgmma on sm_90 where it is the faster (from hopper.MIN_KEYS keys)
         _hopper_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out,
                      min_q_len=short_q + 1, max_seq_len=max_seq_len, num_splits=num_long_splits,

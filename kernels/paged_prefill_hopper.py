@@ -26,8 +26,9 @@ q_len above the short rows' block) done the way FlashAttention-3 does it on an H
 Covers bf16 and fp16, head sizes 64, 128 and 256 (others: the portable kernel), sliding
 windows, logit soft-capping and an FP8 (e4m3) cache: its 1-byte tiles travel by TMA and the
 warpgroups that multiply widen each to fp16 in shared memory before its product (q and P in
-fp16 too, as the portable kernel's WIDEN_F16); the scales go to S's scale and O. float32
-stays on the portable kernel (`available`). A launch whose programs are too few to fill the
+fp16 too, as the portable kernel's WIDEN_F16); the scales go to S's scale and O (`auto`
+takes it over an FP8 cache only where FP8_AUTO). float32 stays on the portable kernel
+(`available`). A launch whose programs are too few to fill the
 GPU (a chunk deep in a long prompt) splits each block's keys over program_id(2)
 (`num_splits`); each split writes its (max, sum, O) partials for paged_attention to merge.
 
@@ -71,6 +72,10 @@ ENV = "PAGEDSERVE_PREFILL_KERNEL"
 # 1.12x (bench_kernels.py's prefill section, 2026-12-06)
 MIN_KEYS = 4096
 HEAD_DIMS = (64, 128, 256)
+# whether `auto` takes this kernel over an FP8 cache: not until its GPU tests have passed and
+# it has been timed against the portable kernel there (gpu.sh part hopperfp8); until then
+# PAGEDSERVE_PREFILL_KERNEL=hopper takes it
+FP8_AUTO = False
 LOAD_REGS = triton.language.constexpr(40)  # the load warp's registers (setmaxnreg)
 # registers a thread at launch: (8 + 4) warps x 32 x 168 fit the SM's 64K; setmaxnreg then
 # moves the load warpgroup's spare registers to the two that multiply
@@ -101,15 +106,18 @@ def _warn_mode(mode: str) -> None:
     logging.getLogger(__name__).warning("%s=%r is not auto, hopper or portable: auto", ENV, mode)
 
 
-def chosen(max_query_len: int, max_seq_len: int | None) -> bool:
+def chosen(max_query_len: int, max_seq_len: int | None, fp8_cache: bool = False) -> bool:
     """Whether the long rows should take this kernel (where `available`), by ENV: the
-    portable kernel below MIN_KEYS keys (max_seq_len; max_query_len when it is not known)."""
+    portable kernel below MIN_KEYS keys (max_seq_len; max_query_len when it is not known),
+    and over an FP8 cache unless FP8_AUTO."""
     mode = os.environ.get(ENV, "") or "auto"
     if mode not in ("auto", "hopper", "portable"):
         _warn_mode(mode)  # a typo must not fail every prefill: auto, said once
         mode = "auto"
     if mode != "auto":
         return mode == "hopper"
+    if fp8_cache and not FP8_AUTO:
+        return False
     return (max_seq_len if max_seq_len is not None else max_query_len) >= MIN_KEYS
 
 

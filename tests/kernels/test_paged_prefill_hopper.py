@@ -67,8 +67,9 @@ def test_chosen_from_min_keys_by_default_and_forced_either_way(monkeypatch, capl
     assert not hopper.chosen(1024, 1024)  # 16 x 1k: the portable kernel is the faster
     assert hopper.chosen(512, 131072)  # a chunk deep in a long prompt
     assert hopper.chosen(4096, None) and not hopper.chosen(4095, None)  # keys unknown: q_len
+    assert hopper.chosen(8192, 8192, fp8_cache=True) == hopper.FP8_AUTO
     monkeypatch.setenv(hopper.ENV, "hopper")
-    assert hopper.chosen(64, 64)
+    assert hopper.chosen(64, 64) and hopper.chosen(8192, 8192, fp8_cache=True)
     monkeypatch.setenv(hopper.ENV, "portable")
     assert not hopper.chosen(8192, 131072)
     monkeypatch.setenv(hopper.ENV, "hoper")  # a typo: auto, and a warning
