@@ -28,9 +28,9 @@ windows, logit soft-capping and an FP8 (e4m3) cache: its 1-byte tiles travel by 
 warpgroups that multiply widen each to fp16 in shared memory before its product (q and P in
 fp16 too, as the portable kernel's WIDEN_F16); the scales go to S's scale and O (`auto`
 takes it over an FP8 cache only where FP8_AUTO). float32 stays on the portable kernel
-(`available`). A launch whose programs are too few to fill the
-GPU (a chunk deep in a long prompt) splits each block's keys over program_id(2)
-(`num_splits`); each split writes its (max, sum, O) partials for paged_attention to merge.
+(`available`). A launch whose programs are too few to fill the GPU (a chunk deep in a long
+prompt) splits each block's keys over program_id(2) (`num_splits`); each split writes its
+(max, sum, O) partials for paged_attention to merge.
 
 The default on sm_90 for launches over at least MIN_KEYS keys (`chosen`; on an H100 2026-12-06:
 0.81-0.90 of cuDNN SDPA on contiguous K/V from 4k to 128k keys, the 128k-token prompt's TTFT
