@@ -308,13 +308,16 @@ def bound_basis(cfg, weight_bytes: float, kv_cache_dtype: str | None) -> dict:
 
 def roofline_seconds(cfg, prompt_lens: list[int], outputs: list[int], tbps: float,
                      tflops: float, weight_bytes_per_param: float = 2.0,
-                     kv_bytes: int = 2, max_running: int = 0) -> float:
+                     kv_bytes: int = 2, max_running: int = 0, sequential: bool = False) -> float:
     """Lower bound on the workload's time on a device with these ceilings (module doc); at
-    most max_running sequences at once (0: all of them)."""
+    most max_running sequences at once (0: all of them). `sequential`: each decode step's
+    attention (its KV read or FLOPs) and its GEMMs (their weight read or FLOPs) one after the
+    other, as a layer's data dependencies order them (the recorded bound takes the larger of
+    the step's bytes and FLOPs as if they overlapped): what no layer-by-layer engine beats."""
     if 0 < max_running < len(prompt_lens):
         return sum(roofline_seconds(cfg, prompt_lens[i:i + max_running],
                                     outputs[i:i + max_running], tbps, tflops,
-                                    weight_bytes_per_param, kv_bytes)
+                                    weight_bytes_per_param, kv_bytes, sequential=sequential)
                    for i in range(0, len(prompt_lens), max_running))
     layers, d = cfg.num_layers, cfg.head_dim
     params = weight_params(cfg)
@@ -330,9 +333,12 @@ def roofline_seconds(cfg, prompt_lens: list[int], outputs: list[int], tbps: floa
         live = o > i
         ctx = p[live] + i
         n = int(live.sum())
-        read = weight_bytes_per_param * params.read(n) + kv_tok * ctx.sum()
-        flops = 2 * params.active() * n + attn * ctx.sum()
-        t += max(read / bw, flops / rate)
+        weights, kv = weight_bytes_per_param * params.read(n), kv_tok * ctx.sum()
+        gemm_flops, attn_flops = 2 * params.active() * n, attn * ctx.sum()
+        if sequential:
+            t += max(kv / bw, attn_flops / rate) + max(weights / bw, gemm_flops / rate)
+        else:
+            t += max((weights + kv) / bw, (gemm_flops + attn_flops) / rate)
     return t
 
 

@@ -104,3 +104,29 @@ def test_the_hf_peer_halves_its_batch_until_it_fits(monkeypatch) -> None:
     assert throughput.run_hf_generate_fitting(None, [[1]] * 256, [4] * 256, 256, "cpu") == \
         (100.0, 64)
     assert tried == [256, 128, 64]
+
+
+def test_the_sequential_floor_adds_attention_to_the_gemms() -> None:
+    """sequential=True: a decode step costs its KV read plus its GEMMs (weight read or FLOPs,
+    the larger), not the larger of the step's bytes and FLOPs; prefill alike in both."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(hidden_size=64, head_dim=16, num_heads=4, num_kv_heads=2,
+                          intermediate_size=128, num_layers=2, vocab_size=1000,
+                          tie_word_embeddings=False, moe=None,
+                          kv_bytes_per_token=lambda b: 2 * 2 * 2 * 16 * b)
+    prompt = throughput.roofline_seconds(cfg, [8], [1], 1.0, 1000.0)
+    assert throughput.roofline_seconds(cfg, [8], [1], 1.0, 1000.0, sequential=True) == prompt
+    # one decode step at context 9 (bandwidth-bound: FLOPs at 1,000 TFLOP/s are nothing)
+    params = throughput.weight_params(cfg)
+    weights, kv = 2.0 * params.read(1), 2 * 2 * 2 * 16 * 2 * 9
+    plain = throughput.roofline_seconds(cfg, [8], [2], 1.0, 1000.0)
+    seq = throughput.roofline_seconds(cfg, [8], [2], 1.0, 1000.0, sequential=True)
+    assert plain - prompt == pytest.approx((weights + kv) / 1e12)
+    assert seq - prompt == pytest.approx(kv / 1e12 + weights / 1e12)
+    # compute-bound GEMMs (a slow rate): the KV read now adds to them
+    slow = throughput.roofline_seconds(cfg, [8], [2], 1.0, 1e-6, sequential=True)
+    gemm = 2 * params.active() / 1e6
+    attn = 4 * 2 * 4 * 16 * 9 / 1e6
+    assert slow - throughput.roofline_seconds(cfg, [8], [1], 1.0, 1e-6) == pytest.approx(
+        max(kv / 1e12, attn) + max(weights / 1e12, gemm))
