@@ -240,27 +240,18 @@ if gluon is not None:
             ids = ids_next
 
     @gluon.jit
-    def _zero_rows_past(v_buf, tile, kv_end, TILE_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                        num_warps: gl.constexpr):
-        """Zeros the rows of a V tile at keys >= kv_end: the tail of the sequence's last page
-        holds whatever the block held before (P is 0 there, but 0 x NaN is not)."""
+    def _stage_tile(src, dst, tile, kv_end, TILE_N: gl.constexpr, MASK: gl.constexpr,
+                    num_warps: gl.constexpr):
+        """A K or V tile in shared memory rewritten into dst (src itself for a 16-bit cache)
+        in dst's dtype, the operand wgmma reads: an FP8 (e4m3) tile widened to fp16, as the
+        portable kernel's WIDEN_F16 (exact). With MASK the rows at keys >= kv_end are zeroed:
+        the tail of the sequence's last page holds whatever the block held before (P is 0
+        there, but 0 x NaN is not)."""
         blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        keys = tile * TILE_N + gl.arange(0, TILE_N, layout=gl.SliceLayout(1, blocked))
-        v = v_buf.load(blocked)
-        v = gl.where(gl.expand_dims(keys < kv_end, 1), v, gl.zeros_like(v))
-        v_buf.store(v)
-        fence_async_shared()  # before wgmma (the async proxy) reads it
-
-    @gluon.jit
-    def _widen(src, dst, tile, kv_end, TILE_N: gl.constexpr, MASK: gl.constexpr,
-               num_warps: gl.constexpr):
-        """An FP8 (e4m3) K or V tile in shared memory widened to fp16 into dst, the operand
-        wgmma reads (as the portable kernel's WIDEN_F16: e4m3 -> fp16 is exact); with MASK
-        the rows at keys >= kv_end are zeroed (the tail of a last page may hold NaN)."""
-        blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        x = src.load(blocked).to(gl.float16)
         if MASK:
             keys = tile * TILE_N + gl.arange(0, TILE_N, layout=gl.SliceLayout(1, blocked))
+        x = src.load(blocked).to(dst.dtype)
+        if MASK:
             x = gl.where(gl.expand_dims(keys < kv_end, 1), x, gl.zeros_like(x))
         dst.store(x)
         fence_async_shared()  # before wgmma (the async proxy) reads it
@@ -314,7 +305,7 @@ if gluon is not None:
         if FP8:
             # both warpgroups' S of the tile before (read from k_wide) have been waited for
             thread_barrier()
-            _widen(k_bufs.index(slot), k_wide, j, kv_end, TILE_N, False, num_warps)
+            _stage_tile(k_bufs.index(slot), k_wide, j, kv_end, TILE_N, False, num_warps)
             thread_barrier()
             k_op = k_wide
         else:
@@ -324,7 +315,7 @@ if gluon is not None:
                           is_async=True)
         mbarrier.wait(v_ready.index(prev), ((i - 1) // NUM_STAGES) & 1)
         if FP8:
-            _widen(v_bufs.index(prev), v_wide, j - 1, kv_end, TILE_N, False, num_warps)
+            _stage_tile(v_bufs.index(prev), v_wide, j - 1, kv_end, TILE_N, False, num_warps)
             thread_barrier()
             v_op = v_wide
         else:
@@ -342,7 +333,8 @@ if gluon is not None:
             # a tile reaching past the keys: clean its V before its P V (next step)
             if (j + 1) * TILE_N > kv_end:
                 mbarrier.wait(v_ready.index(slot), phase)
-                _zero_rows_past(v_bufs.index(slot), j, kv_end, TILE_N, HEAD_DIM, num_warps)
+                _stage_tile(v_bufs.index(slot), v_bufs.index(slot), j, kv_end, TILE_N, True,
+                            num_warps)
         return p, acc, m_i, l_i
 
     @gluon.jit
@@ -362,7 +354,7 @@ if gluon is not None:
         # the first tile, masked (it may hold the window's edge, the causal edge or both)
         mbarrier.wait(k_ready.index(0), 0)
         if FP8:
-            _widen(k_bufs.index(0), k_wide, t_lo, kv_end, TILE_N, False, num_warps)
+            _stage_tile(k_bufs.index(0), k_wide, t_lo, kv_end, TILE_N, False, num_warps)
             thread_barrier()
             k_op = k_wide
         else:
@@ -378,7 +370,8 @@ if gluon is not None:
         if not FP8:  # noqa: SIM102 (a constexpr; FP8 masks the V tiles as they widen)
             if (t_lo + 1) * TILE_N > kv_end:
                 mbarrier.wait(v_ready.index(0), 0)
-                _zero_rows_past(v_bufs.index(0), t_lo, kv_end, TILE_N, HEAD_DIM, num_warps)
+                _stage_tile(v_bufs.index(0), v_bufs.index(0), t_lo, kv_end, TILE_N, True,
+                            num_warps)
 
         # the rest: the window's edge masked, then unmasked tiles, then the causal tail
         t_mid = gl.maximum(t_lo + 1, t_win)
@@ -407,7 +400,7 @@ if gluon is not None:
         mbarrier.wait(v_ready.index(i_last % NUM_STAGES), (i_last // NUM_STAGES) & 1)
         if FP8:
             thread_barrier()  # the P V before (from v_wide) waited for by both warpgroups
-            _widen(v_bufs.index(i_last % NUM_STAGES), v_wide, t_hi - 1, kv_end, TILE_N, True,
+            _stage_tile(v_bufs.index(i_last % NUM_STAGES), v_wide, t_hi - 1, kv_end, TILE_N, True,
                    num_warps)
             thread_barrier()
             v_op = v_wide
@@ -434,7 +427,7 @@ if gluon is not None:
         KV_DTYPE: gl.constexpr = k_desc.dtype
         # the products' operand type: q's, or fp16 over an FP8 cache (its tiles widen to it)
         DTYPE: gl.constexpr = gl.float16 if FP8 else KV_DTYPE
-        KV_BYTES: gl.constexpr = 1 if FP8 else 2
+        KV_BYTES: gl.constexpr = KV_DTYPE.primitive_bitwidth // 8
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, TILE_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
