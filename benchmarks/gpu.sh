@@ -198,6 +198,7 @@ start=$(date +%s)
 stamp() { echo "== $1 at $(( $(date +%s) - start )) s"; }
 save() { tar czf "$OUT/bundle.tgz" -C $B .; }
 quiet() { grep -v INFO | tail -"$1"; }
+passed() { grep -q " passed" "$1" && ! grep -qE " failed| error" "$1"; }  # a pytest log
 moelat() {  # Qwen3-30B-A3B single stream, 128 -> 512 tokens; more throughput.py flags
   tp "" MQ30 --hf none --requests 2 --prompt 128 --output 512 --max-num-seqs 1 \
     --max-num-batched-tokens 0 "$@"
@@ -346,8 +347,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     hopperprefill)
       python3 -m pytest -q -rs tests/kernels/test_paged_prefill_hopper.py 2>&1 \
         | tee $B/pytest_hopper_prefill.log | tail -12
-      if grep -q " passed" $B/pytest_hopper_prefill.log \
-          && ! grep -qE " failed| error" $B/pytest_hopper_prefill.log; then
+      if passed $B/pytest_hopper_prefill.log; then
         python3 benchmarks/kernels/bench_kernels.py --out $B/records --sections prefill 2>&1 \
           | tee -a $B/kernels.log | grep -v "^{"
         python3 -m benchmarks.long_context "${M8[@]}" \
@@ -359,8 +359,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
     hopperfp8)
       python3 -m pytest -q -rs tests/kernels/test_paged_prefill_hopper.py 2>&1 \
         | tee $B/pytest_hopper_fp8.log | tail -12
-      if grep -q " passed" $B/pytest_hopper_fp8.log \
-          && ! grep -qE " failed| error" $B/pytest_hopper_fp8.log; then
+      if passed $B/pytest_hopper_fp8.log; then
         python3 benchmarks/kernels/bench_kernels.py --out $B/records --sections prefill_fp8 \
           2>&1 | tee -a $B/kernels.log | grep -v "^{"
       fi ;;
