@@ -72,8 +72,17 @@ def silu_tokens(value: str | None) -> int:
     return tokens[value]
 
 
+def route_fused(value: str | None) -> bool:
+    """PAGEDSERVE_MOE_FUSE_ROUTE's value: unset or "1" on, "0" off; anything else is refused
+    (a typo must not turn the fused routing off unseen)."""
+    fused = {None: True, "1": True, "0": False}
+    if value not in fused:
+        raise ValueError(f"PAGEDSERVE_MOE_FUSE_ROUTE={value!r}: 0 or 1")
+    return fused[value]
+
+
 FUSE_SILU_TOKENS = silu_tokens(os.environ.get("PAGEDSERVE_MOE_FUSE_SILU"))
-FUSE_ROUTE = os.environ.get("PAGEDSERVE_MOE_FUSE_ROUTE", "1") == "1"
+FUSE_ROUTE = route_fused(os.environ.get("PAGEDSERVE_MOE_FUSE_ROUTE"))
 ROUTE_ALIGN_TOKENS = 64  # tokens one program routes ([tokens, experts] in registers)
 # PAGEDSERVE_MOE_DECODE_TOKENS=N: routed_moe runs up to N tokens as moe_decode's two GEMV
 # launches (routing inside the first, the top-k sum inside the second). 0 (off) by default:

@@ -266,6 +266,14 @@ def test_triton_fp8_weights(dtype, device):
         check_close(got, ref.fused_moe(x, dq13, dq2, weights, ids), dtype)
 
 
+def test_route_switch_takes_0_or_1_and_refuses_the_rest():
+    """PAGEDSERVE_MOE_FUSE_ROUTE: unset or "1" fuses, "0" does not, a typo is an error."""
+    assert [fm.route_fused(v) for v in (None, "1", "0")] == [True, True, False]
+    for bad in ("true", "on", ""):
+        with pytest.raises(ValueError, match="0 or 1"):
+            fm.route_fused(bad)
+
+
 def test_silu_fuses_up_to_its_token_count_and_the_switch_is_checked(monkeypatch, device):
     """auto: GATED GEMM 1 up to 64 tokens a pass, the separate silu_and_mul launch from 65;
     PAGEDSERVE_MOE_FUSE_SILU takes auto, 0 or 1 and refuses anything else."""
