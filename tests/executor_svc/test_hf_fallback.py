@@ -16,6 +16,12 @@ NO_NATIVE = {
     "granite": dict(model_type="granite", embedding_multiplier=2.0, residual_multiplier=0.5,
                     attention_multiplier=0.2, logits_scaling=4.0),
     "stablelm": dict(model_type="stablelm", partial_rotary_factor=0.25),
+    # no GQA (a config without num_key_value_heads), parallel attention and MLP
+    "gpt_neox": dict(model_type="gpt_neox", rotary_pct=0.25, num_key_value_heads=None),
+    # learned absolute positions, no rotary
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, num_key_value_heads=None),
+    # mixture of experts in HF's own modules
+    "granitemoe": dict(model_type="granitemoe", num_local_experts=4, num_experts_per_tok=2),
 }
 SEQS = [list(range(3, 23)), list(range(40, 53))]
 CHUNKS = [(7, 5), (10, 5), (1, 1), (1, 1), (1, 1)]
