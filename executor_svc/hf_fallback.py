@@ -8,6 +8,14 @@ attention module's call lands in `paged_attention_forward`, which writes the ste
 into the paged cache at the plan's slots and attends over each sequence's blocks. The
 implementation is registered under a name transformers has no mask function for, so it builds
 no attention mask. Native modules stay the fast path (no fused kernels or CUDA graphs here).
+
+At build, one forward pass over a few tokens records what each layer hands the attention
+interface (probe): a model is refused at start, naming why, unless every layer attends exactly
+once through it with the heads and head size the KV cache is sized for. Layers that do not
+(linear attention, state-space or convolution layers, layers reusing another's KV) and
+multi-head latent attention (a value head size apart from the key's) would otherwise give
+wrong tokens silently. Attention sinks (gpt-oss's per-head `s_aux` logit) are served by a
+torch path over the gathered cache (`_attention_with_sinks`): exact, not fast.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import torch
 from torch import nn
 
 from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.layers import AttentionMetadata, Ops
 
 IMPLEMENTATION = "pagedserve_paged"
@@ -31,6 +40,8 @@ class _Step:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     meta: AttentionMetadata | None = None
     ops: Ops = None
+    calls: int = 0  # attention calls in this forward pass
+    probe: list[dict] | None = None  # set: record each call's shapes, touch no cache
 
 
 def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -40,6 +51,13 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention signature: query [1, H, T, D], key and value [1, Hkv, T, D]
     (after RoPE); returns [1, T, H, D]."""
     step: _Step = module.pagedserve_step
+    step.calls += 1
+    sinks = kwargs.get("s_aux")
+    if step.probe is not None:
+        step.probe.append(dict(layer=module.layer_idx, q=tuple(query.shape[1:]),
+                               k=tuple(key.shape[1:]), v=tuple(value.shape[1:]),
+                               causal=getattr(module, "is_causal", True)))
+        return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1]), None
     meta = step.meta
     k_cache, v_cache = step.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1).contiguous()
@@ -52,11 +70,50 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
         options["sliding_window"] = int(window)
     if kwargs.get("softcap"):
         options["logits_soft_cap"] = float(kwargs["softcap"])
-    o = step.ops.paged_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-        scaling if scaling is not None else q.shape[-1] ** -0.5,
-        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, **options)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    if sinks is not None:
+        o = _attention_with_sinks(q, k_cache, v_cache, meta, scale, sinks, **options)
+    else:
+        o = step.ops.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, scale,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, **options)
     return o[None], None
+
+
+def _attention_with_sinks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float, sinks: torch.Tensor,
+                          sliding_window: int = 0,
+                          logits_soft_cap: float = 0.0) -> torch.Tensor:  # [T, H, D]
+    """Causal attention of each sequence's new tokens over its cached keys (this step's
+    written already), with a per-head sink logit in the softmax's denominator and no value:
+    softmax([scores, sink])[:-1] @ V, as transformers' gpt-oss. In torch, a sequence at a
+    time, over keys gathered from the blocks."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    cu, lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
+    sink = sinks.float().reshape(heads, 1, 1)
+    for b, ctx in enumerate(lens):
+        start, end = cu[b], cu[b + 1]
+        if end == start:
+            continue
+        blocks = meta.block_tables[b, :-(-ctx // block_size)].long()
+        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:ctx].float()
+        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:ctx].float()
+        k = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [H, ctx, D]
+        v = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        scores = torch.einsum("thd,hkd->htk", q[start:end].float(), k) * scale
+        if logits_soft_cap:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+        pos = torch.arange(ctx - (end - start), ctx, device=q.device)[:, None]
+        keys = torch.arange(ctx, device=q.device)[None, :]
+        hidden = keys > pos
+        if sliding_window:
+            hidden |= keys <= pos - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        probs = torch.softmax(torch.cat([scores, sink.expand(-1, end - start, 1)], -1), -1)
+        out[start:end] = torch.einsum("htk,hkd->thd", probs[..., :-1], v).to(q.dtype)
+    return out
 
 
 def register() -> None:
@@ -72,14 +129,49 @@ class TransformersLM(nn.Module):
         super().__init__()
         self.cfg, self.hf, self.quant = cfg, hf, None
         self.step = _Step(ops=ops)
-        attn = [m for m in hf.modules()
-                if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
-        layers = {m.layer_idx for m in attn}
-        if layers != set(range(cfg.num_layers)):
-            raise ValueError(f"{cfg.model_type}: found attention modules for layers "
-                             f"{sorted(layers)}, expected 0..{cfg.num_layers - 1}")
-        for m in attn:
-            m.pagedserve_step = self.step
+        for m in hf.modules():
+            if hasattr(m, "layer_idx"):
+                m.pagedserve_step = self.step
+        self._probe()
+
+    @torch.inference_mode()
+    def _probe(self) -> None:
+        """One forward pass over four tokens, recording what the attention interface receives
+        (no cache is touched): UnsupportedModelError, naming why, unless each layer attends
+        once through it, causally, with the heads and head size the KV cache is sized for."""
+        cfg, self.step.probe = self.cfg, []
+        device = next(self.hf.parameters()).device
+        try:
+            self.hf.base_model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device),
+                               position_ids=torch.arange(4, device=device)[None],
+                               use_cache=False)
+        except Exception as e:  # noqa: BLE001 - HF's own refusal, named below
+            raise UnsupportedModelError(
+                f"{cfg.model_type}: the transformers fallback cannot run it over a paged KV "
+                f"cache ({type(e).__name__}: {e})") from e
+        finally:
+            calls, self.step.probe = self.step.probe, None
+        unit = "the transformers fallback serves decoders whose every layer is softmax attention"
+        layers = sorted(c["layer"] for c in calls)
+        if layers != list(range(cfg.num_layers)):
+            missing = sorted(set(range(cfg.num_layers)) - set(layers))
+            raise UnsupportedModelError(
+                f"{cfg.model_type}: layers {missing or layers} do not attend once each through "
+                f"transformers' attention interface (attention in the model's own code, as "
+                f"ALiBi models; linear attention, state-space or convolution layers; layers "
+                f"reusing another's KV): {unit}")
+        want = (cfg.num_heads, 4, cfg.head_dim), (cfg.num_kv_heads, 4, cfg.head_dim)
+        for c in calls:
+            if (c["q"], c["k"]) != want or c["v"] != want[1]:
+                raise UnsupportedModelError(
+                    f"{cfg.model_type}: layer {c['layer']} attends with query {c['q'][0]} x "
+                    f"{c['q'][2]}, key {c['k'][0]} x {c['k'][2]} and value {c['v'][0]} x "
+                    f"{c['v'][2]} (heads x size) where the config gives {cfg.num_heads} "
+                    f"heads and {cfg.num_kv_heads} KV heads of {cfg.head_dim} (multi-head "
+                    f"latent attention is one such model): {unit} of one head size")
+            if c["causal"] is False:
+                raise UnsupportedModelError(f"{cfg.model_type}: layer {c['layer']} attends "
+                                            f"bidirectionally: {unit}, causal")
 
     @classmethod
     def build(cls, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device,
@@ -110,9 +202,12 @@ class TransformersLM(nn.Module):
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]
-        self.step.kv_caches, self.step.meta = kv_caches, meta
+        self.step.kv_caches, self.step.meta, self.step.calls = kv_caches, meta, 0
         out = self.hf.base_model(input_ids=input_ids[None], position_ids=positions[None],
                                  use_cache=False)
+        if self.step.calls != self.cfg.num_layers:  # the probe saw every layer attend once
+            raise RuntimeError(f"{self.step.calls} attention calls in a forward pass of "
+                               f"{self.cfg.num_layers} layers")
         return out.last_hidden_state[0]
 
     @torch.inference_mode()

@@ -26,6 +26,7 @@ from pagedserve.core.link_security import (
 )
 from pagedserve.core.readiness import EXIT_CONFIG, mark_ready
 from pagedserve.executor.draft import DraftModelError
+from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.jit_watch import JitWatch
 from pagedserve.executor.lora import LoraError
 from pagedserve.executor.profiling import StepProfiler
@@ -360,8 +361,8 @@ def run(args: argparse.Namespace) -> None:
         if group is not None:
             group.lead(worker)
         worker.warm_up()
-    except (MemoryBudgetError, DraftModelError, LoraError) as e:  # the same settings fail
-        # the same way: no restart
+    except (MemoryBudgetError, DraftModelError, LoraError, UnsupportedModelError) as e:
+        # the same settings fail the same way: no restart
         print(f"pagedserve executor: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
     mark_ready()

@@ -2,10 +2,14 @@
 equals HF transformers itself for families with no native module, and equals the native
 module for one that has it."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pagedserve.core.readiness import EXIT_CONFIG
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.loader import build_model
@@ -22,6 +26,22 @@ NO_NATIVE = {
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, num_key_value_heads=None),
     # mixture of experts in HF's own modules
     "granitemoe": dict(model_type="granitemoe", num_local_experts=4, num_experts_per_tok=2),
+    # attention sinks (a per-head logit in the softmax) and sliding windows on alternate layers
+    "gpt_oss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=6),
+}
+# what the fallback would get wrong silently, refused at start with the reason
+REFUSED = {
+    "mamba": (dict(model_type="mamba"), r"layers \[0, 1\] do not attend"),
+    "lfm2": (dict(model_type="lfm2", layer_types=["conv", "full_attention"]),
+             r"layers \[0\] do not attend .* convolution"),
+    "bloom": (dict(model_type="bloom", n_layer=2, n_head=4, num_key_value_heads=None),
+              "ALiBi"),
+    "deepseek_v3": (dict(model_type="deepseek_v3", n_routed_experts=4, num_experts_per_tok=2,
+                         first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
+                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                         moe_intermediate_size=32, n_group=1, topk_group=1),
+                    "value 4 x 16 .*multi-head latent attention"),
 }
 SEQS = [list(range(3, 23)), list(range(40, 53))]
 CHUNKS = [(7, 5), (10, 5), (1, 1), (1, 1), (1, 1)]
@@ -67,3 +87,24 @@ def test_native_only_refuses_a_family_without_a_module(tmp_path):
     saved(NO_NATIVE["granite"], tmp_path)
     with pytest.raises(UnsupportedModelError, match="unsupported model_type 'granite'"):
         ModelConfig.from_pretrained(tmp_path, "native")
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_fallback_refuses_what_it_would_get_wrong(family, tmp_path):
+    config, reason = REFUSED[family]
+    saved(config, tmp_path)
+    with pytest.raises(UnsupportedModelError, match=reason):
+        paged(tmp_path, "auto")
+
+
+def test_the_executor_says_why_in_one_line_and_exits_78(tmp_path):
+    """A refused model ends the executor with its reason on one line (no traceback) and
+    EXIT_CONFIG, which `serve`'s supervisor does not restart."""
+    saved(REFUSED["mamba"][0], tmp_path)
+    done = subprocess.run([sys.executable, "-m", "pagedserve.cli", "executor", "--model",
+                           str(tmp_path), "--device", "cpu"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        "pagedserve executor: mamba: layers [0, 1] do not attend once each")
