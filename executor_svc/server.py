@@ -30,6 +30,7 @@ from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.jit_watch import JitWatch
 from pagedserve.executor.lora import LoraError
 from pagedserve.executor.profiling import StepProfiler
+from pagedserve.executor.quantization.config import QuantizationError
 from pagedserve.executor.runner import Bitmask, Launched
 from pagedserve.executor.step_clock import PhaseClock, take
 from pagedserve.executor.worker import MemoryBudgetError, Worker, executor_config
@@ -361,7 +362,8 @@ def run(args: argparse.Namespace) -> None:
         if group is not None:
             group.lead(worker)
         worker.warm_up()
-    except (MemoryBudgetError, DraftModelError, LoraError, UnsupportedModelError) as e:
+    except (MemoryBudgetError, DraftModelError, LoraError, UnsupportedModelError,
+            QuantizationError) as e:
         # the same settings fail the same way: no restart
         print(f"pagedserve executor: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)

@@ -2,6 +2,7 @@
 equals HF transformers itself for families with no native module, and equals the native
 module for one that has it."""
 
+import json
 import subprocess
 import sys
 
@@ -97,14 +98,23 @@ def test_fallback_refuses_what_it_would_get_wrong(family, tmp_path):
         paged(tmp_path, "auto")
 
 
-def test_the_executor_says_why_in_one_line_and_exits_78(tmp_path):
-    """A refused model ends the executor with its reason on one line (no traceback) and
-    EXIT_CONFIG, which `serve`'s supervisor does not restart."""
-    saved(REFUSED["mamba"][0], tmp_path)
+@pytest.mark.parametrize("model", ["mamba", "mxfp4"])
+def test_the_executor_says_why_in_one_line_and_exits_78(model, tmp_path):
+    """A refused model (a state-space model; a quantization it does not read) ends the
+    executor with the reason on one line (no traceback) and EXIT_CONFIG, which `serve`'s
+    supervisor does not restart."""
+    if model == "mamba":
+        saved(REFUSED["mamba"][0], tmp_path)
+        reason = "mamba: layers [0, 1] do not attend once each"
+    else:
+        saved(NO_NATIVE["granite"], tmp_path)
+        config = json.loads((tmp_path / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "mxfp4"}
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        reason = "quant_method 'mxfp4' is not supported"
     done = subprocess.run([sys.executable, "-m", "pagedserve.cli", "executor", "--model",
                            str(tmp_path), "--device", "cpu"], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith(
-        "pagedserve executor: mamba: layers [0, 1] do not attend once each")
+    assert done.stderr.strip().splitlines()[-1].startswith(f"pagedserve executor: {reason}")
