@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ from pagedserve.executor.families import (
     family_fields,
     text_config_of,
 )
+
+log = logging.getLogger("pagedserve.executor")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +59,9 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path, impl: str = "native") -> ModelConfig:
         """impl: "native" (a native module or an error naming the supported families),
-        "transformers" (HF's modeling code, hf_fallback.py), "auto" (native where one is)."""
+        "transformers" (HF's modeling code, hf_fallback.py), "auto" (native where one is and
+        takes the config's switches: Phi-4-mini's partial rotary embeddings go to the
+        fallback)."""
         from transformers import AutoConfig
 
         c = AutoConfig.from_pretrained(path)
@@ -65,7 +70,18 @@ class ModelConfig:
         text, wrapper = text_config_of(c)
         if impl == "transformers" or (impl == "auto" and text.model_type not in SUPPORTED):
             return cls.for_transformers(c)
-        cfg = cls.from_hf(text)
+        try:
+            cfg = cls.from_hf(text)
+        except UnsupportedModelError as native:  # a switch the native module lacks
+            if impl == "native":
+                raise
+            try:
+                fallback = cls.for_transformers(c)
+            except UnsupportedModelError:
+                raise native from None
+            log.warning("%s natively; serving it through transformers' modeling code (the "
+                        "transformers fallback: slower, one rank)", native)
+            return fallback
         if not wrapper:
             return cfg
         # HF ties a wrapper's output embedding by the wrapper's flag (Mistral3Config's default

@@ -84,6 +84,17 @@ def test_a_native_family_through_the_fallback_equals_native(tmp_path):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
+def test_auto_takes_the_fallback_where_the_native_module_lacks_a_switch(tmp_path, caplog):
+    """Phi-4-mini's shape: a native family (phi3) with partial rotary embeddings."""
+    hf = saved(dict(model_type="phi3", partial_rotary_factor=0.75, pad_token_id=0), tmp_path)
+    with pytest.raises(UnsupportedModelError, match="phi3: partial rotary"):
+        ModelConfig.from_pretrained(tmp_path, "native")
+    outs, cfg = paged(tmp_path, "auto")
+    assert cfg.impl == "transformers"
+    assert "phi3: partial rotary embeddings" in caplog.text
+    assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
+
+
 def test_native_only_refuses_a_family_without_a_module(tmp_path):
     saved(NO_NATIVE["granite"], tmp_path)
     with pytest.raises(UnsupportedModelError, match="unsupported model_type 'granite'"):
