@@ -31,6 +31,9 @@ from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.layers import AttentionMetadata, Ops
 
 IMPLEMENTATION = "pagedserve_paged"
+# the sinks path's scores a slice of query rows (float32): its temporaries stay a few times this
+# at any context length, where a whole 2k-token chunk against 128k keys would take 64 GiB
+SINK_SCORE_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -102,17 +105,20 @@ def _attention_with_sinks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:ctx].float()
         k = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [H, ctx, D]
         v = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        scores = torch.einsum("thd,hkd->htk", q[start:end].float(), k) * scale
-        if logits_soft_cap:
-            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
-        pos = torch.arange(ctx - (end - start), ctx, device=q.device)[:, None]
         keys = torch.arange(ctx, device=q.device)[None, :]
-        hidden = keys > pos
-        if sliding_window:
-            hidden |= keys <= pos - sliding_window
-        scores = scores.masked_fill(hidden, float("-inf"))
-        probs = torch.softmax(torch.cat([scores, sink.expand(-1, end - start, 1)], -1), -1)
-        out[start:end] = torch.einsum("htk,hkd->thd", probs[..., :-1], v).to(q.dtype)
+        rows = max(1, SINK_SCORE_BYTES // (4 * heads * ctx))  # query rows a slice
+        for lo in range(start, end, rows):  # scores of a slice: [H, rows, ctx] float32
+            hi = min(end, lo + rows)
+            scores = torch.einsum("thd,hkd->htk", q[lo:hi].float(), k) * scale
+            if logits_soft_cap:
+                scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+            pos = torch.arange(ctx - end + lo, ctx - end + hi, device=q.device)[:, None]
+            hidden = keys > pos
+            if sliding_window:
+                hidden |= keys <= pos - sliding_window
+            scores = scores.masked_fill(hidden, float("-inf"))
+            probs = torch.softmax(torch.cat([scores, sink.expand(-1, hi - lo, 1)], -1), -1)
+            out[lo:hi] = torch.einsum("htk,hkd->thd", probs[..., :-1], v).to(q.dtype)
     return out
 
 

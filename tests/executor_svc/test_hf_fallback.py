@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagedserve.core.readiness import EXIT_CONFIG
+from pagedserve.executor import hf_fallback
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.loader import build_model
@@ -69,6 +70,14 @@ def test_fallback_equals_hf_across_chunks(family, tmp_path):
     hf = saved(NO_NATIVE[family], tmp_path)
     outs, cfg = paged(tmp_path, "auto")
     assert cfg.impl == "transformers"
+    assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
+
+
+def test_sinks_over_query_slices_equal_hf(tmp_path, monkeypatch):
+    """The sinks path bounds its scores by slicing query rows: slices of one to three rows equal HF."""
+    monkeypatch.setattr(hf_fallback, "SINK_SCORE_BYTES", 4 * 4 * 10 * 3)  # 4 heads, 10 keys
+    hf = saved(NO_NATIVE["gpt_oss"], tmp_path)
+    outs, _ = paged(tmp_path, "auto")
     assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
 
 
