@@ -186,15 +186,17 @@ def balanced(n: int, parts: int, i: int) -> tuple[int, int]:
 
 
 def _saves_lm_head(path: Path) -> bool:
-    """Whether the safetensors in `path` hold an lm_head (of any prefix)."""
-    import json
-
+    """Whether the checkpoint in `path` holds an lm_head (of any prefix)."""
+    import torch
     from safetensors import safe_open
 
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        names = json.loads(index.read_text()).get("weight_map", {})
-    else:
-        names = [n for f in sorted(path.glob("*.safetensors"))
-                 for n in safe_open(str(f), "pt").keys()]  # noqa: SIM118 (not a dict)
+    from pagedserve.executor.loader import CheckpointFilesError, checkpoint_files
+
+    try:
+        files = checkpoint_files(path)
+    except CheckpointFilesError:
+        return False  # the loader says so, with the folder's name
+    names = [n for f in files
+             for n in (torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                       if f.suffix == ".bin" else safe_open(str(f), "pt").keys())]
     return any(n.endswith("lm_head.weight") for n in names)

@@ -62,7 +62,7 @@ from pagedserve.executor.layers import (
     make_linear,
     rope_cos_sin_cache,
 )
-from pagedserve.executor.loader import iter_safetensors
+from pagedserve.executor.loader import CheckpointFilesError, iter_checkpoint
 from pagedserve.executor.model import CausalLM
 from pagedserve.executor.transfer import to_device
 
@@ -108,15 +108,10 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     the prefixes heads are saved under taken off (model., midlayer. as layers.0.)."""
     out: dict[str, torch.Tensor] = {}
     try:
-        if any(path.glob("*.safetensors")):
-            out = dict(iter_safetensors(path))
-        elif (path / "pytorch_model.bin").exists():
-            out = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        else:
-            raise DraftModelError(f"--speculative-config: no *.safetensors or "
-                                  f"pytorch_model.bin in the EAGLE head {path}")
-    except DraftModelError:
-        raise
+        out = dict(iter_checkpoint(path))
+    except CheckpointFilesError:
+        raise DraftModelError(f"--speculative-config: no *.safetensors or "
+                              f"pytorch_model*.bin in the EAGLE head {path}") from None
     except Exception as e:  # a corrupt or truncated file: one line, not a traceback
         raise DraftModelError(f"--speculative-config: the EAGLE head {path} cannot be read "
                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None

@@ -16,11 +16,38 @@ from pagedserve.executor.quantization import Fp8Linear, QuantConfig, convert_che
 RANDOM_SCALE = 0.02 / 4.6  # random 4-bit weights spread like the N(0, 0.02) float ones
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    for f in files:
+class CheckpointFilesError(FileNotFoundError):
+    """A model folder with no weights in a format the loader reads."""
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The weight files of the HF checkpoint in `path`: its *.safetensors, else its
+    pytorch_model*.bin. Where an index (model.safetensors.index.json,
+    pytorch_model.bin.index.json) names the shards, only those: a folder downloaded whole may
+    also hold the same weights in another layout (Mistral's consolidated.safetensors beside
+    model-0000N-of-0000M.safetensors), which would load twice or under foreign names. Without
+    an index, consolidated*.safetensors is left out where other safetensors are there."""
+    import json
+
+    for pattern, index in (("*.safetensors", "model.safetensors.index.json"),
+                           ("pytorch_model*.bin", "pytorch_model.bin.index.json")):
+        files = sorted(path.glob(pattern))
+        if files and (path / index).exists():
+            named = set(json.loads((path / index).read_text()).get("weight_map", {}).values())
+            files = [f for f in files if f.name in named]
+        elif any(not f.name.startswith("consolidated") for f in files):
+            files = [f for f in files if not f.name.startswith("consolidated")]
+        if files:
+            return files
+    raise CheckpointFilesError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+
+
+def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of the checkpoint in `path` by name (checkpoint_files picks the files)."""
+    for f in checkpoint_files(path):
+        if f.suffix == ".bin":  # tensors only (no pickled code), memory-mapped
+            yield from torch.load(f, map_location="cpu", weights_only=True, mmap=True).items()
+            continue
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 yield name, st.get_tensor(name)
@@ -77,9 +104,9 @@ def build_model(
             else:
                 p.data.normal_(0.0, 0.02, generator=gen)
     elif quant is not None:
-        model.load_weights(convert_checkpoint(iter_safetensors(weights_dir), quant))
+        model.load_weights(convert_checkpoint(iter_checkpoint(weights_dir), quant))
     else:
-        model.load_weights(iter_safetensors(weights_dir))
+        model.load_weights(iter_checkpoint(weights_dir))
     for m in model.modules():
         if isinstance(m, Fp8Linear):
             m.finish_loading()

@@ -28,6 +28,7 @@ from pagedserve.core.readiness import EXIT_CONFIG, mark_ready
 from pagedserve.executor.draft import DraftModelError
 from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.jit_watch import JitWatch
+from pagedserve.executor.loader import CheckpointFilesError
 from pagedserve.executor.lora import LoraError
 from pagedserve.executor.profiling import StepProfiler
 from pagedserve.executor.quantization.config import QuantizationError
@@ -363,7 +364,7 @@ def run(args: argparse.Namespace) -> None:
             group.lead(worker)
         worker.warm_up()
     except (MemoryBudgetError, DraftModelError, LoraError, UnsupportedModelError,
-            QuantizationError) as e:
+            QuantizationError, CheckpointFilesError) as e:
         # the same settings fail the same way: no restart
         print(f"pagedserve executor: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)

@@ -74,7 +74,8 @@ def test_fallback_equals_hf_across_chunks(family, tmp_path):
 
 
 def test_sinks_over_query_slices_equal_hf(tmp_path, monkeypatch):
-    """The sinks path bounds its scores by slicing query rows: slices of one to three rows equal HF."""
+    """The sinks path bounds its scores by slicing query rows: slices of one to three rows
+    equal HF."""
     monkeypatch.setattr(hf_fallback, "SINK_SCORE_BYTES", 4 * 4 * 10 * 3)  # 4 heads, 10 keys
     hf = saved(NO_NATIVE["gpt_oss"], tmp_path)
     outs, _ = paged(tmp_path, "auto")

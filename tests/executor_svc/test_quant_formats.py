@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagedserve.executor.config import ModelConfig
-from pagedserve.executor.loader import build_model, iter_safetensors
+from pagedserve.executor.loader import build_model, iter_checkpoint
 from pagedserve.executor.quantization import (
     QuantizationError,
     convert_checkpoint,
@@ -179,7 +179,7 @@ def test_random_weights_of_a_float_config_take_an_explicit_method(tmp_path):
 
 def test_mismatched_g_idx_in_fused_qkv_is_refused(tmp_path):
     hf, qdir = _quantized_tiny(tmp_path, "gptq", 32, act_order=True)
-    tensors = dict(iter_safetensors(qdir))
+    tensors = dict(iter_checkpoint(qdir))
     name = "model.layers.0.self_attn.k_proj.g_idx"
     tensors[name] = tensors[name].flip(0).contiguous()  # still valid alone, differs from q's
     save_file(tensors, qdir / "model.safetensors")
@@ -195,7 +195,7 @@ def test_permuted_g_idx_without_desc_act_is_refused(tmp_path):
     config["quantization_config"]["desc_act"] = False
     (qdir / "config.json").write_text(json.dumps(config))
     with pytest.raises(QuantizationError, match="desc_act is false"):
-        list(convert_checkpoint(iter_safetensors(qdir), resolve_quantization(qdir)))
+        list(convert_checkpoint(iter_checkpoint(qdir), resolve_quantization(qdir)))
 
 
 def test_writers_match_quantization_config_keys():

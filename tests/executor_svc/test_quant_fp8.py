@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagedserve.executor.config import ModelConfig
-from pagedserve.executor.loader import build_model, iter_safetensors
+from pagedserve.executor.loader import build_model, iter_checkpoint
 from pagedserve.executor.quantization import QuantizationError, resolve_quantization
 from pagedserve.executor.quantization.fp8 import LINEARS
 from pagedserve.kernels import get_ops
@@ -255,7 +255,7 @@ def test_invalid_fp8_configs_are_refused_with_reason(tmp_path, qc, requested, ma
 def test_checkpoint_tensors_are_checked(tmp_path):
     hf = float_model(tmp_path)
     write_fp8(hf, tmp_path, {"quant_method": "fp8"})
-    tensors = dict(iter_safetensors(tmp_path))
+    tensors = dict(iter_checkpoint(tmp_path))
     name = "model.layers.1.mlp.up_proj.weight"
     save_file({**tensors, name: tensors[name].float().bfloat16()}, tmp_path / "model.safetensors")
     with pytest.raises(QuantizationError, match=f"{name} is torch.bfloat16; an FP8 checkpoint"):
