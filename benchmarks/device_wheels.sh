@@ -21,7 +21,7 @@ if [ "${1:-}" != --self ]; then
     grpcio-reflection==1.85.1 gguf==0.19.0 prometheus-client==0.26.0 starlette==1.10.0 \
     uvicorn==0.54.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
     typing-inspection==0.4.5 anyio==4.16.0 h11==0.16.0 click==8.5.1 idna==3.20 \
-    sniffio==1.3.1 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+    sniffio==1.3.1 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 sentencepiece==0.2.3
   for w in .whl/grpcio-[0-9]*.whl; do  # one grpcio: the one just fetched
     [[ $w == *"grpcio-$grpc-"* ]] || rm -f "$w"
   done

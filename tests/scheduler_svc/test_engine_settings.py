@@ -38,6 +38,27 @@ def test_another_tokenizer_class_goes_through_autotokenizer(model_dir, tokenizer
     assert mine("Hello, world!").input_ids == tokenizer("Hello, world!").input_ids
 
 
+def test_a_sentencepiece_only_tokenizer_loads(tmp_path):
+    """Checkpoints of Llama 2's generation and Mistral 7B v0.1's era may ship tokenizer.model
+    alone: read through sentencepiece (a dependency), it encodes as sentencepiece does."""
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"the quick brown fox {i} jumps over the lazy dog\n"
+                              for i in range(200)))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"),
+                                   vocab_size=60, model_type="bpe", minloglevel=2)
+    (tmp_path / "tokenizer.vocab").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>"}))
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    mine = auto_tokenizer(tmp_path)
+    text = "the lazy fox jumps over 7 quick dogs"
+    assert mine.encode(text, add_special_tokens=False) == sp.encode(text)
+    assert mine.decode(sp.encode(text)) == sp.decode(sp.encode(text))
+    assert mine.eos_token_id == sp.eos_id() == 2
+
+
 def test_the_tokenizer_and_the_context_length_load_without_torch(model_dir):
     """AutoTokenizer and AutoConfig import torch (2-3 s of CPU and ~250 MB in every engine
     core and API process); neither path that serves the default model does."""
