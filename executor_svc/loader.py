@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,10 @@ from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.model import CausalLM, Ops
 from pagedserve.executor.moe import SparseMoe
 from pagedserve.executor.quantization import Fp8Linear, QuantConfig, convert_checkpoint
+from pagedserve.executor.quantization.config import block_fp8_size, read_quantization_config
+from pagedserve.executor.quantization.fp8 import dequantize_blocks
+
+log = logging.getLogger("pagedserve.executor")
 
 RANDOM_SCALE = 0.02 / 4.6  # random 4-bit weights spread like the N(0, 0.02) float ones
 
@@ -103,10 +108,14 @@ def build_model(
                 p.data.copy_(torch.arange(p.numel(), device=device))
             else:
                 p.data.normal_(0.0, 0.02, generator=gen)
-    elif quant is not None:
-        model.load_weights(convert_checkpoint(iter_checkpoint(weights_dir), quant))
     else:
-        model.load_weights(iter_checkpoint(weights_dir))
+        weights = iter_checkpoint(weights_dir)
+        block = block_fp8_size(read_quantization_config(weights_dir))
+        if block is not None:  # a block-wise FP8 checkpoint: float from here on
+            log.info("block-wise FP8 weights (blocks of %d x %d) dequantized at load%s",
+                     *block, ", then quantized per output channel" if quant else "")
+            weights = dequantize_blocks(weights, block)
+        model.load_weights(convert_checkpoint(weights, quant) if quant else weights)
     for m in model.modules():
         if isinstance(m, Fp8Linear):
             m.finish_loading()

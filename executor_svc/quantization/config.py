@@ -72,6 +72,9 @@ def resolve_quantization(model_dir: str | Path, requested: str = "auto",
                                 f"quantization_config says {found!r}")
     if found == "fp8":
         method = str(qc.get("quant_method")).lower()
+        if method == "fp8" and block_fp8_size(qc):  # dequantized at load (loader.py): served
+            # in float, or quantized again per output channel with --quantization fp8
+            return QuantConfig("fp8", 0) if requested == "fp8" else None
         return parse_fp8(qc) if method == "fp8" else parse_compressed_tensors(qc)
     if found not in ("awq", "gptq"):
         raise QuantizationError(f"quant_method {found!r} is not supported (awq, gptq, fp8, "
@@ -121,12 +124,27 @@ def _parse(method: str, qc: dict[str, Any]) -> QuantConfig:
 _IGNORABLE = ("lm_head",)  # stays float here anyway
 
 
+def block_fp8_size(qc: dict[str, Any] | None) -> tuple[int, int] | None:
+    """The [rows, columns] of a block-wise FP8 checkpoint's weight scales (quant_method fp8
+    with weight_block_size, as Qwen3's and DeepSeek's FP8 releases: weight e4m3 [N, K] and
+    weight_scale_inv float32 [ceil(N / rows), ceil(K / columns)]), else None."""
+    if not qc or str(qc.get("quant_method", "")).lower() != "fp8":
+        return None
+    block = qc.get("weight_block_size")
+    if not block:
+        return None
+    if (not isinstance(block, list | tuple) or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise QuantizationError(f"fp8: weight_block_size {block!r} is not two positive ints")
+    fmt = str(qc.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise QuantizationError(f"fp8: fmt {fmt!r} is not supported (e4m3)")
+    return int(block[0]), int(block[1])
+
+
 def parse_fp8(qc: dict[str, Any]) -> QuantConfig:
-    """config.json's quantization_config with quant_method fp8."""
-    if qc.get("weight_block_size"):
-        raise QuantizationError(f"fp8: block-wise weight scales (weight_block_size "
-                                f"{qc['weight_block_size']}) are not supported (per tensor or "
-                                "per channel)")
+    """config.json's quantization_config with quant_method fp8 (scales per tensor or per
+    output channel; block-wise scales: block_fp8_size)."""
     fmt = str(qc.get("fmt", "e4m3")).lower()
     if fmt != "e4m3":
         raise QuantizationError(f"fp8: fmt {fmt!r} is not supported (e4m3)")

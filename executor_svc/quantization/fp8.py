@@ -69,6 +69,42 @@ def convert_fp8(weights: Iterable[tuple[str, torch.Tensor]],
                                     f"{', '.join(sorted(needed - parts))}")
 
 
+def dequantize_blocks(weights: Iterable[tuple[str, torch.Tensor]],
+                      block: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A block-wise FP8 checkpoint's tensors as a float one's: each e4m3 `weight` times its
+    `weight_scale_inv` (one float32 per block of rows x columns), in float32, experts
+    included; activation scales (dynamic in these checkpoints) are dropped. A module's two
+    parts may arrive in any order (and any file)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        module, _, part = name.rpartition(".")
+        if part == "weight_scale_inv" or (part == "weight" and tensor.dtype == FP8):
+            parts = pending.setdefault(module, {})
+            parts[part] = tensor
+            if len(parts) == 2:
+                del pending[module]
+                yield f"{module}.weight", _dequantized(module, parts, block)
+        elif part != "input_scale":
+            yield name, tensor
+    for module, parts in pending.items():
+        raise QuantizationError(f"{module}: a block-wise FP8 checkpoint holds its "
+                                f"{', '.join(parts)} without the "
+                                f"{'weight_scale_inv' if 'weight' in parts else 'e4m3 weight'}")
+
+
+def _dequantized(module: str, parts: dict[str, torch.Tensor],
+                 block: tuple[int, int]) -> torch.Tensor:
+    codes, scale = parts["weight"], parts["weight_scale_inv"].float()
+    rows, cols = codes.shape[-2:]
+    want = (-(-rows // block[0]), -(-cols // block[1]))
+    if codes.dim() != 2 or tuple(scale.shape) != want:
+        raise QuantizationError(f"{module}: weight_scale_inv of shape {tuple(scale.shape)} for "
+                                f"a weight of {tuple(codes.shape)} in blocks of {list(block)}; "
+                                f"expected {list(want)}")
+    scale = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return codes.float() * scale
+
+
 def _flat_scale(name: str, t: torch.Tensor) -> torch.Tensor:
     if t.dim() > 2 or (t.dim() == 2 and t.shape[1] != 1):
         raise QuantizationError(f"{name}: scale of shape {tuple(t.shape)}; expected one per "

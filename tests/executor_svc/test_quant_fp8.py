@@ -225,8 +225,57 @@ def _config(tmp_path, qc):
     return tmp_path
 
 
+def write_block_fp8(hf, path, block) -> dict[str, torch.Tensor]:
+    """hf's decoder linears as a block-wise FP8 checkpoint (Qwen3's FP8 releases' layout:
+    e4m3 weight, weight_scale_inv [ceil(N / rows), ceil(K / columns)], one amax / 448 a
+    block); returns the dequantized weights."""
+    tensors, dequantized = {}, {}
+    for name, t in hf.state_dict().items():
+        module = name.rpartition(".")[0]
+        if module.rpartition(".")[2] not in LINEARS:
+            tensors[name] = t.contiguous()
+            continue
+        rows, cols = t.shape
+        pad = torch.zeros(-(-rows // block[0]) * block[0], -(-cols // block[1]) * block[1])
+        pad[:rows, :cols] = t.abs()
+        amax = pad.reshape(pad.shape[0] // block[0], block[0], -1, block[1]).amax((1, 3))
+        scale = amax / FP8_MAX
+        wide = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)
+        codes = (t / wide[:, :cols]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        tensors[name], tensors[f"{module}.weight_scale_inv"] = codes, scale
+        dequantized[name] = codes.float() * wide[:, :cols]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic", "weight_block_size": block}
+    (path / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+@pytest.mark.parametrize("block", [[128, 128], [16, 48]])
+def test_block_wise_fp8_is_served_dequantized(tmp_path, block):
+    """Blocks wider than the weight (128 over 64 columns) and not dividing it (48): served in
+    float by default, equal to HF running the dequantized weights; with --quantization fp8
+    quantized again per output channel."""
+    hf = float_model(tmp_path)
+    dequantized = write_block_fp8(hf, tmp_path, block)
+    hf.load_state_dict(dequantized, strict=False)
+    with torch.no_grad():
+        want = hf(torch.tensor([SEQ])).logits[0, -1]
+    assert resolve_quantization(tmp_path) is None
+    _, got = ours(tmp_path)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    model, _ = ours(tmp_path, "fp8")
+    lin = model.layers[0].mlp.down_proj
+    codes, scale = quantize_weight(dequantized["model.layers.0.mlp.down_proj.weight"])
+    assert torch.equal(lin.weight.view(torch.uint8), codes.view(torch.uint8))
+    torch.testing.assert_close(lin.weight_scale, scale)
+
+
 @pytest.mark.parametrize("qc,requested,match", [
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "auto", "block-wise"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "auto", "not two positive ints"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "auto",
+     "'e5m2'"),
     ({"quant_method": "fp8", "activation_scheme": "sometimes"}, "auto", "'sometimes'"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "auto", "'e5m2'"),
     ({"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.down_proj"]}, "auto",
