@@ -13,7 +13,11 @@ from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.model import CausalLM, Ops
 from pagedserve.executor.moe import SparseMoe
 from pagedserve.executor.quantization import Fp8Linear, QuantConfig, convert_checkpoint
-from pagedserve.executor.quantization.config import block_fp8_size, read_quantization_config
+from pagedserve.executor.quantization.config import (
+    QuantizationError,
+    block_fp8_size,
+    read_quantization_config,
+)
 from pagedserve.executor.quantization.fp8 import dequantize_blocks
 
 log = logging.getLogger("pagedserve.executor")
@@ -75,8 +79,10 @@ def build_model(
     if cfg.impl == "transformers":
         from pagedserve.executor.hf_fallback import TransformersLM
 
-        if quant is not None:
-            raise ValueError("the transformers fallback serves unquantized weights only")
+        if quant is not None or (weights_dir is not None and block_fp8_size(
+                read_quantization_config(weights_dir))):
+            raise QuantizationError(f"{cfg.model_type} runs through the transformers fallback, "
+                                    f"which serves unquantized checkpoints only")
         return TransformersLM.build(cfg, ops, dtype, device, weights_dir, seed)
     with torch.device("meta"):
         model = CausalLM(cfg, ops, max_pos, quant)

@@ -15,6 +15,7 @@ from pagedserve.executor import hf_fallback
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.loader import build_model
+from pagedserve.executor.quantization import QuantizationError
 from pagedserve.kernels import get_ops
 from tests.executor_svc.test_model import TINY, assert_paged_equals_hf, run_paged
 
@@ -116,6 +117,16 @@ def test_fallback_refuses_what_it_would_get_wrong(family, tmp_path):
     config, reason = REFUSED[family]
     saved(config, tmp_path)
     with pytest.raises(UnsupportedModelError, match=reason):
+        paged(tmp_path, "auto")
+
+
+def test_the_fallback_refuses_a_quantized_checkpoint(tmp_path):
+    """Block-wise FP8 (which native modules dequantize at load) included."""
+    from tests.executor_svc.test_quant_fp8 import write_block_fp8
+
+    write_block_fp8(saved(NO_NATIVE["granite"], tmp_path), tmp_path, [16, 16])
+    with pytest.raises(QuantizationError, match="granite runs through the transformers "
+                                                "fallback, which serves unquantized"):
         paged(tmp_path, "auto")
 
 
