@@ -189,6 +189,13 @@ def _run(args: argparse.Namespace) -> int:
             lora_config(args)
         except ValueError as e:
             raise SystemExit(f"pagedserve {args.command}: {e}") from None
+    if getattr(args, "chat_template", ""):  # a bad template fails at once, not per request
+        from pagedserve.core.chat_template import ChatTemplateError, read_chat_template
+
+        try:
+            read_chat_template(args.chat_template)
+        except ChatTemplateError as e:
+            raise SystemExit(f"pagedserve {args.command}: {e}") from None
     if args.command in ("serve", "scheduler", "engine", "api", "executor"):
         # before the server modules' imports (seconds): a bad --model fails at once; and serve
         # converts a GGUF here once, before two processes race for it

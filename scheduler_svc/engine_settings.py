@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pagedserve.core.chat_template import read_chat_template
 from pagedserve.core.link_security import (
     LinkSecurityError,
     allowed_keys,
@@ -73,10 +74,13 @@ log = logging.getLogger("pagedserve.scheduler")
 
 async def load_tokenizer(args: argparse.Namespace) -> tuple[Path, Any]:
     """--model's directory and the tokenizer (--tokenizer's, else the model's), loaded off
-    the event loop."""
+    the event loop, with --chat-template's template where one is given."""
     model_dir = resolve_model(args.model)
     tokenizer_dir = resolve_model(args.tokenizer) if args.tokenizer else model_dir
-    return model_dir, await asyncio.to_thread(auto_tokenizer, Path(tokenizer_dir))
+    tokenizer = await asyncio.to_thread(auto_tokenizer, Path(tokenizer_dir))
+    if getattr(args, "chat_template", ""):
+        tokenizer.chat_template = read_chat_template(args.chat_template)
+    return model_dir, tokenizer
 
 
 GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")

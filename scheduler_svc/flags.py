@@ -60,6 +60,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default="",
                    help="directory of the tokenizer (empty: --model's); e.g. for a config-only "
                         "directory served with --load-format random")
+    p.add_argument("--chat-template", default="",
+                   help="Jinja chat template replacing the tokenizer's: a file's path, or the "
+                        "template itself (a value with {, } or a newline); empty: the "
+                        "tokenizer's own")
     p.add_argument("--served-model-name", default="",
                    help="model name in GetModelInfo and the metrics' model_name label "
                         "(empty: --model)")
