@@ -190,7 +190,7 @@ def _saves_lm_head(path: Path) -> bool:
     import torch
     from safetensors import safe_open
 
-    from pagedserve.executor.loader import CheckpointFilesError, checkpoint_files
+    from pagedserve.executor.checkpoint import CheckpointFilesError, checkpoint_files
 
     try:
         files = checkpoint_files(path)

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedserve.executor.checkpoint import CheckpointFilesError, iter_checkpoint
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.cuda_graphs import capture_graphs, capture_sizes
 from pagedserve.executor.draft import DraftModelError, pass_grid
@@ -62,7 +63,6 @@ from pagedserve.executor.layers import (
     make_linear,
     rope_cos_sin_cache,
 )
-from pagedserve.executor.loader import CheckpointFilesError, iter_checkpoint
 from pagedserve.executor.model import CausalLM
 from pagedserve.executor.transfer import to_device
 

@@ -25,10 +25,10 @@ from pagedserve.core.link_security import (
     load_public_key,
 )
 from pagedserve.core.readiness import EXIT_CONFIG, mark_ready
+from pagedserve.executor.checkpoint import CheckpointFilesError
 from pagedserve.executor.draft import DraftModelError
 from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.jit_watch import JitWatch
-from pagedserve.executor.loader import CheckpointFilesError
 from pagedserve.executor.lora import LoraError
 from pagedserve.executor.profiling import StepProfiler
 from pagedserve.executor.quantization.config import QuantizationError

@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pagedserve.executor.checkpoint import iter_checkpoint
 from pagedserve.executor.config import ModelConfig
-from pagedserve.executor.loader import build_model, iter_checkpoint
+from pagedserve.executor.loader import build_model
 from pagedserve.executor.quantization import QuantizationError, resolve_quantization
 from pagedserve.executor.quantization.fp8 import LINEARS
 from pagedserve.kernels import get_ops

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pagedserve.executor.loader import CheckpointFilesError, checkpoint_files
+from pagedserve.executor.checkpoint import CheckpointFilesError, checkpoint_files
 from tests.executor_svc.test_hf_fallback import CHUNKS, SEQS, paged, saved
 from tests.executor_svc.test_model import assert_paged_equals_hf
 
