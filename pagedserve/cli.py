@@ -199,7 +199,20 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in ("serve", "scheduler", "engine", "api", "executor"):
         # before the server modules' imports (seconds): a bad --model fails at once; and serve
         # converts a GGUF here once, before two processes race for it
-        resolve_model(args.model)
+        model_dir = resolve_model(args.model)
+        if args.command in ("serve", "scheduler", "api"):  # a bad one fails at once
+            from pagedserve.scheduler.api.sampling_defaults import (
+                GenerationConfigError,
+                sampling_defaults,
+            )
+
+            try:
+                defaults = sampling_defaults(args.generation_config, Path(model_dir))
+            except GenerationConfigError as e:
+                raise SystemExit(f"pagedserve {args.command}: {e}") from None
+            if defaults.describe() and args.command != "api":  # (serve's API processes: once)
+                log.info("sampling defaults of the model for what a request leaves unset: %s "
+                         "(--generation-config vllm: none)", defaults.describe())
     if args.command == "scheduler":
         from pagedserve.scheduler.api.server import run
 

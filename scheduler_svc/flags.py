@@ -64,6 +64,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Jinja chat template replacing the tokenizer's: a file's path, or the "
                         "template itself (a value with {, } or a newline); empty: the "
                         "tokenizer's own")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for what a request leaves unset (temperature, "
+                        "top_p, top_k, min_p, repetition_penalty, max_tokens): auto (the "
+                        "model's generation_config.json, as vLLM), vllm (none: the APIs' own), "
+                        "or a folder holding a generation_config.json")
     p.add_argument("--served-model-name", default="",
                    help="model name in GetModelInfo and the metrics' model_name label "
                         "(empty: --model)")

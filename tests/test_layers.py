@@ -128,7 +128,7 @@ HTTP_API = {"openai_api", "openai_errors", "openai_logprobs", "openai_protocol",
             "openai_responses", "openai_tools", "http_metrics", "http_server"}
 GRPC_API = {"servicer", "errors", "reflection", "rpc_metrics"}
 SHARED_API = {"frontend", "generation_input", "inputs", "chat", "tools", "parallel", "streams",
-              "detokenizer", "tenants"}
+              "detokenizer", "tenants", "sampling_defaults"}
 BOTH_API = {"server", "tls"}
 # the public API's request messages (generate.proto) whose names are theirs alone
 GRPC_REQUESTS = {"GenerateRequest", "TokenizeRequest", "GetModelInfoRequest", "SamplingParams",

@@ -17,6 +17,7 @@ from pagedserve.core.memory import TrimAfterBurst
 from pagedserve.scheduler.api.generation_input import GenerationInput, Prompt, Tokens
 from pagedserve.scheduler.api.inputs import InputProcessor, Limits, validate
 from pagedserve.scheduler.api.parallel import submit_parallel
+from pagedserve.scheduler.api.sampling_defaults import SamplingDefaults
 from pagedserve.scheduler.api.streams import Chunk, OutputProcessor, RequestStream
 from pagedserve.scheduler.api.tenants import Admission, Tenant, Tenants
 from pagedserve.scheduler.engine_io import EngineError, EngineRequest
@@ -114,9 +115,12 @@ class CallBatch:
 
 class Frontend:
     def __init__(self, outputs: OutputProcessor, inputs: InputProcessor,
-                 tenants: Tenants | None = None) -> None:
-        """tenants: API keys and what each tenant may ask for; None: open to everyone."""
+                 tenants: Tenants | None = None,
+                 defaults: SamplingDefaults = SamplingDefaults()) -> None:
+        """tenants: API keys and what each tenant may ask for; None: open to everyone.
+        defaults: the model's sampling defaults (--generation-config)."""
         self.outputs, self.client = outputs, outputs.client
+        self.defaults = defaults
         self.inputs = inputs
         self.tenants = tenants
         self.trim = TrimAfterBurst()
@@ -172,7 +176,8 @@ class Frontend:
         info = self.client.model_info()
         if info is None:
             raise EngineError("UNAVAILABLE", NO_EXECUTOR)
-        return Limits(max_model_len=info.max_model_len, vocab_size=info.vocab_size)
+        return Limits(max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                      defaults=self.defaults)
 
     async def tokenized(self, work: Callable[[Prompt], _Out], prompt: Prompt,
                         max_model_len: int | None) -> _Out:

@@ -81,7 +81,7 @@ class Sampling:
 
     max_tokens: int | None = None  # None: up to max_model_len
     temperature: float | None = None
-    top_k: int = 0  # 0: off
+    top_k: int | None = None  # 0: off; None: the model's default (sampling_defaults.py), else off
     top_p: float | None = None
     seed: int | None = None  # unsigned 64-bit
     stop: tuple[str, ...] = ()  # stop strings, matched by the front end

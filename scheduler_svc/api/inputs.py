@@ -23,6 +23,7 @@ from pagedserve.scheduler.api.generation_input import (
     Tokens,
     prompt_field,
 )
+from pagedserve.scheduler.api.sampling_defaults import SamplingDefaults
 from pagedserve.scheduler.api.tools import call_dicts, tool_dicts
 from pagedserve.scheduler.invalid import InvalidRequest
 from pagedserve.scheduler.request import Constraint, GenerationParams
@@ -40,6 +41,7 @@ MAX_CHOICES = 1024  # strings of a choice constraint
 class Limits:
     max_model_len: int
     vocab_size: int
+    defaults: SamplingDefaults = SamplingDefaults()  # the model's, for what a request leaves
 
 
 BYTES_PER_TOKEN_BOUND = 32  # no tokenizer here averages more bytes per token than this
@@ -138,7 +140,9 @@ def validate(request: GenerationInput, prompt: list[int], limits: Limits) -> Gen
         raise InvalidRequest("token_ids",
                              f"{bad} is outside the vocabulary [0, {limits.vocab_size})")
     s = request.sampling
-    max_tokens = room
+    d = limits.defaults
+    max_tokens = room if d.max_tokens is None or s.max_tokens is not None else min(
+        d.max_tokens, room)
     if s.max_tokens is not None:
         if s.max_tokens < 1:
             raise InvalidRequest("sampling.max_tokens", f"must be >= 1, got {s.max_tokens}")
@@ -147,14 +151,15 @@ def validate(request: GenerationInput, prompt: list[int], limits: Limits) -> Gen
                                  f"{s.max_tokens} with a {len(prompt)}-token prompt exceeds "
                                  f"max_model_len {limits.max_model_len}; at most {room} allowed")
         max_tokens = s.max_tokens
-    temperature = 1.0 if s.temperature is None else _f32(s.temperature)
+    temperature = _f32(_first(s.temperature, d.temperature, 1.0))
     if not (math.isfinite(temperature) and temperature >= 0):
         raise InvalidRequest("sampling.temperature", f"must be >= 0, got {temperature}")
-    top_p = 1.0 if s.top_p is None else _f32(s.top_p)
+    top_p = _f32(_first(s.top_p, d.top_p, 1.0))
     if not (0 < top_p <= 1):
         raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {top_p}")
-    if s.top_k < 0:
-        raise InvalidRequest("sampling.top_k", f"must be >= 0 (0 disables), got {s.top_k}")
+    top_k = _first(s.top_k, d.top_k, 0)
+    if top_k < 0:
+        raise InvalidRequest("sampling.top_k", f"must be >= 0 (0 disables), got {top_k}")
     if len(s.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
     for stop in s.stop:
@@ -164,11 +169,17 @@ def validate(request: GenerationInput, prompt: list[int], limits: Limits) -> Gen
         if not 0 <= t < limits.vocab_size:
             raise InvalidRequest("sampling.stop_token_ids", f"{t} is outside the vocabulary")
     return GenerationParams(
-        max_tokens=max_tokens, temperature=temperature, top_k=s.top_k, top_p=top_p,
+        max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=s.seed, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos, skip_special_tokens=not s.include_special_tokens,
         **_extras(s, max_tokens, limits),
     )
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is not None (the request's, the model's default, the API's),
+    else None."""
+    return next((v for v in values if v is not None), None)
 
 
 def _extras(s: Sampling, max_tokens: int, limits: Limits) -> dict[str, Any]:
@@ -180,13 +191,13 @@ def _extras(s: Sampling, max_tokens: int, limits: Limits) -> dict[str, Any]:
             if not -2.0 <= v <= 2.0:
                 raise InvalidRequest(f"sampling.{name}", f"must be in [-2, 2], got {v}")
             extras[name] = v
-    if s.repetition_penalty is not None:
-        v = _f32(s.repetition_penalty)
+    if (r := _first(s.repetition_penalty, limits.defaults.repetition_penalty, None)) is not None:
+        v = _f32(r)
         if not (math.isfinite(v) and v > 0):
             raise InvalidRequest("sampling.repetition_penalty", f"must be > 0, got {v}")
         extras["repetition_penalty"] = v
-    if s.min_p is not None:
-        v = _f32(s.min_p)
+    if (m := _first(s.min_p, limits.defaults.min_p, None)) is not None:
+        v = _f32(m)
         if not 0.0 <= v <= 1.0:
             raise InvalidRequest("sampling.min_p", f"must be in [0, 1], got {v}")
         extras["min_p"] = v

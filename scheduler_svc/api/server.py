@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,6 +36,7 @@ from pagedserve.scheduler.api.http_server import HTTPServer, http_server
 from pagedserve.scheduler.api.inputs import InputProcessor
 from pagedserve.scheduler.api.openai_api import OpenAIApp
 from pagedserve.scheduler.api.rpc_metrics import RpcMetrics
+from pagedserve.scheduler.api.sampling_defaults import sampling_defaults
 from pagedserve.scheduler.api.servicer import GenerationServicer
 from pagedserve.scheduler.api.streams import OutputProcessor
 from pagedserve.scheduler.api.tenants import Tenants, TenantsError
@@ -109,7 +111,8 @@ async def serve(args: argparse.Namespace) -> None:
                     on_readiness=on_readiness, async_scheduling=args.async_scheduling,
                     refuse_when_unready=args.refuse_when_unready)
     # the front ends, side by side on one engine client
-    _, server, http = _front_ends(args, EngineClient(engine), tokenizer, model_len, tenants,
+    _, server, http = _front_ends(args, EngineClient(engine), tokenizer, model_dir, model_len,
+                                  tenants,
                                   tls, metrics, health_servicer)
     if tenants is None:
         log.warning("no --api-keys: the API is open to anyone who reaches %s:%d", args.host,
@@ -182,7 +185,8 @@ async def serve_api(args: argparse.Namespace) -> None:
                                 link_timeout_s=args.executor_link_timeout_s,
                                 on_readiness=on_readiness, key=key,
                                 engine_public_key=engine_public)
-    outputs, server, http = _front_ends(args, client, tokenizer, model_len, tenants, tls,
+    outputs, server, http = _front_ends(args, client, tokenizer, model_dir, model_len, tenants,
+                                        tls,
                                         metrics, health_servicer, reuse_port=True)
     await health_servicer.set(LIVENESS, SERVING)
     await health_servicer.set(SERVICE, NOT_SERVING)  # until the engine core says it serves
@@ -238,7 +242,7 @@ def _readiness_setter(health_servicer: HealthServicer, loop: asyncio.AbstractEve
     return on_readiness
 
 
-def _front_ends(args: argparse.Namespace, client, tokenizer, model_len: int,
+def _front_ends(args: argparse.Namespace, client, tokenizer, model_dir: Path, model_len: int,
                 tenants: Tenants | None, tls: CertificateFiles | None, metrics: Metrics,
                 health_servicer: HealthServicer, reuse_port: bool = False,
                 ) -> tuple[OutputProcessor, grpc.aio.Server, HTTPServer | None]:
@@ -247,7 +251,7 @@ def _front_ends(args: argparse.Namespace, client, tokenizer, model_len: int,
     model_name = args.served_model_name or args.model
     outputs = OutputProcessor(client, tokenizer, args.stream_interval)
     frontend = Frontend(outputs, InputProcessor(tokenizer, args.max_input_bytes, model_len),
-                        tenants)
+                        tenants, sampling_defaults(args.generation_config, model_dir))
     server = grpc_server(RpcMetrics(metrics.rpcs, model_name), reuse_port=reuse_port)
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, model_name),
                                                        server)

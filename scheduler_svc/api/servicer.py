@@ -98,7 +98,7 @@ def _sampling(s: api.SamplingParams) -> Sampling:
         return getattr(s, name) if s.HasField(name) else None
 
     return Sampling(
-        max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_k=s.top_k,
+        max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_k=opt("top_k"),
         top_p=opt("top_p"), seed=opt("seed"), stop=tuple(s.stop),
         stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
         include_special_tokens=s.include_special_tokens,

@@ -3,6 +3,7 @@ import pytest
 from pagedserve.protos.v1 import generate_pb2 as api
 from pagedserve.scheduler.api.inputs import InputProcessor, InvalidRequest, Limits
 from pagedserve.scheduler.api.inputs import validate as validate_input
+from pagedserve.scheduler.api.sampling_defaults import SamplingDefaults
 from pagedserve.scheduler.api.servicer import generation_input, prompt_of
 
 LIMITS = Limits(max_model_len=100, vocab_size=1000)
@@ -27,6 +28,24 @@ def test_defaults():
     p = validate(request(), [1, 2, 3], LIMITS)
     assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.seed) == (97, 1.0, 0, 1.0, None)
     assert p.skip_special_tokens and not p.ignore_eos
+
+
+def test_the_models_defaults_fill_what_a_request_leaves_unset():
+    """--generation-config's values (a request's own win, 0 and 1.0 included); max_tokens
+    from max_new_tokens, bounded by the room the prompt leaves."""
+    model = Limits(max_model_len=100, vocab_size=1000, defaults=SamplingDefaults(
+        temperature=0.6, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1,
+        max_tokens=7))
+    p = validate(request(), [1, 2, 3], model)
+    assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty) == (
+        7, pytest.approx(0.6), 20, pytest.approx(0.9), pytest.approx(0.05),
+        pytest.approx(1.1))
+    p = validate(request(max_tokens=50, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                         repetition_penalty=1.0), [1, 2, 3], model)
+    assert (p.max_tokens, p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty) == (
+        50, 0.0, 0, 1.0, 0.0, 1.0)
+    roomy = Limits(max_model_len=100, vocab_size=1000, defaults=SamplingDefaults(max_tokens=500))
+    assert validate(request(), [1, 2, 3], roomy).max_tokens == 97
 
 
 @pytest.mark.parametrize("sampling, field", [
