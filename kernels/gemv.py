@@ -42,16 +42,25 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, stride_xm, stride_wn, stride_om,
 
 def tiles(n: int, k: int) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K): 4,096 weights a program step (32 a thread at 4 warps), at most
-    1,024 columns wide (fused_moe.decode_tiles: moe_decode's GEMVs take them too)."""
+    1,024 columns wide: moe_decode's GEMVs' (fused_moe.decode_tiles)."""
     block_k = min(1024, triton.next_power_of_2(k))
     return max(1, min(4096 // block_k, triton.next_power_of_2(n))), block_k
+
+
+def dense_tiles(n: int, k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of gemv() by default: one output a program, up to 2,048 columns a
+    step. Swept at one row on an H100 (bench_gemv.py --sweep, 328ad22, Qwen3-30B-A3B's
+    shapes), (1, 2048) at 4 warps was within 2 % of each shape's fastest of 38-44 configs
+    (q/k/v 8.69 us, o_proj 7.36, router 1.88) where tiles()'s (4, 1024) took 8.83, 9.81 and
+    2.72: o_proj's K of 4,096 in two steps, not four, and twice the programs."""
+    return 1, min(2048, triton.next_power_of_2(k))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          block: tuple[int, int] | None = None, num_warps: int = 4) -> torch.Tensor:
     """F.linear(x, weight, bias) for a few rows of x [M, K] (weight [N, K], x's dtype); float32
-    sums of exact products, rounded once. block (BLOCK_N, BLOCK_K) and num_warps: tiles()'s
-    and 4 unless given (bench_gemv.py --sweep times others)."""
+    sums of exact products, rounded once. block (BLOCK_N, BLOCK_K) and num_warps:
+    dense_tiles()'s and 4 unless given (bench_gemv.py --sweep times others)."""
     check_tensor("x", x, 2, FLOAT_DTYPES)
     check_tensor("weight", weight, 2, (x.dtype,), x.device)
     m, k = x.shape
@@ -67,7 +76,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_n, block_k = block or tiles(n, k)
+    block_n, block_k = block or dense_tiles(n, k)
     _gemv_kernel[(m, triton.cdiv(n, block_n))](
         x, weight, bias if bias is not None else x, out, x.stride(0), weight.stride(0),
         out.stride(0), N=n, K=k, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,

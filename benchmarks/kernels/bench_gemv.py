@@ -55,7 +55,7 @@ import triton  # noqa: E402
 
 from benchmarks.common import write_records  # noqa: E402
 from pagedserve.executor.layers import GEMV_MAX_BYTES  # noqa: E402
-from pagedserve.kernels.gemv import gemv, tiles  # noqa: E402
+from pagedserve.kernels.gemv import dense_tiles, gemv  # noqa: E402
 
 DEV = torch.device("cpu" if ARGS.smoke else "cuda")
 DT = torch.float32 if ARGS.smoke else torch.bfloat16
@@ -72,7 +72,7 @@ def sweep_grid(n: int, k: int) -> list[tuple[int, int, int]]:
     """(BLOCK_N, BLOCK_K, num_warps): BLOCK_K 256 to the padded K, BLOCK_N 1 to 16, at most
     16,384 weights a program step; 4 or 8 warps (the smoke run: two tiles)."""
     if ARGS.smoke:
-        return [(8, 16, 1), (tiles(n, k)[0], tiles(n, k)[1], 4)]
+        return [(8, 16, 1), (*dense_tiles(n, k), 4)]
     kp = triton.next_power_of_2(k)
     return [(bn, bk, w) for bk in (256, 512, 1024, 2048, 4096) if bk <= kp
             for bn in (1, 2, 4, 8, 16) if bn * bk <= 16384 and bn <= n
@@ -107,7 +107,7 @@ def sweep_main() -> None:
                                 "tbps": nbytes / ms / 1e9, "weight_copies": len(ws),
                                 "smoke": ARGS.smoke})
             best = min(timed, key=timed.get)
-            default = (*tiles(n, k), 4)
+            default = (*dense_tiles(n, k), 4)
             print(f"{name:22s} M={m} best {best} {timed[best] * 1e3:7.2f} us "
                   f"{nbytes / timed[best] / 1e9:5.2f} TB/s; default {default} "
                   f"{timed.get(default, float('nan')) * 1e3:7.2f} us", flush=True)
