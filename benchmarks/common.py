@@ -126,6 +126,7 @@ ENV_SWITCHES = ("PAGEDSERVE_MOE_FUSE_SILU",  # kernels/fused_moe.py: SiLU in GEM
                 "PAGEDSERVE_MOE_DECODE_TOKENS",  # kernels/fused_moe.py: moe_decode's GEMVs
                 "PAGEDSERVE_DENSE_GEMV_ROWS",  # executor_svc/layers.py: kernels/gemv.py's rows
                 "PAGEDSERVE_DENSE_GEMV_MAX_MIB",  # and the largest weight it takes
+                "PAGEDSERVE_DENSE_GEMV_BLOCK",  # and its tiles (unset: gemv.dense_tiles)
                 "PAGEDSERVE_PREFILL_KERNEL")  # "hopper": kernels/paged_prefill_hopper.py
 
 
@@ -141,6 +142,8 @@ def switches() -> dict:
             "moe_decode_tokens": fused_moe.DECODE_TOKENS,
             "dense_gemv_rows": layers.GEMV_ROWS,
             "dense_gemv_max_mib": layers.GEMV_MAX_BYTES / 2**20,
+            "dense_gemv_block": "x".join(map(str, layers.GEMV_BLOCK)) if layers.GEMV_BLOCK
+            else "dense_tiles",
             "prefill_kernel": os.environ.get(paged_prefill_hopper.ENV) or "auto"}
 
 

@@ -31,6 +31,23 @@ GEMV_ROWS = int(os.environ.get("PAGEDSERVE_DENSE_GEMV_ROWS", "1"))
 GEMV_MAX_BYTES = int(float(os.environ.get("PAGEDSERVE_DENSE_GEMV_MAX_MIB", "24")) * 2**20)
 
 
+def gemv_block(value: str | None) -> tuple[int, int] | None:
+    """PAGEDSERVE_DENSE_GEMV_BLOCK=NxK: the GEMV's (BLOCK_N, BLOCK_K) for every weight, powers
+    of two (to time one against another in the service); unset: kernels.gemv.dense_tiles."""
+    if not value:
+        return None
+    try:
+        n, k = (int(v) for v in value.lower().split("x"))
+    except ValueError:
+        n = k = 0
+    if n < 1 or k < 1 or n & (n - 1) or k & (k - 1):
+        raise ValueError(f"PAGEDSERVE_DENSE_GEMV_BLOCK={value!r}: NxK, powers of two")
+    return n, k
+
+
+GEMV_BLOCK = gemv_block(os.environ.get("PAGEDSERVE_DENSE_GEMV_BLOCK"))
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same checkpoint names) whose forward takes kernels.gemv for
     a decode step's few rows in 16-bit on CUDA where GEMV_ROWS and GEMV_MAX_BYTES say so."""
@@ -43,7 +60,7 @@ class Linear(nn.Linear):
                 and w.numel() * w.element_size() <= GEMV_MAX_BYTES):
             from pagedserve.kernels.gemv import gemv
 
-            return gemv(x, w, self.bias)
+            return gemv(x, w, self.bias, block=GEMV_BLOCK)
         return super().forward(x)
 
 

@@ -127,3 +127,12 @@ def test_rejects_checkpoint_with_missing_weights(tmp_path):
 def test_unsupported_architecture_is_refused():
     with pytest.raises(ValueError, match="unsupported model_type"):
         ModelConfig.from_dict({"model_type": "gpt2"})
+
+
+def test_the_gemv_block_switch_takes_powers_of_two_or_nothing():
+    from pagedserve.executor.layers import gemv_block
+
+    assert (gemv_block(None), gemv_block(""), gemv_block("4x1024")) == (None, None, (4, 1024))
+    for bad in ("3x1024", "4", "ax2", "0x4"):
+        with pytest.raises(ValueError, match="NxK, powers of two"):
+            gemv_block(bad)
