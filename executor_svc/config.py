@@ -48,6 +48,9 @@ class ModelConfig:
     local_rope: bool = False  # windowed layers use the config's sliding_attention RoPE
     moe: Moe | None = None
     impl: str = "native"  # "native" (model.py) or "transformers" (hf_fallback.py)
+    # the fallback's longest exact context where the model attends in chunks (Llama 4's
+    # attention_chunk_size: its mask, which the paged attention does not apply); 0: none
+    exact_len: int = 0
     multimodal: str = ""  # a vision-language checkpoint served text-only: its model_type
     # Tensor parallelism (executor_svc/tp_layers.py): a rank's config counts its own share of
     # the heads, KV heads and MLP width; hidden_size and vocab_size stay whole.
@@ -102,15 +105,17 @@ class ModelConfig:
                                         f"module (supported are {', '.join(SUPPORTED)}) and "
                                         f"transformers has no causal LM for it")
         heads = c.num_attention_heads
+        chunk = int(getattr(c, "attention_chunk_size", None) or 0)
         return cls(
+            exact_len=chunk,
             model_type=c.model_type, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
             num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
             intermediate_size=getattr(c, "intermediate_size", 0) or 0, vocab_size=c.vocab_size,
             rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-            max_position_embeddings=c.max_position_embeddings, attention_bias=False,
-            hf_config=c, impl="transformers")
+            max_position_embeddings=min(c.max_position_embeddings, chunk or 1 << 62),
+            attention_bias=False, hf_config=c, impl="transformers")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:

@@ -138,6 +138,9 @@ class TransformersLM(nn.Module):
         for m in hf.modules():
             if hasattr(m, "layer_idx"):
                 m.pagedserve_step = self.step
+        # the decoder under the LM head (Llama 4's causal LM names it `model` where its
+        # base_model_prefix says `language_model`, so base_model is the LM itself)
+        self.decoder = hf.base_model if hf.base_model is not hf else getattr(hf, "model", hf)
         self._probe()
 
     @torch.inference_mode()
@@ -148,9 +151,10 @@ class TransformersLM(nn.Module):
         cfg, self.step.probe = self.cfg, []
         device = next(self.hf.parameters()).device
         try:
-            self.hf.base_model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device),
+            out = self.decoder(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device),
                                position_ids=torch.arange(4, device=device)[None],
                                use_cache=False)
+            out.last_hidden_state  # noqa: B018 - what hidden() reads must be there
         except Exception as e:  # noqa: BLE001 - HF's own refusal, named below
             raise UnsupportedModelError(
                 f"{cfg.model_type}: the transformers fallback cannot run it over a paged KV "
@@ -209,8 +213,8 @@ class TransformersLM(nn.Module):
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]
         self.step.kv_caches, self.step.meta, self.step.calls = kv_caches, meta, 0
-        out = self.hf.base_model(input_ids=input_ids[None], position_ids=positions[None],
-                                 use_cache=False)
+        out = self.decoder(input_ids=input_ids[None], position_ids=positions[None],
+                           use_cache=False)
         if self.step.calls != self.cfg.num_layers:  # the probe saw every layer attend once
             raise RuntimeError(f"{self.step.calls} attention calls in a forward pass of "
                                f"{self.cfg.num_layers} layers")

@@ -22,6 +22,7 @@ from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.draft import DraftModel, DraftModelError
 from pagedserve.executor.eagle import EagleDraft, EagleHead, HeadGraphs, load_head
+from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.lora import LoraRuntime
 from pagedserve.executor.lora import build as build_lora
@@ -168,6 +169,12 @@ class Worker:
         weights = Path(cfg.model) if cfg.load_format == "auto" else None
         quant = resolve_quantization(cfg.model, cfg.quantization, random=weights is None)
         max_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
+        if self.model_cfg.exact_len and max_len > self.model_cfg.exact_len:
+            raise UnsupportedModelError(
+                f"{self.model_cfg.model_type} attends in chunks of "
+                f"{self.model_cfg.exact_len} tokens (attention_chunk_size), a mask the "
+                f"transformers fallback does not apply: --max-model-len at most "
+                f"{self.model_cfg.exact_len}")
         with phase(f"loading weights of {cfg.model} onto {self.device}"):
             model = build_model(self.model_cfg, load_ops(backend), self.dtype, self.device,
                                 max_len, weights, quant=quant)

@@ -120,6 +120,23 @@ def test_fallback_refuses_what_it_would_get_wrong(family, tmp_path):
         paged(tmp_path, "auto")
 
 
+def test_chunked_attention_is_served_within_one_chunk(tmp_path):
+    """Llama 4's chunked local attention (attention_chunk_size) needs a mask the paged
+    attention does not apply: the context stops at one chunk (exact within it, equal to HF
+    across chunked prefill); a longer --max-model-len is refused at start with the reason."""
+    from pagedserve.executor.worker import ExecutorConfig, Worker
+
+    hf = saved(dict(model_type="llama4_text", head_dim=16, attention_chunk_size=32,
+                    num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
+                    interleave_moe_layer_step=1, no_rope_layers=[1, 0]), tmp_path)
+    outs, cfg = paged(tmp_path, "auto")
+    assert (cfg.impl, cfg.exact_len, cfg.max_position_embeddings) == ("transformers", 32, 32)
+    assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
+    with pytest.raises(UnsupportedModelError, match="attends in chunks of 32 tokens .* "
+                                                    "--max-model-len at most 32"):
+        Worker(ExecutorConfig(model=str(tmp_path), device="cpu", max_model_len=64))
+
+
 def test_the_fallback_refuses_a_quantized_checkpoint(tmp_path):
     """Block-wise FP8 (which native modules dequantize at load) included."""
     from tests.executor_svc.test_quant_fp8 import write_block_fp8
