@@ -96,9 +96,19 @@ def _attention_with_sinks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out = torch.empty_like(q)
     cu, lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
     sink = sinks.float().reshape(heads, 1, 1)
+    decode = sorted((b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1), key=lens.__getitem__)
+    per_key = (heads + 2 * kv_heads * head_dim) * 4  # a gathered key's scores, K and V
+    while decode:  # one-token rows together, shortest first, as many as the budget holds
+        group = [b for i, b in enumerate(decode)  # (a prefix: both factors only grow)
+                 if (i + 1) * -(-lens[b] // block_size) * block_size * per_key
+                 <= SINK_SCORE_BYTES] or decode[:1]
+        decode = decode[len(group):]
+        width = -(-lens[group[-1]] // block_size)
+        _decode_with_sinks(q, k_cache, v_cache, meta, scale, sink, group, width, cu, lens,
+                           sliding_window, logits_soft_cap, out)
     for b, ctx in enumerate(lens):
         start, end = cu[b], cu[b + 1]
-        if end == start:
+        if end - start < 2:
             continue
         blocks = meta.block_tables[b, :-(-ctx // block_size)].long()
         k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:ctx].float()
@@ -120,6 +130,38 @@ def _attention_with_sinks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             probs = torch.softmax(torch.cat([scores, sink.expand(-1, hi - lo, 1)], -1), -1)
             out[lo:hi] = torch.einsum("htk,hkd->thd", probs[..., :-1], v).to(q.dtype)
     return out
+
+
+def _decode_with_sinks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float, sink: torch.Tensor,
+                       group: list[int], width: int, cu: list[int], lens: list[int],
+                       sliding_window: int, logits_soft_cap: float, out: torch.Tensor) -> None:
+    """_attention_with_sinks for sequences with one new token each, in one batched product:
+    their first `width` blocks gathered ([G, width x block, Hkv, D]), keys past each one's
+    context masked."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    dev = q.device
+    idx = torch.tensor(group, device=meta.block_tables.device)
+    blocks = meta.block_tables[idx, :width].long()
+    k = k_cache[blocks].reshape(len(group), -1, kv_heads, head_dim).float()
+    v = v_cache[blocks].reshape(len(group), -1, kv_heads, head_dim).float()
+    rows = torch.tensor([cu[b] for b in group], device=dev)
+    qg = q[rows].float().reshape(len(group), kv_heads, heads // kv_heads, head_dim)
+    scores = torch.einsum("gkrd,glkd->gkrl", qg, k) * scale  # [G, Hkv, group heads, L]
+    if logits_soft_cap:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    pos = torch.tensor([lens[b] - 1 for b in group], device=dev)[:, None]  # the new token's
+    keys = torch.arange(k.shape[1], device=dev)[None, :]
+    hidden = keys > pos
+    if sliding_window:
+        hidden |= keys <= pos - sliding_window
+    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+    v = v.masked_fill(hidden[:, :, None, None], 0.0)  # slots no one wrote may hold NaN
+    sinks = sink.reshape(1, kv_heads, heads // kv_heads, 1).expand(len(group), -1, -1, 1)
+    probs = torch.softmax(torch.cat([scores, sinks], -1), -1)[..., :-1]
+    o = torch.einsum("gkrl,glkd->gkrd", probs, v)
+    out[rows] = o.reshape(len(group), heads, head_dim).to(out.dtype)
 
 
 def register() -> None:
