@@ -43,3 +43,16 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 yield name, st.get_tensor(name)
+
+
+def checkpoint_names(path: Path) -> list[str]:
+    """The tensor names of the checkpoint in `path`, no tensor read (safetensors' headers;
+    a .bin memory-mapped)."""
+    names: list[str] = []
+    for f in checkpoint_files(path):
+        if f.suffix == ".bin":
+            names += torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        else:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                names += st.keys()
+    return names

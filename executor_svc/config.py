@@ -192,16 +192,10 @@ def balanced(n: int, parts: int, i: int) -> tuple[int, int]:
 
 def _saves_lm_head(path: Path) -> bool:
     """Whether the checkpoint in `path` holds an lm_head (of any prefix)."""
-    import torch
-    from safetensors import safe_open
-
-    from pagedserve.executor.checkpoint import CheckpointFilesError, checkpoint_files
+    from pagedserve.executor.checkpoint import CheckpointFilesError, checkpoint_names
 
     try:
-        files = checkpoint_files(path)
+        names = checkpoint_names(path)
     except CheckpointFilesError:
         return False  # the loader says so, with the folder's name
-    names = [n for f in files
-             for n in (torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-                       if f.suffix == ".bin" else safe_open(str(f), "pt").keys())]
     return any(n.endswith("lm_head.weight") for n in names)
