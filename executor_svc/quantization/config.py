@@ -136,18 +136,20 @@ def block_fp8_size(qc: dict[str, Any] | None) -> tuple[int, int] | None:
     if (not isinstance(block, list | tuple) or len(block) != 2
             or not all(isinstance(b, int) and b > 0 for b in block)):
         raise QuantizationError(f"fp8: weight_block_size {block!r} is not two positive ints")
+    _check_e4m3(qc)
+    return int(block[0]), int(block[1])
+
+
+def _check_e4m3(qc: dict[str, Any]) -> None:
     fmt = str(qc.get("fmt", "e4m3")).lower()
     if fmt != "e4m3":
         raise QuantizationError(f"fp8: fmt {fmt!r} is not supported (e4m3)")
-    return int(block[0]), int(block[1])
 
 
 def parse_fp8(qc: dict[str, Any]) -> QuantConfig:
     """config.json's quantization_config with quant_method fp8 (scales per tensor or per
     output channel; block-wise scales: block_fp8_size)."""
-    fmt = str(qc.get("fmt", "e4m3")).lower()
-    if fmt != "e4m3":
-        raise QuantizationError(f"fp8: fmt {fmt!r} is not supported (e4m3)")
+    _check_e4m3(qc)
     scheme = str(qc.get("activation_scheme", "dynamic")).lower()
     if scheme not in ("dynamic", "static"):
         raise QuantizationError(f"fp8: activation_scheme {scheme!r} is not supported "
