@@ -25,6 +25,11 @@ def test_what_cannot_be_used_is_named(tmp_path):
     with pytest.raises(ChatTemplateError, match="'/nonexistent.jinja' is neither a readable "
                                                 "file nor a template"):
         read_chat_template("/nonexistent.jinja")
+    binary = tmp_path / "binary.jinja"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ChatTemplateError, match="neither a readable file nor a template "
+                                                "\\(UnicodeDecodeError"):
+        read_chat_template(str(binary))
     with pytest.raises(ChatTemplateError, match="line 2: "):
         read_chat_template("{{ messages }}\n{% for m in messages %}")
 

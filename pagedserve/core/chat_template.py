@@ -23,9 +23,9 @@ def read_chat_template(value: str) -> str:
         try:
             template = Path(value).expanduser().read_text()
         except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or e  # (a decode error has no strerror)
             raise ChatTemplateError(f"--chat-template {value!r} is neither a readable file nor "
-                                    f"a template ({type(e).__name__}: {e.strerror or e})") \
-                from None
+                                    f"a template ({type(e).__name__}: {why})") from None
     import jinja2
 
     try:
