@@ -56,3 +56,16 @@ def checkpoint_names(path: Path) -> list[str]:
             with safe_open(str(f), framework="pt", device="cpu") as st:
                 names += st.keys()
     return names
+
+
+def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape by name, no tensor read (as checkpoint_names)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in checkpoint_files(path):
+        if f.suffix == ".bin":
+            tensors = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+            shapes.update((n, tuple(t.shape)) for n, t in tensors.items())
+        else:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                shapes.update((n, tuple(st.get_slice(n).get_shape())) for n in st.keys())  # noqa: SIM118
+    return shapes

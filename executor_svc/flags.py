@@ -58,10 +58,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the model's dtype; fp8: float8 e4m3 with a scale per layer for "
                         "K and for V (the checkpoint's k_scale/v_scale, else 1.0): twice the "
                         "tokens per GiB")
-    p.add_argument("--quantization", choices=["auto", "none", "awq", "gptq", "fp8"],
+    p.add_argument("--quantization", choices=["auto", "none", "awq", "gptq", "fp8", "mxfp4"],
                    default="auto",
                    help="awq, gptq: 4-bit weights; fp8: FP8 weights and activations (a float "
-                        "checkpoint is quantized at load); auto: from config.json's "
+                        "checkpoint is quantized at load); mxfp4: gpt-oss's MXFP4 experts, "
+                        "dequantized at load (transformers fallback); auto: from config.json's "
                         "quantization_config")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the model over this many GPUs of this host (cpu: processes, "

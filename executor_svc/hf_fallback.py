@@ -16,19 +16,26 @@ once through it with the heads and head size the KV cache is sized for. Layers t
 multi-head latent attention (a value head size apart from the key's) would otherwise give
 wrong tokens silently. Attention sinks (gpt-oss's per-head `s_aux` logit) are served by a
 torch path over the gathered cache (`_attention_with_sinks`): exact, not fast.
+
+An MXFP4 checkpoint (gpt-oss's releases) is loaded with transformers' own dequantization
+(Mxfp4Config(dequantize=True)): its experts are served in the model's dtype, four times the
+bytes of their FP4 form, so the device must hold that much (checked before loading).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from pagedserve.executor.checkpoint import checkpoint_shapes
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.layers import AttentionMetadata, Ops
+from pagedserve.executor.quantization.config import QuantizationError
 
 IMPLEMENTATION = "pagedserve_paged"
 # the sinks path's scores a slice of query rows (float32): its temporaries stay a few times this
@@ -170,6 +177,27 @@ def register() -> None:
     AttentionInterface.register(IMPLEMENTATION, paged_attention_forward)
 
 
+def dequantized_bytes(weights_dir: Path, dtype: torch.dtype) -> int:
+    """The bytes of an MXFP4 checkpoint's weights once dequantized to `dtype`: two values a
+    byte of each `*_blocks` tensor, its `*_scales` gone, every other tensor in `dtype`."""
+    total = 0
+    for name, shape in checkpoint_shapes(weights_dir).items():
+        if name.endswith("_scales"):
+            continue
+        total += math.prod(shape) * (2 if name.endswith("_blocks") else 1)
+    return total * dtype.itemsize
+
+
+def _check_dequantized_fits(weights_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+    if device.type != "cuda":
+        return
+    need, free = dequantized_bytes(weights_dir, dtype), torch.cuda.mem_get_info(device)[0]
+    if need > free:
+        raise QuantizationError(
+            f"{weights_dir}: MXFP4 weights are served dequantized to {str(dtype)[6:]}, "
+            f"{need / 2**30:.1f} GiB, and {device} has {free / 2**30:.1f} GiB free")
+
+
 class TransformersLM(nn.Module):
     """The executor's model interface (hidden, logits, logits_of) over an HF causal LM."""
 
@@ -227,8 +255,10 @@ class TransformersLM(nn.Module):
 
     @classmethod
     def build(cls, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device,
-              weights_dir: Path | None, seed: int = 0) -> TransformersLM:
-        from transformers import AutoModelForCausalLM
+              weights_dir: Path | None, seed: int = 0,
+              dequantize_mxfp4: bool = False) -> TransformersLM:
+        """dequantize_mxfp4: the checkpoint is MXFP4, served dequantized to `dtype`."""
+        from transformers import AutoModelForCausalLM, Mxfp4Config
 
         if cfg.tp_size > 1:
             raise ValueError("the transformers fallback runs on one rank: "
@@ -241,8 +271,13 @@ class TransformersLM(nn.Module):
                 hf = AutoModelForCausalLM.from_config(cfg.hf_config, dtype=dtype,
                                                       attn_implementation=IMPLEMENTATION)
         else:
+            extra = {}
+            if dequantize_mxfp4:
+                _check_dequantized_fits(weights_dir, dtype, device)
+                extra["quantization_config"] = Mxfp4Config(dequantize=True)
             hf = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=dtype,
-                                                      attn_implementation=IMPLEMENTATION)
+                                                      attn_implementation=IMPLEMENTATION,
+                                                      **extra)
         return cls(cfg, hf.to(device).eval(), ops)
 
     @torch.inference_mode()

@@ -15,6 +15,7 @@ from pagedserve.executor.quantization import Fp8Linear, QuantConfig, convert_che
 from pagedserve.executor.quantization.config import (
     QuantizationError,
     block_fp8_size,
+    is_mxfp4,
     read_quantization_config,
 )
 from pagedserve.executor.quantization.fp8 import dequantize_blocks
@@ -38,14 +39,18 @@ def build_model(
     With `quant`, decoder linears are 4-bit or FP8 (executor_svc/quantization); random 4-bit
     weights are uniform nibbles around zero point 8 with scales that give them about the same
     spread, random FP8 ones N(0, 0.02) quantized per channel."""
+    qc = read_quantization_config(weights_dir) if weights_dir is not None else None
     if cfg.impl == "transformers":
         from pagedserve.executor.hf_fallback import TransformersLM
 
-        if quant is not None or (weights_dir is not None and block_fp8_size(
-                read_quantization_config(weights_dir))):
+        if quant is not None or block_fp8_size(qc):
             raise QuantizationError(f"{cfg.model_type} runs through the transformers fallback, "
-                                    f"which serves unquantized checkpoints only")
-        return TransformersLM.build(cfg, ops, dtype, device, weights_dir, seed)
+                                    f"which serves unquantized and MXFP4 checkpoints only")
+        return TransformersLM.build(cfg, ops, dtype, device, weights_dir, seed,
+                                    dequantize_mxfp4=is_mxfp4(qc))
+    if is_mxfp4(qc):
+        raise QuantizationError(f"{cfg.model_type}: MXFP4 checkpoints are served through the "
+                                f"transformers fallback (--model-impl auto or transformers)")
     with torch.device("meta"):
         model = CausalLM(cfg, ops, max_pos, quant)
     _cast(model, dtype)  # on meta: the device holds the weights in their dtype only, never in

@@ -63,7 +63,7 @@ class ExecutorConfig:
     max_num_seqs: int = 128  # most sequences in a step; decode graphs up to it (0: by device)
     enforce_eager: bool = False  # CUDA: no graphs, every step launches its kernels eagerly
     attention_backend: str = "auto"  # "auto" (triton on CUDA, torch on CPU), "torch", "triton"
-    quantization: str = "auto"  # "auto" (config.json's), "none", "awq", "gptq", "fp8"
+    quantization: str = "auto"  # "auto" (config.json's), "none", "awq", "gptq", "fp8", "mxfp4"
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8" (e4m3, scales per layer)
     tensor_parallel_size: int = 1  # ranks of the group (executor_svc/distributed.py)
     tensor_parallel_rank: int = 0  # this process's rank: its share of the model and KV cache

@@ -1,6 +1,7 @@
 """Which quantized format a checkpoint is in, from config.json's `quantization_config` (as
 AutoAWQ, AutoGPTQ, transformers and llm-compressor write it), and whether it can be served:
-refused at start, with why. FP8's own fields are parsed in executor_svc/quantization/fp8."""
+refused at start, with why. FP8's own fields are parsed in executor_svc/quantization/fp8.
+MXFP4 (gpt-oss's experts) is served by the transformers fallback, dequantized at load."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-METHODS = ("auto", "none", "awq", "gptq", "fp8")
+METHODS = ("auto", "none", "awq", "gptq", "fp8", "mxfp4")
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -65,11 +66,16 @@ def resolve_quantization(model_dir: str | Path, requested: str = "auto",
             return QuantConfig(requested, RANDOM_GROUP_SIZE)
         if requested == "auto":
             return None
+        if requested == "mxfp4":
+            raise QuantizationError("--quantization mxfp4 serves MXFP4 checkpoints (gpt-oss), "
+                                    f"and {model_dir}/config.json has no quantization_config")
         raise QuantizationError(f"--quantization {requested}: {model_dir}/config.json has no "
                                 "quantization_config")
     if requested != "auto" and requested != found:
         raise QuantizationError(f"--quantization {requested}, but the checkpoint's "
                                 f"quantization_config says {found!r}")
+    if found == "mxfp4":  # the transformers fallback dequantizes it at load (loader.py)
+        return None
     if found == "fp8":
         method = str(qc.get("quant_method")).lower()
         if method == "fp8" and block_fp8_size(qc):  # dequantized at load (loader.py): served
@@ -78,7 +84,7 @@ def resolve_quantization(model_dir: str | Path, requested: str = "auto",
         return parse_fp8(qc) if method == "fp8" else parse_compressed_tensors(qc)
     if found not in ("awq", "gptq"):
         raise QuantizationError(f"quant_method {found!r} is not supported (awq, gptq, fp8, "
-                                "compressed-tensors float8)")
+                                "compressed-tensors float8, mxfp4)")
     return _parse(found, qc)
 
 
@@ -122,6 +128,12 @@ def _parse(method: str, qc: dict[str, Any]) -> QuantConfig:
 
 # ---------------------------------------------------------------- FP8 (W8A8 e4m3)
 _IGNORABLE = ("lm_head",)  # stays float here anyway
+
+
+def is_mxfp4(qc: dict[str, Any] | None) -> bool:
+    """An MXFP4 checkpoint (gpt-oss's releases): the experts' weights as `*_blocks` (two FP4
+    e2m1 values a byte, 32 a block) and `*_scales` (one power-of-two exponent a block)."""
+    return bool(qc) and str(qc.get("quant_method", "")).lower() == "mxfp4"
 
 
 def block_fp8_size(qc: dict[str, Any] | None) -> tuple[int, int] | None:

@@ -15,7 +15,7 @@ from pagedserve.executor import hf_fallback
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.loader import build_model
-from pagedserve.executor.quantization import QuantizationError
+from pagedserve.executor.quantization import QuantizationError, resolve_quantization
 from pagedserve.kernels import get_ops
 from tests.executor_svc.test_model import TINY, assert_paged_equals_hf, run_paged
 
@@ -147,7 +147,7 @@ def test_the_fallback_refuses_a_quantized_checkpoint(tmp_path):
         paged(tmp_path, "auto")
 
 
-@pytest.mark.parametrize("model", ["mamba", "mxfp4"])
+@pytest.mark.parametrize("model", ["mamba", "bitsandbytes"])
 def test_the_executor_says_why_in_one_line_and_exits_78(model, tmp_path):
     """A refused model (a state-space model; a quantization it does not read) ends the
     executor with the reason on one line (no traceback) and EXIT_CONFIG, which `serve`'s
@@ -158,12 +158,83 @@ def test_the_executor_says_why_in_one_line_and_exits_78(model, tmp_path):
     else:
         saved(NO_NATIVE["granite"], tmp_path)
         config = json.loads((tmp_path / "config.json").read_text())
-        config["quantization_config"] = {"quant_method": "mxfp4"}
+        config["quantization_config"] = {"quant_method": "bitsandbytes"}
         (tmp_path / "config.json").write_text(json.dumps(config))
-        reason = "quant_method 'mxfp4' is not supported"
+        reason = "quant_method 'bitsandbytes' is not supported"
     done = subprocess.run([sys.executable, "-m", "pagedserve.cli", "executor", "--model",
                            str(tmp_path), "--device", "cpu"], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == EXIT_CONFIG, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(f"pagedserve executor: {reason}")
+
+
+FP4 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [..., K] -> (blocks [..., K / 32, 16] uint8, scales [..., K / 32] uint8, the values
+    they hold): OCP MX's FP4 e2m1, two a byte (low nibble first), with one power-of-two scale
+    per 32 values stored as exponent + 127, its exponent the block's largest's less 2."""
+    g = w.reshape(*w.shape[:-1], -1, 32)
+    e = torch.floor(torch.log2(g.abs().amax(-1, keepdim=True).clamp_min(1e-30))) - 2
+    codes = (g / torch.exp2(e))[..., None].sub(FP4).abs().argmin(-1)
+    blocks = (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8)
+    return blocks, (e[..., 0] + 127).to(torch.uint8), (FP4[codes] * torch.exp2(e)).reshape(w.shape)
+
+
+def write_mxfp4(hf, path) -> None:
+    """hf saved as gpt-oss's releases are: each expert projection as `*_blocks` and `*_scales`
+    of its [experts, out, in] weight, the rest as it is; hf's experts take the values the
+    blocks hold, so hf is the reference for the checkpoint."""
+    from safetensors.torch import save_file
+
+    state = {}
+    for name, w in hf.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out]
+            blocks, scales, values = mxfp4(w.transpose(1, 2).contiguous())
+            state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+            w.copy_(values.transpose(1, 2))
+        else:
+            state[name] = w.contiguous()
+    hf.save_pretrained(path)
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_an_mxfp4_checkpoint_is_served_dequantized(tmp_path):
+    """gpt-oss's MXFP4 experts, dequantized at load, equal HF over the values they hold; the
+    bytes that takes are counted from the headers; --quantization other than auto or mxfp4
+    is refused, and a native family's MXFP4 checkpoint is named as the fallback's."""
+    hf = saved(NO_NATIVE["gpt_oss"], tmp_path)
+    write_mxfp4(hf, tmp_path)
+    for requested in ("auto", "mxfp4"):
+        assert resolve_quantization(tmp_path, requested) is None
+    outs, cfg = paged(tmp_path, "auto")
+    assert cfg.impl == "transformers"
+    assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
+    floats = sum(p.numel() for p in hf.parameters())
+    assert hf_fallback.dequantized_bytes(tmp_path, torch.bfloat16) == 2 * floats
+    for requested, reason in (("none", "is a mxfp4 checkpoint; serve it with --quantization "
+                                       "mxfp4 or auto"),
+                              ("fp8", "--quantization fp8, but the checkpoint's "
+                                      "quantization_config says 'mxfp4'")):
+        with pytest.raises(QuantizationError, match=reason):
+            resolve_quantization(tmp_path, requested)
+    saved(dict(model_type="qwen3", head_dim=16), tmp_path / "qwen3")
+    config = json.loads((tmp_path / "qwen3" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "qwen3" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(QuantizationError, match="qwen3: MXFP4 checkpoints are served through "
+                                                "the transformers fallback"):
+        paged(tmp_path / "qwen3", "native")
+    saved(NO_NATIVE["granite"], tmp_path / "float")
+    with pytest.raises(QuantizationError, match="--quantization mxfp4 serves MXFP4"):
+        resolve_quantization(tmp_path / "float", "mxfp4")
