@@ -27,10 +27,12 @@ class QuantConfig:
     zero_offset: int = 0  # added to stored zeros: 1 for GPTQ's v1 format (stores zero - 1)
     fp8_serialized: bool = False  # fp8: the checkpoint holds e4m3 weights (else quantize at load)
     static_activations: bool = False  # fp8: the checkpoint's input_scale, not per-token scales
+    packing: str = ""  # gptq: "pack-quantized" for compressed-tensors' int4 tensor names
 
     def describe(self) -> str:
         if self.method != "fp8":
-            return f"{self.method} 4-bit, group {self.group_size}"
+            source = f" (compressed-tensors {self.packing})" if self.packing else ""
+            return f"{self.method} 4-bit, group {self.group_size}{source}"
         source = "checkpoint" if self.fp8_serialized else "quantized at load"
         acts = "static" if self.static_activations else "per-token"
         return f"fp8 e4m3 ({source}), {acts} activation scales"
@@ -84,7 +86,9 @@ def resolve_quantization(model_dir: str | Path, requested: str = "auto",
         return parse_fp8(qc) if method == "fp8" else parse_compressed_tensors(qc)
     if found not in ("awq", "gptq"):
         raise QuantizationError(f"quant_method {found!r} is not supported (awq, gptq, fp8, "
-                                "compressed-tensors float8, mxfp4)")
+                                "compressed-tensors float8 and int4, mxfp4)")
+    if str(qc.get("quant_method")).lower() == "compressed-tensors":
+        return parse_compressed_int4(qc)
     return _parse(found, qc)
 
 
@@ -93,10 +97,61 @@ def _method_of(qc: dict[str, Any] | None) -> str | None:
     if not qc:
         return None
     found = str(qc.get("quant_method", "")).lower()
-    if found == "compressed-tensors" and qc.get("format") in ("float-quantized",
-                                                              "naive-quantized"):
-        return "fp8"
+    if found == "compressed-tensors":
+        fmt = _ct_format(qc)
+        if fmt in ("float-quantized", "naive-quantized"):
+            return "fp8"
+        if fmt == "pack-quantized":  # int4 weights in GPTQ's layout under other names
+            return "gptq"
     return found
+
+
+def _ct_format(qc: dict[str, Any]) -> str | None:
+    """compressed-tensors' format: the top-level one, or its config groups' one where they
+    agree (a mixed-precision checkpoint names each group's)."""
+    fmt = qc.get("format")
+    if fmt in (None, "mixed-precision"):
+        found = {g.get("format") for g in (qc.get("config_groups") or {}).values()}
+        return found.pop() if len(found) == 1 else fmt
+    return fmt
+
+
+def parse_compressed_int4(qc: dict[str, Any]) -> QuantConfig:
+    """compressed-tensors' pack-quantized int4 weights with float activations (llm-compressor's
+    W4A16 and W4A16_ASYM schemes): weight_packed [N, K/8] int32 (eight values a word along K,
+    each + 8), weight_scale [N, K/G], weight_zero_point [N/8, K/G] (asymmetric only, packed
+    along N), weight_g_idx [K] (activation order "group"); served as GPTQ."""
+    groups = list((qc.get("config_groups") or {}).values())
+    if not groups:
+        raise QuantizationError("compressed-tensors: config_groups is empty")
+    schemes = {json.dumps(g.get("weights") or {}, sort_keys=True) for g in groups}
+    if len(schemes) > 1:
+        raise QuantizationError("compressed-tensors: config_groups with different weight "
+                                "schemes are not supported (one int4 scheme for every linear)")
+    w = groups[0].get("weights") or {}
+    if (w.get("type"), w.get("num_bits")) != ("int", 4):
+        raise QuantizationError(f"compressed-tensors: pack-quantized weights type "
+                                f"{w.get('type')!r} num_bits {w.get('num_bits')} are not "
+                                "supported (int, 4)")
+    acts = [g["input_activations"] for g in groups if g.get("input_activations")]
+    if acts:
+        raise QuantizationError(f"compressed-tensors: quantized input_activations "
+                                f"({acts[0].get('type')} {acts[0].get('num_bits')}-bit) with "
+                                "int4 weights are not supported (W4A16: float activations)")
+    if w.get("strategy") != "group" or w.get("group_size") not in GROUP_SIZES:
+        raise QuantizationError(
+            f"compressed-tensors: int4 weight strategy {w.get('strategy')!r} group_size "
+            f"{w.get('group_size')} is not supported (group, group_size "
+            f"{', '.join(map(str, GROUP_SIZES))}; per-channel is not)")
+    if w.get("dynamic"):
+        raise QuantizationError("compressed-tensors: dynamic int4 weights are not supported")
+    order = w.get("actorder")
+    if order not in (None, False, True, "group", "weight"):
+        raise QuantizationError(f"compressed-tensors: actorder {order!r} is not supported "
+                                "(group, weight or none)")
+    _check_ignored("compressed-tensors", qc.get("ignore") or [])
+    return QuantConfig("gptq", int(w["group_size"]), act_order=order in (True, "group"),
+                       sym=bool(w.get("symmetric", True)), packing="pack-quantized")
 
 
 def _parse(method: str, qc: dict[str, Any]) -> QuantConfig:
@@ -172,7 +227,7 @@ def parse_fp8(qc: dict[str, Any]) -> QuantConfig:
 
 def parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
     """compressed-tensors' float8 W8A8 (llm-compressor's FP8 and FP8_DYNAMIC schemes)."""
-    fmt = qc.get("format")
+    fmt = _ct_format(qc)
     if fmt not in ("float-quantized", "naive-quantized"):
         raise QuantizationError(f"compressed-tensors: format {fmt!r} is not supported "
                                 "(float-quantized or naive-quantized float8)")
@@ -217,4 +272,4 @@ def _check_ignored(method: str, ignored: list[str]) -> None:
     kept = [m for m in ignored if not m.endswith(_IGNORABLE)]
     if kept:
         raise QuantizationError(f"{method}: float layers {kept[:4]} among the quantized ones "
-                                "are not supported (every decoder linear must be FP8)")
+                                "are not supported (every decoder linear must be quantized)")

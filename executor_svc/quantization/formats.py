@@ -6,6 +6,11 @@
           qzeros  [K/G, N/8] int32, columns in order, holding z - 1 (v1 format, AutoGPTQ) or z
           (gptq_v2); scales [K/G, N] fp16; g_idx [K] int32: group of input channel k
 
+    compressed-tensors pack-quantized (int4): weight_packed [N, K/8] int32, 8 input columns
+          per word in order, each value + 8; weight_scale [N, K/G]; weight_zero_point
+          [N/8, K/G] int32 packed along N the same way (asymmetric; symmetric means 8);
+          weight_g_idx [K] as GPTQ's; weight_shape [N, K]. W = (q - z) * s: GPTQ (v2) transposed
+
 GPTQ's qweight is already the kernels' layout (kernels/w4a16.py). Act-order (g_idx not k // G)
 is served by permuting rows so groups become contiguous: perm = argsort(g_idx), which GPTQ's
 act-order makes exactly G channels per group. A last partial group (K % G != 0) is allowed
@@ -84,6 +89,29 @@ def from_gptq(name: str, qweight, qzeros, scales, g_idx, group_size: int, zero_o
     out["qweight"] = pack_int4(unpack_int4(qweight)[perm])
     out["perm"] = perm
     return out
+
+
+def from_pack_quantized(name: str, packed, scale, shape, zero_point, g_idx, group_size: int,
+                        act_order: bool) -> dict[str, torch.Tensor]:
+    """compressed-tensors' int4 tensors of one linear -> the kernels' (through from_gptq)."""
+    n, k = (int(x) for x in shape.reshape(-1).tolist())
+    groups = -(-k // group_size)
+    if tuple(packed.shape) != (n, k // 8) or k % 8 or n % 8:
+        raise QuantizationError(f"{name}: weight_packed {tuple(packed.shape)} does not hold an "
+                                f"int4 weight of shape ({n}, {k}) (both multiples of 8)")
+    if tuple(scale.shape) != (n, groups):
+        raise QuantizationError(f"{name}: weight_scale {tuple(scale.shape)}, expected "
+                                f"({n}, {groups}) for group_size {group_size}")
+    scales = scale.t().contiguous()
+    if zero_point is None:
+        qzeros = pack_cols(torch.full((groups, n), 8, dtype=torch.int32))
+    elif tuple(zero_point.shape) != (n // 8, groups):
+        raise QuantizationError(f"{name}: weight_zero_point {tuple(zero_point.shape)}, "
+                                f"expected ({n // 8}, {groups})")
+    else:
+        qzeros = zero_point.t().contiguous()
+    return from_gptq(name, packed.t().contiguous(), qzeros, scales, g_idx, group_size, 0,
+                     act_order)
 
 
 def to_awq(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -9,7 +9,11 @@ import torch
 from torch import nn
 
 from pagedserve.executor.quantization.config import QuantConfig, QuantizationError
-from pagedserve.executor.quantization.formats import from_awq, from_gptq
+from pagedserve.executor.quantization.formats import (
+    from_awq,
+    from_gptq,
+    from_pack_quantized,
+)
 from pagedserve.executor.quantization.fp8 import convert_fp8
 
 _PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales")}
@@ -51,6 +55,9 @@ def convert_checkpoint(
     if quant.method == "fp8":
         yield from convert_fp8(weights, quant)
         return
+    if quant.packing == "pack-quantized":
+        yield from _convert_pack_quantized(weights, quant)
+        return
     needed = _PARTS[quant.method] + (("g_idx",) if quant.method == "gptq" else ())
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
@@ -69,6 +76,37 @@ def convert_checkpoint(
             continue
         missing = sorted(set(needed) - set(parts))
         raise QuantizationError(f"{module}: checkpoint lacks {', '.join(missing)}")
+
+
+def _convert_pack_quantized(
+    weights: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """compressed-tensors' weight_packed/_scale/_shape[/_zero_point][/_g_idx] of a module ->
+    the kernels' tensors; a module's parts may arrive in any order (and any file)."""
+    needed = ("weight_packed", "weight_scale", "weight_shape") \
+        + (() if quant.sym else ("weight_zero_point",)) \
+        + (("weight_g_idx",) if quant.act_order else ())
+    known = needed + ("weight_g_idx",)
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        module, _, part = name.rpartition(".")
+        if part == "weight_zero_point" and quant.sym:  # zero, whatever was saved
+            continue
+        if part not in known:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(module, {})
+        parts[part] = tensor
+        if all(p in parts for p in needed):
+            del pending[module]
+            out = from_pack_quantized(module, parts["weight_packed"], parts["weight_scale"],
+                                      parts["weight_shape"], parts.get("weight_zero_point"),
+                                      parts.get("weight_g_idx"), quant.group_size,
+                                      quant.act_order)
+            yield from ((f"{module}.{k}", v) for k, v in out.items())
+    for module, parts in pending.items():
+        missing = sorted(set(needed) - set(parts))
+        raise QuantizationError(f"{module}: checkpoint lacks {', '.join(missing) or 'parts'}")
 
 
 def _convert(module: str, p: dict[str, torch.Tensor], quant: QuantConfig) -> dict:

@@ -211,3 +211,109 @@ def test_algorithms_zero_range_for_gptq_v1():
     assert rtn(w, 32, min_zero=1).zeros.min() >= 1
     h = torch.eye(64)
     assert gptq(w, h, 32, min_zero=1).zeros.min() >= 1
+
+
+def compressed_int4(tmp_path, sym: bool, group: int = 32):
+    """A tiny Llama written by compressed-tensors itself as pack-quantized int4 (W4A16, or
+    W4A16_ASYM), each group's scale and zero point set by rounding to nearest here."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+
+    torch.manual_seed(0)
+    d = dict(TINY)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d),
+                                          dtype=torch.float32).eval()
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=sym, strategy="group",
+                            group_size=group)
+    apply_quantization_config(hf, QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+        ignore=["lm_head"]))
+    for m in hf.modules():
+        if hasattr(m, "weight_scale"):
+            g = m.weight.data.reshape(m.weight.shape[0], -1, group)
+            if sym:
+                m.weight_scale.data.copy_(g.abs().amax(-1) / 7.5)
+            else:
+                lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+                m.weight_scale.data.copy_((hi - lo) / 15)
+                m.weight_zero_point.data.copy_((torch.round(-lo / m.weight_scale) - 8)
+                                               .clamp(-8, 7))
+    compressor = ModelCompressor.from_pretrained_model(hf, quantization_format="pack-quantized")
+    compressor.compress_model(hf)
+    hf.save_pretrained(tmp_path)
+    compressor.update_config(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_compressed_tensors_int4_matches_its_dequantized_hf(tmp_path, sym):
+    """compressed-tensors' W4A16 checkpoints (as llm-compressor releases them) serve as GPTQ:
+    logits equal HF's own load of the same checkpoint, dequantized by compressed-tensors."""
+    from transformers import CompressedTensorsConfig
+
+    qdir = compressed_int4(tmp_path, sym)
+    quant = resolve_quantization(qdir)
+    assert (quant.method, quant.group_size, quant.sym, quant.packing) == (
+        "gptq", 32, sym, "pack-quantized")
+    assert resolve_quantization(qdir, "gptq") == quant
+    cfg = ModelConfig.from_pretrained(qdir)
+    ours = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, qdir, quant=quant)
+    from tests.executor_svc.test_model import run_paged
+
+    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = run_paged(ours, cfg, [seq], [(12,)])[0][-1]
+    hf = AutoModelForCausalLM.from_pretrained(
+        qdir, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0, -1]
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_compressed_tensors_int4_with_group_activation_order():
+    """weight_g_idx (actorder "group", as checkpoints before compressed-tensors 0.20 hold it):
+    input channel k takes group g_idx[k]'s scale and zero point; packed by compressed-tensors'
+    own packer."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from pagedserve.executor.quantization.formats import from_pack_quantized
+
+    n, k, g = 16, 64, 32
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    zp = torch.randint(-8, 8, (n, k // g), generator=gen, dtype=torch.int8)
+    s = torch.rand(n, k // g, generator=gen) + 0.5
+    g_idx = (torch.randperm(k, generator=gen) // g).to(torch.int32)
+    out = from_pack_quantized("m", pack_to_int32(q, 4), s, torch.tensor([n, k]),
+                              pack_to_int32(zp, 4, packed_dim=0), g_idx, g, act_order=True)
+    w = (q.float() - zp.float()[:, g_idx.long()]) * s[:, g_idx.long()]  # [N, K]
+    x = torch.randn(3, k, generator=gen)
+    got = OPS.w4a16_gemm(x, out["qweight"], out["scales"], out["zeros"], g, None, out["perm"])
+    torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def _ct(weights, acts=None, **top):
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": acts}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": group}, **top}
+
+
+INT4 = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128,
+        "symmetric": True}
+
+
+@pytest.mark.parametrize("qc,match", [
+    (_ct({**INT4, "num_bits": 8}), r"num_bits 8 are not supported \(int, 4\)"),
+    (_ct({**INT4, "strategy": "channel", "group_size": None}), "strategy 'channel'"),
+    (_ct({**INT4, "group_size": 256}), "group_size 256"),
+    (_ct(INT4, {"type": "int", "num_bits": 8, "dynamic": True}), r"\(int 8-bit\) with int4"),
+    (_ct(INT4, ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "float layers"),
+    (_ct(INT4, format="marlin-24"), "not supported"),
+])
+def test_compressed_tensors_int4_refused_with_reason(tmp_path, qc, match):
+    with pytest.raises(QuantizationError, match=match):
+        resolve_quantization(_write_config(tmp_path, qc))

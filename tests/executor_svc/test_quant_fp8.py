@@ -284,7 +284,8 @@ def test_block_wise_fp8_is_served_dequantized(tmp_path, block):
     ({"quant_method": "fp8"}, "none", "--quantization fp8"),
     ({"quant_method": "fp8"}, "gptq", "says 'fp8'"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128}, "fp8", "says 'awq'"),
-    ({**ct_config(True, False), "format": "pack-quantized"}, "auto", "'compressed-tensors'"),
+    ({**ct_config(True, False), "format": "pack-quantized"}, "auto",
+     "pack-quantized weights type 'float' num_bits 8"),
     ({**ct_config(True, False), "config_groups": {"g": {
         "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}, "auto",
      "type 'int'"),
