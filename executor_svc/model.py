@@ -250,12 +250,8 @@ class CausalLM(nn.Module):
         cfg = self.cfg
         if cfg.tp_size == 1:
             return tensor
-        if shared:
-            if ".down_proj." in name and name.endswith(_FP8_SCALES):
-                return tensor  # a row-parallel layer's output channels: every rank's
-            dim = 1 if ".down_proj." in name else 0
-            return tensor.narrow(dim, cfg.tp_rank * cfg.moe.shared_intermediate_size,
-                                 cfg.moe.shared_intermediate_size)
+        if shared:  # its own width, cut as any MLP's (float, FP8 or 4-bit parts)
+            return tp.shard(name, tensor, cfg, self.quant, cfg.moe.shared_intermediate_size)
         if cfg.qk_norm == "full" and name.endswith(("q_norm.weight", "k_norm.weight")):
             d = cfg.head_dim
             if name.endswith("q_norm.weight"):

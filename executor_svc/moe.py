@@ -33,12 +33,14 @@ class SparseMoe(nn.Module):
         super().__init__()
         moe = cfg.moe
         assert moe is not None
-        if quant is not None and (quant.method != "fp8" or quant.fp8_serialized):
+        if quant is not None and quant.method == "fp8" and quant.fp8_serialized:
             raise QuantizationError(f"{cfg.model_type}: experts are served in float or as FP8 "
                                     f"quantized at load (--quantization fp8 of a float "
                                     f"checkpoint), not as {quant.describe()}")
         e, i, h = moe.num_experts, moe.intermediate_size, cfg.hidden_size
-        self.fp8 = quant is not None
+        # 4-bit checkpoints: the experts arrive dequantized (quantization.convert_checkpoint)
+        # and are served in float; the shared expert stays 4-bit
+        self.fp8 = quant is not None and quant.method == "fp8"
         self.gate = Linear(h, e, bias=False)
         codes = {"dtype": FP8} if self.fp8 else {}
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, **codes), requires_grad=False)

@@ -74,8 +74,10 @@ def logits(lm_head: nn.Linear, x: torch.Tensor, cfg: ModelConfig) -> torch.Tenso
 
 
 def shard(name: str, tensor: torch.Tensor, cfg: ModelConfig,
-          quant: QuantConfig | None) -> torch.Tensor:
-    """This rank's slice of the checkpoint tensor `name` (HF names; 4-bit parts converted)."""
+          quant: QuantConfig | None, width: int = 0) -> torch.Tensor:
+    """This rank's slice of the checkpoint tensor `name` (HF names; 4-bit parts converted);
+    width: this rank's share of an MLP's intermediate size other than the config's (a shared
+    expert's)."""
     if cfg.tp_size == 1:
         return tensor
     module, _, kind = name.rpartition(".")
@@ -87,7 +89,7 @@ def shard(name: str, tensor: torch.Tensor, cfg: ModelConfig,
         return tensor  # norms: every rank holds them whole
     if kind in ("weight_scale", "input_scale") and (proj in _ROW or tensor.numel() == 1):
         return tensor  # per tensor, or a row-parallel layer's output channels: all ranks'
-    start, size = _range(proj, cfg)
+    start, size = _range(proj, cfg, width)
     if proj in _COLUMN:  # output rows: dim 0 of a float weight or bias, dim 1 of 4-bit parts
         if kind == "perm":
             return tensor
@@ -118,13 +120,14 @@ def shard_lora(module: str, a: torch.Tensor, b: torch.Tensor, cfg: ModelConfig
     return a.narrow(1, start, size), b
 
 
-def _range(proj: str, cfg: ModelConfig) -> tuple[int, int]:
+def _range(proj: str, cfg: ModelConfig, width: int = 0) -> tuple[int, int]:
     d = cfg.head_dim
     if proj in ("q_proj", "o_proj"):
         return cfg.head_start * d, cfg.num_heads * d
     if proj in ("k_proj", "v_proj"):
         return cfg.kv_head_start * d, cfg.num_kv_heads * d
-    return cfg.tp_rank * cfg.intermediate_size, cfg.intermediate_size
+    width = width or cfg.intermediate_size
+    return cfg.tp_rank * width, width
 
 
 def check_quant(cfg: ModelConfig, quant: QuantConfig | None) -> None:
@@ -135,13 +138,15 @@ def check_quant(cfg: ModelConfig, quant: QuantConfig | None) -> None:
         raise QuantizationError("GPTQ act-order (desc_act) checkpoints cannot be served with "
                                 "--tensor-parallel-size > 1: their groups span the input "
                                 "channels that the ranks split")
-    for proj in _ROW:
-        start, size = _range(proj, cfg)
+    shared = cfg.moe.shared_intermediate_size if cfg.moe is not None else 0
+    for proj, width in [(p, 0) for p in _ROW] + ([("down_proj", shared)] if shared else []):
+        start, size = _range(proj, cfg, width)
         if start % quant.group_size or size % quant.group_size:
             raise QuantizationError(
                 f"{quant.method} group size {quant.group_size}: rank {cfg.tp_rank} of "
-                f"{cfg.tp_size} would hold input channels {start}..{start + size} of {proj}, "
-                f"not whole groups; use another --tensor-parallel-size")
+                f"{cfg.tp_size} would hold input channels {start}..{start + size} of "
+                f"{'the shared expert' if width else proj}, not whole groups; use another "
+                f"--tensor-parallel-size")
 
 def min_over_ranks(n: int, device: torch.device) -> int:
     """The smallest of every rank's n (e.g. KV blocks: the cache size all ranks can hold)."""

@@ -162,7 +162,7 @@ def _parse(method: str, qc: dict[str, Any]) -> QuantConfig:
     if group not in GROUP_SIZES:
         raise QuantizationError(f"{method}: group_size {group} is not supported "
                                 f"({', '.join(map(str, GROUP_SIZES))}; per-channel -1 is not)")
-    skipped = [m for m in qc.get("modules_to_not_convert") or [] if m != "lm_head"]
+    skipped = [m for m in qc.get("modules_to_not_convert") or [] if not _stays_float(m)]
     if skipped:
         raise QuantizationError(f"{method}: modules_to_not_convert {skipped} is not supported "
                                 "(every decoder linear must be quantized)")
@@ -182,7 +182,7 @@ def _parse(method: str, qc: dict[str, Any]) -> QuantConfig:
 
 
 # ---------------------------------------------------------------- FP8 (W8A8 e4m3)
-_IGNORABLE = ("lm_head",)  # stays float here anyway
+_IGNORABLE = ("lm_head", "gate", "shared_expert_gate")  # float here anyway (_stays_float)
 
 
 def is_mxfp4(qc: dict[str, Any] | None) -> bool:
@@ -268,8 +268,16 @@ def _ct_group(g: dict[str, Any]) -> bool:
     return True
 
 
+def _stays_float(module: str) -> bool:
+    """A module a quantized checkpoint may leave in float (modules_to_not_convert, ignore;
+    names or compressed-tensors' "re:" patterns): the LM head, and the routers of
+    mixture-of-experts layers, which are float here anyway."""
+    last = module.removeprefix("re:").removesuffix("$").rpartition(".")[2]
+    return last.endswith(_IGNORABLE)  # "re:.*lm_head" included
+
+
 def _check_ignored(method: str, ignored: list[str]) -> None:
-    kept = [m for m in ignored if not m.endswith(_IGNORABLE)]
+    kept = [m for m in ignored if not _stays_float(m)]
     if kept:
         raise QuantizationError(f"{method}: float layers {kept[:4]} among the quantized ones "
                                 "are not supported (every decoder linear must be quantized)")

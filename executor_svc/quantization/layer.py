@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from pagedserve.executor.quantization.formats import (
     from_pack_quantized,
 )
 from pagedserve.executor.quantization.fp8 import convert_fp8
+from pagedserve.kernels.w4a16_reference import dequantize
 
 _PARTS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales")}
 
@@ -46,15 +48,45 @@ class W4Linear(nn.Module):
                                    self.bias, self.perm)
 
 
+# one expert's projection of a mixture-of-experts layer, as hub checkpoints name it
+_EXPERT = re.compile(r"\.(?:block_sparse_moe|mlp)\.experts\.\d+\."
+                     r"(?:w1|w2|w3|gate_proj|up_proj|down_proj)$")
+
+
 def convert_checkpoint(
     weights: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF AWQ/GPTQ tensors -> `<module>.qweight/.scales/.zeros[/.perm]` in the kernels' layout;
     other tensors pass through. A module's parts may arrive in any order (and any file).
+    An expert's projection becomes its dequantized `<module>.weight` [out, in] in float32:
+    mixture-of-experts layers serve 4-bit checkpoints' experts in float (moe.SparseMoe).
     FP8: quantization.fp8.convert_fp8."""
     if quant.method == "fp8":
         yield from convert_fp8(weights, quant)
         return
+    for module, tensors in _convert_modules(weights, quant):
+        if not module:
+            yield from tensors.items()
+        elif _EXPERT.search(module):
+            yield f"{module}.weight", _dequantized(tensors, quant.group_size)
+        else:
+            yield from ((f"{module}.{k}", v) for k, v in tensors.items())
+
+
+def _dequantized(t: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
+    """The kernels' tensors of one linear -> its float32 weight [out, in], rows of an
+    act-order weight back in input-channel order."""
+    w = dequantize(t["qweight"], t["scales"], t["zeros"], group_size, torch.float32)
+    if "perm" in t:  # row i of the kernels' weight is input channel perm[i]
+        w = torch.empty_like(w).index_copy_(0, t["perm"], w)
+    return w.t().contiguous()
+
+
+def _convert_modules(
+    weights: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig
+) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """(module, its tensors in the kernels' layout) for each quantized module, ("", {name:
+    tensor}) for every other tensor."""
     if quant.packing == "pack-quantized":
         yield from _convert_pack_quantized(weights, quant)
         return
@@ -63,16 +95,16 @@ def convert_checkpoint(
     for name, tensor in weights:
         module, _, part = name.rpartition(".")
         if part not in needed:
-            yield name, tensor
+            yield "", {name: tensor}
             continue
         parts = pending.setdefault(module, {})
         parts[part] = tensor
         if all(p in parts for p in needed):
             del pending[module]
-            yield from ((f"{module}.{k}", v) for k, v in _convert(module, parts, quant).items())
+            yield module, _convert(module, parts, quant)
     for module, parts in pending.items():  # g_idx is optional without act-order
         if quant.method == "gptq" and not quant.act_order and set(parts) == set(_PARTS["gptq"]):
-            yield from ((f"{module}.{k}", v) for k, v in _convert(module, parts, quant).items())
+            yield module, _convert(module, parts, quant)
             continue
         missing = sorted(set(needed) - set(parts))
         raise QuantizationError(f"{module}: checkpoint lacks {', '.join(missing)}")
@@ -80,7 +112,7 @@ def convert_checkpoint(
 
 def _convert_pack_quantized(
     weights: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """compressed-tensors' weight_packed/_scale/_shape[/_zero_point][/_g_idx] of a module ->
     the kernels' tensors; a module's parts may arrive in any order (and any file)."""
     needed = ("weight_packed", "weight_scale", "weight_shape") \
@@ -93,17 +125,16 @@ def _convert_pack_quantized(
         if part == "weight_zero_point" and quant.sym:  # zero, whatever was saved
             continue
         if part not in known:
-            yield name, tensor
+            yield "", {name: tensor}
             continue
         parts = pending.setdefault(module, {})
         parts[part] = tensor
         if all(p in parts for p in needed):
             del pending[module]
-            out = from_pack_quantized(module, parts["weight_packed"], parts["weight_scale"],
-                                      parts["weight_shape"], parts.get("weight_zero_point"),
-                                      parts.get("weight_g_idx"), quant.group_size,
-                                      quant.act_order)
-            yield from ((f"{module}.{k}", v) for k, v in out.items())
+            yield module, from_pack_quantized(
+                module, parts["weight_packed"], parts["weight_scale"], parts["weight_shape"],
+                parts.get("weight_zero_point"), parts.get("weight_g_idx"), quant.group_size,
+                quant.act_order)
     for module, parts in pending.items():
         missing = sorted(set(needed) - set(parts))
         raise QuantizationError(f"{module}: checkpoint lacks {', '.join(missing) or 'parts'}")

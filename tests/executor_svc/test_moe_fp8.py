@@ -6,7 +6,11 @@ import torch
 
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.loader import build_model
-from pagedserve.executor.quantization import QuantizationError, resolve_quantization
+from pagedserve.executor.quantization import (
+    QuantConfig,
+    QuantizationError,
+    resolve_quantization,
+)
 from pagedserve.kernels import get_ops
 from pagedserve.kernels.fp8_reference import FP8, quantize_weight
 from tests.executor_svc.test_families import FAMILIES, hf_and_ours_of
@@ -54,10 +58,19 @@ def test_random_fp8_experts_are_drawn(tmp_path):
     assert moe.w13.float().abs().sum() > 0 and (moe.w13_scale != 1.0).all()
 
 
-def test_4bit_experts_are_refused(tmp_path):
+def test_4bit_weights_keep_the_experts_float(tmp_path):
+    """--quantization awq of a mixture-of-experts model: the attention 4-bit, the experts
+    float (as a 4-bit checkpoint's are served, dequantized at load: test_quant_formats)."""
     hf_and_ours_of(FAMILIES["mixtral"], tmp_path)
     cfg = ModelConfig.from_pretrained(tmp_path)
     quant = resolve_quantization(tmp_path, "awq", random=True)
+    ours = build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, None,
+                       quant=quant)
+    layer = ours.layers[0]
+    assert type(layer.self_attn.qkv_proj).__name__ == "W4Linear"
+    assert not layer.mlp.fp8 and layer.mlp.w13.dtype == torch.float32
+    assert layer.mlp.w13.abs().sum() > 0
+    serialized = QuantConfig("fp8", 0, fp8_serialized=True)  # an FP8 checkpoint's experts
     with pytest.raises(QuantizationError, match="experts are served in float or as FP8"):
         build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, None,
-                    quant=quant)
+                    quant=serialized)

@@ -14,12 +14,13 @@ from pagedserve.executor.checkpoint import iter_checkpoint
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.quantization import (
+    QuantConfig,
     QuantizationError,
     convert_checkpoint,
     resolve_quantization,
 )
 from pagedserve.executor.quantization.algorithms import gptq, rtn
-from pagedserve.executor.quantization.formats import from_awq, from_gptq
+from pagedserve.executor.quantization.formats import from_awq, from_gptq, to_awq, to_gptq
 from pagedserve.executor.quantization.pipeline import (
     QuantizeOptions,
     quantization_config,
@@ -76,9 +77,15 @@ def test_gptq_unpacks_autogptq_layout_with_zero_plus_one(act_order):
     out = from_gptq("m", _int32(qw), autogptq_pack_zeros(z), s, g_idx.int(), g, 1, act_order)
     w = dequantize(out["qweight"], out["scales"], out["zeros"], g, torch.float32)
     expect = (q - z[g_idx]).float() * s.float()[g_idx]  # row k uses group g_idx[k]
-    if act_order:
-        expect = expect[out["perm"]]
-    assert torch.equal(w, expect)
+    assert torch.equal(w, expect[out["perm"]] if act_order else expect)
+    # an expert's projection comes out dequantized, in input-channel order, [out, in]
+    expert = "model.layers.0.mlp.experts.3.down_proj"
+    parts = {"qweight": _int32(qw), "qzeros": autogptq_pack_zeros(z), "scales": s,
+             "g_idx": g_idx.int()}
+    quant = QuantConfig("gptq", g, act_order=act_order, zero_offset=1)
+    converted = dict(convert_checkpoint([(f"{expert}.{k}", v) for k, v in parts.items()], quant))
+    assert list(converted) == [f"{expert}.weight"]
+    assert torch.equal(converted[f"{expert}.weight"], expect.t())
 
 
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -317,3 +324,83 @@ INT4 = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128,
 def test_compressed_tensors_int4_refused_with_reason(tmp_path, qc, match):
     with pytest.raises(QuantizationError, match=match):
         resolve_quantization(_write_config(tmp_path, qc))
+
+
+MOE = {"qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                         mlp_only_layers=[1]),
+       "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2)}
+
+
+def hub_4bit_moe(d: dict, method: str, path):
+    """A tiny mixture-of-experts model written as hub 4-bit checkpoints are (AutoGPTQ's,
+    AutoAWQ's): every linear of the decoder in 4 bits, each expert's projection a module of its
+    own (Mixtral's block_sparse_moe.experts.N.w1/w3/w2), the routers in float. Returns the HF
+    model holding the values the checkpoint holds."""
+    torch.manual_seed(0)
+    d = {**TINY, **d}
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d),
+                                          dtype=torch.float32).eval()
+    mixtral = hf.config.model_type == "mixtral"
+    tensors = {}
+
+    def quantized(module: str, w: torch.Tensor) -> torch.Tensor:
+        qt = rtn(w, 32, min_zero=0 if method == "awq" else 1)
+        parts = (to_awq(qt.q, qt.scales, qt.zeros) if method == "awq"
+                 else to_gptq(qt.q, qt.scales, qt.zeros, qt.g_idx))
+        tensors.update({f"{module}.{k}": v for k, v in parts.items()})
+        return qt.dequantize()
+
+    with torch.no_grad():
+        for name, p in hf.state_dict().items():
+            module, _, leaf = name.rpartition(".")
+            if leaf == "gate_up_proj":  # [E, 2I, H]: each expert's gate and up
+                i = p.shape[1] // 2
+                for e in range(p.shape[0]):
+                    for rows, proj in ((slice(0, i), "w1" if mixtral else "gate_proj"),
+                                       (slice(i, 2 * i), "w3" if mixtral else "up_proj")):
+                        p[e, rows] = quantized(_hub(f"{module}.{e}.{proj}", mixtral),
+                                               p[e, rows])
+            elif leaf == "down_proj" and module.endswith("experts"):  # [E, H, I]
+                for e in range(p.shape[0]):
+                    p[e] = quantized(_hub(f"{module}.{e}.{'w2' if mixtral else 'down_proj'}",
+                                          mixtral), p[e])
+            elif ".layers." in name and leaf == "weight" and p.dim() == 2 \
+                    and not module.endswith(("mlp.gate", "shared_expert_gate")):
+                p.copy_(quantized(module, p))
+            else:
+                tensors[_hub(name, mixtral)] = p.clone()
+    hf.save_pretrained(path)
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    opt = QuantizeOptions(method, 32, act_order=False)
+    config["quantization_config"] = quantization_config(opt)
+    if method == "awq":  # as AutoAWQ writes Mixtral's
+        config["quantization_config"]["modules_to_not_convert"] = ["gate"]
+    (path / "config.json").write_text(json.dumps(config))
+    return hf
+
+
+def _hub(name: str, mixtral: bool) -> str:
+    return name.replace(".mlp.", ".block_sparse_moe.") if mixtral else name
+
+
+@pytest.mark.parametrize("family,method", [("qwen2_moe", "gptq"), ("mixtral", "awq")])
+def test_a_4bit_moe_checkpoint_serves_its_experts_dequantized(tmp_path, family, method):
+    """The experts dequantized at load (float here), the other linears (Qwen2-MoE's shared
+    expert and dense layer included) 4-bit, the routers float: logits equal HF over the values
+    the checkpoint holds, across chunked prefill and decode."""
+    from tests.executor_svc.test_model import assert_paged_equals_hf, run_paged
+
+    hf = hub_4bit_moe(MOE[family], method, tmp_path)
+    quant = resolve_quantization(tmp_path)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    ours = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, tmp_path, quant=quant)
+    kinds = {type(m).__name__ for m in ours.modules()}
+    assert {"W4Linear", "SparseMoe"} <= kinds
+    assert all(not getattr(m, "fp8", False) for m in ours.modules())
+    seqs, chunks = [list(range(3, 23)), list(range(40, 53))], [(7, 5), (10, 5), (1, 1), (1, 1)]
+    # the experts' sums run in another order than HF's loop over experts: 1e-4 is at the edge
+    assert_paged_equals_hf(hf, run_paged(ours, cfg, seqs, chunks), seqs, chunks, tol=3e-4)

@@ -200,6 +200,16 @@ def test_awq_checkpoint_on_two_ranks(tmp_path):
     assert tensor_parallel_tokens(qdir)[0] == single_rank_tokens(qdir)[0]
 
 
+def test_4bit_moe_checkpoint_on_two_ranks(tmp_path):
+    """Experts dequantized at load and cut by width, the shared expert's 4-bit parts by its
+    own width."""
+    from tests.executor_svc.test_quant_formats import MOE, hub_4bit_moe
+
+    hub_4bit_moe({**MOE["qwen2_moe"], "shared_expert_intermediate_size": 64,
+                  "initializer_range": 0.2}, "gptq", tmp_path)
+    assert tensor_parallel_tokens(tmp_path)[0] == single_rank_tokens(tmp_path)[0]
+
+
 def split_input_fp8(self, x):
     """A row-parallel FP8 layer as two ranks compute it: each quantizes its half of the input
     per token (its own scales: finer than one scale over the whole row, and no collective), and
