@@ -268,8 +268,9 @@ class CausalLM(nn.Module):
         if moe is None:
             raise KeyError(f"unexpected weight {name}")
         if tensor.dtype == FP8 or name.endswith("_scale") or name.endswith("_scale_inv"):
-            raise QuantizationError(f"{name}: FP8 expert checkpoints are not supported; "
-                                    f"serve the float checkpoint with --quantization fp8")
+            raise QuantizationError(f"{name}: FP8 experts are read as one e4m3 weight and "
+                                    f"its weight_scale per expert projection (experts.N.*), "
+                                    f"not in this layout")
         width, start = moe.intermediate_size, self.cfg.tp_rank * moe.intermediate_size
         m = _EXPERT.match(name)
         if m is not None:

@@ -24,7 +24,7 @@ from torch import nn
 from pagedserve.executor import tp_layers as tp
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.layers import MLP, Linear, Ops
-from pagedserve.executor.quantization import QuantConfig, QuantizationError
+from pagedserve.executor.quantization import QuantConfig
 from pagedserve.kernels.fp8_reference import FP8, quantize_weight
 
 
@@ -33,13 +33,10 @@ class SparseMoe(nn.Module):
         super().__init__()
         moe = cfg.moe
         assert moe is not None
-        if quant is not None and quant.method == "fp8" and quant.fp8_serialized:
-            raise QuantizationError(f"{cfg.model_type}: experts are served in float or as FP8 "
-                                    f"quantized at load (--quantization fp8 of a float "
-                                    f"checkpoint), not as {quant.describe()}")
         e, i, h = moe.num_experts, moe.intermediate_size, cfg.hidden_size
         # 4-bit checkpoints: the experts arrive dequantized (quantization.convert_checkpoint)
-        # and are served in float; the shared expert stays 4-bit
+        # and are served in float, the shared expert 4-bit; FP8 ones arrive as the float
+        # weights their codes hold (quantization.fp8.convert_fp8), quantized again in place
         self.fp8 = quant is not None and quant.method == "fp8"
         self.gate = Linear(h, e, bias=False)
         codes = {"dtype": FP8} if self.fp8 else {}

@@ -13,6 +13,10 @@ Two sources, one layer (Fp8Linear: codes [N, K] e4m3 and a float32 scale per out
                                                tensor|channel; input_activations dynamic
                                                (served per token) or static tensor
 
+Experts of an FP8 checkpoint are handed to the MoE block as the float weights their codes and
+scales hold (_expert_weight), which it quantizes per output channel as it does a float
+checkpoint's; their input scales are dropped (the expert GEMMs read float activations).
+
 A per-tensor weight scale is copied to every output channel of its part, which is exactly its
 math, so fused qkv/gate_up parts with different scales need no requantization. A static
 input_scale is kept per output channel in the same way while loading; after loading the layer
@@ -38,8 +42,19 @@ def convert_fp8(weights: Iterable[tuple[str, torch.Tensor]],
     """HF tensors -> the decoder linears' `weight` (e4m3), `weight_scale` and `input_scale`
     (float32, flat); other tensors pass through."""
     seen: dict[str, set[str]] = {}
+    experts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         module, _, part = name.rpartition(".")
+        if ".experts." in module and quant.fp8_serialized and (
+                part in ("weight_scale", "input_scale") or tensor.dtype == FP8):
+            if part == "input_scale":  # the expert GEMMs keep float activations
+                continue
+            parts = experts.setdefault(module, {})
+            parts[part] = tensor
+            if len(parts) == 2:
+                del experts[module]
+                yield f"{module}.weight", _expert_weight(module, parts)
+            continue
         if module.rpartition(".")[2] not in LINEARS or ".experts." in module:
             yield name, tensor  # experts: quantized as the MoE block loads them (moe.py)
             continue
@@ -62,6 +77,9 @@ def convert_fp8(weights: Iterable[tuple[str, torch.Tensor]],
             yield name, tensor
         else:
             yield name, tensor
+    for module, parts in experts.items():
+        raise QuantizationError(f"{module}: checkpoint holds its {', '.join(parts)} without "
+                                f"the {'weight_scale' if 'weight' in parts else 'e4m3 weight'}")
     needed = {"weight", "weight_scale"} | ({"input_scale"} if quant.static_activations else set())
     for module, parts in seen.items():
         if parts != needed:
@@ -103,6 +121,21 @@ def _dequantized(module: str, parts: dict[str, torch.Tensor],
                                 f"expected {list(want)}")
     scale = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return codes.float() * scale
+
+
+def _expert_weight(module: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """An FP8 checkpoint's expert projection as the float32 weight its codes and scale (per
+    tensor or per output channel) hold: the MoE block quantizes it again per output channel
+    as it loads it (moe.SparseMoe.place), the same codes where the checkpoint's scales are per
+    channel, a second rounding where one scale covers the tensor."""
+    codes, scale = parts["weight"], _flat_scale(f"{module}.weight_scale", parts["weight_scale"])
+    if codes.dtype != FP8:
+        raise QuantizationError(f"{module}.weight is {codes.dtype}; an FP8 checkpoint's expert "
+                                "weights must be float8_e4m3fn")
+    if scale.numel() not in (1, codes.shape[0]):
+        raise QuantizationError(f"{module}.weight_scale holds {scale.numel()} scales for "
+                                f"{codes.shape[0]} output channels")
+    return codes.float() * scale[:, None]
 
 
 def _flat_scale(name: str, t: torch.Tensor) -> torch.Tensor:
