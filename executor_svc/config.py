@@ -106,11 +106,18 @@ class ModelConfig:
                                         f"transformers has no causal LM for it")
         heads = c.num_attention_heads
         chunk = int(getattr(c, "attention_chunk_size", None) or 0)
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        if getattr(c, "kv_lora_rank", None) and getattr(c, "qk_nope_head_dim", None):
+            # multi-head latent attention as HF runs it (DeepSeek V2/V3, Kimi, MiniCPM3):
+            # each head's key (no-RoPE and RoPE parts) and value expanded from the latent;
+            # the cache holds both per head, values padded to the key's size (hf_fallback)
+            kv_heads = heads
+            head_dim = max(c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
         return cls(
             exact_len=chunk,
             model_type=c.model_type, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
-            num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
             intermediate_size=getattr(c, "intermediate_size", 0) or 0, vocab_size=c.vocab_size,
             rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),

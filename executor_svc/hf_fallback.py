@@ -12,10 +12,12 @@ no attention mask. Native modules stay the fast path (no fused kernels or CUDA g
 At build, one forward pass over a few tokens records what each layer hands the attention
 interface (probe): a model is refused at start, naming why, unless every layer attends exactly
 once through it with the heads and head size the KV cache is sized for. Layers that do not
-(linear attention, state-space or convolution layers, layers reusing another's KV) and
-multi-head latent attention (a value head size apart from the key's) would otherwise give
-wrong tokens silently. Attention sinks (gpt-oss's per-head `s_aux` logit) are served by a
-torch path over the gathered cache (`_attention_with_sinks`): exact, not fast.
+(linear attention, state-space or convolution layers, layers reusing another's KV) would
+otherwise give wrong tokens silently. Multi-head latent attention hands it each head's key and
+a value of a smaller size: the value is padded with zeros to the key's size in the cache and
+the output cut back (config.for_transformers sizes the cache so). Attention sinks (gpt-oss's
+per-head `s_aux` logit) are served by a torch path over the gathered cache
+(`_attention_with_sinks`): exact, not fast.
 
 An MXFP4 checkpoint (gpt-oss's releases) is loaded with transformers' own dequantization
 (Mxfp4Config(dequantize=True)): its experts are served in the model's dtype, four times the
@@ -72,6 +74,9 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     k_cache, v_cache = step.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
+    v_dim = value.shape[-1]
+    if v_dim < key.shape[-1]:  # multi-head latent attention: zeros pad V to K's size in the
+        value = torch.nn.functional.pad(value, (0, key.shape[-1] - v_dim))  # cache, then cut
     v = value[0].transpose(0, 1).contiguous()
     step.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, 1.0, 1.0)
     options = {}
@@ -87,7 +92,7 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
         o = step.ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, scale,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, **options)
-    return o[None], None
+    return o[None, :, :, :v_dim], None
 
 
 def _attention_with_sinks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -241,14 +246,15 @@ class TransformersLM(nn.Module):
                 f"ALiBi models; linear attention, state-space or convolution layers; layers "
                 f"reusing another's KV): {unit}")
         want = (cfg.num_heads, 4, cfg.head_dim), (cfg.num_kv_heads, 4, cfg.head_dim)
-        for c in calls:
-            if (c["q"], c["k"]) != want or c["v"] != want[1]:
+        for c in calls:  # a value head smaller than the key's is padded (latent attention)
+            if (c["q"], c["k"]) != want or c["v"][:2] != want[1][:2] or \
+                    c["v"][2] > cfg.head_dim:
                 raise UnsupportedModelError(
                     f"{cfg.model_type}: layer {c['layer']} attends with query {c['q'][0]} x "
                     f"{c['q'][2]}, key {c['k'][0]} x {c['k'][2]} and value {c['v'][0]} x "
                     f"{c['v'][2]} (heads x size) where the config gives {cfg.num_heads} "
-                    f"heads and {cfg.num_kv_heads} KV heads of {cfg.head_dim} (multi-head "
-                    f"latent attention is one such model): {unit} of one head size")
+                    f"heads and {cfg.num_kv_heads} KV heads of {cfg.head_dim}: {unit} of "
+                    f"the sizes the KV cache is made for")
             if c["causal"] is False:
                 raise UnsupportedModelError(f"{cfg.model_type}: layer {c['layer']} attends "
                                             f"bidirectionally: {unit}, causal")
