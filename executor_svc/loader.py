@@ -12,9 +12,11 @@ from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.model import CausalLM, Ops
 from pagedserve.executor.moe import SparseMoe
 from pagedserve.executor.quantization import Fp8Linear, QuantConfig, convert_checkpoint
+from pagedserve.executor.quantization.compressed import dequantize_int
 from pagedserve.executor.quantization.config import (
     QuantizationError,
     block_fp8_size,
+    dequantized_int,
     is_mxfp4,
     read_quantization_config,
 )
@@ -43,7 +45,7 @@ def build_model(
     if cfg.impl == "transformers":
         from pagedserve.executor.hf_fallback import TransformersLM
 
-        if quant is not None or block_fp8_size(qc):
+        if quant is not None or block_fp8_size(qc) or dequantized_int(qc):
             raise QuantizationError(f"{cfg.model_type} runs through the transformers fallback, "
                                     f"which serves unquantized and MXFP4 checkpoints only")
         return TransformersLM.build(cfg, ops, dtype, device, weights_dir, seed,
@@ -83,11 +85,15 @@ def build_model(
                 p.data.normal_(0.0, 0.02, generator=gen)
     else:
         weights = iter_checkpoint(weights_dir)
-        block = block_fp8_size(read_quantization_config(weights_dir))
+        block, ints = block_fp8_size(qc), dequantized_int(qc)
+        then = ", then quantized to FP8 per output channel" if quant else ""
         if block is not None:  # a block-wise FP8 checkpoint: float from here on
             log.info("block-wise FP8 weights (blocks of %d x %d) dequantized at load%s",
-                     *block, ", then quantized per output channel" if quant else "")
+                     *block, then)
             weights = dequantize_blocks(weights, block)
+        if ints is not None:  # compressed-tensors integers: float from here on
+            log.info("compressed-tensors int%d weights dequantized at load%s", ints.bits, then)
+            weights = dequantize_int(weights, ints)
         model.load_weights(convert_checkpoint(weights, quant) if quant else weights)
     for m in model.modules():
         if isinstance(m, Fp8Linear):

@@ -56,6 +56,13 @@ def resolve_quantization(model_dir: str | Path, requested: str = "auto",
                                 f"got {requested!r}")
     qc = read_quantization_config(model_dir)
     found = _method_of(qc)
+    ints = dequantized_int(qc)
+    if ints is not None:  # dequantized at load (loader.py): served in float, or quantized
+        if requested in ("auto", "fp8"):  # again per output channel with --quantization fp8
+            return QuantConfig("fp8", 0) if requested == "fp8" else None
+        raise QuantizationError(f"--quantization {requested}: {model_dir} holds "
+                                f"compressed-tensors int{ints.bits} weights, served "
+                                "dequantized at load (auto) or as FP8 (fp8)")
     if requested == "none":
         if found:
             raise QuantizationError(f"{model_dir} is a {found} checkpoint; serve it with "
@@ -183,6 +190,56 @@ def _parse(method: str, qc: dict[str, Any]) -> QuantConfig:
 
 # ---------------------------------------------------------------- FP8 (W8A8 e4m3)
 _IGNORABLE = ("lm_head", "gate", "shared_expert_gate")  # float here anyway (_stays_float)
+
+
+@dataclass(frozen=True, slots=True)
+class IntWeights:
+    """A compressed-tensors checkpoint's integer weights served dequantized at load
+    (quantization/compressed.py): config.json's one weights scheme."""
+
+    bits: int
+    group_size: int  # 0 unless strategy "group"
+    sym: bool
+    act_order: bool  # weight_g_idx present
+
+
+def dequantized_int(qc: dict[str, Any] | None) -> IntWeights | None:
+    """compressed-tensors integer weights the 4-bit kernels do not take (8-bit ones: W8A8,
+    W8A16; 4-bit ones with a scale per channel or tensor, or quantized activations), which the
+    loader dequantizes to float; None for any other checkpoint. Raises what it cannot read."""
+    if not qc or str(qc.get("quant_method", "")).lower() != "compressed-tensors":
+        return None
+    groups = list((qc.get("config_groups") or {}).values())
+    ws = [g.get("weights") or {} for g in groups]
+    if _ct_format(qc) not in ("int-quantized", "naive-quantized", "pack-quantized") or not ws \
+            or any(w.get("type") != "int" for w in ws):
+        return None
+    if _ct_format(qc) == "pack-quantized":
+        try:
+            parse_compressed_int4(qc)
+            return None  # the 4-bit kernels serve it
+        except QuantizationError:
+            pass
+    if len({json.dumps(w, sort_keys=True) for w in ws}) > 1:
+        raise QuantizationError("compressed-tensors: config_groups with different weight "
+                                "schemes are not supported")
+    w = ws[0]
+    bits, strategy, group = w.get("num_bits"), w.get("strategy"), w.get("group_size")
+    if bits not in (2, 4, 8) or (bits != 8 and _ct_format(qc) != "pack-quantized"):
+        raise QuantizationError(f"compressed-tensors: int weights of {bits} bits are not "
+                                "supported (8, or 2 and 4 packed)")
+    if strategy not in ("tensor", "channel", "group") or (
+            strategy == "group" and not (isinstance(group, int) and group > 0)):
+        raise QuantizationError(f"compressed-tensors: int weight strategy {strategy!r} "
+                                f"group_size {group} is not supported (tensor, channel, group)")
+    if w.get("dynamic"):
+        raise QuantizationError("compressed-tensors: dynamic int weights are not supported")
+    order = w.get("actorder")
+    if order not in (None, False, True, "group", "weight"):
+        raise QuantizationError(f"compressed-tensors: actorder {order!r} is not supported")
+    _check_ignored("compressed-tensors", qc.get("ignore") or [])
+    return IntWeights(bits, group if strategy == "group" else 0, bool(w.get("symmetric", True)),
+                      order in (True, "group") and strategy == "group")
 
 
 def is_mxfp4(qc: dict[str, Any] | None) -> bool:

@@ -223,6 +223,13 @@ def test_algorithms_zero_range_for_gptq_v1():
 def compressed_int4(tmp_path, sym: bool, group: int = 32):
     """A tiny Llama written by compressed-tensors itself as pack-quantized int4 (W4A16, or
     W4A16_ASYM), each group's scale and zero point set by rounding to nearest here."""
+    return compressed_int(tmp_path, 4, "group", sym, group)
+
+
+def compressed_int(tmp_path, bits: int, strategy: str, sym: bool, group: int = 32,
+                   fmt: str = "pack-quantized", int8_activations: bool = False):
+    """A tiny Llama written by compressed-tensors itself with `bits`-bit integer weights, a
+    scale (and zero point) per group, channel or tensor set by rounding to nearest here."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -235,34 +242,78 @@ def compressed_int4(tmp_path, sym: bool, group: int = 32):
     d = dict(TINY)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d),
                                           dtype=torch.float32).eval()
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=sym, strategy="group",
-                            group_size=group)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy=strategy,
+                            group_size=group if strategy == "group" else None)
+    acts = QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True) \
+        if int8_activations else None
     apply_quantization_config(hf, QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args,
+                                                     input_activations=acts)},
         ignore=["lm_head"]))
+    half = 1 << (bits - 1)
     for m in hf.modules():
         if hasattr(m, "weight_scale"):
-            g = m.weight.data.reshape(m.weight.shape[0], -1, group)
+            w = m.weight.data
+            g = {"group": w.reshape(w.shape[0], -1, group), "channel": w[:, None],
+                 "tensor": w.reshape(1, 1, -1)}[strategy]
+            shape = m.weight_scale.shape
             if sym:
-                m.weight_scale.data.copy_(g.abs().amax(-1) / 7.5)
+                m.weight_scale.data.copy_((g.abs().amax(-1) / (half - 0.5)).reshape(shape))
             else:
                 lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-                m.weight_scale.data.copy_((hi - lo) / 15)
-                m.weight_zero_point.data.copy_((torch.round(-lo / m.weight_scale) - 8)
-                                               .clamp(-8, 7))
-    compressor = ModelCompressor.from_pretrained_model(hf, quantization_format="pack-quantized")
+                scale = (hi - lo) / (2 * half - 1)
+                m.weight_scale.data.copy_(scale.reshape(shape))
+                m.weight_zero_point.data.copy_((torch.round(-lo / scale) - half)
+                                               .clamp(-half, half - 1).reshape(shape))
+    compressor = ModelCompressor.from_pretrained_model(hf, quantization_format=fmt)
     compressor.compress_model(hf)
     hf.save_pretrained(tmp_path)
     compressor.update_config(tmp_path)
     return tmp_path
 
 
+def _hf_dequantized_logits(qdir, seq):
+    from transformers import CompressedTensorsConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        qdir, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
+    with torch.no_grad():
+        return hf(torch.tensor([seq])).logits[0, -1]
+
+
+@pytest.mark.parametrize("bits,strategy,sym,fmt,a8", [
+    (8, "channel", True, "int-quantized", True),  # W8A8
+    (8, "group", False, "pack-quantized", False),  # W8A16, asymmetric groups
+    (8, "tensor", True, "naive-quantized", False),
+    (4, "channel", False, "pack-quantized", False),  # W4A16 with a scale per channel
+])
+def test_compressed_tensors_ints_are_served_dequantized(tmp_path, bits, strategy, sym, fmt,
+                                                        a8):
+    """What the 4-bit kernels do not take is dequantized at load: logits equal HF's own load
+    of the checkpoint, dequantized by compressed-tensors; --quantization fp8 quantizes the
+    values again per output channel."""
+    from tests.executor_svc.test_model import run_paged
+
+    qdir = compressed_int(tmp_path, bits, strategy, sym, fmt=fmt, int8_activations=a8)
+    assert resolve_quantization(qdir) is None
+    cfg = ModelConfig.from_pretrained(qdir)
+    ours = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, qdir)
+    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = run_paged(ours, cfg, [seq], [(12,)])[0][-1]
+    torch.testing.assert_close(logits, _hf_dequantized_logits(qdir, seq), rtol=1e-4, atol=1e-4)
+    fp8 = resolve_quantization(qdir, "fp8")
+    assert (fp8.method, fp8.fp8_serialized) == ("fp8", False)
+    model = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, qdir, quant=fp8)
+    assert type(model.layers[0].self_attn.qkv_proj).__name__ == "Fp8Linear"
+    with pytest.raises(QuantizationError, match=f"compressed-tensors int{bits} weights, served "
+                                                "dequantized at load"):
+        resolve_quantization(qdir, "gptq")
+
+
 @pytest.mark.parametrize("sym", [True, False])
 def test_compressed_tensors_int4_matches_its_dequantized_hf(tmp_path, sym):
     """compressed-tensors' W4A16 checkpoints (as llm-compressor releases them) serve as GPTQ:
     logits equal HF's own load of the same checkpoint, dequantized by compressed-tensors."""
-    from transformers import CompressedTensorsConfig
-
     qdir = compressed_int4(tmp_path, sym)
     quant = resolve_quantization(qdir)
     assert (quant.method, quant.group_size, quant.sym, quant.packing) == (
@@ -274,11 +325,7 @@ def test_compressed_tensors_int4_matches_its_dequantized_hf(tmp_path, sym):
 
     seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     logits = run_paged(ours, cfg, [seq], [(12,)])[0][-1]
-    hf = AutoModelForCausalLM.from_pretrained(
-        qdir, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
-    with torch.no_grad():
-        ref = hf(torch.tensor([seq])).logits[0, -1]
-    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, _hf_dequantized_logits(qdir, seq), rtol=1e-4, atol=1e-4)
 
 
 def test_compressed_tensors_int4_with_group_activation_order():
@@ -314,11 +361,12 @@ INT4 = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128,
 
 
 @pytest.mark.parametrize("qc,match", [
-    (_ct({**INT4, "num_bits": 8}), r"num_bits 8 are not supported \(int, 4\)"),
-    (_ct({**INT4, "strategy": "channel", "group_size": None}), "strategy 'channel'"),
-    (_ct({**INT4, "group_size": 256}), "group_size 256"),
-    (_ct(INT4, {"type": "int", "num_bits": 8, "dynamic": True}), r"\(int 8-bit\) with int4"),
+    (_ct({**INT4, "num_bits": 3}), "int weights of 3 bits are not supported"),
+    (_ct({**INT4, "num_bits": 4}, format="int-quantized"), "int weights of 4 bits"),
+    (_ct({**INT4, "strategy": "block"}), "strategy 'block'"),
+    (_ct({**INT4, "dynamic": True}), "dynamic int weights"),
     (_ct(INT4, ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "float layers"),
+    (_ct({**INT4, "group_size": 256}, ignore=["re:.*down_proj"]), "float layers"),
     (_ct(INT4, format="marlin-24"), "not supported"),
 ])
 def test_compressed_tensors_int4_refused_with_reason(tmp_path, qc, match):
@@ -404,3 +452,28 @@ def test_a_4bit_moe_checkpoint_serves_its_experts_dequantized(tmp_path, family, 
     seqs, chunks = [list(range(3, 23)), list(range(40, 53))], [(7, 5), (10, 5), (1, 1), (1, 1)]
     # the experts' sums run in another order than HF's loop over experts: 1e-4 is at the edge
     assert_paged_equals_hf(hf, run_paged(ours, cfg, seqs, chunks), seqs, chunks, tol=3e-4)
+
+
+def test_dequantized_ints_follow_g_idx_and_packed_zero_points():
+    """8-bit weights with activation order "group" and asymmetric zero points, packed by
+    compressed-tensors' own packer, dequantize to (q - z[g_idx]) * s[g_idx]."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from pagedserve.executor.quantization.compressed import dequantize_int
+    from pagedserve.executor.quantization.config import IntWeights
+
+    n, k, g = 8, 64, 16
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    zp = torch.randint(-128, 128, (n, k // g), generator=gen, dtype=torch.int8)
+    s = torch.rand(n, k // g, generator=gen) + 0.5
+    g_idx = (torch.randperm(k, generator=gen) // g).to(torch.int32)
+    m = "model.layers.0.mlp.down_proj"
+    parts = {"weight_packed": pack_to_int32(q, 8), "weight_shape": torch.tensor([n, k]),
+             "weight_scale": s, "weight_zero_point": pack_to_int32(zp, 8, packed_dim=0),
+             "weight_g_idx": g_idx, "input_scale": torch.tensor(1.0)}
+    out = dict(dequantize_int([(f"{m}.{p}", t) for p, t in reversed(parts.items())],
+                              IntWeights(8, g, sym=False, act_order=True)))
+    assert list(out) == [f"{m}.weight"]
+    gi = g_idx.long()
+    assert torch.equal(out[f"{m}.weight"], (q.float() - zp.float()[:, gi]) * s[:, gi])
