@@ -12,7 +12,6 @@ from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.model import CausalLM, Ops
 from pagedserve.executor.moe import SparseMoe
 from pagedserve.executor.quantization import Fp8Linear, QuantConfig, convert_checkpoint
-from pagedserve.executor.quantization.compressed import dequantize_int
 from pagedserve.executor.quantization.config import (
     QuantizationError,
     block_fp8_size,
@@ -20,6 +19,7 @@ from pagedserve.executor.quantization.config import (
     is_mxfp4,
     read_quantization_config,
 )
+from pagedserve.executor.quantization.dequantized import dequantize_int
 from pagedserve.executor.quantization.fp8 import dequantize_blocks
 
 log = logging.getLogger("pagedserve.executor")
@@ -91,8 +91,8 @@ def build_model(
             log.info("block-wise FP8 weights (blocks of %d x %d) dequantized at load%s",
                      *block, then)
             weights = dequantize_blocks(weights, block)
-        if ints is not None:  # compressed-tensors integers: float from here on
-            log.info("compressed-tensors int%d weights dequantized at load%s", ints.bits, then)
+        if ints is not None:  # integers the kernels do not take: float from here on
+            log.info("%s int%d weights dequantized at load%s", ints.layout, ints.bits, then)
             weights = dequantize_int(weights, ints)
         model.load_weights(convert_checkpoint(weights, quant) if quant else weights)
     for m in model.modules():

@@ -1,6 +1,6 @@
 """Quantized weights: 4-bit AWQ/GPTQ/compressed-tensors checkpoint loading (config, formats,
 layer) and the algorithms behind `pagedserve quantize` (rtn, awq, gptq, pipeline); FP8 weights
-(fp8); compressed-tensors integers the 4-bit kernels do not take, dequantized (compressed)."""
+(fp8); integer weights the 4-bit kernels do not take, dequantized at load (dequantized)."""
 
 from pagedserve.executor.quantization.config import (
            QuantConfig,

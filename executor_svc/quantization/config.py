@@ -61,7 +61,7 @@ def resolve_quantization(model_dir: str | Path, requested: str = "auto",
         if requested in ("auto", "fp8"):  # again per output channel with --quantization fp8
             return QuantConfig("fp8", 0) if requested == "fp8" else None
         raise QuantizationError(f"--quantization {requested}: {model_dir} holds "
-                                f"compressed-tensors int{ints.bits} weights, served "
+                                f"{ints.layout} int{ints.bits} weights, served "
                                 "dequantized at load (auto) or as FP8 (fp8)")
     if requested == "none":
         if found:
@@ -194,20 +194,27 @@ _IGNORABLE = ("lm_head", "gate", "shared_expert_gate")  # float here anyway (_st
 
 @dataclass(frozen=True, slots=True)
 class IntWeights:
-    """A compressed-tensors checkpoint's integer weights served dequantized at load
-    (quantization/compressed.py): config.json's one weights scheme."""
+    """A checkpoint's integer weights served dequantized at load (quantization/dequantized.py):
+    config.json's one weights scheme."""
 
     bits: int
-    group_size: int  # 0 unless strategy "group"
+    group_size: int  # 0 for one scale per channel or per tensor
     sym: bool
-    act_order: bool  # weight_g_idx present
+    act_order: bool  # a g_idx is there
+    layout: str = "compressed-tensors"  # or "gptq"
+    zero_offset: int = 0  # gptq: added to stored zeros (1 for checkpoint_format gptq)
 
 
 def dequantized_int(qc: dict[str, Any] | None) -> IntWeights | None:
-    """compressed-tensors integer weights the 4-bit kernels do not take (8-bit ones: W8A8,
-    W8A16; 4-bit ones with a scale per channel or tensor, or quantized activations), which the
-    loader dequantizes to float; None for any other checkpoint. Raises what it cannot read."""
-    if not qc or str(qc.get("quant_method", "")).lower() != "compressed-tensors":
+    """Integer weights the 4-bit kernels do not take, which the loader dequantizes to float:
+    compressed-tensors' 8-bit ones (W8A8, W8A16) and 2/4-bit ones with a scale per channel or
+    tensor or with quantized activations; GPTQ's 8-bit ones (Qwen's GPTQ-Int8) and 2/4-bit
+    ones with a group size the kernels do not take (-1: per channel). None for any other
+    checkpoint; raises what it cannot read."""
+    method = str((qc or {}).get("quant_method", "")).lower()
+    if method == "gptq":
+        return _dequantized_gptq(qc)
+    if method != "compressed-tensors":
         return None
     groups = list((qc.get("config_groups") or {}).values())
     ws = [g.get("weights") or {} for g in groups]
@@ -240,6 +247,28 @@ def dequantized_int(qc: dict[str, Any] | None) -> IntWeights | None:
     _check_ignored("compressed-tensors", qc.get("ignore") or [])
     return IntWeights(bits, group if strategy == "group" else 0, bool(w.get("symmetric", True)),
                       order in (True, "group") and strategy == "group")
+
+
+def _dequantized_gptq(qc: dict[str, Any]) -> IntWeights | None:
+    bits, group = qc.get("bits"), qc.get("group_size")
+    if bits == 4 and group in GROUP_SIZES:
+        return None  # the 4-bit kernels serve it
+    if bits not in (2, 4, 8):
+        raise QuantizationError(f"gptq: {bits}-bit weights are not supported (4; 2 and 8 "
+                                "dequantized at load)")
+    if not isinstance(group, int) or (group < 1 and group != -1):
+        raise QuantizationError(f"gptq: group_size {group} is not supported")
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise QuantizationError(f"gptq: checkpoint_format {fmt!r} is not supported "
+                                "(gptq, gptq_v2)")
+    skipped = [m for m in qc.get("modules_to_not_convert") or [] if not _stays_float(m)]
+    if skipped:
+        raise QuantizationError(f"gptq: modules_to_not_convert {skipped} is not supported "
+                                "(every decoder linear must be quantized)")
+    return IntWeights(bits, max(group, 0), bool(qc.get("sym", True)),
+                      bool(qc.get("desc_act", False)) and group > 0, layout="gptq",
+                      zero_offset=1 if fmt == "gptq" else 0)
 
 
 def is_mxfp4(qc: dict[str, Any] | None) -> bool:

@@ -139,8 +139,10 @@ def _write_config(tmp_path, qc):
 
 @pytest.mark.parametrize("qc,requested,match", [
     ({"quant_method": "awq", "bits": 8, "group_size": 128}, "auto", "only 4-bit"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 256}, "auto", "group_size 256"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "auto", "per-channel"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "auto", "3-bit weights"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 0}, "auto", "group_size 0"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 256}, "auto", "group_size 256"),
+    ({"quant_method": "awq", "bits": 4, "group_size": -1}, "auto", "per-channel"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "auto", "gemv"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "auto",
      "zero_point"),
@@ -459,8 +461,8 @@ def test_dequantized_ints_follow_g_idx_and_packed_zero_points():
     compressed-tensors' own packer, dequantize to (q - z[g_idx]) * s[g_idx]."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    from pagedserve.executor.quantization.compressed import dequantize_int
     from pagedserve.executor.quantization.config import IntWeights
+    from pagedserve.executor.quantization.dequantized import dequantize_int
 
     n, k, g = 8, 64, 16
     gen = torch.Generator().manual_seed(0)
@@ -477,3 +479,68 @@ def test_dequantized_ints_follow_g_idx_and_packed_zero_points():
     assert list(out) == [f"{m}.weight"]
     gi = g_idx.long()
     assert torch.equal(out[f"{m}.weight"], (q.float() - zp.float()[:, gi]) * s[:, gi])
+
+
+def autogptq_pack(intweight: torch.Tensor, zeros: torch.Tensor, bits: int):
+    """AutoGPTQ's QuantLinear.pack for 2, 4 and 8 bits (re-implemented from its code):
+    intweight [K, N], zeros [G, N] -> qweight [K * bits / 32, N], qzeros [G, N * bits / 32]
+    holding zero - 1."""
+    per = 32 // bits
+    qweight = torch.zeros((intweight.shape[0] // per, intweight.shape[1]), dtype=torch.int64)
+    for row in range(qweight.shape[0]):
+        for j in range(per):
+            qweight[row] |= intweight[row * per + j].long() << (bits * j)
+    z = (zeros.long() - 1) & ((1 << bits) - 1)
+    qzeros = torch.zeros((z.shape[0], z.shape[1] // per), dtype=torch.int64)
+    for col in range(qzeros.shape[1]):
+        for j in range(per):
+            qzeros[:, col] |= z[:, col * per + j] << (bits * j)
+    return _int32(qweight), _int32(qzeros)
+
+
+@pytest.mark.parametrize("bits,group", [(8, 32), (8, -1), (4, -1), (2, 16)])
+def test_gptq_the_kernels_do_not_take_is_served_dequantized(tmp_path, bits, group):
+    """GPTQ 8-bit (Qwen's GPTQ-Int8 releases), per-channel (-1) and 2-bit checkpoints, packed
+    as AutoGPTQ packs them: logits equal HF holding the values they hold."""
+    from tests.executor_svc.test_model import run_paged
+
+    torch.manual_seed(0)
+    d = dict(TINY)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d),
+                                          dtype=torch.float32).eval()
+    top = (1 << bits) - 1
+    tensors = {}
+    with torch.no_grad():
+        for name, p in hf.state_dict().items():
+            module = name.rpartition(".")[0]
+            if ".layers." not in name or p.dim() != 2:
+                tensors[name] = p.clone()
+                continue
+            n, k = p.shape
+            g = k if group == -1 else group
+            w = p.reshape(n, k // g, g)
+            lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+            scale = ((hi - lo) / top).clamp(min=1e-8)  # [N, G]
+            zero = torch.round(-lo / scale).clamp(1, top)
+            q = (torch.round(w / scale[..., None]) + zero[..., None]).clamp(0, top)
+            qweight, qzeros = autogptq_pack(q.reshape(n, k).t().contiguous(),
+                                            zero.t().contiguous(), bits)
+            tensors.update({f"{module}.qweight": qweight, f"{module}.qzeros": qzeros,
+                            f"{module}.scales": scale.t().contiguous().half().float(),
+                            f"{module}.g_idx": (torch.arange(k) // g).int()})
+            p.copy_(((q - zero[..., None]) * scale.half().float()[..., None]).reshape(n, k))
+    hf.save_pretrained(tmp_path)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group,
+                                     "desc_act": False, "sym": False,
+                                     "checkpoint_format": "gptq"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert resolve_quantization(tmp_path) is None
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    ours = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, tmp_path)
+    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = run_paged(ours, cfg, [seq], [(12,)])[0][-1]
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0, -1]
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
