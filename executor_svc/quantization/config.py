@@ -209,11 +209,17 @@ def dequantized_int(qc: dict[str, Any] | None) -> IntWeights | None:
     """Integer weights the 4-bit kernels do not take, which the loader dequantizes to float:
     compressed-tensors' 8-bit ones (W8A8, W8A16) and 2/4-bit ones with a scale per channel or
     tensor or with quantized activations; GPTQ's 8-bit ones (Qwen's GPTQ-Int8) and 2/4-bit
-    ones with a group size the kernels do not take (-1: per channel). None for any other
-    checkpoint; raises what it cannot read."""
+    ones with a group size the kernels do not take (-1: per channel); bitsandbytes' 4-bit (NF4,
+    FP4) and 8-bit ones. None for any other checkpoint; raises what it cannot read. Modules left
+    in float (ignore lists) need no check: their weights pass through dequantization."""
     method = str((qc or {}).get("quant_method", "")).lower()
     if method == "gptq":
         return _dequantized_gptq(qc)
+    if method == "bitsandbytes":
+        four = bool(qc.get("load_in_4bit") or qc.get("_load_in_4bit"))
+        if not four and not (qc.get("load_in_8bit") or qc.get("_load_in_8bit")):
+            raise QuantizationError("bitsandbytes: neither load_in_4bit nor load_in_8bit")
+        return IntWeights(4 if four else 8, 0, True, False, layout="bitsandbytes")
     if method != "compressed-tensors":
         return None
     groups = list((qc.get("config_groups") or {}).values())
@@ -244,7 +250,6 @@ def dequantized_int(qc: dict[str, Any] | None) -> IntWeights | None:
     order = w.get("actorder")
     if order not in (None, False, True, "group", "weight"):
         raise QuantizationError(f"compressed-tensors: actorder {order!r} is not supported")
-    _check_ignored("compressed-tensors", qc.get("ignore") or [])
     return IntWeights(bits, group if strategy == "group" else 0, bool(w.get("symmetric", True)),
                       order in (True, "group") and strategy == "group")
 
@@ -262,10 +267,6 @@ def _dequantized_gptq(qc: dict[str, Any]) -> IntWeights | None:
     if fmt not in ("gptq", "gptq_v2"):
         raise QuantizationError(f"gptq: checkpoint_format {fmt!r} is not supported "
                                 "(gptq, gptq_v2)")
-    skipped = [m for m in qc.get("modules_to_not_convert") or [] if not _stays_float(m)]
-    if skipped:
-        raise QuantizationError(f"gptq: modules_to_not_convert {skipped} is not supported "
-                                "(every decoder linear must be quantized)")
     return IntWeights(bits, max(group, 0), bool(qc.get("sym", True)),
                       bool(qc.get("desc_act", False)) and group > 0, layout="gptq",
                       zero_offset=1 if fmt == "gptq" else 0)

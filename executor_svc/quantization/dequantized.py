@@ -21,10 +21,21 @@ the kernels do not take, -1 for one group per channel):
 
 W[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)]. The 4-bit GPTQ-shaped ones (group 32/64/128,
 float activations) stay 4-bit: quantization/formats.py.
+
+bitsandbytes (as transformers saves a model loaded with load_in_4bit or load_in_8bit):
+    4-bit  weight [N * K / 2, 1] uint8, two codes a byte (high nibble first), over the weight
+           flattened row-major; weight.quant_map [16] (NF4's or FP4's values); weight.absmax
+           one per block of `blocksize` codes, float32, or with double quantization uint8
+           codes of weight.nested_quant_map [256] times weight.nested_absmax (one per
+           `nested_blocksize`) plus `nested_offset`; weight.quant_state.bitsandbytes__nf4
+           (or __fp4): those sizes and the shape, as JSON bytes. W = quant_map[code] * absmax
+    8-bit  weight [N, K] int8 and SCB [N]: W = weight * SCB / 127
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -42,6 +53,9 @@ def dequantize_int(weights: Iterable[tuple[str, torch.Tensor]],
     """The checkpoint's tensors with each quantized module's as its float32 `weight`;
     activation scales dropped (the layers read float activations). A module's parts may
     arrive in any order (and any file)."""
+    if scheme.layout == "bitsandbytes":
+        yield from _dequantize_bnb(weights)
+        return
     gptq = scheme.layout == "gptq"
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
@@ -155,3 +169,62 @@ def _gptq(module: str, p: dict[str, torch.Tensor], scheme: IntWeights
     q = unpack(p["qweight"].t(), scheme.bits, k)  # [N, K]
     zero = unpack(p["qzeros"], scheme.bits, n).t().float() + scheme.zero_offset  # [N, G]
     return q, scales.t(), zero
+
+
+_BNB_4BIT = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+
+
+def _dequantize_bnb(weights: Iterable[tuple[str, torch.Tensor]]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        if name.endswith(".SCB") or name.endswith(".weight_format"):
+            module, _, part = name.rpartition(".")
+        elif ".weight." in name:  # weight.absmax, weight.quant_state.bitsandbytes__nf4, ...
+            module, _, part = name.partition(".weight.")
+        elif name.endswith(".weight") and tensor.dtype in (torch.uint8, torch.int8):
+            module, part = name.removesuffix(".weight"), "weight"
+        else:
+            yield name, tensor
+            continue
+        if part == "weight_format":
+            continue  # how the int8 weight was laid out for the GPU kernels: row here
+        parts = pending.setdefault(module, {})
+        parts[part] = tensor
+        state = next((v for k, v in parts.items() if k.startswith("quant_state.")), None)
+        if "weight" not in parts:
+            continue
+        if parts["weight"].dtype == torch.int8 and "SCB" in parts:
+            del pending[module]
+            scale = parts["SCB"].float()[:, None] / 127
+            yield f"{module}.weight", parts["weight"].float() * scale
+        elif state is not None:
+            meta = json.loads(bytes(state.to(torch.uint8).tolist()).decode())
+            nested = "nested_blocksize" in meta
+            if {"absmax", "quant_map"} <= set(parts) and (
+                    not nested or {"nested_absmax", "nested_quant_map"} <= set(parts)):
+                del pending[module]
+                yield f"{module}.weight", _bnb_4bit(module, parts, meta)
+    for module, parts in pending.items():
+        raise QuantizationError(f"{module}: checkpoint holds its {', '.join(sorted(parts))} "
+                                "without the rest of a bitsandbytes weight")
+
+
+def _bnb_4bit(module: str, p: dict[str, torch.Tensor], meta: dict) -> torch.Tensor:
+    shape = [int(x) for x in meta["shape"]]
+    n, block = math.prod(shape), int(meta["blocksize"])
+    packed = p["weight"].view(torch.uint8).reshape(-1).to(torch.int64)
+    if packed.numel() * 2 < n:
+        raise QuantizationError(f"{module}: {packed.numel()} bytes hold no weight of {shape}")
+    codes = torch.stack([packed >> 4, packed & 0xF], 1).reshape(-1)[:n]
+    absmax = p["absmax"]
+    if "nested_blocksize" in meta:
+        nb = int(meta["nested_blocksize"])
+        absmax = p["nested_quant_map"].float()[absmax.to(torch.int64)]
+        scale = p["nested_absmax"].float().repeat_interleave(nb)[:absmax.numel()]
+        absmax = absmax * scale + float(meta.get("nested_offset", 0.0))
+    absmax = absmax.float().repeat_interleave(block)[:n]
+    if absmax.numel() != n:
+        raise QuantizationError(f"{module}: {p['absmax'].numel()} absmax values do not cover "
+                                f"{n} weights in blocks of {block}")
+    return (p["quant_map"].float()[codes] * absmax).reshape(shape)

@@ -152,7 +152,7 @@ def test_the_fallback_refuses_a_quantized_checkpoint(tmp_path):
         paged(tmp_path, "auto")
 
 
-@pytest.mark.parametrize("model", ["mamba", "bitsandbytes"])
+@pytest.mark.parametrize("model", ["mamba", "hqq"])
 def test_the_executor_says_why_in_one_line_and_exits_78(model, tmp_path):
     """A refused model (a state-space model; a quantization it does not read) ends the
     executor with the reason on one line (no traceback) and EXIT_CONFIG, which `serve`'s
@@ -163,9 +163,9 @@ def test_the_executor_says_why_in_one_line_and_exits_78(model, tmp_path):
     else:
         saved(NO_NATIVE["granite"], tmp_path)
         config = json.loads((tmp_path / "config.json").read_text())
-        config["quantization_config"] = {"quant_method": "bitsandbytes"}
+        config["quantization_config"] = {"quant_method": "hqq"}
         (tmp_path / "config.json").write_text(json.dumps(config))
-        reason = "quant_method 'bitsandbytes' is not supported"
+        reason = "quant_method 'hqq' is not supported"
     done = subprocess.run([sys.executable, "-m", "pagedserve.cli", "executor", "--model",
                            str(tmp_path), "--device", "cpu"], capture_output=True, text=True,
                           timeout=300)

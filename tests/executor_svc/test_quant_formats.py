@@ -20,6 +20,7 @@ from pagedserve.executor.quantization import (
     resolve_quantization,
 )
 from pagedserve.executor.quantization.algorithms import gptq, rtn
+from pagedserve.executor.quantization.config import IntWeights, dequantized_int
 from pagedserve.executor.quantization.formats import from_awq, from_gptq, to_awq, to_gptq
 from pagedserve.executor.quantization.pipeline import (
     QuantizeOptions,
@@ -148,7 +149,8 @@ def _write_config(tmp_path, qc):
      "zero_point"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "awq", "says 'gptq'"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "none", "--quantization gptq"),
-    ({"quant_method": "bitsandbytes"}, "auto", "not supported"),
+    ({"quant_method": "hqq"}, "auto", "not supported"),
+    ({"quant_method": "bitsandbytes"}, "auto", "neither load_in_4bit nor load_in_8bit"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128,
       "modules_to_not_convert": ["mlp.down_proj"]}, "auto", "modules_to_not_convert"),
 ])
@@ -367,13 +369,19 @@ INT4 = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128,
     (_ct({**INT4, "num_bits": 4}, format="int-quantized"), "int weights of 4 bits"),
     (_ct({**INT4, "strategy": "block"}), "strategy 'block'"),
     (_ct({**INT4, "dynamic": True}), "dynamic int weights"),
-    (_ct(INT4, ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "float layers"),
-    (_ct({**INT4, "group_size": 256}, ignore=["re:.*down_proj"]), "float layers"),
     (_ct(INT4, format="marlin-24"), "not supported"),
 ])
 def test_compressed_tensors_int4_refused_with_reason(tmp_path, qc, match):
     with pytest.raises(QuantizationError, match=match):
         resolve_quantization(_write_config(tmp_path, qc))
+
+
+def test_int4_with_float_decoder_layers_is_dequantized_whole(tmp_path):
+    """The 4-bit kernels need every decoder linear 4-bit: a checkpoint that keeps one float
+    is served dequantized, its float layers as they are."""
+    qc = _ct(INT4, ignore=["lm_head", "re:.*layers.0.mlp.down_proj"])
+    assert resolve_quantization(_write_config(tmp_path, qc)) is None
+    assert dequantized_int(qc) == IntWeights(4, 128, True, False)
 
 
 MOE = {"qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
@@ -539,6 +547,47 @@ def test_gptq_the_kernels_do_not_take_is_served_dequantized(tmp_path, bits, grou
     assert resolve_quantization(tmp_path) is None
     cfg = ModelConfig.from_pretrained(tmp_path)
     ours = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, tmp_path)
+    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = run_paged(ours, cfg, [seq], [(12,)])[0][-1]
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0, -1]
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "nf4-double", "fp4", "int8"])
+def test_bitsandbytes_checkpoints_are_served_dequantized(tmp_path, kind):
+    """A model loaded by transformers with bitsandbytes (4-bit NF4 or FP4, double quantization,
+    8-bit) and saved: logits equal the float model holding what bitsandbytes' own
+    dequantization makes of its weights (its CPU matmuls round further: not the reference)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    from tests.executor_svc.test_model import run_paged
+
+    torch.manual_seed(0)
+    d = dict(TINY)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d),
+                                     dtype=torch.float32).save_pretrained(tmp_path / "float")
+    qc = (BitsAndBytesConfig(load_in_8bit=True) if kind == "int8" else BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=kind[:3], bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_use_double_quant=kind.endswith("double")))
+    quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=qc,
+                                                     dtype=torch.float32)
+    qdir = tmp_path / "q"
+    quantized.save_pretrained(qdir)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "float", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, m in quantized.named_modules():
+            w = getattr(m, "weight", None)
+            if getattr(w, "quant_state", None) is not None:
+                hf.get_submodule(name).weight.copy_(bnb.functional.dequantize_4bit(
+                    w.data, w.quant_state))
+            elif getattr(w, "SCB", None) is not None:
+                hf.get_submodule(name).weight.copy_(bnb.functional.int8_vectorwise_dequant(
+                    w.data, w.SCB))
+    assert resolve_quantization(qdir) is None
+    cfg = ModelConfig.from_pretrained(qdir)
+    ours = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, qdir)
     seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     logits = run_paged(ours, cfg, [seq], [(12,)])[0][-1]
     with torch.no_grad():
