@@ -188,10 +188,7 @@ def _parse(method: str, qc: dict[str, Any]) -> QuantConfig:
                        sym=bool(qc.get("sym", True)), zero_offset=1 if fmt == "gptq" else 0)
 
 
-# ---------------------------------------------------------------- FP8 (W8A8 e4m3)
-_IGNORABLE = ("lm_head", "gate", "shared_expert_gate")  # float here anyway (_stays_float)
-
-
+# ------------------------------------------- dequantized at load (dequantized.py)
 @dataclass(frozen=True, slots=True)
 class IntWeights:
     """A checkpoint's integer weights served dequantized at load (quantization/dequantized.py):
@@ -219,6 +216,10 @@ def dequantized_int(qc: dict[str, Any] | None) -> IntWeights | None:
         four = bool(qc.get("load_in_4bit") or qc.get("_load_in_4bit"))
         if not four and not (qc.get("load_in_8bit") or qc.get("_load_in_8bit")):
             raise QuantizationError("bitsandbytes: neither load_in_4bit nor load_in_8bit")
+        storage = qc.get("bnb_4bit_quant_storage") or "uint8"
+        if four and storage != "uint8":
+            raise QuantizationError(f"bitsandbytes: bnb_4bit_quant_storage {storage!r} is "
+                                    "not supported (uint8)")
         return IntWeights(4 if four else 8, 0, True, False, layout="bitsandbytes")
     if method != "compressed-tensors":
         return None
@@ -256,8 +257,9 @@ def dequantized_int(qc: dict[str, Any] | None) -> IntWeights | None:
 
 def _dequantized_gptq(qc: dict[str, Any]) -> IntWeights | None:
     bits, group = qc.get("bits"), qc.get("group_size")
-    if bits == 4 and group in GROUP_SIZES:
-        return None  # the 4-bit kernels serve it
+    floats = [m for m in qc.get("modules_to_not_convert") or [] if not _stays_float(m)]
+    if bits == 4 and group in GROUP_SIZES and not floats:
+        return None  # the 4-bit kernels serve it (every decoder linear 4-bit)
     if bits not in (2, 4, 8):
         raise QuantizationError(f"gptq: {bits}-bit weights are not supported (4; 2 and 8 "
                                 "dequantized at load)")
@@ -278,6 +280,7 @@ def is_mxfp4(qc: dict[str, Any] | None) -> bool:
     return bool(qc) and str(qc.get("quant_method", "")).lower() == "mxfp4"
 
 
+# ---------------------------------------------------------------- FP8 (W8A8 e4m3)
 def block_fp8_size(qc: dict[str, Any] | None) -> tuple[int, int] | None:
     """The [rows, columns] of a block-wise FP8 checkpoint's weight scales (quant_method fp8
     with weight_block_size, as Qwen3's and DeepSeek's FP8 releases: weight e4m3 [N, K] and
@@ -353,6 +356,9 @@ def _ct_group(g: dict[str, Any]) -> bool:
         raise QuantizationError(f"compressed-tensors: static input_activations strategy "
                                 f"{a.get('strategy')!r} is not supported (tensor)")
     return True
+
+
+_IGNORABLE = ("lm_head", "gate", "shared_expert_gate")  # float here anyway
 
 
 def _stays_float(module: str) -> bool:

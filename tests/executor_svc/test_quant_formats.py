@@ -151,6 +151,8 @@ def _write_config(tmp_path, qc):
     ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "none", "--quantization gptq"),
     ({"quant_method": "hqq"}, "auto", "not supported"),
     ({"quant_method": "bitsandbytes"}, "auto", "neither load_in_4bit nor load_in_8bit"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True,
+      "bnb_4bit_quant_storage": "bfloat16"}, "auto", "quant_storage 'bfloat16'"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128,
       "modules_to_not_convert": ["mlp.down_proj"]}, "auto", "modules_to_not_convert"),
 ])
@@ -382,6 +384,10 @@ def test_int4_with_float_decoder_layers_is_dequantized_whole(tmp_path):
     qc = _ct(INT4, ignore=["lm_head", "re:.*layers.0.mlp.down_proj"])
     assert resolve_quantization(_write_config(tmp_path, qc)) is None
     assert dequantized_int(qc) == IntWeights(4, 128, True, False)
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True,
+            "modules_to_not_convert": ["lm_head", "mlp.gate", "model.layers.0.mlp.down_proj"]}
+    assert dequantized_int(gptq) == IntWeights(4, 128, True, True, "gptq", 1)
+    assert dequantized_int({**gptq, "modules_to_not_convert": ["lm_head", "mlp.gate"]}) is None
 
 
 MOE = {"qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
