@@ -118,13 +118,12 @@ def _convert_pack_quantized(
     needed = ("weight_packed", "weight_scale", "weight_shape") \
         + (() if quant.sym else ("weight_zero_point",)) \
         + (("weight_g_idx",) if quant.act_order else ())
-    known = needed + ("weight_g_idx",)
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         module, _, part = name.rpartition(".")
         if part == "weight_zero_point" and quant.sym:  # zero, whatever was saved
             continue
-        if part not in known:
+        if part not in needed:  # a weight_g_idx without actorder "group": refused at load
             yield "", {name: tensor}
             continue
         parts = pending.setdefault(module, {})
