@@ -267,8 +267,8 @@ class TransformersLM(nn.Module):
         from transformers import AutoModelForCausalLM, Mxfp4Config
 
         if cfg.tp_size > 1:
-            raise ValueError("the transformers fallback runs on one rank: "
-                             "--tensor-parallel-size 1")
+            raise UnsupportedModelError(f"{cfg.model_type}: the transformers fallback runs "
+                                        "on one rank: --tensor-parallel-size 1")
         register()
         cfg.hf_config._attn_implementation = IMPLEMENTATION
         if weights_dir is None:

@@ -243,3 +243,14 @@ def test_an_mxfp4_checkpoint_is_served_dequantized(tmp_path):
     saved(NO_NATIVE["granite"], tmp_path / "float")
     with pytest.raises(QuantizationError, match="--quantization mxfp4 serves MXFP4"):
         resolve_quantization(tmp_path / "float", "mxfp4")
+
+
+def test_the_fallback_refuses_tensor_parallelism_as_a_config_error(tmp_path):
+    """UnsupportedModelError: the executor ends in one line with exit 78, not a restart."""
+    from dataclasses import replace
+
+    saved(NO_NATIVE["granite"], tmp_path)
+    cfg = replace(ModelConfig.from_pretrained(tmp_path, "auto"), tp_size=2)
+    with pytest.raises(UnsupportedModelError, match="granite: the transformers fallback runs "
+                                                    "on one rank: --tensor-parallel-size 1"):
+        build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, tmp_path)
