@@ -40,7 +40,10 @@ class ModelConfig:
     norm_style: str = "pre"  # "pre" (Llama), "post" (OLMo 2), "sandwich" (Gemma: pre and post)
     norm_offset: float = 0.0  # 1.0: norms scale by (1 + w) (Gemma)
     hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
-    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden))
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden); Granite's multiplier)
+    embed_scale_in_dtype: bool = False  # the scale rounded to the weights' dtype first (Gemma)
+    residual_scale: float = 1.0  # each sublayer's output times this before the residual add
+    logit_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
     attn_scale: float = 0.0  # softmax scale; 0: head_dim ** -0.5
     attn_softcap: float = 0.0  # cap * tanh(score / cap) before the softmax; 0: off
     final_softcap: float = 0.0  # the same on the logits

@@ -5,6 +5,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
 
     family        norms                 attention                      MLP
     llama etc.    pre-norm              GQA, RoPE (any scaling)        SwiGLU
+    granite       pre-norm, sublayer    scale attention_multiplier     SwiGLU; embeddings and
+                  outputs scaled                                       logits scaled
     qwen3         pre-norm              + RMSNorm of q, k per head     SwiGLU
     olmo2         post-norm             + RMSNorm of the whole q, k    SwiGLU
     gemma2        pre+post, (1 + w)     soft-capped logits, windows    GeGLU (tanh)
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2",
-             "mixtral", "qwen2_moe", "qwen3_moe")
+             "granite", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 # vision-language wrappers (HF model_type) of a supported language model
@@ -87,7 +89,9 @@ def family_fields(c: Any) -> dict[str, Any]:
            for v in (rope, *rope.values())):
         raise UnsupportedModelError(f"{mt}: partial rotary embeddings (partial_rotary_factor "
                                     f"< 1) are not supported")
-    gemma = mt in ("gemma2", "gemma3_text")
+    if getattr(c, "mlp_bias", False):
+        raise UnsupportedModelError(f"{mt}: MLP biases (mlp_bias) are not supported")
+    gemma, granite = mt in ("gemma2", "gemma3_text"), mt == "granite"
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     fields: dict[str, Any] = {
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
@@ -95,8 +99,13 @@ def family_fields(c: Any) -> dict[str, Any]:
         "norm_style": "sandwich" if gemma else "post" if mt == "olmo2" else "pre",
         "norm_offset": 1.0 if gemma else 0.0,
         "hidden_act": "gelu_tanh" if gemma else "silu",
-        "embed_scale": c.hidden_size**0.5 if gemma else 1.0,
-        "attn_scale": (c.query_pre_attn_scalar if gemma else head_dim) ** -0.5,
+        "embed_scale": c.hidden_size**0.5 if gemma
+        else float(c.embedding_multiplier) if granite else 1.0,
+        "embed_scale_in_dtype": gemma,
+        "attn_scale": float(c.attention_multiplier) if granite
+        else (c.query_pre_attn_scalar if gemma else head_dim) ** -0.5,
+        "residual_scale": float(c.residual_multiplier) if granite else 1.0,
+        "logit_scale": 1.0 / float(c.logits_scaling) if granite else 1.0,
         "attn_softcap": float(getattr(c, "attn_logit_softcapping", None) or 0.0),
         "final_softcap": float(getattr(c, "final_logit_softcapping", None) or 0.0),
         "layer_windows": _windows(c),

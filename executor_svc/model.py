@@ -52,7 +52,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ops: Ops,
                  quant: QuantConfig | None = None) -> None:
         super().__init__()
-        self.style = cfg.norm_style
+        self.style, self.residual_scale = cfg.norm_style, cfg.residual_scale
         for name in _NORMS[self.style]:
             setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops))
         self.self_attn = Attention(cfg, layer, ops, quant)
@@ -64,8 +64,11 @@ class DecoderLayer(nn.Module):
         if self.style == "pre":
             x, residual = self.input_layernorm(x, residual)
             x = attn(x, positions, cos_sin, kv_cache, meta)
+            if self.residual_scale != 1.0:  # Granite: residual + sublayer * multiplier
+                x = x * self.residual_scale
             x, residual = self.post_attention_layernorm(x, residual)
-            return self.mlp(x), residual
+            x = self.mlp(x)
+            return (x if self.residual_scale == 1.0 else x * self.residual_scale), residual
         if self.style == "sandwich":
             x, residual = self.input_layernorm(x, residual)
             x = self.post_attention_layernorm(attn(x, positions, cos_sin, kv_cache, meta))[0]
@@ -130,7 +133,9 @@ class CausalLM(nn.Module):
                meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden]: the final norm's output
         x = tp.embed(self.embed_tokens, input_ids, self.cfg)
         if self.cfg.embed_scale != 1.0:  # Gemma: the scale rounded to the weights' dtype, as HF
-            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+            scale = self.cfg.embed_scale
+            x = x * (torch.tensor(scale, dtype=x.dtype) if self.cfg.embed_scale_in_dtype
+                     else scale)
         residual, taps, kept = None, self.taps, []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i in taps:  # (in layer order, a layer listed twice twice, as vLLM)
@@ -147,6 +152,8 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] fp32
         logits = tp.logits(self.lm_head, hidden, self.cfg)
+        if self.cfg.logit_scale != 1.0:  # Granite: logits / logits_scaling
+            logits = logits * self.cfg.logit_scale
         cap = self.cfg.final_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap
 

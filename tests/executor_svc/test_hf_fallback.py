@@ -20,8 +20,8 @@ from pagedserve.kernels import get_ops
 from tests.executor_svc.test_model import TINY, assert_paged_equals_hf, run_paged
 
 NO_NATIVE = {
-    "granite": dict(model_type="granite", embedding_multiplier=2.0, residual_multiplier=0.5,
-                    attention_multiplier=0.2, logits_scaling=4.0),
+    # LayerNorm, parallel attention and MLP, logits scaled (logit_scale)
+    "cohere": dict(model_type="cohere", logit_scale=0.5, tie_word_embeddings=False),
     "stablelm": dict(model_type="stablelm", partial_rotary_factor=0.25),
     # no GQA (a config without num_key_value_heads), parallel attention and MLP
     "gpt_neox": dict(model_type="gpt_neox", rotary_pct=0.25, num_key_value_heads=None),
@@ -88,11 +88,20 @@ def test_sinks_over_query_slices_equal_hf(tmp_path, monkeypatch):
     assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
 
 
-def test_a_native_family_through_the_fallback_equals_native(tmp_path):
-    saved(dict(model_type="qwen3", head_dim=16, sliding_window=6, use_sliding_window=True,
-               max_window_layers=0), tmp_path)
+GRANITE = dict(model_type="granite", embedding_multiplier=2.0, residual_multiplier=0.5,
+               attention_multiplier=0.2, logits_scaling=4.0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "granite"])
+def test_a_native_family_through_the_fallback_equals_native(family, tmp_path):
+    """Qwen3 with windows; Granite's multipliers (its logits_scaling applied by the fallback's
+    logits)."""
+    saved(GRANITE if family == "granite" else dict(
+        model_type="qwen3", head_dim=16, sliding_window=6, use_sliding_window=True,
+        max_window_layers=0), tmp_path)
     native, cfg = paged(tmp_path, "native")
-    assert cfg.layer_windows == (6, 6)
+    if family == "qwen3":
+        assert cfg.layer_windows == (6, 6)
     fallback, cfg = paged(tmp_path, "transformers")
     assert cfg.impl == "transformers"
     for a, b in zip(native, fallback, strict=True):
@@ -100,20 +109,26 @@ def test_a_native_family_through_the_fallback_equals_native(tmp_path):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
-def test_auto_takes_the_fallback_where_the_native_module_lacks_a_switch(tmp_path, caplog):
-    """Phi-4-mini's shape: a native family (phi3) with partial rotary embeddings."""
-    hf = saved(dict(model_type="phi3", partial_rotary_factor=0.75, pad_token_id=0), tmp_path)
-    with pytest.raises(UnsupportedModelError, match="phi3: partial rotary"):
+@pytest.mark.parametrize("config,reason", [
+    # Phi-4-mini's shape: a native family (phi3) with partial rotary embeddings
+    (dict(model_type="phi3", partial_rotary_factor=0.75, pad_token_id=0),
+     "phi3: partial rotary embeddings"),
+    (dict(model_type="llama", mlp_bias=True), "llama: MLP biases"),
+])
+def test_auto_takes_the_fallback_where_the_native_module_lacks_a_switch(config, reason,
+                                                                       tmp_path, caplog):
+    hf = saved(config, tmp_path)
+    with pytest.raises(UnsupportedModelError, match=reason):
         ModelConfig.from_pretrained(tmp_path, "native")
     outs, cfg = paged(tmp_path, "auto")
     assert cfg.impl == "transformers"
-    assert "phi3: partial rotary embeddings" in caplog.text
+    assert reason in caplog.text
     assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
 
 
 def test_native_only_refuses_a_family_without_a_module(tmp_path):
-    saved(NO_NATIVE["granite"], tmp_path)
-    with pytest.raises(UnsupportedModelError, match="unsupported model_type 'granite'"):
+    saved(NO_NATIVE["cohere"], tmp_path)
+    with pytest.raises(UnsupportedModelError, match="unsupported model_type 'cohere'"):
         ModelConfig.from_pretrained(tmp_path, "native")
 
 
@@ -146,8 +161,8 @@ def test_the_fallback_refuses_a_quantized_checkpoint(tmp_path):
     """Block-wise FP8 (which native modules dequantize at load) included."""
     from tests.executor_svc.test_quant_fp8 import write_block_fp8
 
-    write_block_fp8(saved(NO_NATIVE["granite"], tmp_path), tmp_path, [16, 16])
-    with pytest.raises(QuantizationError, match="granite runs through the transformers "
+    write_block_fp8(saved(NO_NATIVE["cohere"], tmp_path), tmp_path, [16, 16])
+    with pytest.raises(QuantizationError, match="cohere runs through the transformers "
                                                 "fallback, which serves unquantized"):
         paged(tmp_path, "auto")
 
@@ -161,7 +176,7 @@ def test_the_executor_says_why_in_one_line_and_exits_78(model, tmp_path):
         saved(REFUSED["mamba"][0], tmp_path)
         reason = "mamba: layers [0, 1] do not attend once each"
     else:
-        saved(NO_NATIVE["granite"], tmp_path)
+        saved(NO_NATIVE["cohere"], tmp_path)
         config = json.loads((tmp_path / "config.json").read_text())
         config["quantization_config"] = {"quant_method": "hqq"}
         (tmp_path / "config.json").write_text(json.dumps(config))
@@ -240,7 +255,7 @@ def test_an_mxfp4_checkpoint_is_served_dequantized(tmp_path):
     with pytest.raises(QuantizationError, match="qwen3: MXFP4 checkpoints are served through "
                                                 "the transformers fallback"):
         paged(tmp_path / "qwen3", "native")
-    saved(NO_NATIVE["granite"], tmp_path / "float")
+    saved(NO_NATIVE["cohere"], tmp_path / "float")
     with pytest.raises(QuantizationError, match="--quantization mxfp4 serves MXFP4"):
         resolve_quantization(tmp_path / "float", "mxfp4")
 
@@ -249,8 +264,8 @@ def test_the_fallback_refuses_tensor_parallelism_as_a_config_error(tmp_path):
     """UnsupportedModelError: the executor ends in one line with exit 78, not a restart."""
     from dataclasses import replace
 
-    saved(NO_NATIVE["granite"], tmp_path)
+    saved(NO_NATIVE["cohere"], tmp_path)
     cfg = replace(ModelConfig.from_pretrained(tmp_path, "auto"), tp_size=2)
-    with pytest.raises(UnsupportedModelError, match="granite: the transformers fallback runs "
+    with pytest.raises(UnsupportedModelError, match="cohere: the transformers fallback runs "
                                                     "on one rank: --tensor-parallel-size 1"):
         build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, tmp_path)
