@@ -49,6 +49,7 @@ class ModelConfig:
     final_softcap: float = 0.0  # the same on the logits
     layer_windows: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 full
     local_rope: bool = False  # windowed layers use the config's sliding_attention RoPE
+    rope_layers: tuple[bool, ...] = ()  # per layer: rotated (SmolLM3's NoPE layers: False); ()
     moe: Moe | None = None
     impl: str = "native"  # "native" (model.py) or "transformers" (hf_fallback.py)
     # the fallback's longest exact context where the model attends in chunks (Llama 4's

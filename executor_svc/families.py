@@ -7,6 +7,7 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     llama etc.    pre-norm              GQA, RoPE (any scaling)        SwiGLU
     granite       pre-norm, sublayer    scale attention_multiplier     SwiGLU; embeddings and
                   outputs scaled                                       logits scaled
+    smollm3       pre-norm              no RoPE on no_rope_layers' 0s  SwiGLU
     qwen3         pre-norm              + RMSNorm of q, k per head     SwiGLU
     olmo2         post-norm             + RMSNorm of the whole q, k    SwiGLU
     gemma2        pre+post, (1 + w)     soft-capped logits, windows    GeGLU (tanh)
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2",
-             "granite", "mixtral", "qwen2_moe", "qwen3_moe")
+             "granite", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 # vision-language wrappers (HF model_type) of a supported language model
@@ -109,6 +110,7 @@ def family_fields(c: Any) -> dict[str, Any]:
         "attn_softcap": float(getattr(c, "attn_logit_softcapping", None) or 0.0),
         "final_softcap": float(getattr(c, "final_logit_softcapping", None) or 0.0),
         "layer_windows": _windows(c),
+        "rope_layers": tuple(bool(r) for r in c.no_rope_layers) if mt == "smollm3" else (),
         "local_rope": gemma and isinstance(rope.get("sliding_attention"), dict),
         "attention_bias": bool(getattr(c, "attention_bias", mt in ("qwen2", "qwen2_moe"))),
         "moe": _moe(c),

@@ -166,6 +166,7 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale or self.d**-0.5
         self.window = cfg.layer_windows[layer] if cfg.layer_windows else 0
         self.local_rope = cfg.local_rope and self.window > 0
+        self.rope = not cfg.rope_layers or cfg.rope_layers[layer]  # else: no position encoding
         self.options = {}  # only what a family sets: the plain call stays as it was
         if self.window:
             self.options["sliding_window"] = self.window

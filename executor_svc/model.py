@@ -99,8 +99,9 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # [max_pos, head_dim] float32, filled on the model's device by the loader
-        # (set_rope); cos_sin_local is the windowed layers' own RoPE (Gemma 3), else cos_sin
-        self.cos_sin = self.cos_sin_local = torch.empty(0)
+        # (set_rope); cos_sin_local is the windowed layers' own RoPE (Gemma 3), else cos_sin;
+        # cos_sin_none rotates by nothing (cos 1, sin 0), for layers without RoPE (SmolLM3)
+        self.cos_sin = self.cos_sin_local = self.cos_sin_none = torch.empty(0)
         self.max_pos = max_pos
         # hidden states an EAGLE head reads (executor_svc/eagle.py): the input of each layer
         # in `taps` (its residual stream), num_layers for the final norm's output; hidden()
@@ -113,6 +114,10 @@ class CausalLM(nn.Module):
         self.cos_sin_local = rope_cos_sin_cache(self.cfg, self.max_pos, device,
                                                 "sliding_attention") \
             if self.cfg.local_rope else self.cos_sin
+        if not all(self.cfg.rope_layers):  # cos 1 in the first half, sin 0 in the second
+            half = self.cos_sin.shape[-1] // 2
+            self.cos_sin_none = torch.cat([torch.ones_like(self.cos_sin[:, :half]),
+                                           torch.zeros_like(self.cos_sin[:, half:])], -1)
 
     @torch.inference_mode()
     def forward(
@@ -140,7 +145,9 @@ class CausalLM(nn.Module):
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i in taps:  # (in layer order, a layer listed twice twice, as vLLM)
                 kept += [x if residual is None else x + residual] * taps.count(i)
-            cos_sin = self.cos_sin_local if layer.self_attn.local_rope else self.cos_sin
+            attn = layer.self_attn
+            cos_sin = self.cos_sin_none if not attn.rope \
+                else self.cos_sin_local if attn.local_rope else self.cos_sin
             x, residual = layer(x, residual, positions, cos_sin, kv, meta)
         x, _ = self.norm(x, residual)
         if taps:

@@ -19,6 +19,7 @@ FAMILIES = {
     "olmo2": dict(model_type="olmo2"),
     "granite": dict(model_type="granite", embedding_multiplier=2.0, residual_multiplier=0.5,
                     attention_multiplier=0.2, logits_scaling=4.0, tie_word_embeddings=True),
+    "smollm3": dict(model_type="smollm3", no_rope_layers=[1, 0], pad_token_id=0),
     "phi3": dict(model_type="phi3", pad_token_id=0, sliding_window=WINDOW),
     "phi3-longrope": dict(model_type="phi3", pad_token_id=0, rope_parameters={
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
