@@ -10,6 +10,7 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     smollm3       pre-norm              no RoPE on no_rope_layers' 0s  SwiGLU
     qwen3         pre-norm              + RMSNorm of q, k per head     SwiGLU
     olmo2         post-norm             + RMSNorm of the whole q, k    SwiGLU
+    gemma         pre-norm, (1 + w)     GQA, RoPE                      GeGLU (tanh)
     gemma2        pre+post, (1 + w)     soft-capped logits, windows    GeGLU (tanh)
     gemma3_text   pre+post, (1 + w)     q/k norm, windows, 2 RoPEs     GeGLU (tanh)
     phi3          pre-norm              fused qkv, LongRoPE            fused gate_up SwiGLU
@@ -27,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2",
-             "granite", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
+             "olmo2", "granite", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 # vision-language wrappers (HF model_type) of a supported language model
@@ -92,19 +93,20 @@ def family_fields(c: Any) -> dict[str, Any]:
                                     f"< 1) are not supported")
     if getattr(c, "mlp_bias", False):
         raise UnsupportedModelError(f"{mt}: MLP biases (mlp_bias) are not supported")
-    gemma, granite = mt in ("gemma2", "gemma3_text"), mt == "granite"
+    gemma, granite = mt in ("gemma", "gemma2", "gemma3_text"), mt == "granite"
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     fields: dict[str, Any] = {
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
                     "olmo2": "full"}.get(mt, ""),
-        "norm_style": "sandwich" if gemma else "post" if mt == "olmo2" else "pre",
+        "norm_style": "sandwich" if gemma and mt != "gemma" else "post" if mt == "olmo2"
+        else "pre",
         "norm_offset": 1.0 if gemma else 0.0,
         "hidden_act": "gelu_tanh" if gemma else "silu",
         "embed_scale": c.hidden_size**0.5 if gemma
         else float(c.embedding_multiplier) if granite else 1.0,
         "embed_scale_in_dtype": gemma,
         "attn_scale": float(c.attention_multiplier) if granite
-        else (c.query_pre_attn_scalar if gemma else head_dim) ** -0.5,
+        else (getattr(c, "query_pre_attn_scalar", None) or head_dim) ** -0.5,
         "residual_scale": float(c.residual_multiplier) if granite else 1.0,
         "logit_scale": 1.0 / float(c.logits_scaling) if granite else 1.0,
         "attn_softcap": float(getattr(c, "attn_logit_softcapping", None) or 0.0),

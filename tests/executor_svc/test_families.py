@@ -26,6 +26,7 @@ FAMILIES = {
         "long_factor": [1.0 + i / 4 for i in range(8)],
         "short_factor": [1.0 + i / 16 for i in range(8)]}),
     "mistral-window": dict(model_type="mistral", sliding_window=WINDOW),
+    "gemma": dict(model_type="gemma", head_dim=16),
     "gemma2": dict(model_type="gemma2", head_dim=16, sliding_window=WINDOW,
                    query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                    final_logit_softcapping=3.0),
