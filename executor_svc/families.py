@@ -17,6 +17,7 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     mixtral       pre-norm              GQA (window if set)            top-k experts
     qwen2_moe     pre-norm              qkv bias                       top-k experts + gated shared
     qwen3_moe     pre-norm              q/k norm per head              top-k experts (normalized)
+    olmoe         pre-norm              + RMSNorm of the whole q, k    top-k experts
 
 A vision-language checkpoint whose language model is one of these (Gemma 3 4B and up, Mistral
 Small 3.1, LLaVA) is served text-only: its text_config and its language model's tensors
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
-             "olmo2", "granite", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe")
+             "olmo2", "granite", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 # vision-language wrappers (HF model_type) of a supported language model
@@ -93,11 +94,13 @@ def family_fields(c: Any) -> dict[str, Any]:
                                     f"< 1) are not supported")
     if getattr(c, "mlp_bias", False):
         raise UnsupportedModelError(f"{mt}: MLP biases (mlp_bias) are not supported")
+    if getattr(c, "clip_qkv", None) is not None:
+        raise UnsupportedModelError(f"{mt}: clipped q, k and v (clip_qkv) are not supported")
     gemma, granite = mt in ("gemma", "gemma2", "gemma3_text"), mt == "granite"
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     fields: dict[str, Any] = {
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
-                    "olmo2": "full"}.get(mt, ""),
+                    "olmo2": "full", "olmoe": "full"}.get(mt, ""),
         "norm_style": "sandwich" if gemma and mt != "gemma" else "post" if mt == "olmo2"
         else "pre",
         "norm_offset": 1.0 if gemma else 0.0,
@@ -141,6 +144,9 @@ def _moe(c: Any) -> Moe | None:
         n = c.num_local_experts
         return Moe(n, c.num_experts_per_tok, c.intermediate_size, True,
                    sparse_layers=(True,) * c.num_hidden_layers)
+    if mt == "olmoe":
+        return Moe(c.num_experts, c.num_experts_per_tok, c.intermediate_size,
+                   bool(c.norm_topk_prob), sparse_layers=(True,) * c.num_hidden_layers)
     if mt not in ("qwen2_moe", "qwen3_moe"):
         return None
     skip = set(getattr(c, "mlp_only_layers", None) or ())

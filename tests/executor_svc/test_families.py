@@ -39,6 +39,8 @@ FAMILIES = {
                       mlp_only_layers=[1]),
     "qwen3-moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True, head_dim=16),
+    "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2,
+                  intermediate_size=32),
 }
 
 
