@@ -50,6 +50,9 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 full
     local_rope: bool = False  # windowed layers use the config's sliding_attention RoPE
     rope_layers: tuple[bool, ...] = ()  # per layer: rotated (SmolLM3's NoPE layers: False); ()
+    # partial rotary embeddings (Phi-4-mini): the first rotary_dim of each q and k head rotate,
+    # the rest pass; 0: all. Served by a permutation of each head (layers.rotary_order)
+    rotary_dim: int = 0
     moe: Moe | None = None
     impl: str = "native"  # "native" (model.py) or "transformers" (hf_fallback.py)
     # the fallback's longest exact context where the model attends in chunks (Llama 4's

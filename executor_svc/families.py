@@ -88,16 +88,20 @@ def family_fields(c: Any) -> dict[str, Any]:
         raise UnsupportedModelError(f"unsupported model_type {mt!r}: supported are "
                                     f"{', '.join(SUPPORTED)}")
     rope = getattr(c, "rope_parameters", None) or {}
-    if any(isinstance(v, dict) and v.get("partial_rotary_factor", 1.0) != 1.0
-           for v in (rope, *rope.values())):
-        raise UnsupportedModelError(f"{mt}: partial rotary embeddings (partial_rotary_factor "
-                                    f"< 1) are not supported")
+    factors = {float(v.get("partial_rotary_factor", 1.0)) for v in (rope, *rope.values())
+               if isinstance(v, dict)} | {float(getattr(c, "partial_rotary_factor", 1.0))}
+    factor = min(factors)
     if getattr(c, "mlp_bias", False):
         raise UnsupportedModelError(f"{mt}: MLP biases (mlp_bias) are not supported")
     if getattr(c, "clip_qkv", None) is not None:
         raise UnsupportedModelError(f"{mt}: clipped q, k and v (clip_qkv) are not supported")
     gemma, granite = mt in ("gemma", "gemma2", "gemma3_text"), mt == "granite"
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    rotary_dim = int(head_dim * factor)  # as HF's rope_init_fn sizes it
+    if factor != 1.0 and (mt != "phi3" or rotary_dim % 2 or (head_dim - rotary_dim) % 2):
+        raise UnsupportedModelError(f"{mt}: partial rotary embeddings (partial_rotary_factor "
+                                    f"{factor:g}) are not supported natively (phi3's are, "
+                                    f"of an even share of an even head)")
     fields: dict[str, Any] = {
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
                     "olmo2": "full", "olmoe": "full"}.get(mt, ""),
@@ -115,6 +119,7 @@ def family_fields(c: Any) -> dict[str, Any]:
         "attn_softcap": float(getattr(c, "attn_logit_softcapping", None) or 0.0),
         "final_softcap": float(getattr(c, "final_logit_softcapping", None) or 0.0),
         "layer_windows": _windows(c),
+        "rotary_dim": rotary_dim if rotary_dim < head_dim else 0,
         "rope_layers": tuple(bool(r) for r in c.no_rope_layers) if mt == "smollm3" else (),
         "local_rope": gemma and isinstance(rope.get("sliding_attention"), dict),
         "attention_bias": bool(getattr(c, "attention_bias", mt in ("qwen2", "qwen2_moe"))),

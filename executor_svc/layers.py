@@ -88,7 +88,8 @@ def _inv_freq(cfg: ModelConfig, params: dict, layer_type: str | None,
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(cfg.hf_config, "rope_theta", 10000.0))
-        exps = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+        dim = cfg.rotary_dim or cfg.head_dim
+        exps = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / (theta**exps), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -122,7 +123,31 @@ def rope_cos_sin_cache(cfg: ModelConfig, max_pos: int, device: torch.device,
             inv_long, scaling = _inv_freq(cfg, params, layer_type, seq_len=orig + 1)
             freqs = pos[orig:] * inv_long.float()[None, :]
             cache[orig:] = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+    if cfg.rotary_dim:  # the passed dims pair among themselves with cos 1 and sin 0
+        rot, pas = cfg.rotary_dim // 2, (cfg.head_dim - cfg.rotary_dim) // 2
+        cache = torch.cat([cache[:, :rot], torch.ones(max_pos, pas), cache[:, rot:],
+                           torch.zeros(max_pos, pas)], dim=-1)
     return cache.to(device)
+
+
+def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Partial rotary embeddings as the fused rotation's full-head pairs (i with
+    i + head_dim / 2): entry j is the checkpoint's dimension at position j of each q and k
+    head. The rotated halves (i with i + rotary_dim / 2 in HF's layout) go to the pairs'
+    first rotary_dim / 2 places, the passed dimensions to the rest, which rope_cos_sin_cache
+    rotates by nothing. Scores q . k are the same under one permutation of both."""
+    rot, pas = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return torch.cat([torch.arange(0, rot), torch.arange(rotary_dim, rotary_dim + pas),
+                      torch.arange(rot, rotary_dim), torch.arange(rotary_dim + pas, head_dim)])
+
+
+def permute_heads(t: torch.Tensor, dim: int, cfg: ModelConfig) -> torch.Tensor:
+    """t with each head's dimensions along `dim` (heads x head_dim) in rotary_order."""
+    order = rotary_order(cfg.head_dim, cfg.rotary_dim).to(t.device)
+    shape = list(t.shape)
+    heads = t.movedim(dim, 0).reshape(shape[dim] // cfg.head_dim, cfg.head_dim, -1)
+    out = heads[:, order].reshape(shape[dim], *[s for i, s in enumerate(shape) if i != dim])
+    return out.movedim(0, dim).contiguous()
 
 
 class RMSNorm(nn.Module):

@@ -22,6 +22,7 @@ from pagedserve.executor.layers import (
     AttentionMetadata,
     Ops,
     RMSNorm,
+    permute_heads,
     rope_cos_sin_cache,
 )
 from pagedserve.executor.moe import SparseMoe
@@ -219,6 +220,8 @@ class CausalLM(nn.Module):
                 continue
             if cfg.norm_offset and name.endswith("norm.weight"):  # stored as (1 + w)
                 tensor = tensor.float() + cfg.norm_offset
+            if cfg.rotary_dim and _ROTATED.search(name):
+                tensor = _rotary_permuted(name, tensor, cfg)
             shared = ".shared_expert." in name
             target, rows = name, None
             for part, (start, size) in qkv_rows.items():
@@ -317,6 +320,18 @@ class CausalLM(nn.Module):
         return filled
 
 
+_ROTATED = re.compile(r"self_attn\.(?:q_proj|k_proj|q_norm|k_norm)\.")
+
+
+def _rotary_permuted(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """A q or k projection's (or norm's) checkpoint tensor with each head in
+    layers.rotary_order, along its output dimension (a 4-bit part's dim 1; a fused qkv is
+    split first, _unfused). Per-tensor scales and act-order's input permutation pass."""
+    if name.endswith((".perm", ".input_scale")) or tensor.numel() == 1:
+        return tensor
+    return permute_heads(tensor, 1 if name.endswith(_PACKED_ALONG_N) else 0, cfg)
+
+
 def _copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"{name}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
@@ -326,18 +341,28 @@ def _copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
 def _unfused(weights: Iterable[tuple[str, torch.Tensor]],
              cfg: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
     """A checkpoint's fused qkv_proj and gate_up_proj (Phi-3) as the q/k/v and gate/up parts
-    other checkpoints hold, so that sharding and fusing treat every family alike."""
+    other checkpoints hold, so that sharding and fusing treat every family alike: float and
+    FP8 weights, biases and per-channel scales split along their rows, 4-bit parts (in the
+    kernels' layout) along their columns; what a fused projection shares (a per-tensor scale,
+    act-order's input permutation) goes to each part."""
     c = cfg.hf_config
     d = cfg.head_dim
     heads = c.num_attention_heads
     kv = getattr(c, "num_key_value_heads", None) or heads
     for name, tensor in weights:
-        if name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):
-            for part, t in zip("qkv", tensor.split([heads * d, kv * d, kv * d]), strict=True):
-                yield name.replace("qkv_proj", f"{part}_proj"), t
-        elif name.endswith("mlp.gate_up_proj.weight") and ".experts." not in name:
-            gate, up = tensor.chunk(2, dim=0)
-            yield name.replace("gate_up_proj", "gate_proj"), gate
-            yield name.replace("gate_up_proj", "up_proj"), up
-        else:
+        module, _, kind = name.rpartition(".")
+        fused = ("qkv_proj" if module.endswith("self_attn.qkv_proj") else "gate_up_proj"
+                 if module.endswith("mlp.gate_up_proj") and ".experts." not in name else "")
+        if not fused:
             yield name, tensor
+            continue
+        parts = ("q_proj", "k_proj", "v_proj") if fused == "qkv_proj" else ("gate_proj",
+                                                                              "up_proj")
+        names = [name.replace(fused, p) for p in parts]
+        if kind in ("perm", "input_scale") or tensor.numel() == 1:
+            yield from ((n, tensor) for n in names)
+            continue
+        dim = 1 if name.endswith(_PACKED_ALONG_N) else 0
+        sizes = [heads * d, kv * d, kv * d] if fused == "qkv_proj" \
+            else [tensor.shape[dim] // 2] * 2
+        yield from zip(names, tensor.split(sizes, dim=dim), strict=True)

@@ -34,7 +34,10 @@ from torch import nn
 from pagedserve.executor.quantization.config import QuantConfig, QuantizationError
 from pagedserve.kernels.fp8_reference import FP8, quantize_weight
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the decoder's linears as checkpoints name them, Phi-3's fused ones too (their rows are split
+# after conversion: model._unfused)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "qkv_proj", "gate_up_proj")
 
 
 def convert_fp8(weights: Iterable[tuple[str, torch.Tensor]],

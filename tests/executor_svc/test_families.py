@@ -25,6 +25,11 @@ FAMILIES = {
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
         "long_factor": [1.0 + i / 4 for i in range(8)],
         "short_factor": [1.0 + i / 16 for i in range(8)]}),
+    # Phi-4-mini's shape: a quarter of each head passes unrotated, LongRoPE over the rest
+    "phi3-partial": dict(model_type="phi3", pad_token_id=0, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+        "partial_rotary_factor": 0.75, "long_factor": [1.0 + i / 4 for i in range(6)],
+        "short_factor": [1.0 + i / 16 for i in range(6)]}),
     "mistral-window": dict(model_type="mistral", sliding_window=WINDOW),
     "gemma": dict(model_type="gemma", head_dim=16),
     "gemma2": dict(model_type="gemma2", head_dim=16, sliding_window=WINDOW,

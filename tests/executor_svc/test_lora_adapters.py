@@ -424,3 +424,16 @@ def test_adapters_on_a_mixture_of_experts_model_adapt_attention_and_dense_layers
                   tmp_path / "one" / "adapter_model.safetensors")
         with pytest.raises(LoraError, match=says):
             load_adapter("bad", tmp_path / "one", cfg, 8)
+
+
+def test_q_and_k_adapters_of_a_partial_rotary_model_are_refused(tmp_path):
+    """Its q and k heads are served permuted (layers.rotary_order): an adapter's rows on
+    them would land on other dimensions."""
+    cfg = ModelConfig.from_dict({**TINY, "model_type": "phi3", "pad_token_id": 0,
+                                 "partial_rotary_factor": 0.75})
+    assert cfg.rotary_dim == 12
+    same = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY)).eval()
+    path = write_adapter(tmp_path / "a", same, 1, 4, ["k_proj", "o_proj"], 8)
+    with pytest.raises(LoraError, match="k_proj.lora_A.weight: the base model's q and k heads "
+                                        "are served in another order"):
+        load_adapter("a", path, cfg, 8)

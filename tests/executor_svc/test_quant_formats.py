@@ -599,3 +599,39 @@ def test_bitsandbytes_checkpoints_are_served_dequantized(tmp_path, kind):
     with torch.no_grad():
         ref = hf(torch.tensor([seq])).logits[0, -1]
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_fused_4bit_qkv_with_partial_rotary_embeddings(tmp_path):
+    """Phi-4-mini's shape in GPTQ: the fused qkv_proj's q and k columns are each permuted
+    for the partial rotation, its v columns not; logits equal HF holding the values."""
+    from tests.executor_svc.test_model import run_paged
+
+    torch.manual_seed(0)
+    d = {**TINY, "model_type": "phi3", "partial_rotary_factor": 0.75, "pad_token_id": 0}
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d),
+                                          dtype=torch.float32).eval()
+    tensors = {}
+    with torch.no_grad():
+        for name, p in hf.state_dict().items():
+            module = name.rpartition(".")[0]
+            if ".layers." in name and p.dim() == 2:
+                qt = rtn(p, 32, min_zero=1)
+                tensors.update({f"{module}.{k}": v for k, v in
+                                to_gptq(qt.q, qt.scales, qt.zeros, qt.g_idx).items()})
+                p.copy_(qt.dequantize())
+            else:
+                tensors[name] = p.clone()
+    hf.save_pretrained(tmp_path)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = quantization_config(QuantizeOptions("rtn", 32))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    quant = resolve_quantization(tmp_path)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert (cfg.rotary_dim, cfg.head_dim) == (12, 16)
+    ours = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, tmp_path, quant=quant)
+    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = run_paged(ours, cfg, [seq], [(8,), (4,)])[0][-1]
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0, -1]
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)

@@ -149,6 +149,20 @@ def test_quantized_at_load_matches_hf_running_the_fp8_math(tmp_path):
     assert 1e-3 < (logits - fp).abs().max() < 0.1  # quantized: near the float model, not it
 
 
+def test_fused_projections_quantized_at_load(tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj (with partial rotary embeddings, as
+    Phi-4-mini's) quantized per output channel as the parts they are split into: HF running
+    the FP8 math on the fused modules."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "phi3", pad_token_id=0, partial_rotary_factor=0.75, **TINY), dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    assert "model.layers.0.self_attn.qkv_proj" in linears(hf)
+    model, logits = ours(tmp_path, "fp8")
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
+    torch.testing.assert_close(logits, hf_fp8_logits(hf), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("fmt", ["fp8-channel", "ct-channel"])
 def test_per_channel_checkpoint_equals_quantizing_at_load(tmp_path, fmt):
     hf = float_model(tmp_path / "float")

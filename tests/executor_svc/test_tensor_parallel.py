@@ -39,6 +39,9 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
     "qwen3-moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, norm_topk_prob=True, **TINY),
     "olmo2": dict(model_type="olmo2", **TINY),
+    # each q and k head permuted for partial rotary embeddings, then cut by heads
+    "phi3-partial": dict(model_type="phi3", partial_rotary_factor=0.75, pad_token_id=0,
+                         **TINY),
 }
 
 
