@@ -53,6 +53,7 @@ class ModelConfig:
     # partial rotary embeddings (Phi-4-mini): the first rotary_dim of each q and k head rotate,
     # the rest pass; 0: all. Served by a permutation of each head (layers.rotary_order)
     rotary_dim: int = 0
+    rotary_interleaved: bool = False  # rotated pairs are (2i, 2i + 1) (GLM), not (i, i + d/2)
     moe: Moe | None = None
     impl: str = "native"  # "native" (model.py) or "transformers" (hf_fallback.py)
     # the fallback's longest exact context where the model attends in chunks (Llama 4's

@@ -376,7 +376,8 @@ def load_head(method: str, path: str, target: CausalLM, ops: Ops, dtype: torch.d
     except (ValueError, OSError, json.JSONDecodeError) as e:
         raise DraftModelError(f"--speculative-config: the {method} head {path}: "
                               f"{str(e).splitlines()[0]}") from None
-    if hc.rotary_dim:  # its q and k are read as they are, not in layers.rotary_order
+    if hc.rotary_dim or hc.rotary_interleaved:  # its q and k are read as they are, not in
+        # layers.rotary_order
         raise DraftModelError(f"--speculative-config: the {method} head {path} has partial "
                               "rotary embeddings, which EAGLE heads are not served with")
     tensors = None if random else read_tensors(where)

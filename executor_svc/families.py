@@ -14,6 +14,7 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     gemma2        pre+post, (1 + w)     soft-capped logits, windows    GeGLU (tanh)
     gemma3_text   pre+post, (1 + w)     q/k norm, windows, 2 RoPEs     GeGLU (tanh)
     phi3          pre-norm              fused qkv, LongRoPE            fused gate_up SwiGLU
+    glm, glm4     pre(+post: glm4)      qkv bias, half rotary (pairs)  fused gate_up SwiGLU
     mixtral       pre-norm              GQA (window if set)            top-k experts
     qwen2_moe     pre-norm              qkv bias                       top-k experts + gated shared
     qwen3_moe     pre-norm              q/k norm per head              top-k experts (normalized)
@@ -30,7 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
-             "olmo2", "granite", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+             "olmo2", "granite", "smollm3", "glm", "glm4", "mixtral", "qwen2_moe", "qwen3_moe",
+             "olmoe")
 
 
 # vision-language wrappers (HF model_type) of a supported language model
@@ -98,15 +100,17 @@ def family_fields(c: Any) -> dict[str, Any]:
     gemma, granite = mt in ("gemma", "gemma2", "gemma3_text"), mt == "granite"
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rotary_dim = int(head_dim * factor)  # as HF's rope_init_fn sizes it
-    if factor != 1.0 and (mt != "phi3" or rotary_dim % 2 or (head_dim - rotary_dim) % 2):
+    glm = mt in ("glm", "glm4")
+    if factor != 1.0 and (mt != "phi3" and not glm or rotary_dim % 2
+                          or (head_dim - rotary_dim) % 2):
         raise UnsupportedModelError(f"{mt}: partial rotary embeddings (partial_rotary_factor "
-                                    f"{factor:g}) are not supported natively (phi3's are, "
-                                    f"of an even share of an even head)")
+                                    f"{factor:g}) are not supported natively (phi3's and "
+                                    f"glm's are, of an even share of an even head)")
     fields: dict[str, Any] = {
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
                     "olmo2": "full", "olmoe": "full"}.get(mt, ""),
-        "norm_style": "sandwich" if gemma and mt != "gemma" else "post" if mt == "olmo2"
-        else "pre",
+        "norm_style": "sandwich" if gemma and mt != "gemma" or mt == "glm4"
+        else "post" if mt == "olmo2" else "pre",
         "norm_offset": 1.0 if gemma else 0.0,
         "hidden_act": "gelu_tanh" if gemma else "silu",
         "embed_scale": c.hidden_size**0.5 if gemma
@@ -120,6 +124,7 @@ def family_fields(c: Any) -> dict[str, Any]:
         "final_softcap": float(getattr(c, "final_logit_softcapping", None) or 0.0),
         "layer_windows": _windows(c),
         "rotary_dim": rotary_dim if rotary_dim < head_dim else 0,
+        "rotary_interleaved": glm,  # pairs (2i, 2i + 1), as GPT-J
         "rope_layers": tuple(bool(r) for r in c.no_rope_layers) if mt == "smollm3" else (),
         "local_rope": gemma and isinstance(rope.get("sliding_attention"), dict),
         "attention_bias": bool(getattr(c, "attention_bias", mt in ("qwen2", "qwen2_moe"))),

@@ -130,20 +130,24 @@ def rope_cos_sin_cache(cfg: ModelConfig, max_pos: int, device: torch.device,
     return cache.to(device)
 
 
-def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """Partial rotary embeddings as the fused rotation's full-head pairs (i with
-    i + head_dim / 2): entry j is the checkpoint's dimension at position j of each q and k
-    head. The rotated halves (i with i + rotary_dim / 2 in HF's layout) go to the pairs'
-    first rotary_dim / 2 places, the passed dimensions to the rest, which rope_cos_sin_cache
-    rotates by nothing. Scores q . k are the same under one permutation of both."""
+def rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> torch.Tensor:
+    """Partial or interleaved rotary embeddings as the fused rotation's full-head pairs (i
+    with i + head_dim / 2): entry j is the checkpoint's dimension at position j of each q and
+    k head. The rotated pairs (i with i + rotary_dim / 2 in HF's layout; 2i with 2i + 1 when
+    interleaved, as GLM's) go to the pairs' first rotary_dim / 2 places, the passed
+    dimensions to the rest, which rope_cos_sin_cache rotates by nothing. Scores q . k are the
+    same under one permutation of both."""
     rot, pas = rotary_dim // 2, (head_dim - rotary_dim) // 2
-    return torch.cat([torch.arange(0, rot), torch.arange(rotary_dim, rotary_dim + pas),
-                      torch.arange(rot, rotary_dim), torch.arange(rotary_dim + pas, head_dim)])
+    first, second = (torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)) \
+        if interleaved else (torch.arange(0, rot), torch.arange(rot, rotary_dim))
+    return torch.cat([first, torch.arange(rotary_dim, rotary_dim + pas),
+                      second, torch.arange(rotary_dim + pas, head_dim)])
 
 
 def permute_heads(t: torch.Tensor, dim: int, cfg: ModelConfig) -> torch.Tensor:
     """t with each head's dimensions along `dim` (heads x head_dim) in rotary_order."""
-    order = rotary_order(cfg.head_dim, cfg.rotary_dim).to(t.device)
+    order = rotary_order(cfg.head_dim, cfg.rotary_dim or cfg.head_dim,
+                         cfg.rotary_interleaved).to(t.device)
     shape = list(t.shape)
     heads = t.movedim(dim, 0).reshape(shape[dim] // cfg.head_dim, cfg.head_dim, -1)
     out = heads[:, order].reshape(shape[dim], *[s for i, s in enumerate(shape) if i != dim])

@@ -142,7 +142,7 @@ def _pair(tensors: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, scale: 
             raise LoraError(f"{where}: {key}: layer {layer}'s MLP is a mixture of experts, "
                             f"which LoRA is not served on (attention and dense MLP layers "
                             f"are)")
-        if cfg.rotary_dim and module in ("q_proj", "k_proj"):
+        if (cfg.rotary_dim or cfg.rotary_interleaved) and module in ("q_proj", "k_proj"):
             raise LoraError(f"{where}: {key}: the base model's q and k heads are served in "
                             f"another order (partial rotary embeddings), which LoRA on "
                             f"q_proj and k_proj is not served with")

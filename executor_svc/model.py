@@ -218,9 +218,11 @@ class CausalLM(nn.Module):
             if ".experts." in name:
                 loaded.update(self._load_experts(params, name, tensor))
                 continue
+            if cfg.model_type == "glm4":  # its four norms under the sandwich's names
+                name = _GLM4_NORMS.sub(lambda m: _GLM4_RENAMED[m.group(1)], name)
             if cfg.norm_offset and name.endswith("norm.weight"):  # stored as (1 + w)
                 tensor = tensor.float() + cfg.norm_offset
-            if cfg.rotary_dim and _ROTATED.search(name):
+            if (cfg.rotary_dim or cfg.rotary_interleaved) and _ROTATED.search(name):
                 tensor = _rotary_permuted(name, tensor, cfg)
             shared = ".shared_expert." in name
             target, rows = name, None
@@ -320,6 +322,11 @@ class CausalLM(nn.Module):
         return filled
 
 
+_GLM4_RENAMED = {"post_self_attn_layernorm": ".post_attention_layernorm.",
+                 "post_attention_layernorm": ".pre_feedforward_layernorm.",
+                 "post_mlp_layernorm": ".post_feedforward_layernorm."}
+_GLM4_NORMS = re.compile(r"\.(post_self_attn_layernorm|post_attention_layernorm|"
+                         r"post_mlp_layernorm)\.")
 _ROTATED = re.compile(r"self_attn\.(?:q_proj|k_proj|q_norm|k_norm)\.")
 
 

@@ -30,6 +30,9 @@ FAMILIES = {
         "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
         "partial_rotary_factor": 0.75, "long_factor": [1.0 + i / 4 for i in range(6)],
         "short_factor": [1.0 + i / 16 for i in range(6)]}),
+    # half of each head rotated in (2i, 2i + 1) pairs, qkv biases; GLM-4: four norms a layer
+    "glm": dict(model_type="glm", head_dim=16, pad_token_id=0),
+    "glm4": dict(model_type="glm4", head_dim=16, pad_token_id=0),
     "mistral-window": dict(model_type="mistral", sliding_window=WINDOW),
     "gemma": dict(model_type="gemma", head_dim=16),
     "gemma2": dict(model_type="gemma2", head_dim=16, sliding_window=WINDOW,

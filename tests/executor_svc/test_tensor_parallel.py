@@ -42,6 +42,8 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
     # each q and k head permuted for partial rotary embeddings, then cut by heads
     "phi3-partial": dict(model_type="phi3", partial_rotary_factor=0.75, pad_token_id=0,
                          **TINY),
+    # interleaved pairs of half of each head, qkv biases, four norms a layer
+    "glm4": dict(model_type="glm4", pad_token_id=0, **{**TINY, "head_dim": 16}),
 }
 
 

@@ -33,8 +33,8 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 CONFIGS = {**FAMILIES, **NO_NATIVE}
 # every native family but those the model tests cover alike (llama's are the default model's),
 # and one served by the transformers fallback (cohere: no native module)
-SERVED = ["qwen3", "olmo2", "phi3", "gemma2", "gemma3", "granite", "smollm3", "mixtral",
-          "qwen2-moe", "qwen3-moe", "cohere"]
+SERVED = ["qwen3", "olmo2", "phi3", "gemma2", "gemma3", "granite", "smollm3", "glm4",
+          "mixtral", "qwen2-moe", "qwen3-moe", "cohere"]
 
 
 def prompts(vocab: int) -> list[list[int]]:
