@@ -31,8 +31,13 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
-             "olmo2", "granite", "smollm3", "glm", "glm4", "mixtral", "qwen2_moe", "qwen3_moe",
-             "olmoe")
+             "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
+             "ernie4_5", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# another family's decoder under its own model_type (a difference of RoPE layout or windows
+# is a switch: rotary_interleaved, layer_windows)
+ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "olmo3": "olmo2"}
+# rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
+_INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5")
 
 
 # vision-language wrappers (HF model_type) of a supported language model
@@ -85,10 +90,14 @@ class Moe:
 def family_fields(c: Any) -> dict[str, Any]:
     """The decoder's switches for HF config `c` (keys of ModelConfig); raises
     UnsupportedModelError naming what is supported."""
-    mt = c.model_type
-    if mt not in SUPPORTED:
-        raise UnsupportedModelError(f"unsupported model_type {mt!r}: supported are "
+    if c.model_type not in SUPPORTED:
+        raise UnsupportedModelError(f"unsupported model_type {c.model_type!r}: supported are "
                                     f"{', '.join(SUPPORTED)}")
+    interleaved = c.model_type in _INTERLEAVED
+    mt = ALIASES.get(c.model_type, c.model_type)
+    if getattr(c, "use_bias", False):  # ERNIE 4.5: every linear
+        raise UnsupportedModelError(f"{c.model_type}: biases on every linear (use_bias) are "
+                                    "not supported")
     rope = getattr(c, "rope_parameters", None) or {}
     factors = {float(v.get("partial_rotary_factor", 1.0)) for v in (rope, *rope.values())
                if isinstance(v, dict)} | {float(getattr(c, "partial_rotary_factor", 1.0))}
@@ -100,8 +109,7 @@ def family_fields(c: Any) -> dict[str, Any]:
     gemma, granite = mt in ("gemma", "gemma2", "gemma3_text"), mt == "granite"
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rotary_dim = int(head_dim * factor)  # as HF's rope_init_fn sizes it
-    glm = mt in ("glm", "glm4")
-    if factor != 1.0 and (mt != "phi3" and not glm or rotary_dim % 2
+    if factor != 1.0 and (mt not in ("phi3", "glm", "glm4") or rotary_dim % 2
                           or (head_dim - rotary_dim) % 2):
         raise UnsupportedModelError(f"{mt}: partial rotary embeddings (partial_rotary_factor "
                                     f"{factor:g}) are not supported natively (phi3's and "
@@ -124,9 +132,9 @@ def family_fields(c: Any) -> dict[str, Any]:
         "final_softcap": float(getattr(c, "final_logit_softcapping", None) or 0.0),
         "layer_windows": _windows(c),
         "rotary_dim": rotary_dim if rotary_dim < head_dim else 0,
-        "rotary_interleaved": glm,  # pairs (2i, 2i + 1), as GPT-J
+        "rotary_interleaved": interleaved,
         "rope_layers": tuple(bool(r) for r in c.no_rope_layers) if mt == "smollm3" else (),
-        "local_rope": gemma and isinstance(rope.get("sliding_attention"), dict),
+        "local_rope": isinstance(rope.get("sliding_attention"), dict),  # Gemma 3, OLMo 3
         "attention_bias": bool(getattr(c, "attention_bias", mt in ("qwen2", "qwen2_moe"))),
         "moe": _moe(c),
     }

@@ -17,6 +17,13 @@ WINDOW = 6  # shorter than the test sequences, not a multiple of the block size 
 FAMILIES = {
     "qwen3": dict(model_type="qwen3", head_dim=16),
     "olmo2": dict(model_type="olmo2"),
+    # OLMo 2 with windows on its sliding layers, their own RoPE base
+    "olmo3": dict(model_type="olmo3", sliding_window=WINDOW,
+                  layer_types=["sliding_attention", "full_attention"]),
+    # Llama's decoder under other names; Helium's and ERNIE 4.5's rotation in (2i, 2i + 1)
+    "internlm3": dict(model_type="internlm3"),
+    "helium": dict(model_type="helium", head_dim=16, pad_token_id=0),
+    "ernie4_5": dict(model_type="ernie4_5", head_dim=16, pad_token_id=0),
     "granite": dict(model_type="granite", embedding_multiplier=2.0, residual_multiplier=0.5,
                     attention_multiplier=0.2, logits_scaling=4.0, tie_word_embeddings=True),
     "smollm3": dict(model_type="smollm3", no_rope_layers=[1, 0], pad_token_id=0),
