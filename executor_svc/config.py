@@ -36,6 +36,7 @@ class ModelConfig:
     max_position_embeddings: int
     attention_bias: bool
     hf_config: Any  # the transformers config object, for rope scaling functions
+    o_proj_bias: bool = False  # a bias on o_proj (Llama's attention_bias, Seed-OSS's own)
     qk_norm: str = ""  # "": none, "head": RMSNorm over each head, "full": over the projection
     norm_style: str = "pre"  # "pre" (Llama), "post" (OLMo 2), "sandwich" (Gemma: pre and post)
     norm_offset: float = 0.0  # 1.0: norms scale by (1 + w) (Gemma)

@@ -32,10 +32,12 @@ from typing import Any
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
-             "ernie4_5", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+             "ernie4_5", "seed_oss", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
-ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "olmo3": "olmo2"}
+ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
+           "olmo3": "olmo2"}
+_BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5")
 
@@ -136,6 +138,9 @@ def family_fields(c: Any) -> dict[str, Any]:
         "rope_layers": tuple(bool(r) for r in c.no_rope_layers) if mt == "smollm3" else (),
         "local_rope": isinstance(rope.get("sliding_attention"), dict),  # Gemma 3, OLMo 3
         "attention_bias": bool(getattr(c, "attention_bias", mt in ("qwen2", "qwen2_moe"))),
+        # HF's Llama, Granite, SmolLM3 and OLMo put attention_bias on o_proj too
+        "o_proj_bias": bool(getattr(c, "attention_out_bias", False)) if c.model_type == "seed_oss"
+        else bool(getattr(c, "attention_bias", False)) and c.model_type in _BIASED_O_PROJ,
         "moe": _moe(c),
     }
     act = (getattr(c, "hidden_activation", None) or "gelu_pytorch_tanh") if gemma \

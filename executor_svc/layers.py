@@ -191,7 +191,7 @@ class Attention(nn.Module):
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = make_linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d,
                                     cfg.attention_bias, quant, ops)
-        self.o_proj = make_linear(self.h * self.d, cfg.hidden_size, False, quant, ops)
+        self.o_proj = make_linear(self.h * self.d, cfg.hidden_size, cfg.o_proj_bias, quant, ops)
         self.scale = cfg.attn_scale or self.d**-0.5
         self.window = cfg.layer_windows[layer] if cfg.layer_windows else 0
         self.local_rope = cfg.local_rope and self.window > 0

@@ -24,6 +24,10 @@ FAMILIES = {
     "internlm3": dict(model_type="internlm3"),
     "helium": dict(model_type="helium", head_dim=16, pad_token_id=0),
     "ernie4_5": dict(model_type="ernie4_5", head_dim=16, pad_token_id=0),
+    "seed_oss": dict(model_type="seed_oss", head_dim=16, pad_token_id=0,  # qkv, o biases
+                     attention_out_bias=True),
+    "llama-bias": dict(model_type="llama", attention_bias=True),  # q, k, v and o biases
+    "olmo2-bias": dict(model_type="olmo2", attention_bias=True),
     "granite": dict(model_type="granite", embedding_multiplier=2.0, residual_multiplier=0.5,
                     attention_multiplier=0.2, logits_scaling=4.0, tie_word_embeddings=True),
     "smollm3": dict(model_type="smollm3", no_rope_layers=[1, 0], pad_token_id=0),
@@ -60,10 +64,11 @@ FAMILIES = {
 
 
 def perturb_norms(model) -> None:
-    """Norms initialise to 1 (or 0 for (1 + w)): move them, so that they count."""
+    """Norms initialise to 1 (or 0 for (1 + w)) and biases to 0: move them, so that they
+    count."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
 
 

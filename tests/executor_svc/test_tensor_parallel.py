@@ -28,6 +28,8 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
     "llama": dict(model_type="llama", **TINY),
     "mistral": dict(model_type="mistral", **TINY),
     "qwen2-bias": dict(model_type="qwen2", **TINY),
+    # o_proj's bias added by rank 0 alone (row-parallel)
+    "llama-bias": dict(model_type="llama", attention_bias=True, **TINY),
     # one KV head for two ranks: each holds a copy; tied embeddings share the vocabulary slice
     "llama-gqa1-tied": dict(model_type="llama", tie_word_embeddings=True,
                             **{**TINY, "num_key_value_heads": 1}),
@@ -178,6 +180,10 @@ def save_random(path, name: str):
     hf = AutoModelForCausalLM.from_config(
         AutoConfig.for_model(d.pop("model_type"), initializer_range=0.2, **d),
         dtype=torch.float32)
+    with torch.no_grad():  # biases initialise to 0: move them, so that they count
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
     hf.save_pretrained(path)
     return hf
 
