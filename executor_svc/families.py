@@ -10,6 +10,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     smollm3       pre-norm              no RoPE on no_rope_layers' 0s  SwiGLU
     qwen3         pre-norm              + RMSNorm of q, k per head     SwiGLU
     olmo2         post-norm             + RMSNorm of the whole q, k    SwiGLU
+    exaone4       post-norm             q/k norm per head, windows,    SwiGLU
+                                        no RoPE on global layers
     gemma         pre-norm, (1 + w)     GQA, RoPE                      GeGLU (tanh)
     gemma2        pre+post, (1 + w)     soft-capped logits, windows    GeGLU (tanh)
     gemma3_text   pre+post, (1 + w)     q/k norm, windows, 2 RoPEs     GeGLU (tanh)
@@ -32,7 +34,7 @@ from typing import Any
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
-             "ernie4_5", "seed_oss", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+             "ernie4_5", "seed_oss", "exaone4", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
 ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
@@ -118,9 +120,9 @@ def family_fields(c: Any) -> dict[str, Any]:
                                     f"glm's are, of an even share of an even head)")
     fields: dict[str, Any] = {
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
-                    "olmo2": "full", "olmoe": "full"}.get(mt, ""),
+                    "exaone4": "head", "olmo2": "full", "olmoe": "full"}.get(mt, ""),
         "norm_style": "sandwich" if gemma and mt != "gemma" or mt == "glm4"
-        else "post" if mt == "olmo2" else "pre",
+        else "post" if mt in ("olmo2", "exaone4") else "pre",
         "norm_offset": 1.0 if gemma else 0.0,
         "hidden_act": "gelu_tanh" if gemma else "silu",
         "embed_scale": c.hidden_size**0.5 if gemma
@@ -135,7 +137,7 @@ def family_fields(c: Any) -> dict[str, Any]:
         "layer_windows": _windows(c),
         "rotary_dim": rotary_dim if rotary_dim < head_dim else 0,
         "rotary_interleaved": interleaved,
-        "rope_layers": tuple(bool(r) for r in c.no_rope_layers) if mt == "smollm3" else (),
+        "rope_layers": _rope_layers(c),
         "local_rope": isinstance(rope.get("sliding_attention"), dict),  # Gemma 3, OLMo 3
         "attention_bias": bool(getattr(c, "attention_bias", mt in ("qwen2", "qwen2_moe"))),
         # HF's Llama, Granite, SmolLM3 and OLMo put attention_bias on o_proj too
@@ -148,6 +150,16 @@ def family_fields(c: Any) -> dict[str, Any]:
     if act != ("gelu_pytorch_tanh" if gemma else "silu"):
         raise UnsupportedModelError(f"{mt}: activation {act!r} is not supported")
     return fields
+
+
+def _rope_layers(c: Any) -> tuple[bool, ...]:
+    """Per layer: whether it rotates q and k; () where every layer does. SmolLM3's
+    no_rope_layers; EXAONE 4's global layers when it has windows."""
+    if c.model_type == "smollm3":
+        return tuple(bool(r) for r in c.no_rope_layers)
+    if c.model_type == "exaone4" and getattr(c, "sliding_window", None):
+        return tuple(t == "sliding_attention" for t in c.layer_types)
+    return ()
 
 
 def _windows(c: Any) -> tuple[int, ...]:

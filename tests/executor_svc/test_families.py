@@ -17,6 +17,9 @@ WINDOW = 6  # shorter than the test sequences, not a multiple of the block size 
 FAMILIES = {
     "qwen3": dict(model_type="qwen3", head_dim=16),
     "olmo2": dict(model_type="olmo2"),
+    # post-norms, q/k norms per head, windows, the global layers without RoPE
+    "exaone4": dict(model_type="exaone4", head_dim=16, sliding_window=WINDOW,
+                    layer_types=["sliding_attention", "full_attention"], pad_token_id=0),
     # OLMo 2 with windows on its sliding layers, their own RoPE base
     "olmo3": dict(model_type="olmo3", sliding_window=WINDOW,
                   layer_types=["sliding_attention", "full_attention"]),
