@@ -38,8 +38,12 @@ class ModelConfig:
     hf_config: Any  # the transformers config object, for rope scaling functions
     o_proj_bias: bool = False  # a bias on o_proj (Llama's attention_bias, Seed-OSS's own)
     qk_norm: str = ""  # "": none, "head": RMSNorm over each head, "full": over the projection
-    norm_style: str = "pre"  # "pre" (Llama), "post" (OLMo 2), "sandwich" (Gemma: pre and post)
+    # "pre" (Llama), "post" (OLMo 2), "sandwich" (Gemma: pre and post), "parallel" (Cohere:
+    # attention and MLP read one norm's output, their sum joins the residual)
+    norm_style: str = "pre"
     norm_offset: float = 0.0  # 1.0: norms scale by (1 + w) (Gemma)
+    norm_type: str = "rms"  # "rms", or "layer": mean-centred LayerNorm (Cohere, StableLM)
+    norm_bias: bool = False  # the LayerNorms have a bias (StableLM)
     hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden); Granite's multiplier)
     embed_scale_in_dtype: bool = False  # the scale rounded to the weights' dtype first (Gemma)
@@ -153,7 +157,7 @@ class ModelConfig:
             head_dim=head_dim,
             intermediate_size=c.intermediate_size,
             vocab_size=c.vocab_size,
-            rms_norm_eps=c.rms_norm_eps,
+            rms_norm_eps=getattr(c, "rms_norm_eps", None) or c.layer_norm_eps,
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             max_position_embeddings=c.max_position_embeddings,
             hf_config=c,

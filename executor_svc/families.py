@@ -12,6 +12,9 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     olmo2         post-norm             + RMSNorm of the whole q, k    SwiGLU
     exaone4       post-norm             q/k norm per head, windows,    SwiGLU
                                         no RoPE on global layers
+    cohere(2)     one LayerNorm,        RoPE in (2i, 2i + 1) pairs;    SwiGLU beside attention;
+                  parallel blocks       cohere2: windows, global NoPE  logits scaled
+    stablelm      LayerNorms (bias)     partial RoPE, qkv bias         SwiGLU (parallel if set)
     gemma         pre-norm, (1 + w)     GQA, RoPE                      GeGLU (tanh)
     gemma2        pre+post, (1 + w)     soft-capped logits, windows    GeGLU (tanh)
     gemma3_text   pre+post, (1 + w)     q/k norm, windows, 2 RoPEs     GeGLU (tanh)
@@ -34,14 +37,15 @@ from typing import Any
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
-             "ernie4_5", "seed_oss", "exaone4", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+             "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
+             "qwen2_moe", "qwen3_moe", "olmoe")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
 ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
            "olmo3": "olmo2"}
 _BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
-_INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5")
+_INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "cohere", "cohere2")
 
 
 # vision-language wrappers (HF model_type) of a supported language model
@@ -99,6 +103,10 @@ def family_fields(c: Any) -> dict[str, Any]:
                                     f"{', '.join(SUPPORTED)}")
     interleaved = c.model_type in _INTERLEAVED
     mt = ALIASES.get(c.model_type, c.model_type)
+    for switch in ("use_qk_norm", "qk_layernorm"):  # Cohere's, StableLM's per-head LayerNorm
+        if getattr(c, switch, False):
+            raise UnsupportedModelError(f"{c.model_type}: LayerNorms of q and k ({switch}) "
+                                        "are not supported")
     if getattr(c, "use_bias", False):  # ERNIE 4.5: every linear
         raise UnsupportedModelError(f"{c.model_type}: biases on every linear (use_bias) are "
                                     "not supported")
@@ -111,9 +119,10 @@ def family_fields(c: Any) -> dict[str, Any]:
     if getattr(c, "clip_qkv", None) is not None:
         raise UnsupportedModelError(f"{mt}: clipped q, k and v (clip_qkv) are not supported")
     gemma, granite = mt in ("gemma", "gemma2", "gemma3_text"), mt == "granite"
+    cohere = mt in ("cohere", "cohere2")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rotary_dim = int(head_dim * factor)  # as HF's rope_init_fn sizes it
-    if factor != 1.0 and (mt not in ("phi3", "glm", "glm4") or rotary_dim % 2
+    if factor != 1.0 and (mt not in ("phi3", "glm", "glm4", "stablelm") or rotary_dim % 2
                           or (head_dim - rotary_dim) % 2):
         raise UnsupportedModelError(f"{mt}: partial rotary embeddings (partial_rotary_factor "
                                     f"{factor:g}) are not supported natively (phi3's and "
@@ -122,7 +131,10 @@ def family_fields(c: Any) -> dict[str, Any]:
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
                     "exaone4": "head", "olmo2": "full", "olmoe": "full"}.get(mt, ""),
         "norm_style": "sandwich" if gemma and mt != "gemma" or mt == "glm4"
-        else "post" if mt in ("olmo2", "exaone4") else "pre",
+        else "post" if mt in ("olmo2", "exaone4")
+        else "parallel" if cohere or getattr(c, "use_parallel_residual", False) else "pre",
+        "norm_type": "layer" if cohere or mt == "stablelm" else "rms",
+        "norm_bias": mt == "stablelm",
         "norm_offset": 1.0 if gemma else 0.0,
         "hidden_act": "gelu_tanh" if gemma else "silu",
         "embed_scale": c.hidden_size**0.5 if gemma
@@ -131,7 +143,8 @@ def family_fields(c: Any) -> dict[str, Any]:
         "attn_scale": float(c.attention_multiplier) if granite
         else (getattr(c, "query_pre_attn_scalar", None) or head_dim) ** -0.5,
         "residual_scale": float(c.residual_multiplier) if granite else 1.0,
-        "logit_scale": 1.0 / float(c.logits_scaling) if granite else 1.0,
+        "logit_scale": 1.0 / float(c.logits_scaling) if granite
+        else float(c.logit_scale) if cohere else 1.0,
         "attn_softcap": float(getattr(c, "attn_logit_softcapping", None) or 0.0),
         "final_softcap": float(getattr(c, "final_logit_softcapping", None) or 0.0),
         "layer_windows": _windows(c),
@@ -139,7 +152,8 @@ def family_fields(c: Any) -> dict[str, Any]:
         "rotary_interleaved": interleaved,
         "rope_layers": _rope_layers(c),
         "local_rope": isinstance(rope.get("sliding_attention"), dict),  # Gemma 3, OLMo 3
-        "attention_bias": bool(getattr(c, "attention_bias", mt in ("qwen2", "qwen2_moe"))),
+        "attention_bias": bool(getattr(c, "attention_bias", mt in ("qwen2", "qwen2_moe"))
+                               or getattr(c, "use_qkv_bias", False)),
         # HF's Llama, Granite, SmolLM3 and OLMo put attention_bias on o_proj too
         "o_proj_bias": bool(getattr(c, "attention_out_bias", False)) if c.model_type == "seed_oss"
         else bool(getattr(c, "attention_bias", False)) and c.model_type in _BIASED_O_PROJ,
@@ -154,11 +168,13 @@ def family_fields(c: Any) -> dict[str, Any]:
 
 def _rope_layers(c: Any) -> tuple[bool, ...]:
     """Per layer: whether it rotates q and k; () where every layer does. SmolLM3's
-    no_rope_layers; EXAONE 4's global layers when it has windows."""
+    no_rope_layers; EXAONE 4's global layers when it has windows; Cohere 2's."""
     if c.model_type == "smollm3":
         return tuple(bool(r) for r in c.no_rope_layers)
     if c.model_type == "exaone4" and getattr(c, "sliding_window", None):
         return tuple(t == "sliding_attention" for t in c.layer_types)
+    if c.model_type == "cohere2":  # RoPE only where a window is
+        return tuple(bool(c.sliding_window) and t == "sliding_attention" for t in c.layer_types)
     return ()
 
 

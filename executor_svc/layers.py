@@ -168,6 +168,33 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+class LayerNorm(nn.Module):
+    """(x - mean) / std * weight (+ bias), in float32 as Cohere's and StableLM's: RMSNorm's
+    interface, the residual added first."""
+
+    def __init__(self, size: int, eps: float, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if bias else None
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x if residual is None else x + residual
+        out = torch.nn.functional.layer_norm(
+            h.float(), h.shape[-1:], self.weight.float(),
+            None if self.bias is None else self.bias.float(), self.eps)
+        return out.to(h.dtype), h
+
+
+def make_norm(size: int, cfg: ModelConfig, ops: Ops) -> nn.Module:
+    """The family's norm over `size`: RMSNorm, or LayerNorm (cfg.norm_type)."""
+    if cfg.norm_type == "layer":
+        return LayerNorm(size, cfg.rms_norm_eps, cfg.norm_bias)
+    return RMSNorm(size, cfg.rms_norm_eps, ops)
+
+
 class ShardedRMSNorm(RMSNorm):
     """RMSNorm over a whole projection whose columns are split over the tensor-parallel ranks
     (OLMo 2's q and k norms): the mean square is summed over every rank's slice."""

@@ -21,7 +21,7 @@ from pagedserve.executor.layers import (
     Attention,
     AttentionMetadata,
     Ops,
-    RMSNorm,
+    make_norm,
     permute_heads,
     rope_cos_sin_cache,
 )
@@ -41,7 +41,8 @@ _EXPERT = re.compile(r"^(layers\.\d+\.)(?:block_sparse_moe|mlp)\.experts\.(\d+)\
 _NORMS = {"pre": ("input_layernorm", "post_attention_layernorm"),
           "sandwich": ("input_layernorm", "post_attention_layernorm",
                        "pre_feedforward_layernorm", "post_feedforward_layernorm"),
-          "post": ("post_attention_layernorm", "post_feedforward_layernorm")}
+          "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+          "parallel": ("input_layernorm",)}
 
 
 class DecoderLayer(nn.Module):
@@ -55,7 +56,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.style, self.residual_scale = cfg.norm_style, cfg.residual_scale
         for name in _NORMS[self.style]:
-            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops))
+            setattr(self, name, make_norm(cfg.hidden_size, cfg, ops))
         self.self_attn = Attention(cfg, layer, ops, quant)
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
         self.mlp = SparseMoe(cfg, ops, quant) if sparse else MLP(cfg, ops, quant)
@@ -70,6 +71,9 @@ class DecoderLayer(nn.Module):
             x, residual = self.post_attention_layernorm(x, residual)
             x = self.mlp(x)
             return (x if self.residual_scale == 1.0 else x * self.residual_scale), residual
+        if self.style == "parallel":  # residual + attn(norm(h)) + mlp(norm(h))
+            x, residual = self.input_layernorm(x, residual)
+            return attn(x, positions, cos_sin, kv_cache, meta) + self.mlp(x), residual
         if self.style == "sandwich":
             x, residual = self.input_layernorm(x, residual)
             x = self.post_attention_layernorm(attn(x, positions, cos_sin, kv_cache, meta))[0]
@@ -95,7 +99,7 @@ class CausalLM(nn.Module):
                                          _weight=torch.empty(vocab, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, quant)
                                     for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.norm = make_norm(cfg.hidden_size, cfg, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

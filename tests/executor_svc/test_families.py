@@ -55,6 +55,15 @@ FAMILIES = {
     "gemma3": dict(model_type="gemma3_text", head_dim=16, sliding_window=WINDOW,
                    layer_types=["sliding_attention", "full_attention"],
                    query_pre_attn_scalar=16),
+    # one LayerNorm a layer, attention beside the MLP, RoPE in (2i, 2i + 1) pairs, logits
+    # scaled; Cohere 2: windows, no RoPE on its global layers
+    "cohere": dict(model_type="cohere", logit_scale=0.5, tie_word_embeddings=False),
+    "cohere2": dict(model_type="cohere2", logit_scale=0.5, sliding_window=WINDOW,
+                    layer_types=["sliding_attention", "full_attention"]),
+    # LayerNorms with biases, a quarter of each head rotated, qkv biases; parallel if set
+    "stablelm": dict(model_type="stablelm", partial_rotary_factor=0.25, use_qkv_bias=True),
+    "stablelm-parallel": dict(model_type="stablelm", partial_rotary_factor=0.25,
+                              use_parallel_residual=True),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
     "qwen2-moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, shared_expert_intermediate_size=48,

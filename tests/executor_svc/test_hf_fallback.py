@@ -20,9 +20,10 @@ from pagedserve.kernels import get_ops
 from tests.executor_svc.test_model import TINY, assert_paged_equals_hf, run_paged
 
 NO_NATIVE = {
-    # LayerNorm, parallel attention and MLP, logits scaled (logit_scale)
-    "cohere": dict(model_type="cohere", logit_scale=0.5, tie_word_embeddings=False),
-    "stablelm": dict(model_type="stablelm", partial_rotary_factor=0.25),
+    # LayerNorms with biases, biases on every linear, an MLP without a gate
+    "starcoder2": dict(model_type="starcoder2", tie_word_embeddings=False),
+    # LayerNorms, a partial rotation, attention beside a dense MLP, a biased LM head
+    "phi": dict(model_type="phi", partial_rotary_factor=0.5),
     # no GQA (a config without num_key_value_heads), parallel attention and MLP
     "gpt_neox": dict(model_type="gpt_neox", rotary_pct=0.25, num_key_value_heads=None),
     # learned absolute positions, no rotary
@@ -126,8 +127,8 @@ def test_auto_takes_the_fallback_where_the_native_module_lacks_a_switch(config, 
 
 
 def test_native_only_refuses_a_family_without_a_module(tmp_path):
-    saved(NO_NATIVE["cohere"], tmp_path)
-    with pytest.raises(UnsupportedModelError, match="unsupported model_type 'cohere'"):
+    saved(NO_NATIVE["starcoder2"], tmp_path)
+    with pytest.raises(UnsupportedModelError, match="unsupported model_type 'starcoder2'"):
         ModelConfig.from_pretrained(tmp_path, "native")
 
 
@@ -160,8 +161,9 @@ def test_the_fallback_refuses_a_quantized_checkpoint(tmp_path):
     """Block-wise FP8 (which native modules dequantize at load) included."""
     from tests.executor_svc.test_quant_fp8 import write_block_fp8
 
-    write_block_fp8(saved(NO_NATIVE["cohere"], tmp_path), tmp_path, [16, 16])
-    with pytest.raises(QuantizationError, match="cohere runs through the transformers "
+    write_block_fp8(saved({**NO_NATIVE["starcoder2"], "use_bias": False}, tmp_path), tmp_path,
+                    [16, 16])
+    with pytest.raises(QuantizationError, match="starcoder2 runs through the transformers "
                                                 "fallback, which serves unquantized"):
         paged(tmp_path, "auto")
 
@@ -175,7 +177,7 @@ def test_the_executor_says_why_in_one_line_and_exits_78(model, tmp_path):
         saved(REFUSED["mamba"][0], tmp_path)
         reason = "mamba: layers [0, 1] do not attend once each"
     else:
-        saved(NO_NATIVE["cohere"], tmp_path)
+        saved(NO_NATIVE["starcoder2"], tmp_path)
         config = json.loads((tmp_path / "config.json").read_text())
         config["quantization_config"] = {"quant_method": "hqq"}
         (tmp_path / "config.json").write_text(json.dumps(config))
@@ -254,7 +256,7 @@ def test_an_mxfp4_checkpoint_is_served_dequantized(tmp_path):
     with pytest.raises(QuantizationError, match="qwen3: MXFP4 checkpoints are served through "
                                                 "the transformers fallback"):
         paged(tmp_path / "qwen3", "native")
-    saved(NO_NATIVE["cohere"], tmp_path / "float")
+    saved(NO_NATIVE["starcoder2"], tmp_path / "float")
     with pytest.raises(QuantizationError, match="--quantization mxfp4 serves MXFP4"):
         resolve_quantization(tmp_path / "float", "mxfp4")
 
@@ -263,8 +265,8 @@ def test_the_fallback_refuses_tensor_parallelism_as_a_config_error(tmp_path):
     """UnsupportedModelError: the executor ends in one line with exit 78, not a restart."""
     from dataclasses import replace
 
-    saved(NO_NATIVE["cohere"], tmp_path)
+    saved(NO_NATIVE["starcoder2"], tmp_path)
     cfg = replace(ModelConfig.from_pretrained(tmp_path, "auto"), tp_size=2)
-    with pytest.raises(UnsupportedModelError, match="cohere: the transformers fallback runs "
+    with pytest.raises(UnsupportedModelError, match="starcoder2: the transformers fallback runs "
                                                     "on one rank: --tensor-parallel-size 1"):
         build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, tmp_path)

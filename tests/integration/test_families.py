@@ -3,7 +3,7 @@ checkpoint (a tiny seeded random config written by transformers itself, with the
 model's tokenizer): greedy token ids equal HF transformers' `generate` (fp32, CPU) for
 prompts sent one at a time and all at once, longer than the sliding window and than the
 step's token budget (chunked prefill), sharing a prefix (prefix-cache hits), in a KV pool
-too small for them all (preemption). Cohere has no native module: it runs through the
+too small for them all (preemption). StarCoder2 has no native module: it runs through the
 transformers fallback (--model-impl auto)."""
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2, max_position_embeddings=512)
 CONFIGS = {**FAMILIES, **NO_NATIVE}
 # every native family but those the model tests cover alike (llama's are the default model's),
-# and one served by the transformers fallback (cohere: no native module)
+# and one served by the transformers fallback (starcoder2: no native module)
 SERVED = ["qwen3", "olmo2", "phi3", "gemma2", "gemma3", "granite", "smollm3", "glm4",
-          "mixtral", "qwen2-moe", "qwen3-moe", "cohere"]
+          "cohere2", "mixtral", "qwen2-moe", "qwen3-moe", "starcoder2"]
 
 
 def prompts(vocab: int) -> list[list[int]]:
