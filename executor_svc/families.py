@@ -26,8 +26,9 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     olmoe         pre-norm              + RMSNorm of the whole q, k    top-k experts
 
 A vision-language checkpoint whose language model is one of these (Gemma 3 4B and up, Mistral
-Small 3.1, LLaVA) is served text-only: its text_config and its language model's tensors
-(text_config_of, text_weight_name); the vision tower and projector are not loaded.
+Small 3.1, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is served text-only: its text_config and its
+language model's tensors (text_config_of, text_weight_name); the vision tower and projector
+are not loaded.
 """
 
 from __future__ import annotations
@@ -38,20 +39,24 @@ from typing import Any
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
-             "qwen2_moe", "qwen3_moe", "olmoe")
+             "qwen2_moe", "qwen3_moe", "olmoe", "qwen2_vl_text", "qwen2_5_vl_text",
+             "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
 ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
-           "olmo3": "olmo2"}
+           "olmo3": "olmo2",
+           # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models: on text alone their
+           # multimodal RoPE turns every section by the same position, as plain RoPE does
+           "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 _BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "cohere", "cohere2")
 
 
 # vision-language wrappers (HF model_type) of a supported language model
-MULTIMODAL = ("gemma3", "mistral3", "llava")
+MULTIMODAL = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 # their tensors outside the language model: not loaded
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "vision_model.")
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "vision_model.", "visual.")
 
 
 class UnsupportedModelError(ValueError):

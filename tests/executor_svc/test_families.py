@@ -216,6 +216,16 @@ def vision_language_checkpoint(kind: str, tmp_path):
         vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
                       num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
         extra = dict(image_token_index=255)
+    elif kind.startswith("qwen"):  # multimodal RoPE sections, which text turns alike
+        text.update(model_type=f"{kind}_text", head_dim=16, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]})
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=64, spatial_merge_size=2, temporal_patch_size=2)
+        vision.update(dict(patch_size=14, fullatt_block_indexes=[0], window_size=56)
+                      if kind == "qwen2_5_vl" else
+                      dict(patch_size=16, deepstack_visual_indexes=[0],
+                           num_position_embeddings=16))
+        extra = dict(image_token_id=255, video_token_id=254, vision_start_token_id=253)
     else:  # mistral3: tied by the wrapper's flag, or (untied) with a head of its own
         text.update(model_type="mistral", tie_word_embeddings=False)
         vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
@@ -230,10 +240,12 @@ def vision_language_checkpoint(kind: str, tmp_path):
     return hf
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "mistral3-untied", "llava"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "mistral3-untied", "llava",
+                                  "qwen2_5_vl", "qwen3_vl"])
 def test_a_vision_language_checkpoint_serves_its_language_model(kind, tmp_path):
-    """Gemma 3 4B+ and Mistral Small 3.1 ship as vision-language models: their language model
-    runs natively, text-only, with HF's logits on text; the vision tower is not loaded."""
+    """Gemma 3 4B+, Mistral Small 3.1 and Qwen's VL models ship as vision-language models:
+    their language model runs natively, text-only, with HF's logits on text; the vision tower
+    is not loaded."""
     hf = vision_language_checkpoint(kind, tmp_path)
     cfg = ModelConfig.from_pretrained(tmp_path)
     assert cfg.multimodal == kind.removesuffix("-untied") and cfg.impl == "native"
