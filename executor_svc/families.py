@@ -120,18 +120,21 @@ def family_fields(c: Any) -> dict[str, Any]:
                if isinstance(v, dict)} | {float(getattr(c, "partial_rotary_factor", 1.0))}
     factor = min(factors)
     if getattr(c, "mlp_bias", False):
-        raise UnsupportedModelError(f"{mt}: MLP biases (mlp_bias) are not supported")
+        raise UnsupportedModelError(f"{c.model_type}: MLP biases (mlp_bias) are not "
+                                    "supported")
     if getattr(c, "clip_qkv", None) is not None:
-        raise UnsupportedModelError(f"{mt}: clipped q, k and v (clip_qkv) are not supported")
+        raise UnsupportedModelError(f"{c.model_type}: clipped q, k and v (clip_qkv) are not "
+                                    "supported")
     gemma, granite = mt in ("gemma", "gemma2", "gemma3_text"), mt == "granite"
     cohere = mt in ("cohere", "cohere2")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rotary_dim = int(head_dim * factor)  # as HF's rope_init_fn sizes it
     if factor != 1.0 and (mt not in ("phi3", "glm", "glm4", "stablelm") or rotary_dim % 2
                           or (head_dim - rotary_dim) % 2):
-        raise UnsupportedModelError(f"{mt}: partial rotary embeddings (partial_rotary_factor "
-                                    f"{factor:g}) are not supported natively (phi3's and "
-                                    f"glm's are, of an even share of an even head)")
+        raise UnsupportedModelError(f"{c.model_type}: partial rotary embeddings "
+                                    f"(partial_rotary_factor {factor:g}) are not supported "
+                                    f"natively (phi3's, stablelm's and glm's are, of an even "
+                                    f"share of an even head)")
     fields: dict[str, Any] = {
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
                     "exaone4": "head", "olmo2": "full", "olmoe": "full"}.get(mt, ""),
