@@ -17,8 +17,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 SHAPE = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
              max_position_embeddings=2048)
-HEAD_DIMS = {"gemma2": 256, "gemma3": 256, "phi3": 96, "phi3-longrope": 96, "qwen3": 128,
-             "qwen3-moe": 128}
+HEAD_DIMS = {"gemma": 256, "gemma2": 256, "gemma3": 256, "phi3": 96, "phi3-longrope": 96,
+             "phi3-partial": 128, "qwen3": 128, "qwen3-moe": 128, "glm": 128, "glm4": 128,
+             "helium": 128, "ernie4_5": 128, "seed_oss": 128, "exaone4": 128}
 WINDOWS = {"phi3": 100, "mistral-window": 100, "gemma2": 100, "gemma3": 100}
 
 
@@ -28,17 +29,19 @@ def family_config(name: str) -> dict:
         d["head_dim"] = HEAD_DIMS[name]
         if d["model_type"] == "phi3":  # Phi-3 derives the head size from hidden / heads
             d.pop("head_dim")
-            d["hidden_size"] = 8 * 96
-        if "longrope" in name:
-            d["rope_parameters"] = {**d["rope_parameters"],
-                                    "long_factor": [1.0 + i / 40 for i in range(48)],
-                                    "short_factor": [1.0 + i / 80 for i in range(48)],
+            d["hidden_size"] = 8 * HEAD_DIMS[name]
+        rope = d.get("rope_parameters") or {}
+        if "long_factor" in rope:  # one factor a rotated pair
+            n = int(HEAD_DIMS[name] * rope.get("partial_rotary_factor", 1.0)) // 2
+            d["rope_parameters"] = {**rope,
+                                    "long_factor": [1.0 + i / 40 for i in range(n)],
+                                    "short_factor": [1.0 + i / 80 for i in range(n)],
                                     "original_max_position_embeddings": 1024}
     if name in WINDOWS:
         d["sliding_window"] = WINDOWS[name]
-    if "layer_types" in d:  # the test config's pattern, repeated over the layers
-        d["layer_types"] = [d["layer_types"][i % len(d["layer_types"])]
-                            for i in range(d["num_hidden_layers"])]
+    for key in ("layer_types", "no_rope_layers"):  # the test config's pattern, repeated
+        if key in d:
+            d[key] = [d[key][i % len(d[key])] for i in range(d["num_hidden_layers"])]
     for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
         if key in d:
             d[key] = 512
