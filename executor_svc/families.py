@@ -24,6 +24,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     qwen2_moe     pre-norm              qkv bias                       top-k experts + gated shared
     qwen3_moe     pre-norm              q/k norm per head              top-k experts (normalized)
     olmoe         pre-norm              + RMSNorm of the whole q, k    top-k experts
+    glm4_moe      pre-norm              half rotary, qkv bias, q/k     sigmoid-routed experts in
+                                        norm per head when set         groups + shared expert
 
 A vision-language checkpoint whose language model is one of these (Gemma 3 4B and up, Mistral
 Small 3.1, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is served text-only: its text_config and its
@@ -39,7 +41,7 @@ from typing import Any
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
-             "qwen2_moe", "qwen3_moe", "olmoe", "qwen2_vl_text", "qwen2_5_vl_text",
+             "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "qwen2_vl_text", "qwen2_5_vl_text",
              "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
@@ -89,8 +91,12 @@ def text_weight_name(name: str) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Moe:
-    """A mixture-of-experts MLP: softmax router, top_k of num_experts, each a SwiGLU of width
-    intermediate_size; Qwen2-MoE adds an always-on shared expert scaled by sigmoid(gate(x))."""
+    """A mixture-of-experts MLP: a router picks top_k of num_experts, each a SwiGLU of width
+    intermediate_size; Qwen2-MoE adds an always-on shared expert scaled by sigmoid(gate(x)),
+    GLM-4.5 one unscaled. The router is a softmax, or (scoring "sigmoid", DeepSeek-V3's as
+    GLM-4.5 has it) sigmoid scores plus a per-expert correction bias choosing the experts
+    within the topk_group best of n_group groups, weighted by the plain scores times
+    routed_scaling."""
 
     num_experts: int
     top_k: int
@@ -98,6 +104,11 @@ class Moe:
     renormalize: bool  # top-k weights rescaled to sum 1 (Mixtral, Qwen3-MoE's norm_topk_prob)
     shared_intermediate_size: int = 0  # 0: no shared expert
     sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP (False)
+    shared_gated: bool = True  # the shared expert scaled by sigmoid(shared_expert_gate(x))
+    scoring: str = "softmax"  # or "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
 
 
 def family_fields(c: Any) -> dict[str, Any]:
@@ -109,7 +120,7 @@ def family_fields(c: Any) -> dict[str, Any]:
     interleaved = c.model_type in _INTERLEAVED
     mt = ALIASES.get(c.model_type, c.model_type)
     for switch in ("use_qk_norm", "qk_layernorm"):  # Cohere's, StableLM's per-head LayerNorm
-        if getattr(c, switch, False):
+        if getattr(c, switch, False) and c.model_type in ("cohere", "stablelm"):
             raise UnsupportedModelError(f"{c.model_type}: LayerNorms of q and k ({switch}) "
                                         "are not supported")
     if getattr(c, "use_bias", False):  # ERNIE 4.5: every linear
@@ -129,7 +140,8 @@ def family_fields(c: Any) -> dict[str, Any]:
     cohere = mt in ("cohere", "cohere2")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rotary_dim = int(head_dim * factor)  # as HF's rope_init_fn sizes it
-    if factor != 1.0 and (mt not in ("phi3", "glm", "glm4", "stablelm") or rotary_dim % 2
+    if factor != 1.0 and (mt not in ("phi3", "glm", "glm4", "glm4_moe", "stablelm")
+                          or rotary_dim % 2
                           or (head_dim - rotary_dim) % 2):
         raise UnsupportedModelError(f"{c.model_type}: partial rotary embeddings "
                                     f"(partial_rotary_factor {factor:g}) are not supported "
@@ -137,7 +149,8 @@ def family_fields(c: Any) -> dict[str, Any]:
                                     f"share of an even head)")
     fields: dict[str, Any] = {
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
-                    "exaone4": "head", "olmo2": "full", "olmoe": "full"}.get(mt, ""),
+                    "exaone4": "head", "olmo2": "full", "olmoe": "full",
+                    "glm4_moe": "head" if getattr(c, "use_qk_norm", False) else ""}.get(mt, ""),
         "norm_style": "sandwich" if gemma and mt != "gemma" or mt == "glm4"
         else "post" if mt in ("olmo2", "exaone4")
         else "parallel" if cohere or getattr(c, "use_parallel_residual", False) else "pre",
@@ -206,6 +219,12 @@ def _moe(c: Any) -> Moe | None:
     if mt == "olmoe":
         return Moe(c.num_experts, c.num_experts_per_tok, c.intermediate_size,
                    bool(c.norm_topk_prob), sparse_layers=(True,) * c.num_hidden_layers)
+    if mt == "glm4_moe":
+        return Moe(c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                   bool(c.norm_topk_prob), c.moe_intermediate_size * c.n_shared_experts,
+                   tuple(i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)),
+                   shared_gated=False, scoring="sigmoid", n_group=c.n_group,
+                   topk_group=c.topk_group, routed_scaling=float(c.routed_scaling_factor))
     if mt not in ("qwen2_moe", "qwen3_moe"):
         return None
     skip = set(getattr(c, "mlp_only_layers", None) or ())

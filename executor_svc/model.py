@@ -214,7 +214,8 @@ class CausalLM(nn.Module):
             weights = ((n, t) for name, t in weights
                        if (n := text_weight_name(name)) is not None)
         for name, tensor in _unfused(weights, cfg):
-            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.") \
+                .replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # GLM-4.5's
             if "rotary_emb" in name or self._load_kv_scale(name, tensor):
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:

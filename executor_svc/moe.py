@@ -50,9 +50,35 @@ class SparseMoe(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:
             self.shared_expert = MLP(cfg, ops, quant, width=moe.shared_intermediate_size)
-            self.shared_expert_gate = Linear(h, 1, bias=False)
-        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+            if moe.shared_gated:
+                self.shared_expert_gate = Linear(h, 1, bias=False)
+        if moe.scoring == "sigmoid":  # the router in float32, as HF keeps it
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(e),
+                                                             requires_grad=False)
+            self.gate.fixed_dtypes = ("weight", "e_score_correction_bias")
+        self.top_k, self.renormalize, self.moe = moe.top_k, moe.renormalize, moe
         self.ops, self.cfg = ops, cfg
+
+    def grouped_sigmoid_route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) of DeepSeek-V3's router as GLM-4.5
+        has it: sigmoid scores; the experts chosen by score + correction bias within the
+        topk_group groups whose two best sum highest; weighted by the plain scores,
+        renormalized where the model does, times routed_scaling."""
+        moe, gate = self.moe, self.gate
+        scores = torch.nn.functional.linear(x.float(), gate.weight.float()).sigmoid()
+        choice = scores + gate.e_score_correction_bias.float()
+        if moe.n_group > 1:
+            grouped = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group)
+            best = grouped.topk(2, dim=-1)[0].sum(-1)  # [T, groups]
+            keep = torch.zeros_like(best).scatter_(
+                1, best.topk(moe.topk_group, dim=-1, sorted=False)[1], 1.0)
+            choice = choice.masked_fill(
+                keep[:, :, None].expand_as(grouped).reshape_as(choice) == 0, float("-inf"))
+        ids = choice.topk(moe.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if moe.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return (weights * moe.routed_scaling).to(x.dtype), ids
 
     def place(self, which: str, expert: int, rows: tuple[int, int] | None,
               weight: torch.Tensor) -> None:
@@ -82,12 +108,17 @@ class SparseMoe(nn.Module):
                 self.place(which, e, None, f.normal_(0.0, 0.02, generator=gen))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        logits = self.gate(x)
         # HF combines the experts with the weights in the activations' dtype: the router
         # stores them so (a cast launch a layer less)
         scales = {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale} if self.fp8 else {}
-        y = self.ops.routed_moe(x, logits, self.top_k, self.renormalize, self.w13, self.w2,
-                                **scales)
+        if self.moe.scoring == "sigmoid":
+            weights, ids = self.grouped_sigmoid_route(x)
+            y = self.ops.fused_moe(x, self.w13, self.w2, weights, ids, **scales)
+        else:
+            y = self.ops.routed_moe(x, self.gate(x), self.top_k, self.renormalize, self.w13,
+                                    self.w2, **scales)
         if self.shared_expert is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
+            shared = self.shared_expert(x, reduce=False)
+            y = y + (shared if self.shared_expert_gate is None
+                     else torch.sigmoid(self.shared_expert_gate(x)) * shared)
         return tp.all_reduce(y, self.cfg)

@@ -72,15 +72,21 @@ FAMILIES = {
                       moe_intermediate_size=32, norm_topk_prob=True, head_dim=16),
     "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2,
                   intermediate_size=32),
+    # sigmoid scores with a correction bias, experts in 2 groups of which the best 1,
+    # renormalized and scaled; an unscaled shared expert; a dense first layer; half rotary
+    "glm4-moe": dict(model_type="glm4_moe", n_routed_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                     n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                     use_qk_norm=True, attention_bias=True, pad_token_id=0),
 }
 
 
 def perturb_norms(model) -> None:
-    """Norms initialise to 1 (or 0 for (1 + w)) and biases to 0: move them, so that they
-    count."""
+    """Norms initialise to 1 (or 0 for (1 + w)) and biases to 0 (a sigmoid router's
+    correction bias too): move them, so that they count."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if "norm" in name or name.endswith((".bias", "e_score_correction_bias")):
                 p.add_(0.1 * torch.randn_like(p))
 
 

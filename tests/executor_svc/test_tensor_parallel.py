@@ -46,6 +46,11 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
                          **TINY),
     # interleaved pairs of half of each head, qkv biases, four norms a layer
     "glm4": dict(model_type="glm4", pad_token_id=0, **{**TINY, "head_dim": 16}),
+    # a sigmoid router over grouped experts (whole on each rank), an unscaled shared expert
+    "glm4-moe": dict(model_type="glm4_moe", n_routed_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                     n_group=2, topk_group=1, routed_scaling_factor=2.5, use_qk_norm=True,
+                     pad_token_id=0, **TINY),
 }
 
 
