@@ -26,6 +26,7 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     olmoe         pre-norm              + RMSNorm of the whole q, k    top-k experts
     glm4_moe      pre-norm              half rotary, qkv bias, q/k     sigmoid-routed experts in
                                         norm per head when set         groups + shared expert
+    dots1         pre-norm              q/k norm per head              as glm4_moe's
 
 A vision-language checkpoint whose language model is one of these (Gemma 3 4B and up, Mistral
 Small 3.1, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is served text-only: its text_config and its
@@ -41,8 +42,8 @@ from typing import Any
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
-             "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "qwen2_vl_text", "qwen2_5_vl_text",
-             "qwen3_vl_text")
+             "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "qwen2_vl_text",
+             "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
 ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
@@ -149,7 +150,7 @@ def family_fields(c: Any) -> dict[str, Any]:
                                     f"share of an even head)")
     fields: dict[str, Any] = {
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
-                    "exaone4": "head", "olmo2": "full", "olmoe": "full",
+                    "exaone4": "head", "dots1": "head", "olmo2": "full", "olmoe": "full",
                     "glm4_moe": "head" if getattr(c, "use_qk_norm", False) else ""}.get(mt, ""),
         "norm_style": "sandwich" if gemma and mt != "gemma" or mt == "glm4"
         else "post" if mt in ("olmo2", "exaone4")
@@ -219,7 +220,7 @@ def _moe(c: Any) -> Moe | None:
     if mt == "olmoe":
         return Moe(c.num_experts, c.num_experts_per_tok, c.intermediate_size,
                    bool(c.norm_topk_prob), sparse_layers=(True,) * c.num_hidden_layers)
-    if mt == "glm4_moe":
+    if mt in ("glm4_moe", "dots1"):
         return Moe(c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
                    bool(c.norm_topk_prob), c.moe_intermediate_size * c.n_shared_experts,
                    tuple(i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)),
