@@ -1,8 +1,10 @@
-"""The mixture-of-experts MLP: a softmax router picks top_k experts per token, the fused-MoE
-op runs them (kernels: routed_moe, that is moe_route then fused_moe), Qwen2-MoE adds a gated
-shared expert.
+"""The mixture-of-experts MLP: a router picks top_k experts per token, the fused-MoE op runs
+them (kernels: routed_moe, that is moe_route then fused_moe, for a softmax router; GLM-4.5's
+grouped sigmoid router in torch, then fused_moe), Qwen2-MoE adds a gated shared expert,
+GLM-4.5 an ungated one.
 
-    gate               [E, hidden]          the router (replicated on every rank)
+    gate               [E, hidden]          the router (replicated on every rank); a sigmoid
+                                            router's in float32 with e_score_correction_bias [E]
     w13                [E, 2 * I, hidden]   each expert's gate rows then up rows
     w2                 [E, hidden, I]       each expert's down projection
     shared_expert      a dense MLP          Qwen2-MoE: out += sigmoid(shared_expert_gate(x)) * it
