@@ -27,6 +27,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     glm4_moe      pre-norm              half rotary, qkv bias, q/k     sigmoid-routed experts in
                                         norm per head when set         groups + shared expert
     dots1         pre-norm              q/k norm per head              as glm4_moe's
+    ernie4_5_moe  pre-norm              RoPE in (2i, 2i + 1) pairs     softmax-routed experts with
+                                                                       a choice bias + shared
 
 A vision-language checkpoint whose language model is one of these (Gemma 3 4B and up, Mistral
 Small 3.1, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is served text-only: its text_config and its
@@ -42,7 +44,8 @@ from typing import Any
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
-             "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "qwen2_vl_text",
+             "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
+             "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
@@ -53,7 +56,7 @@ ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_o
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 _BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
-_INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "cohere", "cohere2")
+_INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 
 
 # vision-language wrappers (HF model_type) of a supported language model
@@ -106,10 +109,13 @@ class Moe:
     shared_intermediate_size: int = 0  # 0: no shared expert
     sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP (False)
     shared_gated: bool = True  # the shared expert scaled by sigmoid(shared_expert_gate(x))
-    scoring: str = "softmax"  # or "sigmoid"
+    scoring: str = "softmax"  # or "sigmoid", "softmax_bias" (ERNIE 4.5's: softmax scores
+    # chosen with a correction bias)
     n_group: int = 1
     topk_group: int = 1
     routed_scaling: float = 1.0
+    norm_min: float = 0.0  # renormalized weights divide by max(sum, norm_min) (ERNIE), else
+    # by sum + 1e-20
 
 
 def family_fields(c: Any) -> dict[str, Any]:
@@ -220,6 +226,13 @@ def _moe(c: Any) -> Moe | None:
     if mt == "olmoe":
         return Moe(c.num_experts, c.num_experts_per_tok, c.intermediate_size,
                    bool(c.norm_topk_prob), sparse_layers=(True,) * c.num_hidden_layers)
+    if mt == "ernie4_5_moe":
+        start, end, every = c.moe_layer_start_index, c.moe_layer_end_index, c.moe_layer_interval
+        return Moe(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, True,
+                   c.moe_intermediate_size * c.moe_num_shared_experts,
+                   tuple((i + 1) % every == 0 and start <= i <= end
+                         for i in range(c.num_hidden_layers)),
+                   shared_gated=False, scoring="softmax_bias", norm_min=float(c.moe_norm_min))
     if mt in ("glm4_moe", "dots1"):
         return Moe(c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
                    bool(c.norm_topk_prob), c.moe_intermediate_size * c.n_shared_experts,

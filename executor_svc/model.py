@@ -215,7 +215,10 @@ class CausalLM(nn.Module):
                        if (n := text_weight_name(name)) is not None)
         for name, tensor in _unfused(weights, cfg):
             name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.") \
-                .replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # GLM-4.5's
+                .replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # GLM-4.5's, ERNIE's
+            if name.endswith(".mlp.moe_statics.e_score_correction_bias"):  # ERNIE's [1, E]
+                name = name.replace(".moe_statics.", ".gate.")
+                tensor = tensor.reshape(-1)
             if "rotary_emb" in name or self._load_kv_scale(name, tensor):
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -1,9 +1,9 @@
 """The mixture-of-experts MLP: a router picks top_k experts per token, the fused-MoE op runs
 them (kernels: routed_moe, that is moe_route then fused_moe, for a softmax router; GLM-4.5's
-grouped sigmoid router in torch, then fused_moe), Qwen2-MoE adds a gated shared expert,
-GLM-4.5 an ungated one.
+grouped sigmoid router and ERNIE 4.5's biased softmax in torch, then fused_moe), Qwen2-MoE
+adds a gated shared expert, GLM-4.5 and ERNIE 4.5 ungated ones.
 
-    gate               [E, hidden]          the router (replicated on every rank); a sigmoid
+    gate               [E, hidden]          the router (replicated on every rank); a biased
                                             router's in float32 with e_score_correction_bias [E]
     w13                [E, 2 * I, hidden]   each expert's gate rows then up rows
     w2                 [E, hidden, I]       each expert's down projection
@@ -54,20 +54,22 @@ class SparseMoe(nn.Module):
             self.shared_expert = MLP(cfg, ops, quant, width=moe.shared_intermediate_size)
             if moe.shared_gated:
                 self.shared_expert_gate = Linear(h, 1, bias=False)
-        if moe.scoring == "sigmoid":  # the router in float32, as HF keeps it
+        if moe.scoring != "softmax":  # a biased router, in float32 as HF keeps it
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(e),
                                                              requires_grad=False)
             self.gate.fixed_dtypes = ("weight", "e_score_correction_bias")
         self.top_k, self.renormalize, self.moe = moe.top_k, moe.renormalize, moe
         self.ops, self.cfg = ops, cfg
 
-    def grouped_sigmoid_route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, expert ids [T, k]) of DeepSeek-V3's router as GLM-4.5
-        has it: sigmoid scores; the experts chosen by score + correction bias within the
-        topk_group groups whose two best sum highest; weighted by the plain scores,
+    def biased_route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) of a router that chooses with a
+        correction bias: DeepSeek-V3's as GLM-4.5 has it (sigmoid scores; the experts chosen
+        by score + bias within the topk_group groups whose two best sum highest) or ERNIE
+        4.5's (softmax scores, chosen by score + bias); weighted by the plain scores,
         renormalized where the model does, times routed_scaling."""
         moe, gate = self.moe, self.gate
-        scores = torch.nn.functional.linear(x.float(), gate.weight.float()).sigmoid()
+        logits = torch.nn.functional.linear(x.float(), gate.weight.float())
+        scores = logits.sigmoid() if moe.scoring == "sigmoid" else logits.softmax(-1)
         choice = scores + gate.e_score_correction_bias.float()
         if moe.n_group > 1:
             grouped = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group)
@@ -79,7 +81,8 @@ class SparseMoe(nn.Module):
         ids = choice.topk(moe.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
         if moe.renormalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            total = weights.sum(-1, keepdim=True)
+            weights = weights / (total.clamp(min=moe.norm_min) if moe.norm_min else total + 1e-20)
         return (weights * moe.routed_scaling).to(x.dtype), ids
 
     def place(self, which: str, expert: int, rows: tuple[int, int] | None,
@@ -113,8 +116,8 @@ class SparseMoe(nn.Module):
         # HF combines the experts with the weights in the activations' dtype: the router
         # stores them so (a cast launch a layer less)
         scales = {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale} if self.fp8 else {}
-        if self.moe.scoring == "sigmoid":
-            weights, ids = self.grouped_sigmoid_route(x)
+        if self.moe.scoring != "softmax":
+            weights, ids = self.biased_route(x)
             y = self.ops.fused_moe(x, self.w13, self.w2, weights, ids, **scales)
         else:
             y = self.ops.routed_moe(x, self.gate(x), self.top_k, self.renormalize, self.w13,

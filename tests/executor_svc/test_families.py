@@ -78,6 +78,12 @@ FAMILIES = {
                      moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                      n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                      use_qk_norm=True, attention_bias=True, pad_token_id=0),
+    # softmax scores chosen with a correction bias, renormalized; shared experts; dense
+    # layers before moe_layer_start_index; RoPE in (2i, 2i + 1) pairs
+    "ernie4_5_moe": dict(model_type="ernie4_5_moe", num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=32, moe_num_shared_experts=1,
+                         moe_layer_start_index=1, moe_layer_end_index=1, moe_layer_interval=1,
+                         head_dim=16, pad_token_id=0),
     # Qwen3's attention, DeepSeek-V3's experts (the router as GLM-4.5's)
     "dots1": dict(model_type="dots1", n_routed_experts=8, num_experts_per_tok=2,
                   moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
