@@ -31,6 +31,22 @@ from pagedserve.kernels import get_ops
 from pagedserve.kernels.w4a16_reference import dequantize
 
 OPS = get_ops("torch")
+SEQ = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def served_logits(path, quant=None, chunks=((12,),)) -> torch.Tensor:
+    """SEQ's last logits from our model of the checkpoint in `path`, in `chunks` (fp32, CPU)."""
+    from tests.executor_svc.test_model import run_paged
+
+    cfg = ModelConfig.from_pretrained(path)
+    model = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, path, quant=quant)
+    return run_paged(model, cfg, [SEQ], list(chunks))[0][-1]
+
+
+def hf_logits(hf) -> torch.Tensor:
+    """SEQ's last logits from the HF model `hf`."""
+    with torch.no_grad():
+        return hf(torch.tensor([SEQ])).logits[0, -1]
 
 
 def autoawq_pack(intweight):  # AutoAWQ WQLinear_GEMM.from_linear, intweight [in, out]
@@ -121,15 +137,7 @@ def test_checkpoint_loads_fused_and_matches_dequantized_hf(tmp_path, method, gro
     quant = resolve_quantization(qdir)
     assert quant.method == ("awq" if method == "awq" else "gptq")
     assert quant.act_order == (act_order and method == "gptq")
-    cfg = ModelConfig.from_pretrained(qdir)
-    ours = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, qdir, quant=quant)
-    from tests.executor_svc.test_model import run_paged
-
-    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = run_paged(ours, cfg, [seq], [(12,)])[0][-1]
-    with torch.no_grad():
-        ref = hf(torch.tensor([seq])).logits[0, -1]
-    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(served_logits(qdir, quant), hf_logits(hf), rtol=1e-4, atol=1e-4)
 
 
 def _write_config(tmp_path, qc):
@@ -278,13 +286,11 @@ def compressed_int(tmp_path, bits: int, strategy: str, sym: bool, group: int = 3
     return tmp_path
 
 
-def _hf_dequantized_logits(qdir, seq):
+def _hf_dequantized_logits(qdir):
     from transformers import CompressedTensorsConfig
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        qdir, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
-    with torch.no_grad():
-        return hf(torch.tensor([seq])).logits[0, -1]
+    return hf_logits(AutoModelForCausalLM.from_pretrained(
+        qdir, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)))
 
 
 @pytest.mark.parametrize("bits,strategy,sym,fmt,a8", [
@@ -298,15 +304,11 @@ def test_compressed_tensors_ints_are_served_dequantized(tmp_path, bits, strategy
     """What the 4-bit kernels do not take is dequantized at load: logits equal HF's own load
     of the checkpoint, dequantized by compressed-tensors; --quantization fp8 quantizes the
     values again per output channel."""
-    from tests.executor_svc.test_model import run_paged
-
     qdir = compressed_int(tmp_path, bits, strategy, sym, fmt=fmt, int8_activations=a8)
     assert resolve_quantization(qdir) is None
+    torch.testing.assert_close(served_logits(qdir), _hf_dequantized_logits(qdir), rtol=1e-4,
+                               atol=1e-4)
     cfg = ModelConfig.from_pretrained(qdir)
-    ours = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, qdir)
-    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = run_paged(ours, cfg, [seq], [(12,)])[0][-1]
-    torch.testing.assert_close(logits, _hf_dequantized_logits(qdir, seq), rtol=1e-4, atol=1e-4)
     fp8 = resolve_quantization(qdir, "fp8")
     assert (fp8.method, fp8.fp8_serialized) == ("fp8", False)
     model = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, qdir, quant=fp8)
@@ -325,13 +327,8 @@ def test_compressed_tensors_int4_matches_its_dequantized_hf(tmp_path, sym):
     assert (quant.method, quant.group_size, quant.sym, quant.packing) == (
         "gptq", 32, sym, "pack-quantized")
     assert resolve_quantization(qdir, "gptq") == quant
-    cfg = ModelConfig.from_pretrained(qdir)
-    ours = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, qdir, quant=quant)
-    from tests.executor_svc.test_model import run_paged
-
-    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = run_paged(ours, cfg, [seq], [(12,)])[0][-1]
-    torch.testing.assert_close(logits, _hf_dequantized_logits(qdir, seq), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(served_logits(qdir, quant), _hf_dequantized_logits(qdir),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_compressed_tensors_int4_with_group_activation_order():
@@ -516,7 +513,6 @@ def autogptq_pack(intweight: torch.Tensor, zeros: torch.Tensor, bits: int):
 def test_gptq_the_kernels_do_not_take_is_served_dequantized(tmp_path, bits, group):
     """GPTQ 8-bit (Qwen's GPTQ-Int8 releases), per-channel (-1) and 2-bit checkpoints, packed
     as AutoGPTQ packs them: logits equal HF holding the values they hold."""
-    from tests.executor_svc.test_model import run_paged
 
     torch.manual_seed(0)
     d = dict(TINY)
@@ -551,13 +547,7 @@ def test_gptq_the_kernels_do_not_take_is_served_dequantized(tmp_path, bits, grou
                                      "checkpoint_format": "gptq"}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert resolve_quantization(tmp_path) is None
-    cfg = ModelConfig.from_pretrained(tmp_path)
-    ours = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, tmp_path)
-    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = run_paged(ours, cfg, [seq], [(12,)])[0][-1]
-    with torch.no_grad():
-        ref = hf(torch.tensor([seq])).logits[0, -1]
-    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(served_logits(tmp_path), hf_logits(hf), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "nf4-double", "fp4", "int8"])
@@ -568,7 +558,6 @@ def test_bitsandbytes_checkpoints_are_served_dequantized(tmp_path, kind):
     bnb = pytest.importorskip("bitsandbytes")
     from transformers import BitsAndBytesConfig
 
-    from tests.executor_svc.test_model import run_paged
 
     torch.manual_seed(0)
     d = dict(TINY)
@@ -592,19 +581,12 @@ def test_bitsandbytes_checkpoints_are_served_dequantized(tmp_path, kind):
                 hf.get_submodule(name).weight.copy_(bnb.functional.int8_vectorwise_dequant(
                     w.data, w.SCB))
     assert resolve_quantization(qdir) is None
-    cfg = ModelConfig.from_pretrained(qdir)
-    ours = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, qdir)
-    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = run_paged(ours, cfg, [seq], [(12,)])[0][-1]
-    with torch.no_grad():
-        ref = hf(torch.tensor([seq])).logits[0, -1]
-    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(served_logits(qdir), hf_logits(hf), rtol=1e-4, atol=1e-4)
 
 
 def test_a_fused_4bit_qkv_with_partial_rotary_embeddings(tmp_path):
     """Phi-4-mini's shape in GPTQ: the fused qkv_proj's q and k columns are each permuted
     for the partial rotation, its v columns not; logits equal HF holding the values."""
-    from tests.executor_svc.test_model import run_paged
 
     torch.manual_seed(0)
     d = {**TINY, "model_type": "phi3", "partial_rotary_factor": 0.75, "pad_token_id": 0}
@@ -626,12 +608,7 @@ def test_a_fused_4bit_qkv_with_partial_rotary_embeddings(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = quantization_config(QuantizeOptions("rtn", 32))
     (tmp_path / "config.json").write_text(json.dumps(config))
-    quant = resolve_quantization(tmp_path)
     cfg = ModelConfig.from_pretrained(tmp_path)
     assert (cfg.rotary_dim, cfg.head_dim) == (12, 16)
-    ours = build_model(cfg, OPS, torch.float32, torch.device("cpu"), 128, tmp_path, quant=quant)
-    seq = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = run_paged(ours, cfg, [seq], [(8,), (4,)])[0][-1]
-    with torch.no_grad():
-        ref = hf(torch.tensor([seq])).logits[0, -1]
-    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    logits = served_logits(tmp_path, resolve_quantization(tmp_path), chunks=((8,), (4,)))
+    torch.testing.assert_close(logits, hf_logits(hf), rtol=1e-4, atol=1e-4)
