@@ -87,56 +87,54 @@ def _convert_modules(
 ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """(module, its tensors in the kernels' layout) for each quantized module, ("", {name:
     tensor}) for every other tensor."""
-    if quant.packing == "pack-quantized":
-        yield from _convert_pack_quantized(weights, quant)
-        return
-    needed = _PARTS[quant.method] + (("g_idx",) if quant.method == "gptq" else ())
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights:
-        module, _, part = name.rpartition(".")
-        if part not in needed:
-            yield "", {name: tensor}
-            continue
-        parts = pending.setdefault(module, {})
-        parts[part] = tensor
-        if all(p in parts for p in needed):
-            del pending[module]
-            yield module, _convert(module, parts, quant)
-    for module, parts in pending.items():  # g_idx is optional without act-order
-        if quant.method == "gptq" and not quant.act_order and set(parts) == set(_PARTS["gptq"]):
-            yield module, _convert(module, parts, quant)
-            continue
-        missing = sorted(set(needed) - set(parts))
-        raise QuantizationError(f"{module}: checkpoint lacks {', '.join(missing)}")
-
-
-def _convert_pack_quantized(
-    weights: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig
-) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-    """compressed-tensors' weight_packed/_scale/_shape[/_zero_point][/_g_idx] of a module ->
-    the kernels' tensors; a module's parts may arrive in any order (and any file)."""
-    needed = ("weight_packed", "weight_scale", "weight_shape") \
-        + (() if quant.sym else ("weight_zero_point",)) \
-        + (("weight_g_idx",) if quant.act_order else ())
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights:
-        module, _, part = name.rpartition(".")
-        if part == "weight_zero_point" and quant.sym:  # zero, whatever was saved
-            continue
-        if part not in needed:  # a weight_g_idx without actorder "group": refused at load
-            yield "", {name: tensor}
-            continue
-        parts = pending.setdefault(module, {})
-        parts[part] = tensor
-        if all(p in parts for p in needed):
-            del pending[module]
-            yield module, from_pack_quantized(
+    if quant.packing == "pack-quantized":  # compressed-tensors' names
+        needed = ("weight_packed", "weight_scale", "weight_shape") \
+            + (() if quant.sym else ("weight_zero_point",)) \
+            + (("weight_g_idx",) if quant.act_order else ())
+        # a symmetric zero point is zero, whatever was saved; a weight_g_idx without
+        # actorder "group" passes through, to be refused at load
+        dropped = ("weight_zero_point",) if quant.sym else ()
+        for module, parts, whole in _gathered(weights, needed, dropped):
+            if module and not whole:
+                missing = sorted(set(needed) - set(parts))
+                raise QuantizationError(f"{module}: checkpoint lacks {', '.join(missing)}")
+            yield module, parts if not module else from_pack_quantized(
                 module, parts["weight_packed"], parts["weight_scale"], parts["weight_shape"],
                 parts.get("weight_zero_point"), parts.get("weight_g_idx"), quant.group_size,
                 quant.act_order)
+        return
+    needed = _PARTS[quant.method] + (("g_idx",) if quant.method == "gptq" else ())
+    for module, parts, whole in _gathered(weights, needed):
+        if module and not whole and not (  # g_idx is optional without act-order
+                quant.method == "gptq" and not quant.act_order
+                and set(parts) == set(_PARTS["gptq"])):
+            missing = sorted(set(needed) - set(parts))
+            raise QuantizationError(f"{module}: checkpoint lacks {', '.join(missing)}")
+        yield module, parts if not module else _convert(module, parts, quant)
+
+
+def _gathered(weights: Iterable[tuple[str, torch.Tensor]], needed: tuple[str, ...],
+              dropped: tuple[str, ...] = ()
+              ) -> Iterator[tuple[str, dict[str, torch.Tensor], bool]]:
+    """Each quantized module's parts (`needed`, in any order and any file) as (module,
+    parts, True) once all have come, and as (module, parts, False) at the end for a module
+    still short of some; ("", {name: tensor}, True) for every other tensor; names ending in
+    a `dropped` part are left out."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        module, _, part = name.rpartition(".")
+        if part in dropped:
+            continue
+        if part not in needed:
+            yield "", {name: tensor}, True
+            continue
+        parts = pending.setdefault(module, {})
+        parts[part] = tensor
+        if all(p in parts for p in needed):
+            del pending[module]
+            yield module, parts, True
     for module, parts in pending.items():
-        missing = sorted(set(needed) - set(parts))
-        raise QuantizationError(f"{module}: checkpoint lacks {', '.join(missing) or 'parts'}")
+        yield module, parts, False
 
 
 def _convert(module: str, p: dict[str, torch.Tensor], quant: QuantConfig) -> dict:
