@@ -46,20 +46,13 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def checkpoint_names(path: Path) -> list[str]:
-    """The tensor names of the checkpoint in `path`, no tensor read (safetensors' headers;
-    a .bin memory-mapped)."""
-    names: list[str] = []
-    for f in checkpoint_files(path):
-        if f.suffix == ".bin":
-            names += torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-        else:
-            with safe_open(str(f), framework="pt", device="cpu") as st:
-                names += st.keys()
-    return names
+    """The tensor names of the checkpoint in `path`, no tensor read (checkpoint_shapes)."""
+    return list(checkpoint_shapes(path))
 
 
 def checkpoint_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape by name, no tensor read (as checkpoint_names)."""
+    """Each tensor's shape by name, no tensor read (safetensors' headers; a .bin
+    memory-mapped)."""
     shapes: dict[str, tuple[int, ...]] = {}
     for f in checkpoint_files(path):
         if f.suffix == ".bin":
