@@ -49,24 +49,11 @@ def family_config(name: str) -> dict:
     return d
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_bf16_logits_as_close_to_fp32_as_hf_bf16(tmp_path, name):
-    """Our bf16 logits are as close to HF's fp32 ones as HF's own bf16 are (HF's eager
-    attention: the reference implementation, soft caps included)."""
-    torch.manual_seed(0)
-    d = family_config(name)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d),
-                                          dtype=torch.float32,
-                                          attn_implementation="eager").eval()
-    hf.save_pretrained(tmp_path)
-    hf32 = hf.to("cuda")
-    hf16 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
-                                                attn_implementation="eager").to("cuda").eval()
-    cfg = ModelConfig.from_pretrained(tmp_path)
-    ours = build_model(cfg, get_ops("triton"), torch.bfloat16, torch.device("cuda"), 2048,
-                       tmp_path)
+def assert_bf16_close(ours, cfg, hf32, hf16, vocab: int = 4096) -> None:
+    """Our bf16 logits across chunked prefill and decode are as close to HF's fp32 ones as
+    HF's own bf16 are (HF's eager attention: the reference implementation)."""
     g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (300, 48, 133, 10)]
+    seqs = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (300, 48, 133, 10)]
     chunks = [(100, 45, 64, 7), (150, 1, 66, 1), (49, 1, 2, 1), (1, 1, 1, 1)]
     outs = run_paged(ours, cfg, seqs, chunks, block_size=16, device="cuda",
                      dtype=torch.bfloat16)
@@ -81,6 +68,61 @@ def test_bf16_logits_as_close_to_fp32_as_hf_bf16(tmp_path, name):
             hf_err = (theirs[end - 1] - want).norm() / want.norm()
             assert err < max(1.5 * hf_err, 1e-2), \
                 f"seq {b} pos {end}: relative error {err:.2e}, HF bf16's {hf_err:.2e}"
+
+
+def hf_pair(path):
+    """HF's fp32 and bf16 models of the checkpoint in `path`, eager attention, on CUDA."""
+    return [AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation="eager")
+            .to("cuda").eval() for dt in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_bf16_logits_as_close_to_fp32_as_hf_bf16(tmp_path, name):
+    """Every native family's bf16 logits against HF's (soft caps, windows, routers included)."""
+    torch.manual_seed(0)
+    d = family_config(name)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d),
+                                     dtype=torch.float32).save_pretrained(tmp_path)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    ours = build_model(cfg, get_ops("triton"), torch.bfloat16, torch.device("cuda"), 2048,
+                       tmp_path)
+    assert_bf16_close(ours, cfg, *hf_pair(tmp_path))
+
+
+def test_the_fallback_over_latent_attention_at_head_192(tmp_path):
+    """DeepSeek-V2-Lite's attention shape through the transformers fallback: keys of 128 + 64
+    (head 192, padded to 256 in the Triton kernels), values of 128 padded to 192, HF's own
+    routed and shared experts."""
+    torch.manual_seed(0)
+    d = dict(SHAPE, model_type="deepseek_v2", q_lora_rank=None, kv_lora_rank=256,
+             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8,
+             num_experts_per_tok=2, moe_intermediate_size=256, n_shared_experts=1,
+             first_k_dense_replace=1, num_key_value_heads=8)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d),
+                                     dtype=torch.float32).save_pretrained(tmp_path)
+    cfg = ModelConfig.from_pretrained(tmp_path, "auto")
+    assert cfg.impl == "transformers" and cfg.head_dim == 192
+    ours = build_model(cfg, get_ops("triton"), torch.bfloat16, torch.device("cuda"), 2048,
+                       tmp_path)
+    assert_bf16_close(ours, cfg, *hf_pair(tmp_path))
+
+
+def test_a_4bit_moe_checkpoint_on_the_gpu_kernels(tmp_path):
+    """A GPTQ Qwen2-MoE checkpoint: its experts dequantized into the fused-MoE kernel in
+    bf16 beside the shared expert's and the attention's 4-bit GEMMs."""
+    from pagedserve.executor.quantization import resolve_quantization
+    from tests.executor_svc.test_quant_formats import MOE, hub_4bit_moe
+
+    d = dict(MOE["qwen2_moe"], hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=4096, max_position_embeddings=2048,
+             moe_intermediate_size=256, shared_expert_intermediate_size=512)
+    hf = hub_4bit_moe(d, "gptq", tmp_path)  # holding the values the checkpoint holds
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    ours = build_model(cfg, get_ops("triton"), torch.bfloat16, torch.device("cuda"), 2048,
+                       tmp_path, quant=resolve_quantization(tmp_path))
+    assert {"W4Linear", "SparseMoe"} <= {type(m).__name__ for m in ours.modules()}
+    assert_bf16_close(ours, cfg, *hf_pair(tmp_path / "hf"))
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "gemma2"])
