@@ -24,13 +24,17 @@ fp16 when q is bf16 (exact: every e4m3 value is an fp16 value), and the dots run
 16-bit cache; k_scale folds into the softmax scale and v_scale into the output, so no tile is
 multiplied.
 
-Options (both 0 = off, and compiled out then; same contract as the reference):
+Options (0 or None = off, and compiled out then; same contract as the reference):
 
 - sliding_window W: the query at position i sees keys i - W < j <= i. A block's tile loop
   starts at the first tile any of its rows can see, so tiles wholly before the window are
   never read; only the tiles holding the window's lower edge are masked for it. With context
   splits, the splits share out the visible tiles, not the whole context.
 - logits_soft_cap c: scores become c * tanh(score / c) before the mask and the softmax.
+- sinks ([H] float, gpt-oss): a logit per query head that joins each row's softmax with no
+  value, so the weights sum to less than 1. The online softmax starts from it (m = sink,
+  l = 1) in context split 0 alone, so the merge counts it once. The Hopper kernel takes no
+  sinks: with them the long rows run here.
 - head_dim need not be a power of two (Phi-3's 96, 80): it is padded to the next one, masked.
 """
 
@@ -53,7 +57,7 @@ from pagedserve.kernels._checks import (
     check_out,
     check_tensor,
 )
-from pagedserve.kernels.reference import check_attention_options
+from pagedserve.kernels.reference import check_attention_options, check_sinks
 
 _LOG2E = 1.4426950408889634
 MAX_AUTO_SPLITS = 64  # the most context splits _pick_num_splits (and hopper.num_splits) picks
@@ -149,7 +153,7 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "min_q_len", "stride_bt", "window"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr,
     qk_scale, v_scale, num_seqs, num_heads, num_splits, min_q_len, window, soft_cap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -157,7 +161,7 @@ def _paged_attn_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr, PER_SEQ: tl.constexpr, SPLIT: tl.constexpr, WIDEN_F16: tl.constexpr,
     PAD_D: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -217,6 +221,14 @@ def _paged_attn_kernel(
     v_base = v_cache_ptr + kvh * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        # the sink: a key every row sees, of score sink (natural units of the scaled score,
+        # so no k_scale) and value 0. Only split 0 starts from it, so the merge counts it
+        # once; a row that sees no key in split 0 still leaves a valid partial (m = sink,
+        # l = 1, acc = 0), and the other splits' empty partials weigh 0 as before.
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # log2 domain, as qk_scale
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if HAS_WINDOW:
         # Masked: the window's lower edge [t_lo, t_win) and the causal tail from t_tail, in
@@ -440,6 +452,7 @@ def paged_attention(
     v_scale: float = 1.0,
     sliding_window: int = 0,  # > 0: the query at position i sees keys i - W < j <= i only
     logits_soft_cap: float = 0.0,  # > 0: scores become cap * tanh(score / cap)
+    sinks: torch.Tensor | None = None,  # [H] float: a logit a head in the softmax, no value
 ) -> torch.Tensor:
     """Same contract as kernels.reference.paged_attention.
 
@@ -447,8 +460,11 @@ def paged_attention(
     """
     _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
     check_attention_options(sliding_window, logits_soft_cap)
+    check_sinks(sinks, q)
+    if sinks is not None:  # one pointer type, one compiled variant, whatever the model's dtype
+        sinks = sinks.float().contiguous()
     if _recorded is not None:
-        _recorded.add(Signature.of(q, k_cache, sliding_window, logits_soft_cap))
+        _recorded.add(Signature.of(q, k_cache, sliding_window, logits_soft_cap, sinks))
     num_tokens, num_heads, _ = q.shape
     num_kv_heads = k_cache.shape[2]
     num_seqs = seq_lens.shape[0]
@@ -473,13 +489,13 @@ def paged_attention(
         raise ValueError(f"FP8 KV scales must be > 0, got k_scale {k_scale}, v_scale {v_scale}")
     args = (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out)
     opts = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": int(sliding_window),
-            "logits_soft_cap": float(logits_soft_cap)}
+            "logits_soft_cap": float(logits_soft_cap), "sinks": sinks}
     launch(*args, short, per_seq=True, num_splits=num_splits, **opts)
     short_q = short.block_m // group
     if max_query_len <= short_q:
         return out
-    if hopper.available(q, k_cache) and hopper.chosen(max_query_len, max_seq_len,
-                                                      k_cache.dtype == FP8_KV_DTYPE):
+    if sinks is None and hopper.available(q, k_cache) and hopper.chosen(
+            max_query_len, max_seq_len, k_cache.dtype == FP8_KV_DTYPE):  # (it takes no sinks)
         # TMA + wgmma on sm_90 where it is the faster (from hopper.MIN_KEYS keys)
         _hopper_long(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, out,
                      min_q_len=short_q + 1, max_seq_len=max_seq_len, num_splits=num_long_splits,
@@ -556,13 +572,14 @@ def merge_width(num_splits: int) -> int:
 def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: float,
            out: torch.Tensor, cfg: Config, *, per_seq: bool, num_splits: int = 1,
            min_q_len: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
-           sliding_window: int = 0, logits_soft_cap: float = 0.0) -> None:
+           sliding_window: int = 0, logits_soft_cap: float = 0.0,
+           sinks: torch.Tensor | None = None) -> None:
     """One launch with an explicit config over checked arguments (benchmarks sweep this).
 
     per_seq=True handles only sequences with q_len <= cfg.block_m // group; per_seq=False
     handles only sequences with q_len >= min_q_len. Either may split the context over
-    num_splits programs, merged after. sliding_window and
-    logits_soft_cap as paged_attention's (0: off).
+    num_splits programs, merged after. sliding_window, logits_soft_cap and sinks as
+    paged_attention's (0 or None: off); sinks contiguous float32.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -582,7 +599,7 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: flo
     grid0 = num_seqs if per_seq else num_tokens // block_q + num_seqs
     _paged_attn_kernel[(grid0, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-        out, part_m, part_l, part_acc,
+        out, part_m, part_l, part_acc, out if sinks is None else sinks,
         scale * _LOG2E * k_scale, float(v_scale), num_seqs, num_heads, num_splits, min_q_len,
         int(sliding_window), float(logits_soft_cap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -592,6 +609,7 @@ def launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale: flo
         BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, PER_SEQ=per_seq,
         SPLIT=split, WIDEN_F16=k_cache.dtype == FP8_KV_DTYPE and q.dtype == torch.bfloat16,
         PAD_D=block_d != head_dim, HAS_WINDOW=sliding_window > 0, SOFT_CAP=logits_soft_cap > 0,
+        HAS_SINKS=sinks is not None,
         # float32 (a check mode): exact dots, as torch's float32 matmuls; tf32 would make a
         # verification row's logits differ from a decode row's where two nearly tie
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -628,12 +646,14 @@ class Signature:
     window: bool
     soft_cap: bool
     device: torch.device
+    sinks: bool = False  # (last, with a default: the signatures built before it still build)
 
     @classmethod
     def of(cls, q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int,
-           logits_soft_cap: float) -> Signature:
+           logits_soft_cap: float, sinks: torch.Tensor | None = None) -> Signature:
         return cls(q.dtype, q.shape[1], q.shape[2], k_cache.dtype, k_cache.shape[1],
-                   k_cache.shape[2], sliding_window > 0, logits_soft_cap > 0, q.device)
+                   k_cache.shape[2], sliding_window > 0, logits_soft_cap > 0, q.device,
+                   sinks is not None)
 
 
 _recorded: set[Signature] | None = None
@@ -662,7 +682,8 @@ def warm_up_variants(sig: Signature) -> list[tuple]:
     Which variant a serving step takes depends on its rows, contexts and the device's SMs,
     so a long prompt's first chunks beside running decodes met variants that no warm-up
     forward had, and compiled them there: ~2 s with no stream served, on an H100. Returns
-    the variants launched, as (rows, block_m, num_splits)."""
+    the variants launched, as (rows, block_m, num_splits). With sinks the long rows always
+    take the portable kernel, so the Hopper kernel's are not launched."""
     group = sig.num_heads // sig.num_kv_heads
     keys = 2048  # 16 splits of the Hopper kernel's 128-key tiles: one tile each
     blocks = -(-keys // sig.block_size)
@@ -672,6 +693,8 @@ def warm_up_variants(sig: Signature) -> list[tuple]:
     v_cache = torch.zeros_like(k_cache)
     opts = {"sliding_window": 128 if sig.window else 0,
             "logits_soft_cap": 30.0 if sig.soft_cap else 0.0}
+    if sig.sinks:
+        opts["sinks"] = torch.zeros(sig.num_heads, dtype=torch.float32, device=dev)
     scale = sig.head_dim ** -0.5
 
     def rows(q_len: int) -> tuple:
@@ -701,7 +724,7 @@ def warm_up_variants(sig: Signature) -> list[tuple]:
     block_m = hopper.config_for(sig.head_dim).block_m
     q_len = max(short_q + 1, block_m // group)
     probe = rows(q_len)
-    if hopper.available(probe[0], k_cache):
+    if not sig.sinks and hopper.available(probe[0], k_cache):
         for s in _WARM_SPLITS:
             _hopper_long(*probe, min_q_len=short_q + 1, max_seq_len=keys, num_splits=s,
                          **opts)

@@ -11,11 +11,14 @@ cu_seqlens_q[b]:cu_seqlens_q[b+1]; its context (cached tokens plus the new ones,
 already been written) is seq_lens[b] tokens long, so its j-th new token sits at absolute position
 seq_lens[b] - q_len_b + j and attends causally to keys 0..that position.
 
-paged_attention takes two options of newer model families, the same in the Triton version:
+paged_attention takes three options of newer model families, the same in the Triton version:
 sliding_window W > 0 lets the query at position i see only keys i - W < j <= i (W keys, itself
-included: HF transformers' sliding_window_overlay, Mistral, Gemma 2/3's local layers), and
+included: HF transformers' sliding_window_overlay, Mistral, Gemma 2/3's local layers),
 logits_soft_cap c > 0 replaces each score s = q.k * scale by c * tanh(s / c) before the mask
-and the softmax (Gemma 2's attn_logit_softcapping). 0 turns either off.
+and the softmax (Gemma 2's attn_logit_softcapping); 0 turns either off. sinks ([H] float, one
+logit a query head; None: off) joins the softmax as one more column after the cap and the
+mask and is dropped before V: p_j = exp(s_j) / (exp(sink_h) + sum_i exp(s_i)) (gpt-oss, as
+transformers' eager_attention_forward).
 
 An FP8 cache (float8_e4m3fn) holds saturate(x / scale), one scale for K and one for V; reads
 give stored * scale in float32. Caches of other dtypes ignore the scales.
@@ -72,6 +75,20 @@ def check_attention_options(sliding_window: int, logits_soft_cap: float) -> None
                          f"got {logits_soft_cap!r}")
 
 
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """sinks None or a 1-D float tensor of one logit per query head on q's device, else
+    ValueError. The Triton paged_attention checks its sinks with this too."""
+    if sinks is None:
+        return
+    want = f"a 1-D float tensor of num_heads ({q.shape[1]}) entries on {q.device}"
+    if not isinstance(sinks, torch.Tensor):
+        raise ValueError(f"sinks must be {want} or None, got {type(sinks).__name__}")
+    if (sinks.dim() != 1 or sinks.shape[0] != q.shape[1] or not sinks.is_floating_point()
+            or sinks.device != q.device):
+        raise ValueError(f"sinks must be {want} or None, got shape {tuple(sinks.shape)} "
+                         f"{sinks.dtype} on {sinks.device}")
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [N, BS, Hkv, D]
@@ -87,11 +104,13 @@ def paged_attention(
     v_scale: float = 1.0,
     sliding_window: int = 0,  # > 0: the query at position i sees keys i - W < j <= i only
     logits_soft_cap: float = 0.0,  # > 0: scores become cap * tanh(score / cap)
+    sinks: torch.Tensor | None = None,  # [H] float: a logit a head in the softmax, no value
 ) -> torch.Tensor:  # [T, H, D]
     check_attention_options(sliding_window, logits_soft_cap)
+    check_sinks(sinks, q)
     out = torch.empty_like(q)
     scales = (k_scale, v_scale)
-    opts = (int(sliding_window), float(logits_soft_cap))
+    opts = (int(sliding_window), float(logits_soft_cap), None if sinks is None else sinks.float())
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     decode = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
@@ -117,7 +136,17 @@ def _soft_cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
     return scores if cap == 0 else cap * torch.tanh(scores / cap)
 
 
-def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_scales, window, cap):
+def _softmax(scores: torch.Tensor, sink: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim, with the sink (broadcast to scores[..., :1]) as one more
+    column, dropped after."""
+    if sink is None:
+        return scores.softmax(dim=-1)
+    sink = sink.expand(*scores.shape[:-1], 1)
+    return torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+
+
+def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_scales, window, cap,
+                      sinks):
     # q: [B, H, D]; one query per sequence, at the last position of its context
     bsz, h, d = q.shape
     hkv = k_cache.shape[2]
@@ -138,11 +167,13 @@ def _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_sca
     valid = (pos[None, :] < lens[:, None]) & (pos[None, :] >= lo[:, None])
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     v = v.masked_fill(~valid[:, :, None, None], 0.0)  # stale or NaN slots must not leak in
-    o = torch.einsum("bkgs,bskd->bkgd", scores.softmax(dim=-1), v)
+    sink = None if sinks is None else sinks.reshape(1, hkv, h // hkv, 1)
+    o = torch.einsum("bkgs,bskd->bkgd", _softmax(scores, sink), v)
     return o.reshape(bsz, h, d).to(q.dtype)
 
 
-def _sequence_attention(q, k_cache, v_cache, block_table, ctx, scale, kv_scales, window, cap):
+def _sequence_attention(q, k_cache, v_cache, block_table, ctx, scale, kv_scales, window, cap,
+                        sinks):
     # q: [q_len, H, D], the last q_len positions of a ctx-token context, causal
     q_len, h, _ = q.shape
     block_size = k_cache.shape[1]
@@ -157,15 +188,20 @@ def _sequence_attention(q, k_cache, v_cache, block_table, ctx, scale, kv_scales,
     kb = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, n, D]
     vb = v.transpose(0, 1).repeat_interleave(group, dim=0)
     if not (window or cap) and qb.device.type == "cpu" and _cpu_flash() is not None:
-        return _prefix_then_causal(qb, kb, vb, scale).transpose(0, 1).to(q.dtype)
+        o, lse = _prefix_then_causal(qb, kb, vb, scale)  # [H, q_len, D], [H, q_len]
+        if sinks is not None:  # the keys' share of the softmax with the sink beside them,
+            # L / (L + exp(sink)) for L = exp(lse): exact, and no score is written
+            o = o * torch.sigmoid(lse - sinks[:, None])[..., None]
+        return o.transpose(0, 1).to(q.dtype)
     q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
     k_pos = torch.arange(first * block_size, ctx, device=q.device)[None, :]
     mask = k_pos <= q_pos  # [q_len, n]
     if window:
         mask &= k_pos > q_pos - window
-    if cap:  # SDPA has no soft cap: the scores by hand
+    if cap or sinks is not None:  # SDPA has neither soft cap nor sink: the scores by hand
         scores = _soft_cap(torch.einsum("hqd,hkd->hqk", qb, kb) * scale, cap)
-        p = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        sink = None if sinks is None else sinks.reshape(h, 1, 1)
+        p = _softmax(scores.masked_fill(~mask, float("-inf")), sink)
         o = torch.einsum("hqk,hkd->hqd", p, vb)
     else:
         o = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask,
@@ -180,24 +216,26 @@ def _cpu_flash():
 
 
 def _prefix_then_causal(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the last q_len positions of n ([H, q_len, D] over [H, n, D]) as two
     CPU flash passes merged by their log-sum-exps: the keys before the chunk (all visible),
     then the chunk's own (causal, aligned at its start). SDPA given the bottom-right mask
     takes its math path and writes every score: [9, 2,048, 16k] float32 is 1.2 GB for one
-    layer of the default model, and a 16k-token prompt prefilled 4x slower (254 s)."""
+    layer of the default model, and a 16k-token prompt prefilled 4x slower (254 s). Returns
+    the output [H, q_len, D] and each row's log-sum-exp [H, q_len]."""
     flash = _cpu_flash()
     q_len, n = qb.shape[1], kb.shape[1]
     q4 = qb[None]
     o_own, lse_own = flash(q4, kb[None, :, n - q_len:], vb[None, :, n - q_len:], 0.0, True,
                            scale=scale)
     if n == q_len:
-        return o_own[0]
+        return o_own[0], lse_own[0]
     o_pre, lse_pre = flash(q4, kb[None, :, :n - q_len], vb[None, :, :n - q_len], 0.0, False,
                            scale=scale)
     top = torch.maximum(lse_pre, lse_own)
     w_pre, w_own = (lse_pre - top).exp()[..., None], (lse_own - top).exp()[..., None]
-    return ((o_pre * w_pre + o_own * w_own) / (w_pre + w_own))[0]
+    w = w_pre + w_own
+    return ((o_pre * w_pre + o_own * w_own) / w)[0], (top + w[..., 0].log())[0]
 
 
 def rms_norm(

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
@@ -350,6 +351,131 @@ def test_rejects_bad_window_or_cap(device):
                 fn(*b.args(), 0.1, **opts)
 
 
+# Attention sinks (gpt-oss): a logit per query head in each row's softmax, with no value.
+def _sinks(num_heads: int, device, seed: int = 0) -> torch.Tensor:
+    """Random sinks (randn * 2), head 0's large (+8) so that it takes most of that head's
+    weight."""
+    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2
+    sinks[0] = 8.0
+    return sinks.to(device)
+
+
+def test_reference_sinks_by_hand(monkeypatch):
+    """The reference against transformers' gpt-oss eager_attention_forward (the definition)
+    over each sequence's gathered K/V: a decode, a chunk over a cached prefix, a prefill from
+    scratch, GQA; without a window (the CPU flash passes, the sink applied through their
+    log-sum-exp), with one (the scores by hand) and without the CPU flash (by hand too)."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    b = make_paged_batch([1, 6, 9], [23, 30, 9], 4, 2, 16, 8, DTYPE, torch.device("cpu"),
+                         seed=33)
+    scale, sinks = 0.4, _sinks(4, "cpu", seed=1)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.sinks = 2, sinks.double()
+
+    def by_hand(window: int) -> torch.Tensor:
+        want = torch.empty_like(b.q, dtype=torch.float64)
+        cu, lens = b.cu_seqlens_q.tolist(), b.seq_lens.tolist()
+        for s, ctx in enumerate(lens):
+            slots = (b.block_tables[s, :-(-ctx // 8)].long()[:, None] * 8
+                     + torch.arange(8)).flatten()[:ctx]
+            k = b.k_cache.flatten(0, 1)[slots].double().transpose(0, 1)[None]  # [1, Hkv, ctx, D]
+            v = b.v_cache.flatten(0, 1)[slots].double().transpose(0, 1)[None]
+            q = b.q[cu[s]:cu[s + 1]].double().transpose(0, 1)[None]  # [1, H, q_len, D]
+            q_idx = torch.arange(ctx - q.shape[2], ctx)[:, None]
+            k_idx = torch.arange(ctx)[None, :]
+            seen = (sliding_window_causal_mask_function(window)(0, 0, q_idx, k_idx) if window
+                    else k_idx <= q_idx)
+            mask = torch.zeros(seen.shape, dtype=torch.float64).masked_fill(~seen, float("-inf"))
+            o, _ = eager_attention_forward(module, q, k, v, mask, scale)  # [1, q_len, H, D]
+            want[cu[s]:cu[s + 1]] = o[0]
+        return want
+
+    for window in (0, 5):
+        want = by_hand(window)
+        opts = {"sliding_window": window, "sinks": sinks}
+        got = reference.paged_attention(*b.args(), scale, **opts)
+        assert rel_err(got, want) < 1e-6, window
+        # the sinks do something, and a sink of -inf is none
+        assert rel_err(reference.paged_attention(*b.args(), scale, sliding_window=window),
+                       want) > 1e-2
+        off = reference.paged_attention(*b.args(), scale, sliding_window=window,
+                                        sinks=torch.full((4,), float("-inf")))
+        assert rel_err(off, reference.paged_attention(*b.args(), scale,
+                                                      sliding_window=window)) < 1e-6
+    monkeypatch.setattr(reference, "_cpu_flash", lambda: None)
+    assert rel_err(reference.paged_attention(*b.args(), scale, sinks=sinks), by_hand(0)) < 1e-6
+
+
+# (window, soft cap, num_splits, num_long_splits): context splits of the short and the long
+# rows forced, 1-token contexts leaving most splits without a key
+@pytest.mark.parametrize("window,cap,num_splits,num_long_splits", [
+    (0, 0.0, 1, 1), (0, 0.0, 2, 4), (37, 0.0, 4, 2), (16, 2.5, 2, 1),
+])
+def test_sinks_mixed_batch(device, window, cap, num_splits, num_long_splits):
+    """Decodes, a prefill from scratch and chunks over cached prefixes, scattered blocks,
+    GQA 4, head 64."""
+    batch = make_paged_batch(WIN_Q, WIN_CTX, 8, 2, 64, 16, DTYPE, device, seed=window + 51)
+    opts = {"sliding_window": window, "logits_soft_cap": cap,
+            "sinks": _sinks(8, device, seed=num_splits)}
+    _check(batch, 0.3, TOL, opts, num_splits=num_splits, num_long_splits=num_long_splits)
+
+
+def test_sinks_splits_that_see_no_key(device):
+    """Short contexts over many splits: split 0 carries the sink, the empty ones add
+    nothing (decode rows, and a long row's split keys)."""
+    batch = make_paged_batch([1, 1, 1, 20], [1, 2, 65, 20], 8, 2, 64, 16, DTYPE, device,
+                             seed=52)
+    _check(batch, 0.3, TOL, {"sinks": _sinks(8, device, seed=2)}, num_splits=8,
+           num_long_splits=4)
+
+
+@pytest.fixture
+def bf16_dots(monkeypatch):
+    """Triton 3.9's interpreter multiplies bf16 tiles as their raw bits (its bf16 arrays are
+    uint16: a tl.dot is off by ~1e10), so under it bf16 operands are widened to float32 first,
+    exactly, as a GPU's tensor cores multiply them. (A fix for kernels/_interpreter.py.)"""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    dot = interp.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, *rest):
+        if a.dtype == tl.bfloat16:
+            a, b = self.cast_impl(a, tl.float32), self.cast_impl(b, tl.float32)
+        return dot(self, a, b, *rest)
+
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", create_dot)
+
+
+@pytest.mark.usefixtures("bf16_dots")
+def test_sinks_bf16(device):
+    batch = make_paged_batch(MIXED_Q, MIXED_CTX, 8, 2, 64, 16, torch.bfloat16, device, seed=53)
+    for num_splits in (1, 3):
+        _check(batch, 0.125, 1e-2, {"sinks": _sinks(8, device, seed=3)}, num_splits=num_splits)
+
+
+def test_sinks_fp8_cache_are_not_scaled_by_k_scale(device):
+    """The sink is in units of the scaled score: the FP8 cache's k_scale folds into the
+    scores' scale, not into the sink."""
+    batch = make_paged_batch(MIXED_Q, MIXED_CTX, 8, 2, 64, 16, DTYPE, device, seed=54)
+    _check_fp8(batch, 0.125, 0.05, 3.0, TOL, {"sinks": _sinks(8, device, seed=4)},
+               num_splits=3)
+
+
+def test_rejects_bad_sinks(device):
+    b = make_paged_batch([1, 3], [5, 3], 4, 2, 64, 16, DTYPE, device)
+    bad = [torch.zeros(3, device=device), torch.zeros(4, dtype=torch.int32, device=device),
+           torch.zeros(1, 4, device=device), [0.0] * 4]
+    for sinks in bad:
+        for fn in (paged_attention, reference.paged_attention):
+            with pytest.raises(ValueError, match="sinks must be a 1-D float tensor"):
+                fn(*b.args(), 0.1, sinks=sinks)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -404,6 +530,22 @@ def test_cuda_window_model_shapes(model, fp8):
             _check(batch, d**-0.5, 1e-2, opts)
 
 
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("window", [0, 128])
+def test_cuda_gpt_oss_sinks(window):
+    """gpt-oss's attention (64 q heads, 8 KV heads, head 64, bf16; window 128 on its sliding
+    layers): decodes beside long prefill rows, which take the portable kernel on Hopper too,
+    and two decodes alone (split contexts)."""
+    gen = torch.Generator().manual_seed(window)
+    q_lens = [1] * 12 + [700, 37, 300]
+    ctxs = torch.randint(1, 9000, (12,), generator=gen).tolist() + [700, 5000, 9000]
+    dev = torch.device("cuda")
+    opts = {"sliding_window": window, "sinks": _sinks(64, dev, seed=window)}
+    for q, c in ((q_lens, ctxs), ([1, 1], [6000, 20000])):
+        batch = make_paged_batch(q, c, 64, 8, 64, 16, torch.bfloat16, dev, seed=window)
+        _check(batch, 64**-0.5, 1e-2, opts)
+
+
 # ----------------------------------------------------------------------------- warm-up
 def test_recording_keeps_each_layer_kinds_signature_inside_it_only(device):
     from pagedserve.kernels import paged_attention as pa
@@ -413,9 +555,10 @@ def test_recording_keeps_each_layer_kinds_signature_inside_it_only(device):
     with pa.recording() as kinds:
         for window in (0, 4, 0):
             _run(batch, 0.125, sliding_window=window)
+        _run(batch, 0.125, sinks=torch.zeros(4, device=device))
     _run(batch, 0.125, logits_soft_cap=5.0)
-    assert kinds == {pa.Signature(DTYPE, 4, 64, DTYPE, 16, 2, window, False, device)
-                     for window in (False, True)}
+    assert kinds == {pa.Signature(DTYPE, 4, 64, DTYPE, 16, 2, window, False, device, sinks)
+                     for window, sinks in ((False, False), (True, False), (False, True))}
 
 
 def test_merge_widths_are_two():
@@ -424,23 +567,32 @@ def test_merge_widths_are_two():
     assert [merge_width(s) for s in (2, 3, 8, 9, 16, 64, 65)] == [8, 8, 8, 64, 64, 64, 128]
 
 
-def test_warm_up_variants_launches_each_rows_config_and_split(device):
+@pytest.mark.parametrize("sinks", [False, True])
+def test_warm_up_variants_launches_each_rows_config_and_split(device, sinks, monkeypatch):
     from pagedserve.kernels import paged_attention as pa
 
     # GQA 4: short rows of 16 (4 tokens); long rows' configs 64 rows (q_len 16 or less
     # x 4) and 128 (above); float32 takes neither the 256-row config nor the Hopper kernel
     # on an sm_90 GPU (test_cuda_no_step_compiles_after_the_warm_up covers those, in bf16)
-    sig = pa.Signature(DTYPE, 4, 64, DTYPE, 16, 1, True, True, device)
+    given = []  # each launch's sinks: the HAS_SINKS variants compile with a signature's sinks
+    launch = pa.launch
+    monkeypatch.setattr(pa, "launch", lambda *a, **kw: (given.append(kw.get("sinks")),
+                                                        launch(*a, **kw))[1])
+    sig = pa.Signature(DTYPE, 4, 64, DTYPE, 16, 1, True, True, device, sinks)
     launched = pa.warm_up_variants(sig)
     expected = [(1, 16, s) for s in (1, 2, 16)] + [(5, 64, s) for s in (1, 2, 16)]
     assert launched == expected + [(17, 128, s) for s in (1, 2, 16)]
+    assert len(given) == len(launched)
+    assert all(s is None for s in given) if not sinks else all(
+        s.shape == (4,) and s.dtype == torch.float32 for s in given)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("window", [0, 4096])
-def test_cuda_no_step_compiles_after_the_warm_up(window):
+@pytest.mark.parametrize("window,sinks", [(0, False), (4096, False), (128, True)])
+def test_cuda_no_step_compiles_after_the_warm_up(window, sinks):
     """Every launch a serving step makes (decode batches beside a long prompt's chunks, at
-    any depth, split or not) was compiled by warm_up_variants: nothing compiles in a step."""
+    any depth, split or not) was compiled by warm_up_variants: nothing compiles in a step.
+    With sinks (gpt-oss) the long rows stay on the portable kernel."""
     from pagedserve.kernels import paged_attention as pa
 
     dev = torch.device("cuda")
@@ -452,9 +604,10 @@ def test_cuda_no_step_compiles_after_the_warm_up(window):
     def compiled() -> int:
         return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
 
+    opts = {"sliding_window": window, "sinks": _sinks(32, dev) if sinks else None}
     with pa.recording() as kinds:
         warm = make_paged_batch([1, 5], [9, 5], 32, 8, 128, 16, dtype, dev)
-        pa.paged_attention(*warm.args(), scale, sliding_window=window)
+        pa.paged_attention(*warm.args(), scale, **opts)
     for kind in kinds:
         pa.warm_up_variants(kind)
     before = compiled()
@@ -464,6 +617,6 @@ def test_cuda_no_step_compiles_after_the_warm_up(window):
         q_lens = [1] * decoders + [chunk]
         ctxs = [100 + 37 * i for i in range(decoders)] + [depth + chunk]
         batch = make_paged_batch(q_lens, ctxs, 32, 8, 128, 16, dtype, dev, seed=depth)
-        pa.paged_attention(*batch.args(), scale, sliding_window=window)
+        pa.paged_attention(*batch.args(), scale, **opts)
     torch.cuda.synchronize()
     assert compiled() == before
