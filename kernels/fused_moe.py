@@ -368,14 +368,16 @@ def moe_route_align(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 @triton.jit(do_not_specialize=["EM", "num_valid"])
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, scale_ptr, weight_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
-    N, K, EM, num_valid, stride_am, stride_be, stride_bn, stride_cm, stride_se,
+    bias_ptr, N, K, EM, num_valid, stride_am, stride_be, stride_bn, stride_cm, stride_se,
+    stride_bias, alpha, limit,
     TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    GATED: tl.constexpr,
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, OAI: tl.constexpr,
 ):
-    """c[p] = a[p // TOP_K] @ b[e].T for the pairs p of one M-block (expert e); b [E, N, K].
-    GATED: b is [E, 2N, K] (gate rows, then up rows) and c[p] = silu(gate) * up, N wide."""
+    """c[p] = a[p // TOP_K] @ b[e].T (+ bias[e]) for the pairs p of one M-block (expert e);
+    b [E, N, K]. GATED: b is [E, 2N, K] (gate rows, then up rows) and c[p] = silu(gate) * up,
+    N wide (OAI: gpt-oss's clamped (up + 1) * gate * sigmoid(alpha * gate))."""
     pid = tl.program_id(0)
     num_pid_m = EM // BLOCK_M
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -419,10 +421,22 @@ def _moe_gemm_kernel(
         if GATED:
             up *= tl.load(scale_ptr + expert * stride_se + N + offs_n, mask=n_ok,
                           other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_bias + offs_n, mask=n_ok,
+                       other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            up += tl.load(bias_ptr + expert * stride_bias + N + offs_n, mask=n_ok,
+                          other=0.0).to(tl.float32)[None, :]
     if GATED:  # as cache1 held gate and up (c's dtype), then silu_and_mul's own math
         act = c_ptr.dtype.element_ty
         g = acc.to(act).to(tl.float32)
-        acc = (g / (1.0 + tl.exp(-g))).to(act).to(tl.float32) * up.to(act).to(tl.float32)
+        u = up.to(act).to(tl.float32)
+        if OAI:  # gpt-oss: clamped, sigmoid(alpha * gate), (up + 1)
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            acc = (g / (1.0 + tl.exp(-alpha * g))).to(act).to(tl.float32) * (u + 1.0)
+        else:
+            acc = (g / (1.0 + tl.exp(-g))).to(act).to(tl.float32) * u
     if MUL_ROUTED_WEIGHT:
         acc *= tl.load(weight_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :],
@@ -430,10 +444,12 @@ def _moe_gemm_kernel(
 
 
 def moe_gemm(a, w, c, align, top_k: int, cfg: MoeConfig, *, scale=None, routed_weights=None,
-             gated: bool = False):
+             gated: bool = False, bias=None, activation: str = "silu", alpha: float = 1.702,
+             limit: float = 7.0):
     """c [P, N] rows p = a [., K] row p // top_k times w[expert of p] [N, K]^T (* scale [E, N])
-    (* routed_weights [P]), for every pair p of align = moe_align_block_size(...). gated: w is
-    [E, 2N, K] (gate, then up) and c [P, N] = silu(gate) * up."""
+    (+ bias [E, N]) (* routed_weights [P]), for every pair p of align =
+    moe_align_block_size(...). gated: w is [E, 2N, K] (gate, then up) and c [P, N] =
+    activation(gate, up) (silu(gate) * up, or swiglu_oai with alpha and limit)."""
     sorted_ids, expert_ids, post_pad = align
     e, n, k = w.shape
     if gated:
@@ -441,9 +457,12 @@ def moe_gemm(a, w, c, align, top_k: int, cfg: MoeConfig, *, scale=None, routed_w
     grid = (expert_ids.numel() * triton.cdiv(n, cfg.block_n),)
     _moe_gemm_kernel[grid](
         a, w, c, scale if scale is not None else c, routed_weights if routed_weights is not None
-        else c, sorted_ids, expert_ids, post_pad, n, k, sorted_ids.numel(), c.shape[0],
+        else c, sorted_ids, expert_ids, post_pad, bias if bias is not None else c,
+        n, k, sorted_ids.numel(), c.shape[0],
         a.stride(0), w.stride(0), w.stride(1), c.stride(0),
         scale.stride(0) if scale is not None else 0,
+        bias.stride(0) if bias is not None else 0, float(alpha), float(limit),
+        HAS_BIAS=bias is not None, OAI=activation == "swiglu_oai",
         TOP_K=top_k, MUL_ROUTED_WEIGHT=routed_weights is not None, HAS_SCALE=scale is not None,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         DOT_FP32=INTERPRETED and a.dtype == torch.bfloat16, BLOCK_M=cfg.block_m,
@@ -625,15 +644,19 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int32/int64, each in [0, E)
     *,
-    activation: str = "silu",
+    activation: str = "silu",  # or "swiglu_oai" (gpt-oss: alpha, limit)
     w13_scale: torch.Tensor | None = None,  # [E, 2I] float32, FP8 w13
     w2_scale: torch.Tensor | None = None,  # [E, H] float32, FP8 w2
+    w13_bias: torch.Tensor | None = None,  # [E, 2I] x.dtype
+    w2_bias: torch.Tensor | None = None,  # [E, H] x.dtype
+    alpha: float = 1.702,
+    limit: float = 7.0,
     out: torch.Tensor | None = None,  # [T, H] x.dtype
     workspace: torch.Tensor | None = None,  # >= workspace_size(...) elements of x.dtype
     align: tuple[tuple[torch.Tensor, ...], int] | None = None,  # (topk_ids aligned, its block_m)
 ) -> torch.Tensor:  # [T, H]
     t, h, _, inter, k = check_moe_args(x, w13, w2, topk_weights, topk_ids, activation,
-                                       w13_scale, w2_scale, out)
+                                       w13_scale, w2_scale, out, w13_bias, w2_bias)
     for name, w in (("x", x), ("w13", w13), ("w2", w2)):
         if w.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride in its last dim, got {w.stride()}")
@@ -649,7 +672,8 @@ def fused_moe(
     for s in range(0, t, CHUNK_TOKENS):
         e = min(t, s + CHUNK_TOKENS)
         _fused_pass(x[s:e], w13, w2, weights[s:e], ids[s:e], w13_scale, w2_scale, out[s:e],
-                    workspace, align if t <= CHUNK_TOKENS else None)
+                    workspace, align if t <= CHUNK_TOKENS else None,
+                    Epilogue(w13_bias, w2_bias, activation, alpha, limit))
     return out
 
 
@@ -659,7 +683,7 @@ def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renorma
     **kwargs); up to DECODE_TOKENS tokens moe_decode's two launches, else with FUSE_ROUTE a
     decode step's routing and alignment in one launch."""
     t = x.shape[0]
-    plain = all(kwargs.get(name) is None for name in ("out", "workspace"))
+    plain = all(kwargs.get(name) is None for name in ("out", "workspace", "w13_bias", "w2_bias"))
     if (1 <= t <= DECODE_TOKENS and plain and kwargs.get("activation", "silu") == "silu"
             and w13.shape[0] <= 1024):
         return moe_decode(x, router_logits, top_k, renormalize, w13, w2,
@@ -673,8 +697,19 @@ def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renorma
     return fused_moe(x, w13, w2, weights, ids, **kwargs)
 
 
+@dataclass(frozen=True)
+class Epilogue:
+    """What the GEMMs add to their products besides scales (fused_moe's arguments)."""
+
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
 def _fused_pass(x, w13, w2, weights, ids, w13_scale, w2_scale, out, workspace,
-                given=None) -> None:
+                given=None, ep: Epilogue = Epilogue()) -> None:
     t, k = ids.shape
     num_experts, two_i, h = w13.shape
     pairs = t * k
@@ -688,16 +723,18 @@ def _fused_pass(x, w13, w2, weights, ids, w13_scale, w2_scale, out, workspace,
         align = given[0]  # (routed_moe's, made with the routing)
     else:
         align = moe_align_block_size(ids, cfg1.block_m, num_experts)
-    if t <= FUSE_SILU_TOKENS:
+    if t <= FUSE_SILU_TOKENS or ep.activation != "silu":
         # gate and up tiles of half the tuned width: the tuned tile's bytes, shared memory and
-        # program count, and the SiLU in the epilogue
+        # program count, and the activation in the epilogue (gpt-oss's always: it has no
+        # kernel of its own)
         half = replace(cfg1, block_n=max(16, cfg1.block_n // 2))
-        moe_gemm(x, w13, cache2, align, k, half, scale=w13_scale, gated=True)
+        moe_gemm(x, w13, cache2, align, k, half, scale=w13_scale, gated=True, bias=ep.w13_bias,
+                 activation=ep.activation, alpha=ep.alpha, limit=ep.limit)
     else:
-        moe_gemm(x, w13, cache1, align, k, cfg1, scale=w13_scale)
+        moe_gemm(x, w13, cache1, align, k, cfg1, scale=w13_scale, bias=ep.w13_bias)
         silu_and_mul(cache1, out=cache2)
     if cfg2.block_m != cfg1.block_m:
         align = moe_align_block_size(ids, cfg2.block_m, num_experts)
     moe_gemm(cache2, w2, cache3, align, 1, cfg2, scale=w2_scale,
-             routed_weights=weights.view(-1))
+             routed_weights=weights.view(-1), bias=ep.w2_bias)
     moe_sum(cache3, out, k)

@@ -11,9 +11,14 @@ I = its share of the intermediate size):
     topk_weights [T, k]      float; topk_ids [T, k] int32/int64, each in [0, E)
     w13_scale    [E, 2I], w2_scale [E, H]  float32, with float8_e4m3fn weights: W = codes * scale
                              per output channel (weight-only FP8; activations stay as they are)
+    w13_bias     [E, 2I], w2_bias [E, H]  x's dtype, optional (gpt-oss): added to each
+                             expert's projections before the activation / the routing weight
 
-    out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])),
+    out[t] = sum_j topk_weights[t, j] * w2[e] @ act(gate[e] @ x[t], up[e] @ x[t]),
              e = topk_ids[t, j]
+
+act: "silu", silu(gate) * up; or "swiglu_oai" (gpt-oss's, with alpha and limit): gate
+clamped to <= limit and up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
 
 Roundings follow the Triton path: the gate/up projection and the activation in x's dtype, each
 expert's weighted down projection rounded to x's dtype, the k contributions summed in float32.
@@ -28,7 +33,16 @@ from pagedserve.kernels._checks import FLOAT_DTYPES, check_out, check_tensor
 from pagedserve.kernels.fp8_reference import FP8
 from pagedserve.kernels.reference import silu_and_mul
 
-ACTIVATIONS = ("silu",)
+ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+def swiglu_oai(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """gpt-oss's gated activation over [gate | up] halves (HF's GptOssExperts._apply_gate once
+    its interleaved columns are split), in x's dtype as HF computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def moe_route(
@@ -62,7 +76,7 @@ def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renorma
 
 
 def check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale,
-                   out) -> tuple[int, int, int, int, int]:
+                   out, w13_bias=None, w2_bias=None) -> tuple[int, int, int, int, int]:
     """(T, H, E, I, k) of a valid call; anything else raises ValueError."""
     check_tensor("x", x, 2, FLOAT_DTYPES)
     dev, (t, h) = x.device, x.shape
@@ -90,6 +104,11 @@ def check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2
         if tuple(w13_scale.shape) != (e, two_i) or tuple(w2_scale.shape) != (e, h):
             raise ValueError(f"w13_scale {tuple(w13_scale.shape)} and w2_scale "
                              f"{tuple(w2_scale.shape)} must be [{e}, {two_i}] and [{e}, {h}]")
+    for name, b, width in (("w13_bias", w13_bias, two_i), ("w2_bias", w2_bias, h)):
+        if b is not None:
+            check_tensor(name, b, 2, (x.dtype,), dev)
+            if tuple(b.shape) != (e, width) or not b.is_contiguous():
+                raise ValueError(f"{name} {tuple(b.shape)} must be a contiguous [{e}, {width}]")
     if out is not None:
         check_out("out", out, (t, h), x.dtype, dev)
     return t, h, e, two_i // 2, k
@@ -112,10 +131,14 @@ def fused_moe(
     activation: str = "silu",
     w13_scale: torch.Tensor | None = None,  # [E, 2I] float32, FP8 w13
     w2_scale: torch.Tensor | None = None,  # [E, H] float32, FP8 w2
+    w13_bias: torch.Tensor | None = None,  # [E, 2I] x.dtype
+    w2_bias: torch.Tensor | None = None,  # [E, H] x.dtype
+    alpha: float = 1.702,  # swiglu_oai's
+    limit: float = 7.0,
     out: torch.Tensor | None = None,  # [T, H] x.dtype
 ) -> torch.Tensor:  # [T, H] x.dtype
     t, h, e, _, k = check_moe_args(x, w13, w2, topk_weights, topk_ids, activation, w13_scale,
-                                   w2_scale, out)
+                                   w2_scale, out, w13_bias, w2_bias)
     acc = torch.zeros((t, h), dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).long()
     flat_w = topk_weights.reshape(-1).float()
@@ -130,8 +153,16 @@ def fused_moe(
         tokens = pairs // k
         s13 = None if w13_scale is None else w13_scale[expert]
         s2 = None if w2_scale is None else w2_scale[expert]
-        act = silu_and_mul(_linear(x[tokens], w13[expert], s13).to(x.dtype))
-        y = _linear(act, w2[expert], s2) * flat_w[pairs, None]
+        gate_up = _linear(x[tokens], w13[expert], s13)
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[expert].float()
+        gate_up = gate_up.to(x.dtype)
+        act = silu_and_mul(gate_up) if activation == "silu" \
+            else swiglu_oai(gate_up, alpha, limit)
+        y = _linear(act, w2[expert], s2)
+        if w2_bias is not None:
+            y = y + w2_bias[expert].float()
+        y = y * flat_w[pairs, None]
         acc.index_add_(0, tokens, y.to(x.dtype).float())
     if out is None:
         return acc.to(x.dtype)

@@ -161,6 +161,59 @@ def test_reference_equals_transformers_experts():
                                rtol=1e-5, atol=1e-5)
 
 
+def oai_experts(e, dtype=torch.float32, device="cpu"):
+    """gpt-oss-like experts: biases, and weights large enough that the clamps bite."""
+    g = torch.Generator().manual_seed(4)
+    w13, w2 = experts(e)
+    b13, b2 = torch.randn(e, 2 * INTER, generator=g), torch.randn(e, HID, generator=g)
+    return [t.to(device, dtype) for t in (w13 * 8, w2, b13, b2)]
+
+
+def test_reference_swiglu_oai_equals_transformers_gpt_oss_experts():
+    """gpt-oss's experts (HF's GptOssExperts: [E, H, 2I] with gate and up interleaved, biases,
+    the clamped activation) equal the reference on their de-interleaved [E, 2I, H] layout."""
+    from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    w13, w2, b13, b2 = oai_experts(8)
+    x, weights, ids = batch(16, 8, 2)
+    hf = GptOssExperts(GptOssConfig(hidden_size=HID, intermediate_size=INTER,
+                                    num_local_experts=8))
+    interleave = torch.stack([torch.arange(INTER), torch.arange(INTER) + INTER], 1).reshape(-1)
+    with torch.no_grad():
+        hf.gate_up_proj.copy_(w13[:, interleave].transpose(1, 2))
+        hf.gate_up_proj_bias.copy_(b13[:, interleave])
+        hf.down_proj.copy_(w2.transpose(1, 2))
+        hf.down_proj_bias.copy_(b2)
+        want = hf(x, ids.long(), weights)
+    got = ref.fused_moe(x, w13, w2, weights, ids, activation="swiglu_oai", w13_bias=b13,
+                        w2_bias=b2, alpha=hf.alpha, limit=hf.limit)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plain = ref.fused_moe(x, w13, w2, weights, ids, w13_bias=b13, w2_bias=b2)
+    assert rel_err(plain, want) > 0.1  # the activation matters
+
+
+@pytest.mark.parametrize("t", [1, 40])
+@pytest.mark.parametrize("case", ["fp32", "bf16", "fp8"])
+def test_triton_swiglu_oai_with_biases(t, case, device):
+    """Biases in both GEMMs' epilogues (after FP8 weights' scales) and gpt-oss's activation in
+    the first's, at decode and prefill sizes (the activation is always fused)."""
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    w13, w2, b13, b2 = oai_experts(8, dtype, device)
+    x, weights, ids = batch(t, 8, 2, dtype, device=device)
+    opts = {"activation": "swiglu_oai", "w13_bias": b13, "w2_bias": b2}
+    if case == "fp8":
+        (w13, s13), (w2, s2) = quantize_experts(w13), quantize_experts(w2)
+        opts.update(w13_scale=s13, w2_scale=s2)
+    check_close(fm.fused_moe(x, w13, w2, weights, ids, **opts),
+                ref.fused_moe(x, w13, w2, weights, ids, **opts), dtype)
+    logits = torch.randn(t, 8, generator=torch.Generator().manual_seed(5)).to(device)
+    check_close(fm.routed_moe(x, logits, 2, True, w13, w2, **opts),
+                ref.routed_moe(x, logits, 2, True, w13, w2, **opts), dtype)
+    with pytest.raises(ValueError, match="w2_bias"):
+        fm.fused_moe(x, w13, w2, weights, ids, **{**opts, "w2_bias": b2[:, :-1]})
+
+
 def test_reference_fp8_equals_the_dequantized_weights():
     w13, w2 = experts(8)
     (q13, s13), (q2, s2) = quantize_experts(w13), quantize_experts(w2)
