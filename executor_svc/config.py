@@ -60,6 +60,7 @@ class ModelConfig:
     rotary_dim: int = 0
     rotary_interleaved: bool = False  # rotated pairs are (2i, 2i + 1) (GLM), not (i, i + d/2)
     moe: Moe | None = None
+    attn_sinks: bool = False  # a learned logit per query head in each softmax (gpt-oss)
     impl: str = "native"  # "native" (model.py) or "transformers" (hf_fallback.py)
     # the fallback's longest exact context where the model attends in chunks (Llama 4's
     # attention_chunk_size: its mask, which the paged attention does not apply); 0: none

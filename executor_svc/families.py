@@ -29,6 +29,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     dots1         pre-norm              q/k norm per head              as glm4_moe's
     ernie4_5_moe  pre-norm              RoPE in (2i, 2i + 1) pairs     softmax-routed experts with
                                                                        a choice bias + shared
+    gpt_oss       pre-norm              biases, a sink logit per head, biased router and experts,
+                                        windows on alternate layers    clamped SwiGLU (alpha)
 
 A vision-language checkpoint whose language model is one of these (Gemma 3 4B and up, Mistral
 Small 3.1, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is served text-only: its text_config and its
@@ -45,7 +47,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_te
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
-             "qwen2_vl_text",
+             "gpt_oss", "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
@@ -54,7 +56,7 @@ ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_o
            # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models: on text alone their
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
-_BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3")
+_BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3", "gpt_oss")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 
@@ -116,6 +118,12 @@ class Moe:
     routed_scaling: float = 1.0
     norm_min: float = 0.0  # renormalized weights divide by max(sum, norm_min) (ERNIE), else
     # by sum + 1e-20
+    # gpt-oss: a bias on the router and on each expert's projections, and the clamped
+    # activation "swiglu_oai" ((up + 1) * gate * sigmoid(alpha * gate)) in place of SiLU's
+    biases: bool = False
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 def family_fields(c: Any) -> dict[str, Any]:
@@ -186,6 +194,7 @@ def family_fields(c: Any) -> dict[str, Any]:
         "o_proj_bias": bool(getattr(c, "attention_out_bias", False)) if c.model_type == "seed_oss"
         else bool(getattr(c, "attention_bias", False)) and c.model_type in _BIASED_O_PROJ,
         "moe": _moe(c),
+        "attn_sinks": mt == "gpt_oss",
     }
     act = (getattr(c, "hidden_activation", None) or "gelu_pytorch_tanh") if gemma \
         else getattr(c, "hidden_act", "silu")
@@ -239,6 +248,11 @@ def _moe(c: Any) -> Moe | None:
                    tuple(i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)),
                    shared_gated=False, scoring="sigmoid", n_group=c.n_group,
                    topk_group=c.topk_group, routed_scaling=float(c.routed_scaling_factor))
+    if mt == "gpt_oss":  # softmax over the top k's logits: the renormalized softmax's weights
+        return Moe(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size, True,
+                   sparse_layers=(True,) * c.num_hidden_layers, biases=True,
+                   activation="swiglu_oai", swiglu_alpha=float(c.swiglu_alpha),
+                   swiglu_limit=float(c.swiglu_limit))
     if mt not in ("qwen2_moe", "qwen3_moe"):
         return None
     skip = set(getattr(c, "mlp_only_layers", None) or ())

@@ -193,14 +193,19 @@ def dequantized_bytes(weights_dir: Path, dtype: torch.dtype) -> int:
     return total * dtype.itemsize
 
 
-def _check_dequantized_fits(weights_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+def check_dequantized_fits(weights_dir: Path, dtype: torch.dtype, device: torch.device,
+                           ranks: int = 1) -> None:
+    """QuantizationError in one line where a rank's share of the dequantized weights (about
+    1 / ranks of them under tensor parallelism) exceeds the device's free memory."""
     if device.type != "cuda":
         return
-    need, free = dequantized_bytes(weights_dir, dtype), torch.cuda.mem_get_info(device)[0]
+    need = dequantized_bytes(weights_dir, dtype) // ranks
+    free = torch.cuda.mem_get_info(device)[0]
     if need > free:
+        share = f" (a {ranks}th of them a rank)" if ranks > 1 else ""
         raise QuantizationError(
             f"{weights_dir}: MXFP4 weights are served dequantized to {str(dtype)[6:]}, "
-            f"{need / 2**30:.1f} GiB, and {device} has {free / 2**30:.1f} GiB free")
+            f"{need / 2**30:.1f} GiB{share}, and {device} has {free / 2**30:.1f} GiB free")
 
 
 class TransformersLM(nn.Module):
@@ -279,7 +284,7 @@ class TransformersLM(nn.Module):
         else:
             extra = {}
             if dequantize_mxfp4:
-                _check_dequantized_fits(weights_dir, dtype, device)
+                check_dequantized_fits(weights_dir, dtype, device)
                 extra["quantization_config"] = Mxfp4Config(dequantize=True)
             hf = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=dtype,
                                                       attn_implementation=IMPLEMENTATION,

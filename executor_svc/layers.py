@@ -228,6 +228,9 @@ class Attention(nn.Module):
             self.options["sliding_window"] = self.window
         if cfg.attn_softcap:
             self.options["logits_soft_cap"] = cfg.attn_softcap
+        if cfg.attn_sinks:  # gpt-oss: a logit per query head in the softmax, float32 as HF's
+            self.sinks = nn.Parameter(torch.empty(self.h), requires_grad=False)
+            self.fixed_dtypes = ("sinks",)
         if cfg.qk_norm == "head":
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, ops)
@@ -271,6 +274,7 @@ class Attention(nn.Module):
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
             k_scale=self.k_scale, v_scale=self.v_scale, **self.options,
+            **({"sinks": self.sinks} if self.cfg.attn_sinks else {}),
         )
         return tp.all_reduce(self.o_proj(o.reshape(t, h * d)), self.cfg)
 

@@ -21,9 +21,11 @@ from pagedserve.executor.quantization.config import (
 )
 from pagedserve.executor.quantization.dequantized import dequantize_int
 from pagedserve.executor.quantization.fp8 import dequantize_blocks
+from pagedserve.executor.quantization.mxfp4 import dequantize_mxfp4
 
 log = logging.getLogger("pagedserve.executor")
 
+MXFP4_NATIVE = ("gpt_oss",)  # native families whose MXFP4 experts load dequantized
 RANDOM_SCALE = 0.02 / 4.6  # random 4-bit weights spread like the N(0, 0.02) float ones
 
 
@@ -51,8 +53,13 @@ def build_model(
         return TransformersLM.build(cfg, ops, dtype, device, weights_dir, seed,
                                     dequantize_mxfp4=is_mxfp4(qc))
     if is_mxfp4(qc):
-        raise QuantizationError(f"{cfg.model_type}: MXFP4 checkpoints are served through the "
-                                f"transformers fallback (--model-impl auto or transformers)")
+        if cfg.model_type not in MXFP4_NATIVE:
+            raise QuantizationError(f"{cfg.model_type}: MXFP4 checkpoints are served through "
+                                    f"the transformers fallback (--model-impl auto or "
+                                    f"transformers)")
+        from pagedserve.executor.hf_fallback import check_dequantized_fits
+
+        check_dequantized_fits(weights_dir, dtype, device, cfg.tp_size)  # one line, no OOM
     with torch.device("meta"):
         model = CausalLM(cfg, ops, max_pos, quant)
     _cast(model, dtype)  # on meta: the device holds the weights in their dtype only, never in
@@ -91,6 +98,9 @@ def build_model(
             log.info("block-wise FP8 weights (blocks of %d x %d) dequantized at load%s",
                      *block, then)
             weights = dequantize_blocks(weights, block)
+        if is_mxfp4(qc):  # gpt-oss's experts: float from here on
+            log.info("MXFP4 experts dequantized to %s at load%s", str(dtype)[6:], then)
+            weights = dequantize_mxfp4(weights, dtype)
         if ints is not None:  # integers the kernels do not take: float from here on
             log.info("%s int%d weights dequantized at load%s", ints.layout, ints.bits, then)
             weights = dequantize_int(weights, ints)

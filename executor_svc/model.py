@@ -215,7 +215,8 @@ class CausalLM(nn.Module):
                        if (n := text_weight_name(name)) is not None)
         for name, tensor in _unfused(weights, cfg):
             name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.") \
-                .replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # GLM-4.5's, ERNIE's
+                .replace(".mlp.shared_experts.", ".mlp.shared_expert.") \
+                .replace(".mlp.router.", ".mlp.gate.")  # GLM-4.5's, ERNIE's; gpt-oss's
             if name.endswith(".mlp.moe_statics.e_score_correction_bias"):  # ERNIE's [1, E]
                 name = name.replace(".moe_statics.", ".gate.")
                 tensor = tensor.reshape(-1)
@@ -279,6 +280,8 @@ class CausalLM(nn.Module):
             return tensor
         if shared:  # its own width, cut as any MLP's (float, FP8 or 4-bit parts)
             return tp.shard(name, tensor, cfg, self.quant, cfg.moe.shared_intermediate_size)
+        if name.endswith("self_attn.sinks"):  # one per query head: this rank's heads
+            return tensor.narrow(0, cfg.head_start, cfg.num_heads)
         if cfg.qk_norm == "full" and name.endswith(("q_norm.weight", "k_norm.weight")):
             d = cfg.head_dim
             if name.endswith("q_norm.weight"):
@@ -299,6 +302,8 @@ class CausalLM(nn.Module):
                                     f"its weight_scale per expert projection (experts.N.*), "
                                     f"not in this layout")
         width, start = moe.intermediate_size, self.cfg.tp_rank * moe.intermediate_size
+        if cfg.model_type == "gpt_oss":
+            return self._load_gpt_oss_experts(name, tensor)
         m = _EXPERT.match(name)
         if m is not None:
             layer, e, part = m.group(1), int(m.group(2)), m.group(3)
@@ -327,6 +332,41 @@ class CausalLM(nn.Module):
                 block.place("w13", e, (dst_off, width), tensor[i].narrow(0, src_off + start,
                                                                           width))
                 filled.append(f"{layer}mlp.w13[{e},{dst_off}]")
+        return filled
+
+
+    def _load_gpt_oss_experts(self, name: str, tensor: torch.Tensor) -> list[str]:
+        """gpt-oss's stacked experts as HF holds them: gate_up_proj [E, hidden, 2I] with gate
+        and up in alternate columns, down_proj [E, I, hidden], and their biases [E, 2I] (the
+        same alternation) and [E, hidden]; an MXFP4 checkpoint's arrive so too
+        (quantization/mxfp4.py)."""
+        cfg, moe = self.cfg, self.cfg.moe
+        layer, _, kind = name.partition(".mlp.experts.")
+        if kind not in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            raise KeyError(f"unexpected weight {name}")
+        block = self.layers[int(layer.split(".")[1])].mlp
+        width, start = moe.intermediate_size, cfg.tp_rank * moe.intermediate_size
+        if tensor.shape[0] != moe.num_experts:
+            raise ValueError(f"{name}: {tensor.shape[0]} experts, the config says "
+                             f"{moe.num_experts}")
+        if kind == "down_proj_bias":  # added once: by rank 0 (the all_reduce sums the ranks)
+            _copy(name, block.w2_bias.data, tensor if cfg.tp_rank == 0 else tensor * 0)
+            return [f"{layer}.mlp.w2_bias"]
+        if kind == "gate_up_proj_bias":
+            for half, dst in ((0, 0), (1, width)):  # gate columns even, up columns odd
+                _copy(name, block.w13_bias.data[:, dst:dst + width],
+                      tensor[:, half::2][:, start:start + width])
+            return [f"{layer}.mlp.w13_bias"]
+        filled = []
+        for e in range(moe.num_experts):
+            w = tensor[e].t()  # nn.Linear's [out, in]
+            if kind == "down_proj":
+                block.place("w2", e, None, w.narrow(1, start, width))
+                filled.append(f"{layer}.mlp.w2[{e}]")
+                continue
+            for half, dst in ((0, 0), (1, width)):
+                block.place("w13", e, (dst, width), w[half::2].narrow(0, start, width))
+                filled.append(f"{layer}.mlp.w13[{e},{dst}]")
         return filled
 
 

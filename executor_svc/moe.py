@@ -8,6 +8,9 @@ adds a gated shared expert, GLM-4.5 and ERNIE 4.5 ungated ones.
     w13                [E, 2 * I, hidden]   each expert's gate rows then up rows
     w2                 [E, hidden, I]       each expert's down projection
     shared_expert      a dense MLP          Qwen2-MoE: out += sigmoid(shared_expert_gate(x)) * it
+    w13_bias, w2_bias  [E, 2I], [E, hidden] gpt-oss: added to the experts' projections (its
+                                            router has a bias too, and its activation is
+                                            "swiglu_oai": moe.activation)
 
 With tensor parallelism every rank holds every expert's slice of the width I (gate, up and
 down alike, as a dense MLP splits), and one all_reduce sums the experts and the shared expert.
@@ -40,7 +43,7 @@ class SparseMoe(nn.Module):
         # and are served in float, the shared expert 4-bit; FP8 ones arrive as the float
         # weights their codes hold (quantization.fp8.convert_fp8), quantized again in place
         self.fp8 = quant is not None and quant.method == "fp8"
-        self.gate = Linear(h, e, bias=False)
+        self.gate = Linear(h, e, bias=moe.biases)
         codes = {"dtype": FP8} if self.fp8 else {}
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, **codes), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, **codes), requires_grad=False)
@@ -49,6 +52,12 @@ class SparseMoe(nn.Module):
             self.w13_scale = nn.Parameter(torch.ones(e, 2 * i), requires_grad=False)
             self.w2_scale = nn.Parameter(torch.ones(e, h), requires_grad=False)
             self.fixed_dtypes = ("w13", "w2", "w13_scale", "w2_scale")  # loader._cast
+        # gpt-oss: biases on each expert's projections, in the activations' dtype (as HF's);
+        # with tensor parallelism w2_bias is rank 0's alone (the all_reduce adds the ranks)
+        self.w13_bias = self.w2_bias = None
+        if moe.biases:
+            self.w13_bias = nn.Parameter(torch.empty(e, 2 * i), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(e, h), requires_grad=False)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:
             self.shared_expert = MLP(cfg, ops, quant, width=moe.shared_intermediate_size)
@@ -116,6 +125,11 @@ class SparseMoe(nn.Module):
         # HF combines the experts with the weights in the activations' dtype: the router
         # stores them so (a cast launch a layer less)
         scales = {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale} if self.fp8 else {}
+        if self.w13_bias is not None:
+            scales.update(w13_bias=self.w13_bias, w2_bias=self.w2_bias)
+        if self.moe.activation != "silu":
+            scales.update(activation=self.moe.activation, alpha=self.moe.swiglu_alpha,
+                          limit=self.moe.swiglu_limit)
         if self.moe.scoring != "softmax":
             weights, ids = self.biased_route(x)
             y = self.ops.fused_moe(x, self.w13, self.w2, weights, ids, **scales)

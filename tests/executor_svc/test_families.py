@@ -88,15 +88,24 @@ FAMILIES = {
     "dots1": dict(model_type="dots1", n_routed_experts=8, num_experts_per_tok=2,
                   moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
                   n_group=4, topk_group=2, routed_scaling_factor=1.5, pad_token_id=0),
+    # a sink logit per head, biases on attention, router and experts, the clamped SwiGLU,
+    # windows on alternate layers, YaRN; weights large enough for the clamps to bite
+    "gpt_oss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=WINDOW, initializer_range=0.1,
+                    swiglu_limit=1.0, rope_parameters={
+                        "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                        "original_max_position_embeddings": 64}),
 }
 
 
 def perturb_norms(model) -> None:
     """Norms initialise to 1 (or 0 for (1 + w)) and biases to 0 (a sigmoid router's
-    correction bias too): move them, so that they count."""
+    correction bias and gpt-oss's expert biases too): move them, and gpt-oss's sinks, so that
+    they count."""
     with torch.no_grad():
         for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if "norm" in name or name.endswith((".bias", "e_score_correction_bias")):
+            if "norm" in name or name.endswith(("bias", ".sinks")):
                 p.add_(0.1 * torch.randn_like(p))
 
 
@@ -145,6 +154,21 @@ def test_moe_decode_through_the_layers(family, tmp_path, monkeypatch):
     outs = run_paged(ours, cfg, seqs, chunks, device=device)
     assert_paged_equals_hf(hf, [[o.cpu() for o in per] for per in outs], seqs, chunks)
     assert decoded and set(decoded) == {2}
+
+
+def test_gpt_oss_on_the_triton_kernels(tmp_path):
+    """gpt-oss's sinks in the paged-attention kernel and its biases and activation in the
+    fused-MoE GEMMs (interpreted on the CPU, compiled on a GPU): HF's logits across chunked
+    prefill, windows and decode."""
+    hf, _, cfg = hf_and_ours_of(FAMILIES["gpt_oss"], tmp_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ours = build_model(cfg, get_ops("triton"), torch.float32, torch.device(device), 512,
+                       tmp_path)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 13)]
+    chunks = [(7, 5), (10, 5), (1, 1), (1, 1), (1, 1)]
+    outs = run_paged(ours, cfg, seqs, chunks, device=device)
+    assert_paged_equals_hf(hf, [[o.cpu() for o in per] for per in outs], seqs, chunks)
 
 
 def test_windows_follow_the_layer_types(tmp_path):

@@ -20,8 +20,8 @@ SHAPE = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
 HEAD_DIMS = {"gemma": 256, "gemma2": 256, "gemma3": 256, "phi3": 96, "phi3-longrope": 96,
              "phi3-partial": 128, "qwen3": 128, "qwen3-moe": 128, "glm": 128, "glm4": 128,
              "helium": 128, "ernie4_5": 128, "ernie4_5_moe": 128, "seed_oss": 128,
-             "exaone4": 128}
-WINDOWS = {"phi3": 100, "mistral-window": 100, "gemma2": 100, "gemma3": 100}
+             "exaone4": 128, "gpt_oss": 64}
+WINDOWS = {"phi3": 100, "mistral-window": 100, "gemma2": 100, "gemma3": 100, "gpt_oss": 100}
 
 
 def family_config(name: str) -> dict:

@@ -30,9 +30,6 @@ NO_NATIVE = {
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, num_key_value_heads=None),
     # mixture of experts in HF's own modules
     "granitemoe": dict(model_type="granitemoe", num_local_experts=4, num_experts_per_tok=2),
-    # attention sinks (a per-head logit in the softmax) and sliding windows on alternate layers
-    "gpt_oss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=4,
-                    num_experts_per_tok=2, sliding_window=6),
     # multi-head latent attention (keys of 24, values of 16) and HF's own routed experts
     "deepseek_v3": dict(model_type="deepseek_v3", n_routed_experts=4, num_experts_per_tok=2,
                         first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
@@ -44,6 +41,10 @@ NO_NATIVE = {
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                         moe_intermediate_size=32, num_key_value_heads=4),
 }
+# native now, and through the fallback with --model-impl transformers: attention sinks (a
+# per-head logit in the softmax) and sliding windows on alternate layers
+GPT_OSS = dict(model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+               sliding_window=6)
 # what the fallback would get wrong silently, refused at start with the reason
 REFUSED = {
     "mamba": (dict(model_type="mamba"), r"layers \[0, 1\] do not attend"),
@@ -84,8 +85,8 @@ def test_sinks_over_query_slices_equal_hf(tmp_path, monkeypatch):
     """The sinks path bounds its scores by slicing query rows: slices of one to three rows
     equal HF."""
     monkeypatch.setattr(hf_fallback, "SINK_SCORE_BYTES", 4 * 4 * 10 * 3)  # 4 heads, 10 keys
-    hf = saved(NO_NATIVE["gpt_oss"], tmp_path)
-    outs, _ = paged(tmp_path, "auto")
+    hf = saved(GPT_OSS, tmp_path)
+    outs, _ = paged(tmp_path, "transformers")
     assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
 
 
@@ -231,16 +232,18 @@ def write_mxfp4(hf, path) -> None:
 
 
 def test_an_mxfp4_checkpoint_is_served_dequantized(tmp_path):
-    """gpt-oss's MXFP4 experts, dequantized at load, equal HF over the values they hold; the
-    bytes that takes are counted from the headers; --quantization other than auto or mxfp4
-    is refused, and a native family's MXFP4 checkpoint is named as the fallback's."""
-    hf = saved(NO_NATIVE["gpt_oss"], tmp_path)
+    """gpt-oss's MXFP4 experts, dequantized at load natively (quantization/mxfp4.py) and by
+    the fallback (transformers' own), equal HF over the values they hold; the bytes that
+    takes are counted from the headers; --quantization other than auto or mxfp4 is refused,
+    and another native family's MXFP4 checkpoint is named as the fallback's."""
+    hf = saved(GPT_OSS, tmp_path)
     write_mxfp4(hf, tmp_path)
     for requested in ("auto", "mxfp4"):
         assert resolve_quantization(tmp_path, requested) is None
-    outs, cfg = paged(tmp_path, "auto")
-    assert cfg.impl == "transformers"
-    assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
+    for impl in ("auto", "transformers"):
+        outs, cfg = paged(tmp_path, impl)
+        assert cfg.impl == ("native" if impl == "auto" else "transformers")
+        assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
     floats = sum(p.numel() for p in hf.parameters())
     assert hf_fallback.dequantized_bytes(tmp_path, torch.bfloat16) == 2 * floats
     for requested, reason in (("none", "is a mxfp4 checkpoint; serve it with --quantization "
@@ -270,3 +273,15 @@ def test_the_fallback_refuses_tensor_parallelism_as_a_config_error(tmp_path):
     with pytest.raises(UnsupportedModelError, match="starcoder2: the transformers fallback runs "
                                                     "on one rank: --tensor-parallel-size 1"):
         build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, tmp_path)
+
+
+def test_mxfp4_blocks_without_their_scales_are_refused():
+    from pagedserve.executor.quantization.mxfp4 import dequantize_mxfp4
+
+    blocks = torch.zeros(1, 2, 1, 16, dtype=torch.uint8)
+    with pytest.raises(QuantizationError, match="lacks x.experts.down_proj_scales"):
+        list(dequantize_mxfp4([("x.experts.down_proj_blocks", blocks)]))
+    with pytest.raises(QuantizationError, match="do not match scales"):
+        list(dequantize_mxfp4([("x.experts.down_proj_blocks", blocks),
+                               ("x.experts.down_proj_scales", torch.zeros(1, 2, 2,
+                                                                          dtype=torch.uint8))]))

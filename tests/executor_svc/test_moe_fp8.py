@@ -158,3 +158,17 @@ def test_fp8_expert_parts_are_checked(tmp_path):
     with pytest.raises(QuantizationError, match=r"experts\.2\.up_proj: checkpoint holds its "
                                                 r"weight without the weight_scale"):
         fp8_model(tmp_path, quant=resolve_quantization(tmp_path))
+
+
+def test_fp8_gpt_oss_keeps_its_biases_and_activation_close_to_float(tmp_path):
+    """gpt-oss under --quantization fp8: FP8 experts with float biases beside the clamped
+    activation, FP8 attention with its biases; within FP8's own error of the float model."""
+    # HF's own init (FAMILIES' wider one makes logits that FP8 moves by 0.1)
+    _, ours, cfg = hf_and_ours_of({**FAMILIES["gpt_oss"], "initializer_range": 0.02}, tmp_path)
+    q, _ = fp8_model(tmp_path)
+    moe = q.layers[0].mlp
+    assert moe.fp8 and moe.w13_bias.dtype == torch.float32 and moe.w2_bias.abs().sum() > 0
+    for a, b in zip(run_paged(ours, cfg, SEQS, CHUNKS), run_paged(q, cfg, SEQS, CHUNKS),
+                    strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert (x - y).norm() / x.norm() < 0.08

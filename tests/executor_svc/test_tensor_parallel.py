@@ -51,6 +51,10 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
                      moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                      n_group=2, topk_group=1, routed_scaling_factor=2.5, use_qk_norm=True,
                      pad_token_id=0, **TINY),
+    # sinks cut by query heads, expert biases (the down bias added by rank 0 alone), a biased
+    # router whole on each rank
+    "gpt-oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=4, **{**TINY, "head_dim": 16}),
 }
 
 
@@ -185,9 +189,9 @@ def save_random(path, name: str):
     hf = AutoModelForCausalLM.from_config(
         AutoConfig.for_model(d.pop("model_type"), initializer_range=0.2, **d),
         dtype=torch.float32)
-    with torch.no_grad():  # biases initialise to 0: move them, so that they count
+    with torch.no_grad():  # biases initialise to 0: move them (gpt-oss's sinks too)
         for name, p in hf.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith(("bias", ".sinks")):
                 p.normal_(0.0, 0.2)
     hf.save_pretrained(path)
     return hf

@@ -1,0 +1,62 @@
+"""MXFP4 checkpoints (gpt-oss's releases) for the native decoder: each expert projection
+arrives as `<name>_blocks` [E, out, in / 32, 16] uint8 (OCP MX FP4 e2m1 codes, two a byte,
+the low nibble first) and `<name>_scales` [E, out, in / 32] uint8 (one power of two per 32
+values, stored as exponent + 127). They are dequantized at load, exactly (every value is a
+bfloat16), and yielded as HF's own parameter holds it ([E, in, out]: `<name>` transposed, a
+view), so the loader reads one layout whether the checkpoint was MXFP4 or saved in float.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from pagedserve.executor.quantization.config import QuantizationError
+
+# e2m1: the 16 codes' values
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_PARTS = ("_blocks", "_scales")
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """blocks [..., G, 16] uint8 and scales [..., G] uint8 -> [..., G * 32] in `dtype`."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise QuantizationError(f"MXFP4 blocks and scales are uint8, got {blocks.dtype} and "
+                                f"{scales.dtype}")
+    if blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise QuantizationError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales "
+                                f"{tuple(scales.shape)} (blocks [..., G, 16], scales [..., G])")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    out = torch.empty((*scales.shape, 32), dtype=dtype, device=blocks.device)
+    for i in range(blocks.shape[0]):  # one expert at a time: float32 temporaries stay small
+        b = blocks[i].long()
+        codes = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)  # [..., G, 32]
+        exp = scales[i].to(torch.int32) - 127
+        out[i] = torch.ldexp(lut[codes], exp[..., None].float()).to(dtype)
+    return out.flatten(-2)
+
+
+def dequantize_mxfp4(weights: Iterable[tuple[str, torch.Tensor]],
+                     dtype: torch.dtype = torch.bfloat16
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each `_blocks` / `_scales` pair (in any order and file)
+    replaced by the float tensor they hold, [E, in, out] as HF's parameter; the rest as they
+    are. A pair left incomplete at the end raises QuantizationError."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        part = next((p for p in _PARTS if name.endswith(p)), "")
+        if not part:
+            yield name, tensor
+            continue
+        base = name[: -len(part)]
+        parts = pending.setdefault(base, {})
+        parts[part] = tensor
+        if len(parts) == 2:
+            del pending[base]
+            yield base, dequantize(parts["_blocks"], parts["_scales"], dtype).transpose(1, 2)
+    if pending:
+        missing = [f"{b}{p}" for b, parts in pending.items() for p in _PARTS if p not in parts]
+        raise QuantizationError(f"MXFP4 checkpoint lacks {', '.join(sorted(missing)[:4])}")
