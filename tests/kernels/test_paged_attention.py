@@ -557,7 +557,8 @@ def test_recording_keeps_each_layer_kinds_signature_inside_it_only(device):
             _run(batch, 0.125, sliding_window=window)
         _run(batch, 0.125, sinks=torch.zeros(4, device=device))
     _run(batch, 0.125, logits_soft_cap=5.0)
-    assert kinds == {pa.Signature(DTYPE, 4, 64, DTYPE, 16, 2, window, False, device, sinks)
+    dev = batch.q.device  # cuda:0, where the fixture's is cuda
+    assert kinds == {pa.Signature(DTYPE, 4, 64, DTYPE, 16, 2, window, False, dev, sinks)
                      for window, sinks in ((False, False), (True, False), (False, True))}
 
 
