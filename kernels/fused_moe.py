@@ -497,14 +497,17 @@ def moe_sum(cache3: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor
 
 @triton.jit
 def _decode_gated_kernel(x_ptr, logits_ptr, w_ptr, scale_ptr, c_ptr, weights_ptr, ids_ptr,
-                         num_experts, stride_xt, stride_l, stride_we, stride_wn, stride_se,
+                         bias_ptr, num_experts, stride_xt, stride_l, stride_we, stride_wn,
+                         stride_se, stride_bias, alpha, limit,
                          N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                          K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr,
-                         HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, OAI: tl.constexpr):
     """Pair p = t * TOP_K + j (axis 0) routes token t itself (_top_k_of_row: every program of
-    the pair alike), then c[p, n-block] = silu(gate) * up of its j-th expert over x[t]: a
-    GEMV, no M tile to fill, no alignment. The n-block-0 program stores the pair's weight and
-    expert for the down GEMV."""
+    the pair alike), then c[p, n-block] = silu(gate) * up of its j-th expert over x[t] (OAI:
+    _moe_gemm_kernel's gpt-oss activation; HAS_BIAS: its biases): a GEMV, no M tile to fill,
+    no alignment. The n-block-0 program stores the pair's weight and expert for the down
+    GEMV."""
     pair = tl.program_id(0)
     t = (pair // TOP_K).to(tl.int64)
     j = pair % TOP_K
@@ -534,17 +537,28 @@ def _decode_gated_kernel(x_ptr, logits_ptr, w_ptr, scale_ptr, c_ptr, weights_ptr
         scales = scale_ptr + expert.to(tl.int64) * stride_se + offs_n
         gate *= tl.load(scales, mask=n_ok, other=0.0)
         up *= tl.load(scales + N, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        biases = bias_ptr + expert.to(tl.int64) * stride_bias + offs_n
+        gate += tl.load(biases, mask=n_ok, other=0.0).to(tl.float32)
+        up += tl.load(biases + N, mask=n_ok, other=0.0).to(tl.float32)
     # as cache1 held gate and up (x's dtype), then silu_and_mul's own math
     g = gate.to(act).to(tl.float32)
-    out = (g / (1.0 + tl.exp(-g))).to(act).to(tl.float32) * up.to(act).to(tl.float32)
+    u = up.to(act).to(tl.float32)
+    if OAI:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        out = (g / (1.0 + tl.exp(-alpha * g))).to(act).to(tl.float32) * (u + 1.0)
+    else:
+        out = (g / (1.0 + tl.exp(-g))).to(act).to(tl.float32) * u
     tl.store(c_ptr + pair.to(tl.int64) * N + offs_n, out.to(act), mask=n_ok)
 
 
 @triton.jit
-def _decode_down_kernel(c_ptr, w_ptr, scale_ptr, weights_ptr, ids_ptr, out_ptr, stride_we,
-                        stride_wn, stride_se, stride_ot, N: tl.constexpr, K: tl.constexpr,
+def _decode_down_kernel(c_ptr, w_ptr, scale_ptr, weights_ptr, ids_ptr, out_ptr, bias_ptr,
+                        stride_we, stride_wn, stride_se, stride_ot, stride_bias,
+                        N: tl.constexpr, K: tl.constexpr,
                         TOP_K: tl.constexpr, K_PAD: tl.constexpr, HAS_SCALE: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     """out[t, n-block] = sum over j of round(weights[t, j] * (w2[ids[t, j]] @ c[t*TOP_K + j])):
     the down GEMV of each of token t's pairs and their top-k sum (moe_sum's float32 sum of the
     rounded rows) in one program."""
@@ -569,6 +583,9 @@ def _decode_down_kernel(c_ptr, w_ptr, scale_ptr, weights_ptr, ids_ptr, out_ptr, 
             dot += tl.sum(b.to(act).to(tl.float32) * a.to(tl.float32)[None, :], 1)
         if HAS_SCALE:
             dot *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=n_ok, other=0.0)
+        if HAS_BIAS:
+            dot += tl.load(bias_ptr + expert * stride_bias + offs_n, mask=n_ok,
+                           other=0.0).to(tl.float32)
         weight = tl.sum(tl.where(slots == j, wts, 0.0), 0).to(tl.float32)
         acc += (dot * weight).to(act).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs_n, acc.to(act), mask=n_ok)
@@ -591,6 +608,8 @@ def decode_tiles(n: int, k: int) -> DecodeTiles:
 
 def moe_decode(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
                w13: torch.Tensor, w2: torch.Tensor, *, w13_scale=None, w2_scale=None,
+               w13_bias=None, w2_bias=None, activation: str = "silu", alpha: float = 1.702,
+               limit: float = 7.0,
                tiles: tuple[DecodeTiles, DecodeTiles] | None = None) -> torch.Tensor:
     """routed_moe for a few tokens in two launches where it takes five to seven: GEMV 1
     routes each token in its own programs and writes silu(gate) * up of every (token, slot)
@@ -606,7 +625,8 @@ def moe_decode(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renorma
     weights = torch.empty((t, top_k), dtype=torch.float32 if INTERPRETED else x.dtype,
                           device=x.device)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
-    check_moe_args(x, w13, w2, weights, ids, "silu", w13_scale, w2_scale, None)
+    check_moe_args(x, w13, w2, weights, ids, activation, w13_scale, w2_scale, None, w13_bias,
+                   w2_bias)
     _, two_i, h = w13.shape
     inter = two_i // 2
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
@@ -618,15 +638,20 @@ def moe_decode(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renorma
     k_pad = triton.next_power_of_2(top_k)
     fp8 = w13_scale is not None
     _decode_gated_kernel[(t * top_k, triton.cdiv(inter, up.block_n))](
-        x, logits, w13, w13_scale if fp8 else x, cache, weights, ids, num_experts, x.stride(0),
+        x, logits, w13, w13_scale if fp8 else x, cache, weights, ids,
+        w13_bias if w13_bias is not None else x, num_experts, x.stride(0),
         logits.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0) if fp8 else 0,
+        w13_bias.stride(0) if w13_bias is not None else 0, float(alpha), float(limit),
         N=inter, K=h, TOP_K=top_k, K_PAD=k_pad, RENORMALIZE=renormalize, E_PAD=e_pad,
-        HAS_SCALE=fp8, BLOCK_N=up.block_n, BLOCK_K=up.block_k, num_warps=up.num_warps)
+        HAS_SCALE=fp8, BLOCK_N=up.block_n, BLOCK_K=up.block_k, HAS_BIAS=w13_bias is not None,
+        OAI=activation == "swiglu_oai", num_warps=up.num_warps)
     _decode_down_kernel[(t, triton.cdiv(h, down.block_n))](
-        cache, w2, w2_scale if fp8 else x, weights, ids, out, w2.stride(0), w2.stride(1),
-        w2_scale.stride(0) if fp8 else 0, out.stride(0), N=h, K=inter, TOP_K=top_k,
+        cache, w2, w2_scale if fp8 else x, weights, ids, out,
+        w2_bias if w2_bias is not None else x, w2.stride(0), w2.stride(1),
+        w2_scale.stride(0) if fp8 else 0, out.stride(0),
+        w2_bias.stride(0) if w2_bias is not None else 0, N=h, K=inter, TOP_K=top_k,
         K_PAD=k_pad, HAS_SCALE=fp8, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        num_warps=down.num_warps)
+        HAS_BIAS=w2_bias is not None, num_warps=down.num_warps)
     return out
 
 
@@ -683,11 +708,10 @@ def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renorma
     **kwargs); up to DECODE_TOKENS tokens moe_decode's two launches, else with FUSE_ROUTE a
     decode step's routing and alignment in one launch."""
     t = x.shape[0]
-    plain = all(kwargs.get(name) is None for name in ("out", "workspace", "w13_bias", "w2_bias"))
-    if (1 <= t <= DECODE_TOKENS and plain and kwargs.get("activation", "silu") == "silu"
-            and w13.shape[0] <= 1024):
+    plain = all(kwargs.get(name) is None for name in ("out", "workspace"))
+    if 1 <= t <= DECODE_TOKENS and plain and w13.shape[0] <= 1024:
         return moe_decode(x, router_logits, top_k, renormalize, w13, w2,
-                          w13_scale=kwargs.get("w13_scale"), w2_scale=kwargs.get("w2_scale"))
+                          **{k: v for k, v in kwargs.items() if k not in ("out", "workspace")})
     if FUSE_ROUTE and 1 <= t <= ROUTE_ALIGN_TOKENS and w13.shape[0] <= 1024:
         block_m = pick_config(t, top_k, w13, x.dtype).block_m
         weights, ids, align = moe_route_align(router_logits, top_k, renormalize, x.dtype,

@@ -208,8 +208,9 @@ def test_triton_swiglu_oai_with_biases(t, case, device):
     check_close(fm.fused_moe(x, w13, w2, weights, ids, **opts),
                 ref.fused_moe(x, w13, w2, weights, ids, **opts), dtype)
     logits = torch.randn(t, 8, generator=torch.Generator().manual_seed(5)).to(device)
-    check_close(fm.routed_moe(x, logits, 2, True, w13, w2, **opts),
-                ref.routed_moe(x, logits, 2, True, w13, w2, **opts), dtype)
+    want = ref.routed_moe(x, logits, 2, True, w13, w2, **opts)
+    check_close(fm.routed_moe(x, logits, 2, True, w13, w2, **opts), want, dtype)
+    check_close(fm.moe_decode(x, logits, 2, True, w13, w2, **opts), want, dtype)  # the GEMVs
     with pytest.raises(ValueError, match="w2_bias"):
         fm.fused_moe(x, w13, w2, weights, ids, **{**opts, "w2_bias": b2[:, :-1]})
 
