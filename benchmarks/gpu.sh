@@ -114,7 +114,8 @@
 #             --sweep: Qwen3-30B-A3B's q/k/v, o_proj, router), cold weights; ~3 min
 #   moelatenv Qwen3-30B-A3B single stream once per MOELAT_ENVS entry, each a comma-separated
 #             list of VAR=value (default: PAGEDSERVE_MOE_DECODE_TOKENS=0 and =4)
-#   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX) beside HF generate
+#   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX; MOSS is
+#             gpt-oss-20b) beside HF generate
 #             bs256, serve's default step bounds
 #   moew2     W2 on both at the default flags, no peer (HF generate's W2 batch runs 1,024
 #             steps: minutes)
