@@ -334,7 +334,6 @@ class CausalLM(nn.Module):
                 filled.append(f"{layer}mlp.w13[{e},{dst_off}]")
         return filled
 
-
     def _load_gpt_oss_experts(self, name: str, tensor: torch.Tensor) -> list[str]:
         """gpt-oss's stacked experts as HF holds them: gate_up_proj [E, hidden, 2I] with gate
         and up in alternate columns, down_proj [E, I, hidden], and their biases [E, 2I] (the

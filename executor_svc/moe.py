@@ -124,18 +124,18 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         # HF combines the experts with the weights in the activations' dtype: the router
         # stores them so (a cast launch a layer less)
-        scales = {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale} if self.fp8 else {}
+        extra = {"w13_scale": self.w13_scale, "w2_scale": self.w2_scale} if self.fp8 else {}
         if self.w13_bias is not None:
-            scales.update(w13_bias=self.w13_bias, w2_bias=self.w2_bias)
+            extra.update(w13_bias=self.w13_bias, w2_bias=self.w2_bias)
         if self.moe.activation != "silu":
-            scales.update(activation=self.moe.activation, alpha=self.moe.swiglu_alpha,
-                          limit=self.moe.swiglu_limit)
+            extra.update(activation=self.moe.activation, alpha=self.moe.swiglu_alpha,
+                         limit=self.moe.swiglu_limit)
         if self.moe.scoring != "softmax":
             weights, ids = self.biased_route(x)
-            y = self.ops.fused_moe(x, self.w13, self.w2, weights, ids, **scales)
+            y = self.ops.fused_moe(x, self.w13, self.w2, weights, ids, **extra)
         else:
             y = self.ops.routed_moe(x, self.gate(x), self.top_k, self.renormalize, self.w13,
-                                    self.w2, **scales)
+                                    self.w2, **extra)
         if self.shared_expert is not None:
             shared = self.shared_expert(x, reduce=False)
             y = y + (shared if self.shared_expert_gate is None
