@@ -16,8 +16,7 @@ once through it with the heads and head size the KV cache is sized for. Layers t
 otherwise give wrong tokens silently. Multi-head latent attention hands it each head's key and
 a value of a smaller size: the value is padded with zeros to the key's size in the cache and
 the output cut back (config.for_transformers sizes the cache so). Attention sinks (gpt-oss's
-per-head `s_aux` logit) are served by a torch path over the gathered cache
-(`_attention_with_sinks`): exact, not fast.
+per-head `s_aux` logit) go to the paged attention's `sinks`.
 
 An MXFP4 checkpoint (gpt-oss's releases) is loaded with transformers' own dequantization
 (Mxfp4Config(dequantize=True)): its experts are served in the model's dtype, four times the
@@ -40,9 +39,6 @@ from pagedserve.executor.layers import AttentionMetadata, Ops
 from pagedserve.executor.quantization.config import QuantizationError
 
 IMPLEMENTATION = "pagedserve_paged"
-# the sinks path's scores a slice of query rows (float32): its temporaries stay a few times this
-# at any context length, where a whole 2k-token chunk against 128k keys would take 64 GiB
-SINK_SCORE_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -85,95 +81,13 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
         options["sliding_window"] = int(window)
     if kwargs.get("softcap"):
         options["logits_soft_cap"] = float(kwargs["softcap"])
+    if sinks is not None:  # gpt-oss's logit per head (the kernels start each softmax at it)
+        options["sinks"] = sinks
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    if sinks is not None:
-        o = _attention_with_sinks(q, k_cache, v_cache, meta, scale, sinks, **options)
-    else:
-        o = step.ops.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, scale,
-            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, **options)
+    o = step.ops.paged_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, scale,
+        max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, **options)
     return o[None, :, :, :v_dim], None
-
-
-def _attention_with_sinks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float, sinks: torch.Tensor,
-                          sliding_window: int = 0,
-                          logits_soft_cap: float = 0.0) -> torch.Tensor:  # [T, H, D]
-    """Causal attention of each sequence's new tokens over its cached keys (this step's
-    written already), with a per-head sink logit in the softmax's denominator and no value:
-    softmax([scores, sink])[:-1] @ V, as transformers' gpt-oss. In torch, a sequence at a
-    time, over keys gathered from the blocks."""
-    heads, head_dim = q.shape[1], q.shape[2]
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty_like(q)
-    cu, lens = meta.cu_seqlens_q.tolist(), meta.seq_lens.tolist()
-    sink = sinks.float().reshape(heads, 1, 1)
-    decode = sorted((b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1), key=lens.__getitem__)
-    per_key = (heads + 2 * kv_heads * head_dim) * 4  # a gathered key's scores, K and V
-    while decode:  # one-token rows together, shortest first, as many as the budget holds
-        group = [b for i, b in enumerate(decode)  # (a prefix: both factors only grow)
-                 if (i + 1) * -(-lens[b] // block_size) * block_size * per_key
-                 <= SINK_SCORE_BYTES] or decode[:1]
-        decode = decode[len(group):]
-        width = -(-lens[group[-1]] // block_size)
-        _decode_with_sinks(q, k_cache, v_cache, meta, scale, sink, group, width, cu, lens,
-                           sliding_window, logits_soft_cap, out)
-    for b, ctx in enumerate(lens):
-        start, end = cu[b], cu[b + 1]
-        if end - start < 2:
-            continue
-        blocks = meta.block_tables[b, :-(-ctx // block_size)].long()
-        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:ctx].float()
-        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:ctx].float()
-        k = k.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)  # [H, ctx, D]
-        v = v.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
-        keys = torch.arange(ctx, device=q.device)[None, :]
-        rows = max(1, SINK_SCORE_BYTES // (4 * heads * ctx))  # query rows a slice
-        for lo in range(start, end, rows):  # scores of a slice: [H, rows, ctx] float32
-            hi = min(end, lo + rows)
-            scores = torch.einsum("thd,hkd->htk", q[lo:hi].float(), k) * scale
-            if logits_soft_cap:
-                scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
-            pos = torch.arange(ctx - end + lo, ctx - end + hi, device=q.device)[:, None]
-            hidden = keys > pos
-            if sliding_window:
-                hidden |= keys <= pos - sliding_window
-            scores = scores.masked_fill(hidden, float("-inf"))
-            probs = torch.softmax(torch.cat([scores, sink.expand(-1, hi - lo, 1)], -1), -1)
-            out[lo:hi] = torch.einsum("htk,hkd->thd", probs[..., :-1], v).to(q.dtype)
-    return out
-
-
-def _decode_with_sinks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       meta: AttentionMetadata, scale: float, sink: torch.Tensor,
-                       group: list[int], width: int, cu: list[int], lens: list[int],
-                       sliding_window: int, logits_soft_cap: float, out: torch.Tensor) -> None:
-    """_attention_with_sinks for sequences with one new token each, in one batched product:
-    their first `width` blocks gathered ([G, width x block, Hkv, D]), keys past each one's
-    context masked."""
-    heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[2]
-    dev = q.device
-    idx = torch.tensor(group, device=meta.block_tables.device)
-    blocks = meta.block_tables[idx, :width].long()
-    k = k_cache[blocks].reshape(len(group), -1, kv_heads, head_dim).float()
-    v = v_cache[blocks].reshape(len(group), -1, kv_heads, head_dim).float()
-    rows = torch.tensor([cu[b] for b in group], device=dev)
-    qg = q[rows].float().reshape(len(group), kv_heads, heads // kv_heads, head_dim)
-    scores = torch.einsum("gkrd,glkd->gkrl", qg, k) * scale  # [G, Hkv, group heads, L]
-    if logits_soft_cap:
-        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
-    pos = torch.tensor([lens[b] - 1 for b in group], device=dev)[:, None]  # the new token's
-    keys = torch.arange(k.shape[1], device=dev)[None, :]
-    hidden = keys > pos
-    if sliding_window:
-        hidden |= keys <= pos - sliding_window
-    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
-    v = v.masked_fill(hidden[:, :, None, None], 0.0)  # slots no one wrote may hold NaN
-    sinks = sink.reshape(1, kv_heads, heads // kv_heads, 1).expand(len(group), -1, -1, 1)
-    probs = torch.softmax(torch.cat([scores, sinks], -1), -1)[..., :-1]
-    o = torch.einsum("gkrl,glkd->gkrd", probs, v)
-    out[rows] = o.reshape(len(group), heads, head_dim).to(out.dtype)
 
 
 def register() -> None:

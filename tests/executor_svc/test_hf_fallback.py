@@ -81,12 +81,12 @@ def test_fallback_equals_hf_across_chunks(family, tmp_path):
     assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
 
 
-def test_sinks_over_query_slices_equal_hf(tmp_path, monkeypatch):
-    """The sinks path bounds its scores by slicing query rows: slices of one to three rows
-    equal HF."""
-    monkeypatch.setattr(hf_fallback, "SINK_SCORE_BYTES", 4 * 4 * 10 * 3)  # 4 heads, 10 keys
+def test_gpt_oss_through_the_fallback_equals_hf(tmp_path):
+    """HF's gpt-oss modeling (--model-impl transformers), its sinks handed to the paged
+    attention."""
     hf = saved(GPT_OSS, tmp_path)
-    outs, _ = paged(tmp_path, "transformers")
+    outs, cfg = paged(tmp_path, "transformers")
+    assert cfg.impl == "transformers"
     assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
 
 
