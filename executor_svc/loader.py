@@ -59,7 +59,8 @@ def build_model(
                                     f"transformers)")
         from pagedserve.executor.hf_fallback import check_dequantized_fits
 
-        check_dequantized_fits(weights_dir, dtype, device, cfg.tp_size)  # one line, no OOM
+        served = torch.float8_e4m3fn if quant is not None else dtype  # (FP8: about)
+        check_dequantized_fits(weights_dir, served, device, cfg.tp_size)  # one line, no OOM
     with torch.device("meta"):
         model = CausalLM(cfg, ops, max_pos, quant)
     _cast(model, dtype)  # on meta: the device holds the weights in their dtype only, never in

@@ -1,7 +1,8 @@
 """Which quantized format a checkpoint is in, from config.json's `quantization_config` (as
 AutoAWQ, AutoGPTQ, transformers and llm-compressor write it), and whether it can be served:
 refused at start, with why. FP8's own fields are parsed in executor_svc/quantization/fp8.
-MXFP4 (gpt-oss's experts) is served by the transformers fallback, dequantized at load."""
+MXFP4 (gpt-oss's experts) is dequantized at load (quantization/mxfp4.py, or the transformers
+fallback's own), and served in float or quantized again to FP8."""
 
 from __future__ import annotations
 
@@ -80,11 +81,13 @@ def resolve_quantization(model_dir: str | Path, requested: str = "auto",
                                     f"and {model_dir}/config.json has no quantization_config")
         raise QuantizationError(f"--quantization {requested}: {model_dir}/config.json has no "
                                 "quantization_config")
+    if found == "mxfp4" and requested in ("auto", "mxfp4", "fp8"):  # dequantized at load
+        # (loader.py): served in float, or quantized again per output channel with fp8 (the
+        # native gpt-oss only: the transformers fallback serves no quantized linear)
+        return QuantConfig("fp8", 0) if requested == "fp8" else None
     if requested != "auto" and requested != found:
         raise QuantizationError(f"--quantization {requested}, but the checkpoint's "
                                 f"quantization_config says {found!r}")
-    if found == "mxfp4":  # the transformers fallback dequantizes it at load (loader.py)
-        return None
     if found == "fp8":
         method = str(qc.get("quant_method")).lower()
         if method == "fp8" and block_fp8_size(qc):  # dequantized at load (loader.py): served

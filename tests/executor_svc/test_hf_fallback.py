@@ -248,10 +248,15 @@ def test_an_mxfp4_checkpoint_is_served_dequantized(tmp_path):
     assert hf_fallback.dequantized_bytes(tmp_path, torch.bfloat16) == 2 * floats
     for requested, reason in (("none", "is a mxfp4 checkpoint; serve it with --quantization "
                                        "mxfp4 or auto"),
-                              ("fp8", "--quantization fp8, but the checkpoint's "
+                              ("awq", "--quantization awq, but the checkpoint's "
                                       "quantization_config says 'mxfp4'")):
         with pytest.raises(QuantizationError, match=reason):
             resolve_quantization(tmp_path, requested)
+    fp8 = resolve_quantization(tmp_path, "fp8")  # natively: FP8 again; the fallback: refused
+    assert fp8 is not None and fp8.method == "fp8" and not fp8.fp8_serialized
+    with pytest.raises(QuantizationError, match="serves unquantized and MXFP4 checkpoints"):
+        build_model(ModelConfig.from_pretrained(tmp_path, "transformers"), get_ops("torch"),
+                    torch.float32, torch.device("cpu"), 512, tmp_path, quant=fp8)
     saved(dict(model_type="qwen3", head_dim=16), tmp_path / "qwen3")
     config = json.loads((tmp_path / "qwen3" / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4"}

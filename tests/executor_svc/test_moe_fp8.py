@@ -172,3 +172,20 @@ def test_fp8_gpt_oss_keeps_its_biases_and_activation_close_to_float(tmp_path):
                     strict=True):
         for x, y in zip(a, b, strict=True):
             assert (x - y).norm() / x.norm() < 0.08
+
+
+def test_an_mxfp4_gpt_oss_quantized_again_to_fp8(tmp_path):
+    """--quantization fp8 of gpt-oss's MXFP4 checkpoint (gpt-oss-120b on one H200): the
+    experts dequantized at load, then FP8 per output channel, as a float checkpoint's."""
+    from tests.executor_svc.test_hf_fallback import write_mxfp4
+
+    hf, ours, cfg = hf_and_ours_of({**FAMILIES["gpt_oss"], "initializer_range": 0.02},
+                                   tmp_path)
+    write_mxfp4(hf, tmp_path)
+    ours = build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, tmp_path)
+    q, _ = fp8_model(tmp_path)
+    assert q.layers[0].mlp.fp8 and q.layers[0].mlp.w13.dtype == FP8
+    for a, b in zip(run_paged(ours, cfg, SEQS, CHUNKS), run_paged(q, cfg, SEQS, CHUNKS),
+                    strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert (x - y).norm() / x.norm() < 0.08
