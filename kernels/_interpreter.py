@@ -8,10 +8,11 @@ def fix_interpreter_index() -> None:
     """Triton 3.6's interpreter holds scalars as shape-(1,) arrays and converts them with
     int(), which numpy >= 2.4 rejects, so `range(runtime_bound)` fails inside kernels (e.g. the
     split-K loop of kernels/w4a16.py). Convert via the single element instead. Idempotent.
-    Also applies fix_interpreter_fp8()."""
+    Also applies fix_interpreter_fp8() and fix_interpreter_bf16_dot()."""
     import triton.runtime.interpreter as interp
 
     fix_interpreter_fp8()
+    fix_interpreter_bf16_dot()
     orig = interp._patch_lang_tensor
     if getattr(orig, "_pagedserve_fixed", False):
         return
@@ -48,3 +49,23 @@ def fix_interpreter_fp8() -> None:
 
     convert._pagedserve_fixed = True
     interp._convert_float = convert
+
+
+def fix_interpreter_bf16_dot() -> None:
+    """Triton 3.9's interpreter holds bf16 arrays as uint16 and multiplies a tl.dot's bf16
+    tiles as those raw bits (off by ~1e10). Widen bf16 operands to float32 first, exactly, as
+    a GPU's tensor cores multiply them (products exact, sums in float32). Idempotent."""
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    orig = interp.InterpreterBuilder.create_dot
+    if getattr(orig, "_pagedserve_fixed", False):
+        return
+
+    def create_dot(self, a, b, *rest):
+        if a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16:
+            a, b = self.cast_impl(a, tl.float32), self.cast_impl(b, tl.float32)
+        return orig(self, a, b, *rest)
+
+    create_dot._pagedserve_fixed = True
+    interp.InterpreterBuilder.create_dot = create_dot

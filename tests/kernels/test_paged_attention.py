@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -431,27 +430,6 @@ def test_sinks_splits_that_see_no_key(device):
            num_long_splits=4)
 
 
-@pytest.fixture
-def bf16_dots(monkeypatch):
-    """Triton 3.9's interpreter multiplies bf16 tiles as their raw bits (its bf16 arrays are
-    uint16: a tl.dot is off by ~1e10), so under it bf16 operands are widened to float32 first,
-    exactly, as a GPU's tensor cores multiply them. (A fix for kernels/_interpreter.py.)"""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    dot = interp.InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, *rest):
-        if a.dtype == tl.bfloat16:
-            a, b = self.cast_impl(a, tl.float32), self.cast_impl(b, tl.float32)
-        return dot(self, a, b, *rest)
-
-    monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", create_dot)
-
-
-@pytest.mark.usefixtures("bf16_dots")
 def test_sinks_bf16(device):
     batch = make_paged_batch(MIXED_Q, MIXED_CTX, 8, 2, 64, 16, torch.bfloat16, device, seed=53)
     for num_splits in (1, 3):
