@@ -1,6 +1,7 @@
 """Every native family on the Triton kernels in bf16 against HF transformers on CUDA, on
-random configs with head sizes 64 to 256 (skipped without CUDA); the decode steps through
-CUDA graphs for a mixture-of-experts model."""
+random configs with head sizes 64 to 256 (skipped without CUDA), the transformers fallback
+over latent attention and a 4-bit MoE checkpoint likewise; the decode steps through CUDA
+graphs for Qwen3-MoE, Gemma 2 and gpt-oss (sinks, expert biases)."""
 
 import pytest
 import torch
@@ -125,7 +126,7 @@ def test_a_4bit_moe_checkpoint_on_the_gpu_kernels(tmp_path):
     assert_bf16_close(ours, cfg, *hf_pair(tmp_path / "hf"))
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "gemma2", "gpt_oss"])
 def test_graphed_decode_equals_eager(tmp_path, name):
     """Decode steps replayed from CUDA graphs (the fused-MoE launch included: its grid
     cannot depend on the routing) give the eager steps' greedy tokens."""
