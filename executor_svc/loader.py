@@ -101,7 +101,7 @@ def build_model(
             weights = dequantize_blocks(weights, block)
         if is_mxfp4(qc):  # gpt-oss's experts: float from here on
             log.info("MXFP4 experts dequantized to %s at load%s", str(dtype)[6:], then)
-            weights = dequantize_mxfp4(weights, dtype)
+            weights = dequantize_mxfp4(weights, dtype, device)
         if ints is not None:  # integers the kernels do not take: float from here on
             log.info("%s int%d weights dequantized at load%s", ints.layout, ints.bits, then)
             weights = dequantize_int(weights, ints)

@@ -40,11 +40,13 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor,
 
 
 def dequantize_mxfp4(weights: Iterable[tuple[str, torch.Tensor]],
-                     dtype: torch.dtype = torch.bfloat16
+                     dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None
                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each `_blocks` / `_scales` pair (in any order and file)
-    replaced by the float tensor they hold, [E, in, out] as HF's parameter; the rest as they
-    are. A pair left incomplete at the end raises QuantizationError."""
+    replaced by the float tensor they hold, [E, in, out] as HF's parameter, made on `device`
+    (the model's: the codes travel at half a byte a value and a GPU expands them in
+    milliseconds, where a CPU takes seconds a layer); the rest as they are. A pair left
+    incomplete at the end raises QuantizationError."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         part = next((p for p in _PARTS if name.endswith(p)), "")
@@ -56,7 +58,8 @@ def dequantize_mxfp4(weights: Iterable[tuple[str, torch.Tensor]],
         parts[part] = tensor
         if len(parts) == 2:
             del pending[base]
-            yield base, dequantize(parts["_blocks"], parts["_scales"], dtype).transpose(1, 2)
+            blocks, scales = (parts[p].to(device) for p in _PARTS)
+            yield base, dequantize(blocks, scales, dtype).transpose(1, 2)
     if pending:
         missing = [f"{b}{p}" for b, parts in pending.items() for p in _PARTS if p not in parts]
         raise QuantizationError(f"MXFP4 checkpoint lacks {', '.join(sorted(missing)[:4])}")
