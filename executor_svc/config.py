@@ -114,28 +114,35 @@ class ModelConfig:
         HF's own modeling code (hf_fallback.py)."""
         from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-        if type(c) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        if type(c) not in MODEL_FOR_CAUSAL_LM_MAPPING and not _register_causal_lm(c):
             raise UnsupportedModelError(f"unsupported model_type {c.model_type!r}: no native "
                                         f"module (supported are {', '.join(SUPPORTED)}) and "
                                         f"transformers has no causal LM for it")
-        heads = c.num_attention_heads
-        chunk = int(getattr(c, "attention_chunk_size", None) or 0)
-        kv_heads = getattr(c, "num_key_value_heads", None) or heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        if getattr(c, "kv_lora_rank", None) and getattr(c, "qk_nope_head_dim", None):
+        t = c.get_text_config()  # a vision-language wrapper's sizes are its language model's
+        try:
+            heads = t.num_attention_heads
+            kv_heads = getattr(t, "num_key_value_heads", None) or heads
+            head_dim = getattr(t, "head_dim", None) or t.hidden_size // heads
+        except Exception as e:  # noqa: BLE001 - e.g. Gemma 4's per-layer head sizes
+            raise UnsupportedModelError(
+                f"{c.model_type}: the transformers fallback needs one head size and KV-head "
+                f"count for every layer (the KV cache's), and the config gives none "
+                f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
+        chunk = int(getattr(t, "attention_chunk_size", None) or 0)
+        if getattr(t, "kv_lora_rank", None) and getattr(t, "qk_nope_head_dim", None):
             # multi-head latent attention as HF runs it (DeepSeek V2/V3, Kimi, MiniCPM3):
             # each head's key (no-RoPE and RoPE parts) and value expanded from the latent;
             # the cache holds both per head, values padded to the key's size (hf_fallback)
             kv_heads = heads
-            head_dim = max(c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
+            head_dim = max(t.qk_nope_head_dim + t.qk_rope_head_dim, t.v_head_dim)
         return cls(
             exact_len=chunk,
-            model_type=c.model_type, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+            model_type=c.model_type, hidden_size=t.hidden_size, num_layers=t.num_hidden_layers,
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-            intermediate_size=getattr(c, "intermediate_size", 0) or 0, vocab_size=c.vocab_size,
-            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-            max_position_embeddings=min(c.max_position_embeddings, chunk or 1 << 62),
+            intermediate_size=getattr(t, "intermediate_size", 0) or 0, vocab_size=t.vocab_size,
+            rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(getattr(t, "tie_word_embeddings", False)),
+            max_position_embeddings=min(t.max_position_embeddings, chunk or 1 << 62),
             attention_bias=False, hf_config=c, impl="transformers")
 
     @classmethod
@@ -202,6 +209,21 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
+
+
+def _register_causal_lm(c: Any) -> bool:
+    """Register the causal LM a config's `architectures` names (a transformers class ending in
+    ForCausalLM) where transformers' auto mapping lacks it (Mistral 4 in transformers 5.25);
+    whether one was."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    for name in getattr(c, "architectures", None) or ():
+        model = getattr(transformers, name, None) if name.endswith("ForCausalLM") else None
+        if model is not None and getattr(model, "config_class", None) is type(c):
+            AutoModelForCausalLM.register(type(c), model, exist_ok=True)
+            return True
+    return False
 
 
 def balanced(n: int, parts: int, i: int) -> tuple[int, int]:

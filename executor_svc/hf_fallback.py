@@ -11,12 +11,13 @@ no attention mask. Native modules stay the fast path (no fused kernels or CUDA g
 
 At build, one forward pass over a few tokens records what each layer hands the attention
 interface (probe): a model is refused at start, naming why, unless every layer attends exactly
-once through it with the heads and head size the KV cache is sized for. Layers that do not
-(linear attention, state-space or convolution layers, layers reusing another's KV) would
-otherwise give wrong tokens silently. Multi-head latent attention hands it each head's key and
-a value of a smaller size: the value is padded with zeros to the key's size in the cache and
-the output cut back (config.for_transformers sizes the cache so). Attention sinks (gpt-oss's
-per-head `s_aux` logit) go to the paged attention's `sinks`.
+once through it, over the keys of its own tokens, with the heads and head size the KV cache
+is sized for, and no module keeps a recurrent state. Layers that do not (linear attention,
+state-space or convolution layers, compressed keys, a Mamba mixer beside the attention as
+Falcon-H1's) would otherwise give wrong tokens silently. Multi-head latent attention hands
+it each head's key and a value of a smaller size: the value is padded with zeros to the key's
+size in the cache and the output cut back (config.for_transformers sizes the cache so).
+Attention sinks (gpt-oss's per-head `s_aux` logit) go to the paged attention's `sinks`.
 
 An MXFP4 checkpoint (gpt-oss's releases) is loaded with transformers' own dequantization
 (Mxfp4Config(dequantize=True)): its experts are served in the model's dtype, four times the
@@ -26,6 +27,7 @@ bytes of their FP4 form, so the device must hold that much (checked before loadi
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +41,11 @@ from pagedserve.executor.layers import AttentionMetadata, Ops
 from pagedserve.executor.quantization.config import QuantizationError
 
 IMPLEMENTATION = "pagedserve_paged"
+# tokens of the start-up probe: more than any compression rate of keys (DeepSeek V4's 128)
+PROBE_TOKENS = 256
+# the class names of HF's state-space, convolution and linear-attention mixers
+_RECURRENT = re.compile(r"Mamba|Mixer$|ShortConv|DeltaNet|DeltaAttention|Rglru|RecurrentBlock|"
+                        r"LinearAttention")
 
 
 @dataclass
@@ -139,14 +146,16 @@ class TransformersLM(nn.Module):
 
     @torch.inference_mode()
     def _probe(self) -> None:
-        """One forward pass over four tokens, recording what the attention interface receives
-        (no cache is touched): UnsupportedModelError, naming why, unless each layer attends
-        once through it, causally, with the heads and head size the KV cache is sized for."""
+        """One forward pass over PROBE_TOKENS tokens, recording what the attention interface
+        receives (no cache is touched): UnsupportedModelError, naming why, unless each layer
+        attends once through it, causally, over keys of its own tokens only, with the heads and
+        head size the KV cache is sized for, and no module keeps a recurrent state."""
         cfg, self.step.probe = self.cfg, []
+        n = min(PROBE_TOKENS, cfg.max_position_embeddings)
         device = next(self.hf.parameters()).device
         try:
-            out = self.decoder(input_ids=torch.zeros(1, 4, dtype=torch.long, device=device),
-                               position_ids=torch.arange(4, device=device)[None],
+            out = self.decoder(input_ids=torch.zeros(1, n, dtype=torch.long, device=device),
+                               position_ids=torch.arange(n, device=device)[None],
                                use_cache=False)
             out.last_hidden_state  # noqa: B018 - what hidden() reads must be there
         except Exception as e:  # noqa: BLE001 - HF's own refusal, named below
@@ -164,8 +173,13 @@ class TransformersLM(nn.Module):
                 f"transformers' attention interface (attention in the model's own code, as "
                 f"ALiBi models; linear attention, state-space or convolution layers; layers "
                 f"reusing another's KV): {unit}")
-        want = (cfg.num_heads, 4, cfg.head_dim), (cfg.num_kv_heads, 4, cfg.head_dim)
+        want = (cfg.num_heads, n, cfg.head_dim), (cfg.num_kv_heads, n, cfg.head_dim)
         for c in calls:  # a value head smaller than the key's is padded (latent attention)
+            if c["k"][1] != n or c["q"][1] != n:
+                raise UnsupportedModelError(
+                    f"{cfg.model_type}: layer {c['layer']} attends with {c['q'][1]} queries "
+                    f"over {c['k'][1]} keys for {n} tokens (compressed or extra keys, as "
+                    f"DeepSeek V4's): {unit} over the keys of its tokens")
             if (c["q"], c["k"]) != want or c["v"][:2] != want[1][:2] or \
                     c["v"][2] > cfg.head_dim:
                 raise UnsupportedModelError(
@@ -177,6 +191,16 @@ class TransformersLM(nn.Module):
             if c["causal"] is False:
                 raise UnsupportedModelError(f"{cfg.model_type}: layer {c['layer']} attends "
                                             f"bidirectionally: {unit}, causal")
+        # beside attention that passes all of the above, a state-space or convolution mixer
+        # (Falcon-H1's Mamba-2 in every layer) keeps a state between steps that no paged
+        # cache holds: each later step would be silently wrong
+        stateful = sorted({type(m).__name__ for m in self.decoder.modules()
+                           if _RECURRENT.search(type(m).__name__)})
+        if stateful:
+            raise UnsupportedModelError(
+                f"{cfg.model_type}: {', '.join(stateful[:3])} keep a recurrent state between "
+                f"steps (state-space, convolution or linear-attention mixers), which the paged "
+                f"KV cache does not hold: {unit}")
 
     @classmethod
     def build(cls, cfg: ModelConfig, ops: Ops, dtype: torch.dtype, device: torch.device,

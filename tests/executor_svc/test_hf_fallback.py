@@ -52,6 +52,25 @@ REFUSED = {
              r"layers \[0\] do not attend .* convolution"),
     "bloom": (dict(model_type="bloom", n_layer=2, n_head=4, num_key_value_heads=None),
               "ALiBi"),
+    # every layer attends once, beside a Mamba-2 mixer whose state no paged cache holds
+    "falcon_h1": (dict(model_type="falcon_h1", head_dim=16, mamba_d_ssm=64, mamba_n_heads=4,
+                       mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
+                       mamba_chunk_size=16, mamba_expand=1),
+                  "FalconH1Mixer keep a recurrent state between steps"),
+    # keys compressed 8:1 beside each layer's own (seen from the probe's 8th token on)
+    "deepseek_v4": (dict(model_type="deepseek_v4", num_key_value_heads=1, head_dim=16,
+                         q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4,
+                         moe_intermediate_size=32, sliding_window=6, o_groups=2,
+                         o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=2,
+                         layer_types=["heavily_compressed_attention"] * 2,
+                         compress_rates={"compressed_sparse_attention": 4,
+                                         "heavily_compressed_attention": 8}),
+                    "compressed or extra keys"),
+    # Gemma 4's global layers: heads of their own size
+    "gemma4_text": (dict(model_type="gemma4_text", head_dim=16, global_head_dim=32,
+                         layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                         hidden_size_per_layer_input=0),
+                    "needs one head size and KV-head count for every layer"),
 }
 SEQS = [list(range(3, 23)), list(range(40, 53))]
 CHUNKS = [(7, 5), (10, 5), (1, 1), (1, 1), (1, 1)]
@@ -139,6 +158,39 @@ def test_fallback_refuses_what_it_would_get_wrong(family, tmp_path):
     saved(config, tmp_path)
     with pytest.raises(UnsupportedModelError, match=reason):
         paged(tmp_path, "auto")
+
+
+def test_a_wrappers_sizes_are_its_language_models(tmp_path):
+    """A vision-language wrapper with no native module (Gemma 4's, its vision and audio towers
+    left out here) is served by the fallback with its text config's sizes; a causal LM that
+    transformers' auto mapping lacks (Mistral 4 in 5.25: latent attention, grouped experts)
+    is registered from the config's `architectures`."""
+    from transformers import AutoConfig
+
+    text = dict(TINY, model_type="gemma4_text", head_dim=16, global_head_dim=16,
+                layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                hidden_size_per_layer_input=0, pad_token_id=0)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("gemma4", text_config=text, vision_config=None, audio_config=None),
+        dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path / "gemma4")
+    outs, cfg = paged(tmp_path / "gemma4", "auto")
+    assert (cfg.model_type, cfg.impl, cfg.num_layers, cfg.head_dim) == (
+        "gemma4", "transformers", TINY["num_hidden_layers"], 16)
+    assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
+    from transformers import Mistral4ForCausalLM
+
+    torch.manual_seed(0)
+    hf = Mistral4ForCausalLM(AutoConfig.for_model(
+        "mistral4", **{**TINY, "num_key_value_heads": 4}, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+        topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16)).eval()
+    hf.save_pretrained(tmp_path / "mistral4")
+    outs, cfg = paged(tmp_path / "mistral4", "auto")
+    assert cfg.impl == "transformers"
+    assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
 
 
 def test_chunked_attention_is_served_within_one_chunk(tmp_path):
