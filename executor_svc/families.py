@@ -33,9 +33,9 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
                                         windows on alternate layers    clamped SwiGLU (alpha)
 
 A vision-language checkpoint whose language model is one of these (Gemma 3 4B and up, Mistral
-Small 3.1, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is served text-only: its text_config and its
-language model's tensors (text_config_of, text_weight_name); the vision tower and projector
-are not loaded.
+Small 3.1, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, EXAONE 4.5) is served text-only: its
+text_config and its language model's tensors (text_config_of, text_weight_name); the vision
+tower and projector are not loaded.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "
 
 
 # vision-language wrappers (HF model_type) of a supported language model
-MULTIMODAL = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+MULTIMODAL = ("gemma3", "mistral3", "llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "exaone4_5")
 # their tensors outside the language model: not loaded
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "vision_model.", "visual.")
 

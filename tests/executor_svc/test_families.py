@@ -266,6 +266,13 @@ def vision_language_checkpoint(kind: str, tmp_path):
                       dict(patch_size=16, deepstack_visual_indexes=[0],
                            num_position_embeddings=16))
         extra = dict(image_token_id=255, video_token_id=254, vision_start_token_id=253)
+    elif kind == "exaone4_5":  # EXAONE 4's decoder under Qwen2.5-VL's vision tower
+        text.update(model_type="exaone4", head_dim=16, sliding_window=WINDOW,
+                    layer_types=["sliding_attention", "full_attention"])
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=64, fullatt_block_indexes=[0], window_size=56,
+                      num_key_value_heads=2)
+        extra = dict(image_token_id=255, video_token_id=254, vision_start_token_id=253)
     else:  # mistral3: tied by the wrapper's flag, or (untied) with a head of its own
         text.update(model_type="mistral", tie_word_embeddings=False)
         vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
@@ -281,7 +288,7 @@ def vision_language_checkpoint(kind: str, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "mistral3", "mistral3-untied", "llava",
-                                  "qwen2_5_vl", "qwen3_vl"])
+                                  "qwen2_5_vl", "qwen3_vl", "exaone4_5"])
 def test_a_vision_language_checkpoint_serves_its_language_model(kind, tmp_path):
     """Gemma 3 4B+, Mistral Small 3.1 and Qwen's VL models ship as vision-language models:
     their language model runs natively, text-only, with HF's logits on text; the vision tower
