@@ -7,6 +7,7 @@ attention metadata says which rows belong to which sequence and where their KV l
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 
@@ -30,6 +31,7 @@ from pagedserve.executor.quantization import QuantConfig, QuantizationError
 from pagedserve.kernels.fp8_reference import FP8
 
 __all__ = ["AttentionMetadata", "CausalLM", "Ops", "rope_cos_sin_cache"]
+log = logging.getLogger("pagedserve.executor")
 _PACKED_ALONG_N = (".qweight", ".scales", ".zeros")  # fused parts concatenate along dim 1
 _FP8_SCALES = (".weight_scale", ".input_scale")  # one per output row (quantization/fp8.py)
 # FP8 KV-cache scales as checkpoints name them (vLLM's loader reads the same): k_scale/v_scale,
@@ -210,17 +212,22 @@ class CausalLM(nn.Module):
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_rows = {"q": (0, h * d), "k": (h * d, hkv * d), "v": ((h + hkv) * d, hkv * d)}
         loaded: set[str] = set()
+        ignored = _ignored_on_load(cfg.hf_config)  # e.g. GLM-4.5's and ERNIE's MTP layers
+        skipped = 0
         if cfg.multimodal:  # the language model's tensors, under its own names
             weights = ((n, t) for name, t in weights
                        if (n := text_weight_name(name)) is not None)
-        for name, tensor in _unfused(weights, cfg):
-            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.") \
+        for raw, tensor in _unfused(weights, cfg):
+            name = raw.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.") \
                 .replace(".mlp.shared_experts.", ".mlp.shared_expert.") \
                 .replace(".mlp.router.", ".mlp.gate.")  # GLM-4.5's, ERNIE's; gpt-oss's
             if name.endswith(".mlp.moe_statics.e_score_correction_bias"):  # ERNIE's [1, E]
                 name = name.replace(".moe_statics.", ".gate.")
                 tensor = tensor.reshape(-1)
             if "rotary_emb" in name or self._load_kv_scale(name, tensor):
+                continue
+            if ignored is not None and ignored.search(raw) and self._unexpected(name, params):
+                skipped += 1  # as HF skips them: not part of the decoder it runs
                 continue
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
@@ -271,6 +278,15 @@ class CausalLM(nn.Module):
                        else 1 for n in params)
         if len(loaded) != expected:
             raise ValueError(f"checkpoint filled {len(loaded)} of {expected} weight tensors")
+        if skipped:
+            log.info("%d checkpoint tensors skipped as HF skips them (%s)", skipped,
+                     ignored.pattern)
+
+    def _unexpected(self, name: str, params: dict) -> bool:
+        """Whether a checkpoint tensor is not the decoder's: of a layer past num_layers (a
+        multi-token-prediction layer), or outside the layers and not a parameter."""
+        m = re.match(r"layers\.(\d+)\.", name)
+        return int(m.group(1)) >= self.cfg.num_layers if m else name not in params
 
     def _shard(self, name: str, tensor: torch.Tensor, shared: bool) -> torch.Tensor:
         """This rank's slice of a non-expert tensor: tp_layers.shard, but for the shared
@@ -384,6 +400,21 @@ def _rotary_permuted(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch
     if name.endswith((".perm", ".input_scale")) or tensor.numel() == 1:
         return tensor
     return permute_heads(tensor, 1 if name.endswith(_PACKED_ALONG_N) else 0, cfg)
+
+
+def _ignored_on_load(hf_config) -> re.Pattern | None:
+    """What HF's own causal LM for this config skips in a checkpoint
+    (`_keys_to_ignore_on_load_unexpected`: the multi-token-prediction layers GLM-4.5 keeps as
+    `model.layers.46`, ERNIE 4.5's `mtp` blocks), as one pattern; None where it skips
+    nothing."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except KeyError:
+        return None
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
 
 
 def _copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -304,3 +304,27 @@ def test_a_vision_language_checkpoint_serves_its_language_model(kind, tmp_path):
             torch.randint(0, 250, (11,), generator=g).tolist()]
     chunks = [(7, 5), (13, 4), (1, 1), (1, 1)]  # chunked prefill past the window, decodes
     assert_paged_equals_hf(hf, run_paged(ours, cfg, seqs, chunks), seqs, chunks)
+
+
+@pytest.mark.parametrize("family,extra", [
+    ("glm4-moe", ["model.layers.46.eh_proj.weight",
+                  "model.layers.46.mlp.experts.0.gate_proj.weight"]),
+    ("ernie4_5_moe", ["mtp_block.0.self_attn.q_proj.weight", "mtp_emb_norm.0.weight"])])
+def test_multi_token_prediction_layers_are_skipped_as_hf_skips_them(family, extra, tmp_path):
+    """GLM-4.5 ships its MTP layer as model.layers.46 (HF's _keys_to_ignore_on_load_unexpected),
+    ERNIE 4.5 as mtp_*: skipped, the decoder equal to the checkpoint without them; any other
+    stray tensor is still refused."""
+    from safetensors.torch import load_file, save_file
+
+    hf, ours, cfg = hf_and_ours_of(FAMILIES[family], tmp_path)
+    (f,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(f)
+    save_file({**tensors, **{n: torch.ones(4, 4) for n in extra}}, f, metadata={"format": "pt"})
+    again = build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, tmp_path)
+    for (name, a), (_, b) in zip(ours.state_dict().items(), again.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+    save_file({**tensors, "model.layers.0.stray.weight": torch.ones(4)}, f,
+              metadata={"format": "pt"})
+    with pytest.raises(KeyError, match="unexpected weight layers.0.stray.weight"):
+        build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, tmp_path)
