@@ -31,6 +31,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
                                                                        a choice bias + shared
     gpt_oss       pre-norm              biases, a sink logit per head, biased router and experts,
                                         windows on alternate layers    clamped SwiGLU (alpha)
+    minimax_m2    pre-norm              RMSNorm of the whole q, k;     sigmoid-routed experts with
+                                        half of each head rotated      a choice bias (no groups)
 
 A vision-language checkpoint whose language model is one of these (Gemma 3 4B and up, Mistral
 Small 3.1, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, EXAONE 4.5) is served text-only: its
@@ -47,7 +49,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_te
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
-             "gpt_oss", "qwen2_vl_text",
+             "gpt_oss", "minimax_m2", "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
@@ -155,7 +157,8 @@ def family_fields(c: Any) -> dict[str, Any]:
     cohere = mt in ("cohere", "cohere2")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rotary_dim = int(head_dim * factor)  # as HF's rope_init_fn sizes it
-    if factor != 1.0 and (mt not in ("phi3", "glm", "glm4", "glm4_moe", "stablelm")
+    if factor != 1.0 and (mt not in ("phi3", "glm", "glm4", "glm4_moe", "stablelm",
+                                     "minimax_m2")
                           or rotary_dim % 2
                           or (head_dim - rotary_dim) % 2):
         raise UnsupportedModelError(f"{c.model_type}: partial rotary embeddings "
@@ -165,6 +168,7 @@ def family_fields(c: Any) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
                     "exaone4": "head", "dots1": "head", "olmo2": "full", "olmoe": "full",
+                    "minimax_m2": "full",
                     "glm4_moe": "head" if getattr(c, "use_qk_norm", False) else ""}.get(mt, ""),
         "norm_style": "sandwich" if gemma and mt != "gemma" or mt == "glm4"
         else "post" if mt in ("olmo2", "exaone4")
@@ -248,6 +252,9 @@ def _moe(c: Any) -> Moe | None:
                    tuple(i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)),
                    shared_gated=False, scoring="sigmoid", n_group=c.n_group,
                    topk_group=c.topk_group, routed_scaling=float(c.routed_scaling_factor))
+    if mt == "minimax_m2":  # DeepSeek-V3's sigmoid choice with its bias, in one group
+        return Moe(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size, True,
+                   sparse_layers=(True,) * c.num_hidden_layers, scoring="sigmoid")
     if mt == "gpt_oss":  # softmax over the top k's logits: the renormalized softmax's weights
         return Moe(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size, True,
                    sparse_layers=(True,) * c.num_hidden_layers, biases=True,

@@ -224,6 +224,8 @@ class CausalLM(nn.Module):
             if name.endswith(".mlp.moe_statics.e_score_correction_bias"):  # ERNIE's [1, E]
                 name = name.replace(".moe_statics.", ".gate.")
                 tensor = tensor.reshape(-1)
+            elif name.endswith(".mlp.e_score_correction_bias"):  # MiniMax-M2's, on the block
+                name = name.replace(".mlp.", ".mlp.gate.")
             if "rotary_emb" in name or self._load_kv_scale(name, tensor):
                 continue
             if ignored is not None and ignored.search(raw) and self._unexpected(name, params):

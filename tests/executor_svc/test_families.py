@@ -88,6 +88,10 @@ FAMILIES = {
     "dots1": dict(model_type="dots1", n_routed_experts=8, num_experts_per_tok=2,
                   moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
                   n_group=4, topk_group=2, routed_scaling_factor=1.5, pad_token_id=0),
+    # sigmoid scores chosen with a correction bias (one group), RMSNorm of the whole q and k,
+    # half of each head rotated (the released config's legacy rotary_dim)
+    "minimax_m2": dict(model_type="minimax_m2", num_local_experts=8, num_experts_per_tok=2,
+                       intermediate_size=32, head_dim=16, rotary_dim=8),
     # a sink logit per head, biases on attention, router and experts, the clamped SwiGLU,
     # windows on alternate layers, YaRN; weights large enough for the clamps to bite
     "gpt_oss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=4,

@@ -21,7 +21,7 @@ SHAPE = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
 HEAD_DIMS = {"gemma": 256, "gemma2": 256, "gemma3": 256, "phi3": 96, "phi3-longrope": 96,
              "phi3-partial": 128, "qwen3": 128, "qwen3-moe": 128, "glm": 128, "glm4": 128,
              "helium": 128, "ernie4_5": 128, "ernie4_5_moe": 128, "seed_oss": 128,
-             "exaone4": 128, "gpt_oss": 64}
+             "exaone4": 128, "gpt_oss": 64, "minimax_m2": 128}
 WINDOWS = {"phi3": 100, "mistral-window": 100, "gemma2": 100, "gemma3": 100, "gpt_oss": 100}
 
 
@@ -39,6 +39,8 @@ def family_config(name: str) -> dict:
                                     "long_factor": [1.0 + i / 40 for i in range(n)],
                                     "short_factor": [1.0 + i / 80 for i in range(n)],
                                     "original_max_position_embeddings": 1024}
+    if "rotary_dim" in d:  # MiniMax-M2's: half of each head
+        d["rotary_dim"] = d.get("head_dim", 64) // 2
     if name in WINDOWS:
         d["sliding_window"] = WINDOWS[name]
     for key in ("layer_types", "no_rope_layers"):  # the test config's pattern, repeated

@@ -51,6 +51,10 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
                      moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
                      n_group=2, topk_group=1, routed_scaling_factor=2.5, use_qk_norm=True,
                      pad_token_id=0, **TINY),
+    # a norm over the whole split q and k, half of each head rotated, a sigmoid router with
+    # its choice bias whole on each rank
+    "minimax-m2": dict(model_type="minimax_m2", num_local_experts=4, num_experts_per_tok=2,
+                       rotary_dim=8, **{**TINY, "head_dim": 16}),
     # sinks cut by query heads, expert biases (the down bias added by rank 0 alone), a biased
     # router whole on each rank
     "gpt-oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
