@@ -24,6 +24,7 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     qwen2_moe     pre-norm              qkv bias                       top-k experts + gated shared
     qwen3_moe     pre-norm              q/k norm per head              top-k experts (normalized)
     olmoe         pre-norm              + RMSNorm of the whole q, k    top-k experts
+    flex_olmo     post-norm             as olmo2                       top-k experts (olmoe's)
     glm4_moe      pre-norm              half rotary, qkv bias, q/k     sigmoid-routed experts in
                                         norm per head when set         groups + shared expert
     dots1         pre-norm              q/k norm per head              as glm4_moe's
@@ -49,16 +50,17 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_te
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
-             "gpt_oss", "minimax_m2", "qwen2_vl_text",
+             "gpt_oss", "minimax_m2", "flex_olmo", "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
 ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
-           "olmo3": "olmo2",
+           "olmo3": "olmo2", "flex_olmo": "olmo2",  # FlexOlmo: OLMo 2's decoder, OLMoE's experts
            # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models: on text alone their
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
-_BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3", "gpt_oss")
+_BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3", "flex_olmo",
+                  "gpt_oss")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 
@@ -236,7 +238,7 @@ def _moe(c: Any) -> Moe | None:
         n = c.num_local_experts
         return Moe(n, c.num_experts_per_tok, c.intermediate_size, True,
                    sparse_layers=(True,) * c.num_hidden_layers)
-    if mt == "olmoe":
+    if mt in ("olmoe", "flex_olmo"):
         return Moe(c.num_experts, c.num_experts_per_tok, c.intermediate_size,
                    bool(c.norm_topk_prob), sparse_layers=(True,) * c.num_hidden_layers)
     if mt == "ernie4_5_moe":

@@ -88,6 +88,9 @@ FAMILIES = {
     "dots1": dict(model_type="dots1", n_routed_experts=8, num_experts_per_tok=2,
                   moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
                   n_group=4, topk_group=2, routed_scaling_factor=1.5, pad_token_id=0),
+    # OLMo 2's post-norm decoder with OLMoE's experts (not renormalized)
+    "flex_olmo": dict(model_type="flex_olmo", num_experts=4, num_experts_per_tok=2,
+                      intermediate_size=32, pad_token_id=0),
     # sigmoid scores chosen with a correction bias (one group), RMSNorm of the whole q and k,
     # half of each head rotated (the released config's legacy rotary_dim)
     "minimax_m2": dict(model_type="minimax_m2", num_local_experts=8, num_experts_per_tok=2,
