@@ -25,6 +25,7 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     qwen3_moe     pre-norm              q/k norm per head              top-k experts (normalized)
     olmoe         pre-norm              + RMSNorm of the whole q, k    top-k experts
     flex_olmo     post-norm             as olmo2                       top-k experts (olmoe's)
+    exaone_moe    pre-norm              as exaone4                     as glm4_moe's
     glm4_moe      pre-norm              half rotary, qkv bias, q/k     sigmoid-routed experts in
                                         norm per head when set         groups + shared expert
     dots1         pre-norm              q/k norm per head              as glm4_moe's
@@ -50,7 +51,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_te
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
-             "gpt_oss", "minimax_m2", "flex_olmo", "qwen2_vl_text",
+             "gpt_oss", "minimax_m2", "flex_olmo", "exaone_moe", "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
@@ -170,7 +171,7 @@ def family_fields(c: Any) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
                     "exaone4": "head", "dots1": "head", "olmo2": "full", "olmoe": "full",
-                    "minimax_m2": "full",
+                    "minimax_m2": "full", "exaone_moe": "head",
                     "glm4_moe": "head" if getattr(c, "use_qk_norm", False) else ""}.get(mt, ""),
         "norm_style": "sandwich" if gemma and mt != "gemma" or mt == "glm4"
         else "post" if mt in ("olmo2", "exaone4")
@@ -214,7 +215,7 @@ def _rope_layers(c: Any) -> tuple[bool, ...]:
     no_rope_layers; EXAONE 4's global layers when it has windows; Cohere 2's."""
     if c.model_type == "smollm3":
         return tuple(bool(r) for r in c.no_rope_layers)
-    if c.model_type == "exaone4" and getattr(c, "sliding_window", None):
+    if c.model_type in ("exaone4", "exaone_moe") and getattr(c, "sliding_window", None):
         return tuple(t == "sliding_attention" for t in c.layer_types)
     if c.model_type == "cohere2":  # RoPE only where a window is
         return tuple(bool(c.sliding_window) and t == "sliding_attention" for t in c.layer_types)
@@ -254,6 +255,12 @@ def _moe(c: Any) -> Moe | None:
                    tuple(i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)),
                    shared_gated=False, scoring="sigmoid", n_group=c.n_group,
                    topk_group=c.topk_group, routed_scaling=float(c.routed_scaling_factor))
+    if mt == "exaone_moe":  # DeepSeek-V3's experts and router, dense layers by mlp_layer_types
+        return Moe(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                   bool(c.norm_topk_prob), c.moe_intermediate_size * c.num_shared_experts,
+                   tuple(t == "sparse" for t in c.mlp_layer_types), shared_gated=False,
+                   scoring="sigmoid", n_group=c.n_group, topk_group=c.topk_group,
+                   routed_scaling=float(c.routed_scaling_factor))
     if mt == "minimax_m2":  # DeepSeek-V3's sigmoid choice with its bias, in one group
         return Moe(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size, True,
                    sparse_layers=(True,) * c.num_hidden_layers, scoring="sigmoid")

@@ -88,6 +88,12 @@ FAMILIES = {
     "dots1": dict(model_type="dots1", n_routed_experts=8, num_experts_per_tok=2,
                   moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
                   n_group=4, topk_group=2, routed_scaling_factor=1.5, pad_token_id=0),
+    # EXAONE 4's attention (global layers without RoPE) in a pre-norm decoder, DeepSeek-V3's
+    # grouped sigmoid router and shared expert, a dense first layer
+    "exaone_moe": dict(model_type="exaone_moe", num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, num_shared_experts=1, n_group=2,
+                       topk_group=1, head_dim=16, sliding_window=WINDOW,
+                       layer_types=["sliding_attention", "full_attention"]),
     # OLMo 2's post-norm decoder with OLMoE's experts (not renormalized)
     "flex_olmo": dict(model_type="flex_olmo", num_experts=4, num_experts_per_tok=2,
                       intermediate_size=32, pad_token_id=0),
