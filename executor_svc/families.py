@@ -26,6 +26,7 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     olmoe         pre-norm              + RMSNorm of the whole q, k    top-k experts
     flex_olmo     post-norm             as olmo2                       top-k experts (olmoe's)
     exaone_moe    pre-norm              as exaone4                     as glm4_moe's
+    granitemoe(shared) as granite                                      top-k experts (+ shared)
     glm4_moe      pre-norm              half rotary, qkv bias, q/k     sigmoid-routed experts in
                                         norm per head when set         groups + shared expert
     dots1         pre-norm              q/k norm per head              as glm4_moe's
@@ -51,17 +52,19 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_te
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
-             "gpt_oss", "minimax_m2", "flex_olmo", "exaone_moe", "qwen2_vl_text",
+             "gpt_oss", "minimax_m2", "flex_olmo", "exaone_moe", "granitemoe",
+             "granitemoeshared", "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
 ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
            "olmo3": "olmo2", "flex_olmo": "olmo2",  # FlexOlmo: OLMo 2's decoder, OLMoE's experts
+           "granitemoe": "granite", "granitemoeshared": "granite",  # with their experts
            # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models: on text alone their
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 _BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3", "flex_olmo",
-                  "gpt_oss")
+                  "gpt_oss", "granitemoe", "granitemoeshared")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 
@@ -261,6 +264,10 @@ def _moe(c: Any) -> Moe | None:
                    tuple(t == "sparse" for t in c.mlp_layer_types), shared_gated=False,
                    scoring="sigmoid", n_group=c.n_group, topk_group=c.topk_group,
                    routed_scaling=float(c.routed_scaling_factor))
+    if mt in ("granitemoe", "granitemoeshared"):  # softmax over the top k's logits
+        return Moe(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size, True,
+                   int(getattr(c, "shared_intermediate_size", 0) or 0),
+                   (True,) * c.num_hidden_layers, shared_gated=False)
     if mt == "minimax_m2":  # DeepSeek-V3's sigmoid choice with its bias, in one group
         return Moe(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size, True,
                    sparse_layers=(True,) * c.num_hidden_layers, scoring="sigmoid")

@@ -217,6 +217,8 @@ class CausalLM(nn.Module):
         if cfg.multimodal:  # the language model's tensors, under its own names
             weights = ((n, t) for name, t in weights
                        if (n := text_weight_name(name)) is not None)
+        if cfg.model_type in ("granitemoe", "granitemoeshared"):
+            weights = _granite_moe_renamed(weights)
         for raw, tensor in _unfused(weights, cfg):
             name = raw.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.") \
                 .replace(".mlp.shared_experts.", ".mlp.shared_expert.") \
@@ -419,6 +421,23 @@ def _ignored_on_load(hf_config) -> re.Pattern | None:
     return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
 
 
+# GraniteMoE's own names: its stacked experts, router and shared MLP (as transformers 5's
+# conversion mapping renames the first three)
+_GRANITE_MOE = (("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_proj"),
+                ("block_sparse_moe.output_linear.weight", "mlp.experts.down_proj"),
+                ("block_sparse_moe.router.layer.weight", "mlp.gate.weight"),
+                ("shared_mlp.input_linear.", "mlp.shared_expert.gate_up_proj."),
+                ("shared_mlp.output_linear.", "mlp.shared_expert.down_proj."))
+
+
+def _granite_moe_renamed(weights: Iterable[tuple[str, torch.Tensor]]
+                         ) -> Iterable[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        for old, new in _GRANITE_MOE:
+            name = name.replace(old, new)
+        yield name, tensor
+
+
 def _copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"{name}: shape {tuple(src.shape)} != {tuple(dst.shape)}")
@@ -439,7 +458,8 @@ def _unfused(weights: Iterable[tuple[str, torch.Tensor]],
     for name, tensor in weights:
         module, _, kind = name.rpartition(".")
         fused = ("qkv_proj" if module.endswith("self_attn.qkv_proj") else "gate_up_proj"
-                 if module.endswith("mlp.gate_up_proj") and ".experts." not in name else "")
+                 if module.endswith(("mlp.gate_up_proj", "shared_expert.gate_up_proj"))
+                 and ".experts." not in name else "")
         if not fused:
             yield name, tensor
             continue

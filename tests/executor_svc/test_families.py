@@ -94,6 +94,16 @@ FAMILIES = {
                        moe_intermediate_size=32, num_shared_experts=1, n_group=2,
                        topk_group=1, head_dim=16, sliding_window=WINDOW,
                        layer_types=["sliding_attention", "full_attention"]),
+    # Granite's four multipliers with softmax-over-top-k experts, stacked in its own names
+    # (input_linear, output_linear, router.layer), and (shared) an unscaled shared MLP
+    "granitemoe": dict(model_type="granitemoe", num_local_experts=4, num_experts_per_tok=2,
+                       intermediate_size=32, embedding_multiplier=2.0, residual_multiplier=0.5,
+                       attention_multiplier=0.2, logits_scaling=4.0, pad_token_id=0),
+    "granitemoeshared": dict(model_type="granitemoeshared", num_local_experts=4,
+                             num_experts_per_tok=2, intermediate_size=32,
+                             shared_intermediate_size=48, attention_bias=True,
+                             embedding_multiplier=2.0, residual_multiplier=0.5,
+                             attention_multiplier=0.2, logits_scaling=4.0, pad_token_id=0),
     # OLMo 2's post-norm decoder with OLMoE's experts (not renormalized)
     "flex_olmo": dict(model_type="flex_olmo", num_experts=4, num_experts_per_tok=2,
                       intermediate_size=32, pad_token_id=0),
