@@ -55,6 +55,12 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
     # its choice bias whole on each rank
     "minimax-m2": dict(model_type="minimax_m2", num_local_experts=4, num_experts_per_tok=2,
                        rotary_dim=8, **{**TINY, "head_dim": 16}),
+    # Granite's fused shared MLP (shared_mlp.input_linear) split, then cut by its own width
+    "granitemoe-shared": dict(model_type="granitemoeshared", num_local_experts=4,
+                              num_experts_per_tok=2, shared_intermediate_size=48,
+                              embedding_multiplier=2.0, residual_multiplier=0.5,
+                              attention_multiplier=0.2, logits_scaling=4.0, pad_token_id=0,
+                              **TINY),
     # sinks cut by query heads, expert biases (the down bias added by rank 0 alone), a biased
     # router whole on each rank
     "gpt-oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
