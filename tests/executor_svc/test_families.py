@@ -110,7 +110,7 @@ FAMILIES = {
     # sigmoid scores chosen with a correction bias (one group), RMSNorm of the whole q and k,
     # half of each head rotated (the released config's legacy rotary_dim)
     "minimax_m2": dict(model_type="minimax_m2", num_local_experts=8, num_experts_per_tok=2,
-                       intermediate_size=32, head_dim=16, rotary_dim=8),
+                       head_dim=16, rotary_dim=8),
     # a sink logit per head, biases on attention, router and experts, the clamped SwiGLU,
     # windows on alternate layers, YaRN; weights large enough for the clamps to bite
     "gpt_oss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=4,

@@ -34,7 +34,8 @@ CONFIGS = {**FAMILIES, **NO_NATIVE}
 # every native family but those the model tests cover alike (llama's are the default model's),
 # and one served by the transformers fallback (starcoder2: no native module)
 SERVED = ["qwen3", "olmo2", "phi3", "gemma2", "gemma3", "granite", "smollm3", "glm4",
-          "cohere2", "mixtral", "qwen2-moe", "qwen3-moe", "gpt_oss", "starcoder2"]
+          "cohere2", "mixtral", "qwen2-moe", "qwen3-moe", "gpt_oss", "minimax_m2",
+          "starcoder2"]
 
 
 def prompts(vocab: int) -> list[list[int]]:
