@@ -37,7 +37,9 @@ class ModelConfig:
     attention_bias: bool
     hf_config: Any  # the transformers config object, for rope scaling functions
     o_proj_bias: bool = False  # a bias on o_proj (Llama's attention_bias, Seed-OSS's own)
-    qk_norm: str = ""  # "": none, "head": RMSNorm over each head, "full": over the projection
+    # "": none, "head": RMSNorm over each head, "full": over the projection, "head_after_rope":
+    # over each head once rotated (Hunyuan)
+    qk_norm: str = ""
     # "pre" (Llama), "post" (OLMo 2), "sandwich" (Gemma: pre and post), "parallel" (Cohere:
     # attention and MLP read one norm's output, their sum joins the residual)
     norm_style: str = "pre"

@@ -27,6 +27,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     flex_olmo     post-norm             as olmo2                       top-k experts (olmoe's)
     exaone_moe    pre-norm              as exaone4                     as glm4_moe's
     granitemoe(shared) as granite                                      top-k experts (+ shared)
+    hunyuan_v1_dense  pre-norm          RMSNorm of each q, k head      SwiGLU
+                                        after RoPE; NTK-alpha RoPE
     glm4_moe      pre-norm              half rotary, qkv bias, q/k     sigmoid-routed experts in
                                         norm per head when set         groups + shared expert
     dots1         pre-norm              q/k norm per head              as glm4_moe's
@@ -53,7 +55,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_te
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
              "gpt_oss", "minimax_m2", "flex_olmo", "exaone_moe", "granitemoe",
-             "granitemoeshared", "qwen2_vl_text",
+             "granitemoeshared", "hunyuan_v1_dense", "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
@@ -64,7 +66,7 @@ ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_o
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 _BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3", "flex_olmo",
-                  "gpt_oss", "granitemoe", "granitemoeshared")
+                  "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_dense")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 
@@ -175,6 +177,7 @@ def family_fields(c: Any) -> dict[str, Any]:
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
                     "exaone4": "head", "dots1": "head", "olmo2": "full", "olmoe": "full",
                     "minimax_m2": "full", "exaone_moe": "head",
+                    "hunyuan_v1_dense": "head_after_rope",
                     "glm4_moe": "head" if getattr(c, "use_qk_norm", False) else ""}.get(mt, ""),
         "norm_style": "sandwich" if gemma and mt != "gemma" or mt == "glm4"
         else "post" if mt in ("olmo2", "exaone4")

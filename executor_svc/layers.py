@@ -86,9 +86,12 @@ class AttentionMetadata:
 def _inv_freq(cfg: ModelConfig, params: dict, layer_type: str | None,
               seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
+    alpha = params.get("alpha") if rope_type == "dynamic" else None
+    if rope_type == "default" or alpha:
         theta = params.get("rope_theta", getattr(cfg.hf_config, "rope_theta", 10000.0))
         dim = cfg.rotary_dim or cfg.head_dim
+        if alpha:  # Hunyuan's "dynamic" with a fixed alpha: a static NTK stretch of the base
+            theta = theta * alpha ** (dim / (dim - 2))
         exps = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / (theta**exps), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -231,7 +234,7 @@ class Attention(nn.Module):
         if cfg.attn_sinks:  # gpt-oss: a logit per query head in the softmax, float32 as HF's
             self.sinks = nn.Parameter(torch.empty(self.h), requires_grad=False)
             self.fixed_dtypes = ("sinks",)
-        if cfg.qk_norm == "head":
+        if cfg.qk_norm in ("head", "head_after_rope"):
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, ops)
         elif cfg.qk_norm == "full":
@@ -266,10 +269,26 @@ class Attention(nn.Module):
             norms = {"q_norm_weight": self.q_norm.weight, "k_norm_weight": self.k_norm.weight,
                      "norm_eps": self.q_norm.eps}
         k_cache, v_cache = kv_cache
+        if self.cfg.qk_norm == "head_after_rope":  # Hunyuan: rotate, norm each head, store
+            q, k = self.ops.rotary_embedding(positions, q.reshape(t, h, d), k.reshape(t, hkv, d),
+                                             cos_sin)
+            q = self.q_norm(q.reshape(t * h, d))[0].reshape(t, h, d)
+            k = self.k_norm(k.reshape(t * hkv, d))[0].reshape(t, hkv, d)
+            self.ops.write_kv_cache(k, v.reshape(t, hkv, d), k_cache, v_cache,
+                                    meta.slot_mapping, self.k_scale, self.v_scale)
+            return self._attend(q, kv_cache, meta)
         # q rotated; k rotated and v stored in the cache, in one pass
         q = self.ops.rotary_and_cache(positions, q.reshape(t, h, d), k.reshape(t, hkv, d),
                                       v.reshape(t, hkv, d), cos_sin, k_cache, v_cache,
                                       meta.slot_mapping, self.k_scale, self.v_scale, **norms)
+        return self._attend(q, kv_cache, meta)
+
+    def _attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The paged attention of rotated q [T, H, D] (this step's K and V already stored),
+        then o_proj."""
+        t, h, d = q.shape
+        k_cache, v_cache = kv_cache
         o = self.ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,

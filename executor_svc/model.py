@@ -238,6 +238,9 @@ class CausalLM(nn.Module):
             if ".experts." in name:
                 loaded.update(self._load_experts(params, name, tensor))
                 continue
+            if cfg.model_type == "hunyuan_v1_dense":  # its q/k norms' own names
+                name = name.replace(".query_layernorm.", ".q_norm.").replace(
+                    ".key_layernorm.", ".k_norm.")
             if cfg.model_type == "glm4":  # its four norms under the sandwich's names
                 name = _GLM4_NORMS.sub(lambda m: _GLM4_RENAMED[m.group(1)], name)
             if cfg.norm_offset and name.endswith("norm.weight"):  # stored as (1 + w)

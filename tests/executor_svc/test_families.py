@@ -104,6 +104,10 @@ FAMILIES = {
                              shared_intermediate_size=48, attention_bias=True,
                              embedding_multiplier=2.0, residual_multiplier=0.5,
                              attention_multiplier=0.2, logits_scaling=4.0, pad_token_id=0),
+    # Llama with RMSNorm of each q and k head after RoPE, NTK-alpha RoPE, biases
+    "hunyuan_v1_dense": dict(model_type="hunyuan_v1_dense", head_dim=16, attention_bias=True,
+                             rope_parameters={"rope_type": "dynamic", "alpha": 1000.0,
+                                              "factor": 1.0, "rope_theta": 10000.0}),
     # OLMo 2's post-norm decoder with OLMoE's experts (not renormalized)
     "flex_olmo": dict(model_type="flex_olmo", num_experts=4, num_experts_per_tok=2,
                       intermediate_size=32, pad_token_id=0),
