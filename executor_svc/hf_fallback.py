@@ -26,7 +26,6 @@ bytes of their FP4 form, so the device must hold that much (checked before loadi
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,11 +33,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedserve.executor.checkpoint import checkpoint_shapes
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.layers import AttentionMetadata, Ops
-from pagedserve.executor.quantization.config import QuantizationError
+from pagedserve.executor.quantization.mxfp4 import check_dequantized_fits
 
 IMPLEMENTATION = "pagedserve_paged"
 # tokens of the start-up probe: more than any compression rate of keys (DeepSeek V4's 128)
@@ -101,32 +99,6 @@ def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(IMPLEMENTATION, paged_attention_forward)
-
-
-def dequantized_bytes(weights_dir: Path, dtype: torch.dtype) -> int:
-    """The bytes of an MXFP4 checkpoint's weights once dequantized to `dtype`: two values a
-    byte of each `*_blocks` tensor, its `*_scales` gone, every other tensor in `dtype`."""
-    total = 0
-    for name, shape in checkpoint_shapes(weights_dir).items():
-        if name.endswith("_scales"):
-            continue
-        total += math.prod(shape) * (2 if name.endswith("_blocks") else 1)
-    return total * dtype.itemsize
-
-
-def check_dequantized_fits(weights_dir: Path, dtype: torch.dtype, device: torch.device,
-                           ranks: int = 1) -> None:
-    """QuantizationError in one line where a rank's share of the dequantized weights (about
-    1 / ranks of them under tensor parallelism) exceeds the device's free memory."""
-    if device.type != "cuda":
-        return
-    need = dequantized_bytes(weights_dir, dtype) // ranks
-    free = torch.cuda.mem_get_info(device)[0]
-    if need > free:
-        share = f" (a {ranks}th of them a rank)" if ranks > 1 else ""
-        raise QuantizationError(
-            f"{weights_dir}: MXFP4 weights are served dequantized to {str(dtype)[6:]}, "
-            f"{need / 2**30:.1f} GiB{share}, and {device} has {free / 2**30:.1f} GiB free")
 
 
 class TransformersLM(nn.Module):

@@ -21,7 +21,7 @@ from pagedserve.executor.quantization.config import (
 )
 from pagedserve.executor.quantization.dequantized import dequantize_int
 from pagedserve.executor.quantization.fp8 import dequantize_blocks
-from pagedserve.executor.quantization.mxfp4 import dequantize_mxfp4
+from pagedserve.executor.quantization.mxfp4 import check_dequantized_fits, dequantize_mxfp4
 
 log = logging.getLogger("pagedserve.executor")
 
@@ -57,8 +57,6 @@ def build_model(
             raise QuantizationError(f"{cfg.model_type}: MXFP4 checkpoints are served through "
                                     f"the transformers fallback (--model-impl auto or "
                                     f"transformers)")
-        from pagedserve.executor.hf_fallback import check_dequantized_fits
-
         served = torch.float8_e4m3fn if quant is not None else dtype  # (FP8: about)
         check_dequantized_fits(weights_dir, served, device, cfg.tp_size)  # one line, no OOM
     with torch.device("meta"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -94,7 +94,7 @@ def _convert_modules(
         # a symmetric zero point is zero, whatever was saved; a weight_g_idx without
         # actorder "group" passes through, to be refused at load
         dropped = ("weight_zero_point",) if quant.sym else ()
-        for module, parts, whole in _gathered(weights, needed, dropped):
+        for module, parts, whole in gathered(weights, needed, dropped):
             if module and not whole:
                 missing = sorted(set(needed) - set(parts))
                 raise QuantizationError(f"{module}: checkpoint lacks {', '.join(missing)}")
@@ -104,7 +104,7 @@ def _convert_modules(
                 quant.act_order)
         return
     needed = _PARTS[quant.method] + (("g_idx",) if quant.method == "gptq" else ())
-    for module, parts, whole in _gathered(weights, needed):
+    for module, parts, whole in gathered(weights, needed):
         if module and not whole and not (  # g_idx is optional without act-order
                 quant.method == "gptq" and not quant.act_order
                 and set(parts) == set(_PARTS["gptq"])):
@@ -113,16 +113,23 @@ def _convert_modules(
         yield module, parts if not module else _convert(module, parts, quant)
 
 
-def _gathered(weights: Iterable[tuple[str, torch.Tensor]], needed: tuple[str, ...],
-              dropped: tuple[str, ...] = ()
-              ) -> Iterator[tuple[str, dict[str, torch.Tensor], bool]]:
+def _module_and_part(name: str) -> tuple[str, str]:
+    module, _, part = name.rpartition(".")
+    return module, part
+
+
+def gathered(weights: Iterable[tuple[str, torch.Tensor]], needed: tuple[str, ...],
+             dropped: tuple[str, ...] = (),
+             split: Callable[[str], tuple[str, str]] = _module_and_part,
+             ) -> Iterator[tuple[str, dict[str, torch.Tensor], bool]]:
     """Each quantized module's parts (`needed`, in any order and any file) as (module,
     parts, True) once all have come, and as (module, parts, False) at the end for a module
     still short of some; ("", {name: tensor}, True) for every other tensor; names ending in
-    a `dropped` part are left out."""
+    a `dropped` part are left out. `split` cuts a name into (module, part): by its last dot
+    unless given (MXFP4's `<name>_blocks` has none)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
-        module, _, part = name.rpartition(".")
+        module, part = split(name)
         if part in dropped:
             continue
         if part not in needed:

@@ -8,11 +8,15 @@ view), so the loader reads one layout whether the checkpoint was MXFP4 or saved 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 
+from pagedserve.executor.checkpoint import checkpoint_shapes
 from pagedserve.executor.quantization.config import QuantizationError
+from pagedserve.executor.quantization.layer import gathered
 
 # e2m1: the 16 codes' values
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -47,19 +51,44 @@ def dequantize_mxfp4(weights: Iterable[tuple[str, torch.Tensor]],
     (the model's: the codes travel at half a byte a value and a GPU expands them in
     milliseconds, where a CPU takes seconds a layer); the rest as they are. A pair left
     incomplete at the end raises QuantizationError."""
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights:
-        part = next((p for p in _PARTS if name.endswith(p)), "")
-        if not part:
-            yield name, tensor
-            continue
-        base = name[: -len(part)]
-        parts = pending.setdefault(base, {})
-        parts[part] = tensor
-        if len(parts) == 2:
-            del pending[base]
+    for base, parts, whole in gathered(weights, _PARTS, split=_base_and_part):
+        if not base:  # any other tensor
+            yield from parts.items()
+        elif not whole:
+            missing = sorted(f"{base}{p}" for p in _PARTS if p not in parts)
+            raise QuantizationError(f"MXFP4 checkpoint lacks {', '.join(missing)}")
+        else:
             blocks, scales = (parts[p].to(device) for p in _PARTS)
             yield base, dequantize(blocks, scales, dtype).transpose(1, 2)
-    if pending:
-        missing = [f"{b}{p}" for b, parts in pending.items() for p in _PARTS if p not in parts]
-        raise QuantizationError(f"MXFP4 checkpoint lacks {', '.join(sorted(missing)[:4])}")
+
+
+def _base_and_part(name: str) -> tuple[str, str]:
+    """`<base>_blocks` / `<base>_scales` -> (base, the part); other names -> (name, "")."""
+    part = next((p for p in _PARTS if name.endswith(p)), "")
+    return (name[: -len(part)], part) if part else (name, "")
+
+
+def dequantized_bytes(weights_dir: Path, dtype: torch.dtype) -> int:
+    """The bytes of an MXFP4 checkpoint's weights once dequantized to `dtype`: two values a
+    byte of each `*_blocks` tensor, its `*_scales` gone, every other tensor in `dtype`."""
+    total = 0
+    for name, shape in checkpoint_shapes(weights_dir).items():
+        if name.endswith("_scales"):
+            continue
+        total += math.prod(shape) * (2 if name.endswith("_blocks") else 1)
+    return total * dtype.itemsize
+
+
+def check_dequantized_fits(weights_dir: Path, dtype: torch.dtype, device: torch.device,
+                           ranks: int = 1) -> None:
+    """QuantizationError in one line where a rank's share of the dequantized weights (about
+    1 / ranks of them under tensor parallelism) exceeds the device's free memory."""
+    if device.type != "cuda":
+        return
+    need = dequantized_bytes(weights_dir, dtype) // ranks
+    free = torch.cuda.mem_get_info(device)[0]
+    if need > free:
+        share = f" (a {ranks}th of them a rank)" if ranks > 1 else ""
+        raise QuantizationError(
+            f"{weights_dir}: MXFP4 weights are served dequantized to {str(dtype)[6:]}, "
+            f"{need / 2**30:.1f} GiB{share}, and {device} has {free / 2**30:.1f} GiB free")

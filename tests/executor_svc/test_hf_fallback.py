@@ -11,11 +11,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagedserve.core.readiness import EXIT_CONFIG
-from pagedserve.executor import hf_fallback
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.families import UnsupportedModelError
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.quantization import QuantizationError, resolve_quantization
+from pagedserve.executor.quantization.mxfp4 import dequantized_bytes
 from pagedserve.kernels import get_ops
 from tests.executor_svc.test_model import TINY, assert_paged_equals_hf, run_paged
 
@@ -298,7 +298,7 @@ def test_an_mxfp4_checkpoint_is_served_dequantized(tmp_path):
         assert cfg.impl == ("native" if impl == "auto" else "transformers")
         assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
     floats = sum(p.numel() for p in hf.parameters())
-    assert hf_fallback.dequantized_bytes(tmp_path, torch.bfloat16) == 2 * floats
+    assert dequantized_bytes(tmp_path, torch.bfloat16) == 2 * floats
     for requested, reason in (("none", "is a mxfp4 checkpoint; serve it with --quantization "
                                        "mxfp4 or auto"),
                               ("awq", "--quantization awq, but the checkpoint's "
