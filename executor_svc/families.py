@@ -256,17 +256,11 @@ def _moe(c: Any) -> Moe | None:
                          for i in range(c.num_hidden_layers)),
                    shared_gated=False, scoring="softmax_bias", norm_min=float(c.moe_norm_min))
     if mt in ("glm4_moe", "dots1"):
-        return Moe(c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
-                   bool(c.norm_topk_prob), c.moe_intermediate_size * c.n_shared_experts,
-                   tuple(i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)),
-                   shared_gated=False, scoring="sigmoid", n_group=c.n_group,
-                   topk_group=c.topk_group, routed_scaling=float(c.routed_scaling_factor))
-    if mt == "exaone_moe":  # DeepSeek-V3's experts and router, dense layers by mlp_layer_types
-        return Moe(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
-                   bool(c.norm_topk_prob), c.moe_intermediate_size * c.num_shared_experts,
-                   tuple(t == "sparse" for t in c.mlp_layer_types), shared_gated=False,
-                   scoring="sigmoid", n_group=c.n_group, topk_group=c.topk_group,
-                   routed_scaling=float(c.routed_scaling_factor))
+        return _deepseek_v3_moe(c, c.n_routed_experts, c.n_shared_experts, tuple(
+            i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)))
+    if mt == "exaone_moe":  # dense layers by mlp_layer_types
+        return _deepseek_v3_moe(c, c.num_experts, c.num_shared_experts,
+                                tuple(t == "sparse" for t in c.mlp_layer_types))
     if mt in ("granitemoe", "granitemoeshared"):  # softmax over the top k's logits
         return Moe(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size, True,
                    int(getattr(c, "shared_intermediate_size", 0) or 0),
@@ -288,3 +282,12 @@ def _moe(c: Any) -> Moe | None:
     shared = getattr(c, "shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0
     return Moe(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
                bool(getattr(c, "norm_topk_prob", False)), shared or 0, sparse)
+
+
+def _deepseek_v3_moe(c: Any, experts: int, shared: int, sparse: tuple[bool, ...]) -> Moe:
+    """DeepSeek-V3's experts as GLM-4.5, dots.llm1 and EXAONE MoE configure them: the grouped
+    sigmoid router with its correction bias, `shared` unscaled shared experts."""
+    return Moe(experts, c.num_experts_per_tok, c.moe_intermediate_size, bool(c.norm_topk_prob),
+               c.moe_intermediate_size * shared, sparse, shared_gated=False, scoring="sigmoid",
+               n_group=c.n_group, topk_group=c.topk_group,
+               routed_scaling=float(c.routed_scaling_factor))

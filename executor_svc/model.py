@@ -217,8 +217,8 @@ class CausalLM(nn.Module):
         if cfg.multimodal:  # the language model's tensors, under its own names
             weights = ((n, t) for name, t in weights
                        if (n := text_weight_name(name)) is not None)
-        if cfg.model_type in ("granitemoe", "granitemoeshared"):
-            weights = _granite_moe_renamed(weights)
+        if cfg.model_type in _FAMILY_NAMES:
+            weights = _renamed(weights, _FAMILY_NAMES[cfg.model_type])
         for raw, tensor in _unfused(weights, cfg):
             name = raw.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.") \
                 .replace(".mlp.shared_experts.", ".mlp.shared_expert.") \
@@ -238,9 +238,6 @@ class CausalLM(nn.Module):
             if ".experts." in name:
                 loaded.update(self._load_experts(params, name, tensor))
                 continue
-            if cfg.model_type == "hunyuan_v1_dense":  # its q/k norms' own names
-                name = name.replace(".query_layernorm.", ".q_norm.").replace(
-                    ".key_layernorm.", ".k_norm.")
             if cfg.model_type == "glm4":  # its four norms under the sandwich's names
                 name = _GLM4_NORMS.sub(lambda m: _GLM4_RENAMED[m.group(1)], name)
             if cfg.norm_offset and name.endswith("norm.weight"):  # stored as (1 + w)
@@ -424,19 +421,22 @@ def _ignored_on_load(hf_config) -> re.Pattern | None:
     return re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None
 
 
-# GraniteMoE's own names: its stacked experts, router and shared MLP (as transformers 5's
-# conversion mapping renames the first three)
+# a family's own tensor names -> the decoder's: GraniteMoE's stacked experts, router and
+# shared MLP (transformers 5's conversion mapping renames the first three), Hunyuan's q/k norms
 _GRANITE_MOE = (("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_proj"),
                 ("block_sparse_moe.output_linear.weight", "mlp.experts.down_proj"),
                 ("block_sparse_moe.router.layer.weight", "mlp.gate.weight"),
                 ("shared_mlp.input_linear.", "mlp.shared_expert.gate_up_proj."),
                 ("shared_mlp.output_linear.", "mlp.shared_expert.down_proj."))
+_FAMILY_NAMES = {"granitemoe": _GRANITE_MOE, "granitemoeshared": _GRANITE_MOE,
+                 "hunyuan_v1_dense": ((".query_layernorm.", ".q_norm."),
+                                      (".key_layernorm.", ".k_norm."))}
 
 
-def _granite_moe_renamed(weights: Iterable[tuple[str, torch.Tensor]]
-                         ) -> Iterable[tuple[str, torch.Tensor]]:
+def _renamed(weights: Iterable[tuple[str, torch.Tensor]], pairs: tuple[tuple[str, str], ...]
+             ) -> Iterable[tuple[str, torch.Tensor]]:
     for name, tensor in weights:
-        for old, new in _GRANITE_MOE:
+        for old, new in pairs:
             name = name.replace(old, new)
         yield name, tensor
 
