@@ -269,10 +269,12 @@ def _moe(c: Any) -> Moe | None:
         return Moe(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size, True,
                    sparse_layers=(True,) * c.num_hidden_layers, scoring="sigmoid")
     if mt == "gpt_oss":  # softmax over the top k's logits: the renormalized softmax's weights
+        # the released config.json names no alpha; transformers before 5.2x hard-codes 1.702
         return Moe(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size, True,
                    sparse_layers=(True,) * c.num_hidden_layers, biases=True,
-                   activation="swiglu_oai", swiglu_alpha=float(c.swiglu_alpha),
-                   swiglu_limit=float(c.swiglu_limit))
+                   activation="swiglu_oai",
+                   swiglu_alpha=float(getattr(c, "swiglu_alpha", None) or 1.702),
+                   swiglu_limit=float(getattr(c, "swiglu_limit", None) or 7.0))
     if mt not in ("qwen2_moe", "qwen3_moe"):
         return None
     skip = set(getattr(c, "mlp_only_layers", None) or ())

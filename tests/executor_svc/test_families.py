@@ -183,6 +183,17 @@ def test_moe_decode_through_the_layers(family, tmp_path, monkeypatch):
     assert decoded and set(decoded) == {2}
 
 
+def test_gpt_oss_without_swiglu_alpha_in_its_config(monkeypatch):
+    """The released config.json names swiglu_limit only, and transformers 5.17's config class
+    has no swiglu_alpha (its experts hard-code 1.702): such a config loads with HF's 1.702."""
+    c = AutoConfig.for_model(**{**FAMILIES["gpt_oss"], "swiglu_limit": 6.0})
+    monkeypatch.delattr(type(c), "swiglu_alpha", raising=False)
+    c.__dict__.pop("swiglu_alpha", None)
+    assert not hasattr(c, "swiglu_alpha")
+    moe = ModelConfig.from_hf(c).moe
+    assert (moe.swiglu_alpha, moe.swiglu_limit) == (1.702, 6.0)
+
+
 def test_gpt_oss_on_the_triton_kernels(tmp_path):
     """gpt-oss's sinks in the paged-attention kernel and its biases and activation in the
     fused-MoE GEMMs (interpreted on the CPU, compiled on a GPU): HF's logits across chunked
