@@ -136,6 +136,15 @@ def perturb_norms(model) -> None:
                 p.add_(0.1 * torch.randn_like(p))
 
 
+def as_hf_computes(model) -> None:
+    """Write into the config what this transformers' modeling code computes: before 5.2x,
+    GptOssExperts hard-codes alpha 1.702 and limit 7.0 whatever the config says (the
+    device's 5.17 does), and FAMILIES' gpt-oss clamps at 1.0."""
+    experts = next((m for m in model.modules() if type(m).__name__ == "GptOssExperts"), None)
+    if experts is not None:
+        model.config.swiglu_alpha, model.config.swiglu_limit = experts.alpha, experts.limit
+
+
 def hf_and_ours_of(d: dict, tmp_path, seed: int = 0):
     torch.manual_seed(seed)
     d = dict(d)
@@ -143,6 +152,7 @@ def hf_and_ours_of(d: dict, tmp_path, seed: int = 0):
                                                                **{**TINY, **d}),
                                           dtype=torch.float32).eval()
     perturb_norms(hf)
+    as_hf_computes(hf)
     hf.save_pretrained(tmp_path)
     cfg = ModelConfig.from_pretrained(tmp_path)
     ours = build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, tmp_path)
