@@ -29,6 +29,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     granitemoe(shared) as granite                                      top-k experts (+ shared)
     hunyuan_v1_dense  pre-norm          RMSNorm of each q, k head      SwiGLU
                                         after RoPE; NTK-alpha RoPE
+    hunyuan_v1_moe    pre-norm          as hunyuan_v1_dense            top-k experts (float32
+                                                                       router) + shared MLP
     glm4_moe      pre-norm              half rotary, qkv bias, q/k     sigmoid-routed experts in
                                         norm per head when set         groups + shared expert
     dots1         pre-norm              q/k norm per head              as glm4_moe's
@@ -55,18 +57,20 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_te
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
              "gpt_oss", "minimax_m2", "flex_olmo", "exaone_moe", "granitemoe",
-             "granitemoeshared", "hunyuan_v1_dense", "qwen2_vl_text",
+             "granitemoeshared", "hunyuan_v1_dense", "hunyuan_v1_moe", "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
 ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
            "olmo3": "olmo2", "flex_olmo": "olmo2",  # FlexOlmo: OLMo 2's decoder, OLMoE's experts
            "granitemoe": "granite", "granitemoeshared": "granite",  # with their experts
+           "hunyuan_v1_moe": "hunyuan_v1_dense",  # Hunyuan-A13B: the dense decoder's, experts
            # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models: on text alone their
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 _BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3", "flex_olmo",
-                  "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_dense")
+                  "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_dense",
+                  "hunyuan_v1_moe")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 
@@ -134,6 +138,7 @@ class Moe:
     activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    router_float32: bool = False  # the router's weight and logits in float32 (Hunyuan's wg)
 
 
 def family_fields(c: Any) -> dict[str, Any]:
@@ -239,6 +244,16 @@ def _windows(c: Any) -> tuple[int, ...]:
     return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
+def _uniform(c: Any, key: str) -> int:
+    """c.key, an int or a list of one per layer (Hunyuan's): the same for every layer."""
+    value = getattr(c, key)
+    values = set(value) if isinstance(value, (list, tuple)) else {value}
+    if len(values) != 1:
+        raise UnsupportedModelError(f"{c.model_type}: {key} differs between layers ({value}); "
+                                    f"the native module takes one value for every layer")
+    return int(values.pop())
+
+
 def _moe(c: Any) -> Moe | None:
     mt = c.model_type
     if mt == "mixtral":
@@ -265,6 +280,10 @@ def _moe(c: Any) -> Moe | None:
         return Moe(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size, True,
                    int(getattr(c, "shared_intermediate_size", 0) or 0),
                    (True,) * c.num_hidden_layers, shared_gated=False)
+    if mt == "hunyuan_v1_moe":  # softmax top k, renormalized, and an MLP beside every layer's
+        experts, top_k = (_uniform(c, key) for key in ("num_experts", "moe_topk"))
+        return Moe(experts, top_k, c.intermediate_size, True, c.intermediate_size,
+                   (True,) * c.num_hidden_layers, shared_gated=False, router_float32=True)
     if mt == "minimax_m2":  # DeepSeek-V3's sigmoid choice with its bias, in one group
         return Moe(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size, True,
                    sparse_layers=(True,) * c.num_hidden_layers, scoring="sigmoid")

@@ -428,9 +428,11 @@ _GRANITE_MOE = (("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_pr
                 ("block_sparse_moe.router.layer.weight", "mlp.gate.weight"),
                 ("shared_mlp.input_linear.", "mlp.shared_expert.gate_up_proj."),
                 ("shared_mlp.output_linear.", "mlp.shared_expert.down_proj."))
+_HUNYUAN = ((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm."))
 _FAMILY_NAMES = {"granitemoe": _GRANITE_MOE, "granitemoeshared": _GRANITE_MOE,
-                 "hunyuan_v1_dense": ((".query_layernorm.", ".q_norm."),
-                                      (".key_layernorm.", ".k_norm."))}
+                 "hunyuan_v1_dense": _HUNYUAN,
+                 "hunyuan_v1_moe": (*_HUNYUAN, (".mlp.gate.wg.", ".mlp.gate."),
+                                    (".mlp.shared_mlp.", ".mlp.shared_expert."))}
 
 
 def _renamed(weights: Iterable[tuple[str, torch.Tensor]], pairs: tuple[tuple[str, str], ...]

@@ -63,6 +63,8 @@ class SparseMoe(nn.Module):
             self.shared_expert = MLP(cfg, ops, quant, width=moe.shared_intermediate_size)
             if moe.shared_gated:
                 self.shared_expert_gate = Linear(h, 1, bias=False)
+        if moe.router_float32:  # Hunyuan's: weight and logits in float32, whatever the model's
+            self.gate.fixed_dtypes = ("weight",)
         if moe.scoring != "softmax":  # a biased router, in float32 as HF keeps it
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(e),
                                                              requires_grad=False)
@@ -134,7 +136,9 @@ class SparseMoe(nn.Module):
             weights, ids = self.biased_route(x)
             y = self.ops.fused_moe(x, self.w13, self.w2, weights, ids, **extra)
         else:
-            y = self.ops.routed_moe(x, self.gate(x), self.top_k, self.renormalize, self.w13,
+            logits = (torch.nn.functional.linear(x.float(), self.gate.weight)
+                      if self.moe.router_float32 else self.gate(x))
+            y = self.ops.routed_moe(x, logits, self.top_k, self.renormalize, self.w13,
                                     self.w2, **extra)
         if self.shared_expert is not None:
             shared = self.shared_expert(x, reduce=False)

@@ -108,6 +108,11 @@ FAMILIES = {
     "hunyuan_v1_dense": dict(model_type="hunyuan_v1_dense", head_dim=16, attention_bias=True,
                              rope_parameters={"rope_type": "dynamic", "alpha": 1000.0,
                                               "factor": 1.0, "rope_theta": 10000.0}),
+    # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP
+    "hunyuan_v1_moe": dict(model_type="hunyuan_v1_moe", head_dim=16, num_experts=4,
+                           moe_topk=[2, 2], intermediate_size=32,
+                           rope_parameters={"rope_type": "dynamic", "alpha": 1000.0,
+                                            "factor": 1.0, "rope_theta": 10000.0}),
     # OLMo 2's post-norm decoder with OLMoE's experts (not renormalized)
     "flex_olmo": dict(model_type="flex_olmo", num_experts=4, num_experts_per_tok=2,
                       intermediate_size=32, pad_token_id=0),

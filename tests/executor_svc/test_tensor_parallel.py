@@ -61,6 +61,9 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
                               embedding_multiplier=2.0, residual_multiplier=0.5,
                               attention_multiplier=0.2, logits_scaling=4.0, pad_token_id=0,
                               **TINY),
+    # a float32 router whole on each rank, the MLP beside the experts cut as a dense one
+    "hunyuan-moe": dict(model_type="hunyuan_v1_moe", num_experts=4, moe_topk=2,
+                        **{**TINY, "head_dim": 16, "intermediate_size": 32}),
     # sinks cut by query heads, expert biases (the down bias added by rank 0 alone), a biased
     # router whole on each rank
     "gpt-oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
