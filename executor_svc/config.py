@@ -57,12 +57,16 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 full
     local_rope: bool = False  # windowed layers use the config's sliding_attention RoPE
     rope_layers: tuple[bool, ...] = ()  # per layer: rotated (SmolLM3's NoPE layers: False); ()
+    # per layer: its RoPE base (Granite SWA's layer_rope_theta; 0 where rope_layers says none);
+    # (): every layer the config's
+    layer_rope_theta: tuple[float, ...] = ()
     # partial rotary embeddings (Phi-4-mini): the first rotary_dim of each q and k head rotate,
     # the rest pass; 0: all. Served by a permutation of each head (layers.rotary_order)
     rotary_dim: int = 0
     rotary_interleaved: bool = False  # rotated pairs are (2i, 2i + 1) (GLM), not (i, i + d/2)
     moe: Moe | None = None
-    attn_sinks: bool = False  # a learned logit per query head in each softmax (gpt-oss)
+    attn_sinks: bool = False  # a learned logit per query head in each softmax (gpt-oss,
+    # Granite SWA)
     impl: str = "native"  # "native" (model.py) or "transformers" (hf_fallback.py)
     # the fallback's longest exact context where the model attends in chunks (Llama 4's
     # attention_chunk_size: its mask, which the paged attention does not apply); 0: none

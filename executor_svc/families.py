@@ -27,6 +27,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     flex_olmo     post-norm             as olmo2                       top-k experts (olmoe's)
     exaone_moe    pre-norm              as exaone4                     as glm4_moe's
     granitemoe(shared) as granite                                      top-k experts (+ shared)
+    granite_swa, granitemoe_swa  as granite, a sink logit per head,  as granite(moe)
+                                        windows, a RoPE base per layer
     hunyuan_v1_dense  pre-norm          RMSNorm of each q, k head      SwiGLU
                                         after RoPE; NTK-alpha RoPE
     hunyuan_v1_moe    pre-norm          as hunyuan_v1_dense            top-k experts (float32
@@ -57,20 +59,22 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_te
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
              "gpt_oss", "minimax_m2", "flex_olmo", "exaone_moe", "granitemoe",
-             "granitemoeshared", "hunyuan_v1_dense", "hunyuan_v1_moe", "qwen2_vl_text",
+             "granitemoeshared", "granite_swa", "granitemoe_swa", "hunyuan_v1_dense",
+             "hunyuan_v1_moe", "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
 ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
            "olmo3": "olmo2", "flex_olmo": "olmo2",  # FlexOlmo: OLMo 2's decoder, OLMoE's experts
            "granitemoe": "granite", "granitemoeshared": "granite",  # with their experts
+           "granite_swa": "granite", "granitemoe_swa": "granite",  # with sinks and windows
            "hunyuan_v1_moe": "hunyuan_v1_dense",  # Hunyuan-A13B: the dense decoder's, experts
            # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models: on text alone their
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 _BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3", "flex_olmo",
-                  "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_dense",
-                  "hunyuan_v1_moe")
+                  "gpt_oss", "granitemoe", "granitemoeshared", "granite_swa",
+                  "granitemoe_swa", "hunyuan_v1_dense", "hunyuan_v1_moe")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 
@@ -205,6 +209,7 @@ def family_fields(c: Any) -> dict[str, Any]:
         "rotary_dim": rotary_dim if rotary_dim < head_dim else 0,
         "rotary_interleaved": interleaved,
         "rope_layers": _rope_layers(c),
+        "layer_rope_theta": _layer_rope_theta(c),
         "local_rope": isinstance(rope.get("sliding_attention"), dict),  # Gemma 3, OLMo 3
         "attention_bias": bool(getattr(c, "attention_bias", mt in ("qwen2", "qwen2_moe"))
                                or getattr(c, "use_qkv_bias", False)),
@@ -212,7 +217,7 @@ def family_fields(c: Any) -> dict[str, Any]:
         "o_proj_bias": bool(getattr(c, "attention_out_bias", False)) if c.model_type == "seed_oss"
         else bool(getattr(c, "attention_bias", False)) and c.model_type in _BIASED_O_PROJ,
         "moe": _moe(c),
-        "attn_sinks": mt == "gpt_oss",
+        "attn_sinks": c.model_type in ("gpt_oss", "granite_swa", "granitemoe_swa"),
     }
     act = (getattr(c, "hidden_activation", None) or "gelu_pytorch_tanh") if gemma \
         else getattr(c, "hidden_act", "silu")
@@ -230,7 +235,21 @@ def _rope_layers(c: Any) -> tuple[bool, ...]:
         return tuple(t == "sliding_attention" for t in c.layer_types)
     if c.model_type == "cohere2":  # RoPE only where a window is
         return tuple(bool(c.sliding_window) and t == "sliding_attention" for t in c.layer_types)
+    if getattr(c, "layer_rope_theta", None):  # Granite SWA's base 0: no RoPE
+        return tuple(bool(t) for t in c.layer_rope_theta)
     return ()
+
+
+def _layer_rope_theta(c: Any) -> tuple[float, ...]:
+    """Per layer: its RoPE base where a config sets one a layer (Granite SWA's
+    layer_rope_theta, 0: none); () where every layer takes the config's."""
+    thetas = getattr(c, "layer_rope_theta", None)
+    if not thetas:
+        return ()
+    if len(thetas) != c.num_hidden_layers:
+        raise UnsupportedModelError(f"{c.model_type}: layer_rope_theta has {len(thetas)} "
+                                    f"entries for {c.num_hidden_layers} layers")
+    return tuple(float(t) for t in thetas)
 
 
 def _windows(c: Any) -> tuple[int, ...]:
@@ -276,7 +295,7 @@ def _moe(c: Any) -> Moe | None:
     if mt == "exaone_moe":  # dense layers by mlp_layer_types
         return _deepseek_v3_moe(c, c.num_experts, c.num_shared_experts,
                                 tuple(t == "sparse" for t in c.mlp_layer_types))
-    if mt in ("granitemoe", "granitemoeshared"):  # softmax over the top k's logits
+    if mt in ("granitemoe", "granitemoeshared", "granitemoe_swa"):  # softmax of the top k
         return Moe(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size, True,
                    int(getattr(c, "shared_intermediate_size", 0) or 0),
                    (True,) * c.num_hidden_layers, shared_gated=False)

@@ -7,6 +7,7 @@ attention metadata says which rows belong to which sequence and where their KV l
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -96,15 +97,27 @@ def _inv_freq(cfg: ModelConfig, params: dict, layer_type: str | None,
         return 1.0 / (theta**exps), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    kwargs = {"layer_type": layer_type} if layer_type else {}
-    return ROPE_INIT_FUNCTIONS[rope_type](cfg.hf_config, torch.device("cpu"), seq_len, **kwargs)
+    hf, kwargs = cfg.hf_config, {"layer_type": layer_type} if layer_type else {}
+    if not layer_type and params is not getattr(hf, "rope_parameters", None):
+        hf = copy.copy(hf)  # another base (rope_cos_sin_cache's theta): HF reads the config's
+        hf.rope_parameters = params
+    return ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), seq_len, **kwargs)
+
+
+def rope_theta(cfg: ModelConfig) -> float:
+    """The base of the config's RoPE (of its full-attention layers where it has one a type)."""
+    params = getattr(cfg.hf_config, "rope_parameters", None) or {}
+    params = params.get("full_attention", params) if isinstance(params, dict) else {}
+    return float(params.get("rope_theta", getattr(cfg.hf_config, "rope_theta", 10000.0)))
 
 
 def rope_cos_sin_cache(cfg: ModelConfig, max_pos: int, device: torch.device,
-                       layer_type: str | None = None) -> torch.Tensor:
+                       layer_type: str | None = None, theta: float | None = None
+                       ) -> torch.Tensor:
     """[max_pos, head_dim] float32: cos in the first half, sin in the second (HF's convention),
     from HF's own rope_init_fn for every scaling type (llama3, linear, dynamic, yarn, longrope).
     `layer_type` picks one of a per-layer-type config's RoPEs (Gemma 3's sliding_attention).
+    `theta` replaces the base (Granite SWA's per-layer bases), the scaling kept.
 
     LongRoPE: positions below original_max_position_embeddings rotate with the short factors,
     later ones with the long factors. HF switches the whole forward pass to the long factors
@@ -115,6 +128,8 @@ def rope_cos_sin_cache(cfg: ModelConfig, max_pos: int, device: torch.device,
         params = params[layer_type]
     elif isinstance(params.get("full_attention"), dict):
         params, layer_type = params["full_attention"], "full_attention"
+    if theta is not None:
+        params = {**params, "rope_theta": float(theta)}
     pos = torch.arange(max_pos, dtype=torch.float32)[:, None]
     inv_freq, scaling = _inv_freq(cfg, params, layer_type)
     freqs = pos * inv_freq.float()[None, :]

@@ -25,6 +25,7 @@ from pagedserve.executor.layers import (
     make_norm,
     permute_heads,
     rope_cos_sin_cache,
+    rope_theta,
 )
 from pagedserve.executor.moe import SparseMoe
 from pagedserve.executor.quantization import QuantConfig, QuantizationError
@@ -106,9 +107,12 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # [max_pos, head_dim] float32, filled on the model's device by the loader
-        # (set_rope); cos_sin_local is the windowed layers' own RoPE (Gemma 3), else cos_sin;
-        # cos_sin_none rotates by nothing (cos 1, sin 0), for layers without RoPE (SmolLM3)
-        self.cos_sin = self.cos_sin_local = self.cos_sin_none = torch.empty(0)
+        # (set_rope): cos_sin the config's RoPE, layer_cos_sin each layer's: cos_sin, the
+        # windowed layers' own (Gemma 3's sliding_attention RoPE), one of another base
+        # (Granite SWA's layer_rope_theta), or a rotation by nothing (cos 1, sin 0) for a
+        # layer without RoPE (SmolLM3)
+        self.cos_sin = torch.empty(0)
+        self.layer_cos_sin: list[torch.Tensor] = []
         self.max_pos = max_pos
         # hidden states an EAGLE head reads (executor_svc/eagle.py): the input of each layer
         # in `taps` (its residual stream), num_layers for the final norm's output; hidden()
@@ -117,14 +121,30 @@ class CausalLM(nn.Module):
         self.tapped: torch.Tensor | None = None
 
     def set_rope(self, device: torch.device) -> None:
-        self.cos_sin = rope_cos_sin_cache(self.cfg, self.max_pos, device)
-        self.cos_sin_local = rope_cos_sin_cache(self.cfg, self.max_pos, device,
-                                                "sliding_attention") \
-            if self.cfg.local_rope else self.cos_sin
-        if not all(self.cfg.rope_layers):  # cos 1 in the first half, sin 0 in the second
-            half = self.cos_sin.shape[-1] // 2
-            self.cos_sin_none = torch.cat([torch.ones_like(self.cos_sin[:, :half]),
-                                           torch.zeros_like(self.cos_sin[:, half:])], -1)
+        cfg = self.cfg
+        self.cos_sin = rope_cos_sin_cache(cfg, self.max_pos, device)
+        tables: dict[object, torch.Tensor] = {None: self.cos_sin}
+
+        def table(key: object) -> torch.Tensor:
+            if key not in tables:
+                if key == "none":  # cos 1 in the first half, sin 0 in the second
+                    half = self.cos_sin.shape[-1] // 2
+                    tables[key] = torch.cat([torch.ones_like(self.cos_sin[:, :half]),
+                                             torch.zeros_like(self.cos_sin[:, half:])], -1)
+                elif key == "local":
+                    tables[key] = rope_cos_sin_cache(cfg, self.max_pos, device,
+                                                     "sliding_attention")
+                else:
+                    tables[key] = rope_cos_sin_cache(cfg, self.max_pos, device, theta=key)
+            return tables[key]
+
+        self.layer_cos_sin = []
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            theta = cfg.layer_rope_theta[i] if cfg.layer_rope_theta else None
+            self.layer_cos_sin.append(table(
+                "none" if not attn.rope else "local" if attn.local_rope
+                else theta if theta and theta != rope_theta(cfg) else None))
 
     @torch.inference_mode()
     def forward(
@@ -152,10 +172,7 @@ class CausalLM(nn.Module):
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i in taps:  # (in layer order, a layer listed twice twice, as vLLM)
                 kept += [x if residual is None else x + residual] * taps.count(i)
-            attn = layer.self_attn
-            cos_sin = self.cos_sin_none if not attn.rope \
-                else self.cos_sin_local if attn.local_rope else self.cos_sin
-            x, residual = layer(x, residual, positions, cos_sin, kv, meta)
+            x, residual = layer(x, residual, positions, self.layer_cos_sin[i], kv, meta)
         x, _ = self.norm(x, residual)
         if taps:
             if len(self.layers) in taps:
@@ -430,6 +447,7 @@ _GRANITE_MOE = (("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_pr
                 ("shared_mlp.output_linear.", "mlp.shared_expert.down_proj."))
 _HUNYUAN = ((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm."))
 _FAMILY_NAMES = {"granitemoe": _GRANITE_MOE, "granitemoeshared": _GRANITE_MOE,
+                 "granitemoe_swa": _GRANITE_MOE,
                  "hunyuan_v1_dense": _HUNYUAN,
                  "hunyuan_v1_moe": (*_HUNYUAN, (".mlp.gate.wg.", ".mlp.gate."),
                                     (".mlp.shared_mlp.", ".mlp.shared_expert."))}

@@ -108,6 +108,20 @@ FAMILIES = {
     "hunyuan_v1_dense": dict(model_type="hunyuan_v1_dense", head_dim=16, attention_bias=True,
                              rope_parameters={"rope_type": "dynamic", "alpha": 1000.0,
                                               "factor": 1.0, "rope_theta": 10000.0}),
+    # Granite with a sink logit per head, windows on some layers, a RoPE base per layer
+    # (0: none)
+    "granite_swa": dict(model_type="granite_swa", sliding_window=6, head_dim=16,
+                        initializer_range=0.1,
+                        layer_rope_theta=[10000.0, 500.0], embedding_multiplier=2.0,
+                        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0,
+                        attention_bias=True, layer_types=["full_attention", "sliding_attention"]),
+    "granitemoe_swa": dict(model_type="granitemoe_swa", sliding_window=6, num_local_experts=4,
+                           initializer_range=0.1,
+                           num_experts_per_tok=2, intermediate_size=32,
+                           shared_intermediate_size=48, layer_rope_theta=[0, 10000.0],
+                           embedding_multiplier=2.0, residual_multiplier=0.5,
+                           attention_multiplier=0.2, logits_scaling=4.0,
+                           layer_types=["sliding_attention", "full_attention"]),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP
     "hunyuan_v1_moe": dict(model_type="hunyuan_v1_moe", head_dim=16, num_experts=4,
                            moe_topk=[2, 2], intermediate_size=32,

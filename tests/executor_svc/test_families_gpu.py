@@ -23,8 +23,10 @@ SHAPE = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
 HEAD_DIMS = {"gemma": 256, "gemma2": 256, "gemma3": 256, "phi3": 96, "phi3-longrope": 96,
              "phi3-partial": 128, "qwen3": 128, "qwen3-moe": 128, "glm": 128, "glm4": 128,
              "helium": 128, "ernie4_5": 128, "ernie4_5_moe": 128, "seed_oss": 128,
-             "exaone4": 128, "gpt_oss": 64, "minimax_m2": 128, "hunyuan_v1_moe": 128}
-WINDOWS = {"phi3": 100, "mistral-window": 100, "gemma2": 100, "gemma3": 100, "gpt_oss": 100}
+             "exaone4": 128, "gpt_oss": 64, "minimax_m2": 128, "hunyuan_v1_moe": 128,
+             "granite_swa": 128}
+WINDOWS = {"phi3": 100, "mistral-window": 100, "gemma2": 100, "gemma3": 100, "gpt_oss": 100,
+           "granite_swa": 100, "granitemoe_swa": 100}
 
 
 def family_config(name: str) -> dict:
@@ -48,7 +50,9 @@ def family_config(name: str) -> dict:
         d["rotary_dim"] = d.get("head_dim", 64) // 2
     if name in WINDOWS:
         d["sliding_window"] = WINDOWS[name]
-    for key in ("layer_types", "no_rope_layers"):  # the test config's pattern, repeated
+    if name in ("granite_swa", "granitemoe_swa"):  # 0.1 (for the tiny CPU configs) is chaotic
+        d.pop("initializer_range")  # at hidden 1024: bf16 errors of 0.1-0.3 in HF's and ours
+    for key in ("layer_types", "no_rope_layers", "layer_rope_theta"):  # the pattern, repeated
         if key in d:
             d[key] = [d[key][i % len(d[key])] for i in range(d["num_hidden_layers"])]
     if name == "hunyuan_v1_moe":  # experts (and the MLP beside them) of intermediate_size
