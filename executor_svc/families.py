@@ -36,6 +36,7 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     glm4_moe      pre-norm              half rotary, qkv bias, q/k     sigmoid-routed experts in
                                         norm per head when set         groups + shared expert
     dots1         pre-norm              q/k norm per head              as glm4_moe's
+    solar_open    pre-norm              as llama                       as glm4_moe's, every layer
     ernie4_5_moe  pre-norm              RoPE in (2i, 2i + 1) pairs     softmax-routed experts with
                                                                        a choice bias + shared
     gpt_oss       pre-norm              biases, a sink logit per head, biased router and experts,
@@ -60,7 +61,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_te
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
              "gpt_oss", "minimax_m2", "flex_olmo", "exaone_moe", "granitemoe",
              "granitemoeshared", "granite_swa", "granitemoe_swa", "hunyuan_v1_dense",
-             "hunyuan_v1_moe", "qwen2_vl_text",
+             "hunyuan_v1_moe", "solar_open", "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
@@ -69,6 +70,7 @@ ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_o
            "granitemoe": "granite", "granitemoeshared": "granite",  # with their experts
            "granite_swa": "granite", "granitemoe_swa": "granite",  # with sinks and windows
            "hunyuan_v1_moe": "hunyuan_v1_dense",  # Hunyuan-A13B: the dense decoder's, experts
+           "solar_open": "llama",  # Solar Open: Llama's attention, GLM-4.5's experts
            # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models: on text alone their
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
@@ -292,6 +294,9 @@ def _moe(c: Any) -> Moe | None:
     if mt in ("glm4_moe", "dots1"):
         return _deepseek_v3_moe(c, c.n_routed_experts, c.n_shared_experts, tuple(
             i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)))
+    if mt == "solar_open":  # experts on every layer
+        return _deepseek_v3_moe(c, c.n_routed_experts, c.n_shared_experts,
+                                (True,) * c.num_hidden_layers)
     if mt == "exaone_moe":  # dense layers by mlp_layer_types
         return _deepseek_v3_moe(c, c.num_experts, c.num_shared_experts,
                                 tuple(t == "sparse" for t in c.mlp_layer_types))
@@ -325,8 +330,8 @@ def _moe(c: Any) -> Moe | None:
 
 
 def _deepseek_v3_moe(c: Any, experts: int, shared: int, sparse: tuple[bool, ...]) -> Moe:
-    """DeepSeek-V3's experts as GLM-4.5, dots.llm1 and EXAONE MoE configure them: the grouped
-    sigmoid router with its correction bias, `shared` unscaled shared experts."""
+    """DeepSeek-V3's experts as GLM-4.5, dots.llm1, EXAONE MoE and Solar Open configure them:
+    the grouped sigmoid router with its correction bias, `shared` unscaled shared experts."""
     return Moe(experts, c.num_experts_per_tok, c.moe_intermediate_size, bool(c.norm_topk_prob),
                c.moe_intermediate_size * shared, sparse, shared_gated=False, scoring="sigmoid",
                n_group=c.n_group, topk_group=c.topk_group,

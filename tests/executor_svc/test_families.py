@@ -122,6 +122,10 @@ FAMILIES = {
                            embedding_multiplier=2.0, residual_multiplier=0.5,
                            attention_multiplier=0.2, logits_scaling=4.0,
                            layer_types=["sliding_attention", "full_attention"]),
+    # Llama's attention, GLM-4.5's grouped sigmoid router and shared expert on every layer
+    "solar_open": dict(model_type="solar_open", head_dim=16, n_routed_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
+                       topk_group=1, routed_scaling_factor=1.5, attention_bias=True),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP
     "hunyuan_v1_moe": dict(model_type="hunyuan_v1_moe", head_dim=16, num_experts=4,
                            moe_topk=[2, 2], intermediate_size=32,
