@@ -37,6 +37,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
                                         norm per head when set         groups + shared expert
     dots1         pre-norm              q/k norm per head              as glm4_moe's
     solar_open    pre-norm              as llama                       as glm4_moe's, every layer
+    hy_v3         pre-norm              as qwen3                       sigmoid-routed experts with
+                                                                       a choice bias + shared
     ernie4_5_moe  pre-norm              RoPE in (2i, 2i + 1) pairs     softmax-routed experts with
                                                                        a choice bias + shared
     gpt_oss       pre-norm              biases, a sink logit per head, biased router and experts,
@@ -61,7 +63,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_te
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
              "gpt_oss", "minimax_m2", "flex_olmo", "exaone_moe", "granitemoe",
              "granitemoeshared", "granite_swa", "granitemoe_swa", "hunyuan_v1_dense",
-             "hunyuan_v1_moe", "solar_open", "qwen2_vl_text",
+             "hunyuan_v1_moe", "hy_v3", "solar_open", "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
@@ -71,12 +73,13 @@ ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_o
            "granite_swa": "granite", "granitemoe_swa": "granite",  # with sinks and windows
            "hunyuan_v1_moe": "hunyuan_v1_dense",  # Hunyuan-A13B: the dense decoder's, experts
            "solar_open": "llama",  # Solar Open: Llama's attention, GLM-4.5's experts
+           "hy_v3": "qwen3",  # Hunyuan 3: Qwen3's attention, MiniMax-M2's router
            # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models: on text alone their
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 _BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3", "flex_olmo",
                   "gpt_oss", "granitemoe", "granitemoeshared", "granite_swa",
-                  "granitemoe_swa", "hunyuan_v1_dense", "hunyuan_v1_moe")
+                  "granitemoe_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 
@@ -294,6 +297,12 @@ def _moe(c: Any) -> Moe | None:
     if mt in ("glm4_moe", "dots1"):
         return _deepseek_v3_moe(c, c.n_routed_experts, c.n_shared_experts, tuple(
             i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)))
+    if mt == "hy_v3":  # sigmoid scores chosen with a bias, renormalized, scaled; dense layers
+        # by mlp_layer_types
+        return Moe(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, True,
+                   c.moe_intermediate_size * c.num_shared_experts,
+                   tuple(t == "sparse" for t in c.mlp_layer_types), shared_gated=False,
+                   scoring="sigmoid", routed_scaling=float(c.router_scaling_factor))
     if mt == "solar_open":  # experts on every layer
         return _deepseek_v3_moe(c, c.n_routed_experts, c.n_shared_experts,
                                 (True,) * c.num_hidden_layers)

@@ -440,6 +440,7 @@ def _ignored_on_load(hf_config) -> re.Pattern | None:
 
 # a family's own tensor names -> the decoder's: GraniteMoE's stacked experts, router and
 # shared MLP (transformers 5's conversion mapping renames the first three), Hunyuan's q/k norms
+# and router, HY V3's router, choice bias and shared MLP
 _GRANITE_MOE = (("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_proj"),
                 ("block_sparse_moe.output_linear.weight", "mlp.experts.down_proj"),
                 ("block_sparse_moe.router.layer.weight", "mlp.gate.weight"),
@@ -450,7 +451,10 @@ _FAMILY_NAMES = {"granitemoe": _GRANITE_MOE, "granitemoeshared": _GRANITE_MOE,
                  "granitemoe_swa": _GRANITE_MOE,
                  "hunyuan_v1_dense": _HUNYUAN,
                  "hunyuan_v1_moe": (*_HUNYUAN, (".mlp.gate.wg.", ".mlp.gate."),
-                                    (".mlp.shared_mlp.", ".mlp.shared_expert."))}
+                                    (".mlp.shared_mlp.", ".mlp.shared_expert.")),
+                 "hy_v3": ((".mlp.router.gate.", ".mlp.gate."),
+                           (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
+                           (".mlp.shared_mlp.", ".mlp.shared_expert."))}
 
 
 def _renamed(weights: Iterable[tuple[str, torch.Tensor]], pairs: tuple[tuple[str, str], ...]

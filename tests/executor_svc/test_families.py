@@ -126,6 +126,10 @@ FAMILIES = {
     "solar_open": dict(model_type="solar_open", head_dim=16, n_routed_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
                        topk_group=1, routed_scaling_factor=1.5, attention_bias=True),
+    # Qwen3's attention; sigmoid scores chosen with a bias, scaled; a dense first layer
+    "hy_v3": dict(model_type="hy_v3", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                  initializer_range=0.1,
+                  moe_intermediate_size=32, router_scaling_factor=2.5, attention_bias=True),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP
     "hunyuan_v1_moe": dict(model_type="hunyuan_v1_moe", head_dim=16, num_experts=4,
                            moe_topk=[2, 2], intermediate_size=32,
