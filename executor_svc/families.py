@@ -39,6 +39,9 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     solar_open    pre-norm              as llama                       as glm4_moe's, every layer
     hy_v3         pre-norm              as qwen3                       sigmoid-routed experts with
                                                                        a choice bias + shared
+    afmoe         sandwich              q/k norm per head, windows,    as hy_v3's; dense first
+                                        RoPE on windowed layers only,  layers
+                                        output gated by sigmoid(g(x))
     ernie4_5_moe  pre-norm              RoPE in (2i, 2i + 1) pairs     softmax-routed experts with
                                                                        a choice bias + shared
     gpt_oss       pre-norm              biases, a sink logit per head, biased router and experts,
@@ -63,7 +66,7 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_te
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
              "gpt_oss", "minimax_m2", "flex_olmo", "exaone_moe", "granitemoe",
              "granitemoeshared", "granite_swa", "granitemoe_swa", "hunyuan_v1_dense",
-             "hunyuan_v1_moe", "hy_v3", "solar_open", "qwen2_vl_text",
+             "hunyuan_v1_moe", "hy_v3", "solar_open", "afmoe", "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
@@ -79,7 +82,7 @@ ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_o
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 _BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3", "flex_olmo",
                   "gpt_oss", "granitemoe", "granitemoeshared", "granite_swa",
-                  "granitemoe_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3")
+                  "granitemoe_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "afmoe")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 
@@ -190,17 +193,17 @@ def family_fields(c: Any) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
                     "exaone4": "head", "dots1": "head", "olmo2": "full", "olmoe": "full",
-                    "minimax_m2": "full", "exaone_moe": "head",
+                    "minimax_m2": "full", "exaone_moe": "head", "afmoe": "head",
                     "hunyuan_v1_dense": "head_after_rope",
                     "glm4_moe": "head" if getattr(c, "use_qk_norm", False) else ""}.get(mt, ""),
-        "norm_style": "sandwich" if gemma and mt != "gemma" or mt == "glm4"
+        "norm_style": "sandwich" if gemma and mt != "gemma" or mt in ("glm4", "afmoe")
         else "post" if mt in ("olmo2", "exaone4")
         else "parallel" if cohere or getattr(c, "use_parallel_residual", False) else "pre",
         "norm_type": "layer" if cohere or mt == "stablelm" else "rms",
         "norm_bias": mt == "stablelm",
         "norm_offset": 1.0 if gemma else 0.0,
         "hidden_act": "gelu_tanh" if gemma else "silu",
-        "embed_scale": c.hidden_size**0.5 if gemma
+        "embed_scale": c.hidden_size**0.5 if gemma or getattr(c, "mup_enabled", False)
         else float(c.embedding_multiplier) if granite else 1.0,
         "embed_scale_in_dtype": gemma,
         "attn_scale": float(c.attention_multiplier) if granite
@@ -223,6 +226,7 @@ def family_fields(c: Any) -> dict[str, Any]:
         else bool(getattr(c, "attention_bias", False)) and c.model_type in _BIASED_O_PROJ,
         "moe": _moe(c),
         "attn_sinks": c.model_type in ("gpt_oss", "granite_swa", "granitemoe_swa"),
+        "attn_output_gate": mt == "afmoe",
     }
     act = (getattr(c, "hidden_activation", None) or "gelu_pytorch_tanh") if gemma \
         else getattr(c, "hidden_act", "silu")
@@ -237,6 +241,8 @@ def _rope_layers(c: Any) -> tuple[bool, ...]:
     if c.model_type == "smollm3":
         return tuple(bool(r) for r in c.no_rope_layers)
     if c.model_type in ("exaone4", "exaone_moe") and getattr(c, "sliding_window", None):
+        return tuple(t == "sliding_attention" for t in c.layer_types)
+    if c.model_type == "afmoe":  # RoPE on the windowed layers only
         return tuple(t == "sliding_attention" for t in c.layer_types)
     if c.model_type == "cohere2":  # RoPE only where a window is
         return tuple(bool(c.sliding_window) and t == "sliding_attention" for t in c.layer_types)
@@ -303,6 +309,11 @@ def _moe(c: Any) -> Moe | None:
                    c.moe_intermediate_size * c.num_shared_experts,
                    tuple(t == "sparse" for t in c.mlp_layer_types), shared_gated=False,
                    scoring="sigmoid", routed_scaling=float(c.router_scaling_factor))
+    if mt == "afmoe":  # as HY V3's router, scaled by route_scale; dense first layers
+        return Moe(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, True,
+                   c.moe_intermediate_size * c.num_shared_experts,
+                   tuple(i >= c.num_dense_layers for i in range(c.num_hidden_layers)),
+                   shared_gated=False, scoring="sigmoid", routed_scaling=float(c.route_scale))
     if mt == "solar_open":  # experts on every layer
         return _deepseek_v3_moe(c, c.n_routed_experts, c.n_shared_experts,
                                 (True,) * c.num_hidden_layers)

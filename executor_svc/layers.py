@@ -246,6 +246,8 @@ class Attention(nn.Module):
             self.options["sliding_window"] = self.window
         if cfg.attn_softcap:
             self.options["logits_soft_cap"] = cfg.attn_softcap
+        if cfg.attn_output_gate:  # AFMoE: a sigmoid gate per output column, from the input
+            self.gate_proj = make_linear(cfg.hidden_size, self.h * self.d, False, quant, ops)
         if cfg.attn_sinks:  # gpt-oss: a logit per query head in the softmax, float32 as HF's
             self.sinks = nn.Parameter(torch.empty(self.h), requires_grad=False)
             self.fixed_dtypes = ("sinks",)
@@ -277,6 +279,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t, h, hkv, d = x.shape[0], self.h, self.hkv, self.d
         q, k, v = self.qkv_proj(x).split([h * d, hkv * d, hkv * d], dim=-1)
+        gate = self.gate_proj(x) if self.cfg.attn_output_gate else None
         norms = {}
         if self.cfg.qk_norm == "full":  # over the whole projection, before the heads split
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
@@ -291,17 +294,17 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(t * hkv, d))[0].reshape(t, hkv, d)
             self.ops.write_kv_cache(k, v.reshape(t, hkv, d), k_cache, v_cache,
                                     meta.slot_mapping, self.k_scale, self.v_scale)
-            return self._attend(q, kv_cache, meta)
+            return self._attend(q, kv_cache, meta, gate)
         # q rotated; k rotated and v stored in the cache, in one pass
         q = self.ops.rotary_and_cache(positions, q.reshape(t, h, d), k.reshape(t, hkv, d),
                                       v.reshape(t, hkv, d), cos_sin, k_cache, v_cache,
                                       meta.slot_mapping, self.k_scale, self.v_scale, **norms)
-        return self._attend(q, kv_cache, meta)
+        return self._attend(q, kv_cache, meta, gate)
 
     def _attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, gate: torch.Tensor | None = None) -> torch.Tensor:
         """The paged attention of rotated q [T, H, D] (this step's K and V already stored),
-        then o_proj."""
+        times sigmoid(gate) [T, H x D] where the family gates it, then o_proj."""
         t, h, d = q.shape
         k_cache, v_cache = kv_cache
         o = self.ops.paged_attention(
@@ -310,7 +313,10 @@ class Attention(nn.Module):
             k_scale=self.k_scale, v_scale=self.v_scale, **self.options,
             **({"sinks": self.sinks} if self.cfg.attn_sinks else {}),
         )
-        return tp.all_reduce(self.o_proj(o.reshape(t, h * d)), self.cfg)
+        o = o.reshape(t, h * d)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return tp.all_reduce(self.o_proj(o), self.cfg)
 
 
 class MLP(nn.Module):

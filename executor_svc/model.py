@@ -440,21 +440,23 @@ def _ignored_on_load(hf_config) -> re.Pattern | None:
 
 # a family's own tensor names -> the decoder's: GraniteMoE's stacked experts, router and
 # shared MLP (transformers 5's conversion mapping renames the first three), Hunyuan's q/k norms
-# and router, HY V3's router, choice bias and shared MLP
+# and router, HY V3's and AFMoE's routers and choice biases, AFMoE's MLP norms
 _GRANITE_MOE = (("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_proj"),
                 ("block_sparse_moe.output_linear.weight", "mlp.experts.down_proj"),
                 ("block_sparse_moe.router.layer.weight", "mlp.gate.weight"),
                 ("shared_mlp.input_linear.", "mlp.shared_expert.gate_up_proj."),
                 ("shared_mlp.output_linear.", "mlp.shared_expert.down_proj."))
 _HUNYUAN = ((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm."))
+_ROUTER_GATE = ((".mlp.router.gate.", ".mlp.gate."),  # HY V3's and AFMoE's router and bias
+                (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"))
 _FAMILY_NAMES = {"granitemoe": _GRANITE_MOE, "granitemoeshared": _GRANITE_MOE,
                  "granitemoe_swa": _GRANITE_MOE,
                  "hunyuan_v1_dense": _HUNYUAN,
                  "hunyuan_v1_moe": (*_HUNYUAN, (".mlp.gate.wg.", ".mlp.gate."),
                                     (".mlp.shared_mlp.", ".mlp.shared_expert.")),
-                 "hy_v3": ((".mlp.router.gate.", ".mlp.gate."),
-                           (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"),
-                           (".mlp.shared_mlp.", ".mlp.shared_expert."))}
+                 "hy_v3": (*_ROUTER_GATE, (".mlp.shared_mlp.", ".mlp.shared_expert.")),
+                 "afmoe": (*_ROUTER_GATE, (".pre_mlp_layernorm.", ".pre_feedforward_layernorm."),
+                           (".post_mlp_layernorm.", ".post_feedforward_layernorm."))}
 
 
 def _renamed(weights: Iterable[tuple[str, torch.Tensor]], pairs: tuple[tuple[str, str], ...]

@@ -82,6 +82,8 @@ def shard(name: str, tensor: torch.Tensor, cfg: ModelConfig,
         return tensor
     module, _, kind = name.rpartition(".")
     proj = module.rpartition(".")[2]
+    if module.endswith("self_attn.gate_proj"):  # AFMoE's output gate: q's heads, cut as q
+        proj = "q_proj"
     if proj in _VOCAB:
         start, per = vocab_rows(cfg)
         return tensor[start:start + per]  # the last rank's may be short: padded by the loader

@@ -130,6 +130,12 @@ FAMILIES = {
     "hy_v3": dict(model_type="hy_v3", head_dim=16, num_experts=4, num_experts_per_tok=2,
                   initializer_range=0.1,
                   moe_intermediate_size=32, router_scaling_factor=2.5, attention_bias=True),
+    # sandwich norms, q/k norms, windows with RoPE and global layers without, the attention's
+    # output gated; sigmoid router with a choice bias, scaled; a dense first layer
+    "afmoe": dict(model_type="afmoe", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, num_shared_experts=1, route_scale=2.0,
+                  global_attn_every_n_layers=2, sliding_window=6, initializer_range=0.1,
+                  mup_enabled=True, attention_bias=True),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP
     "hunyuan_v1_moe": dict(model_type="hunyuan_v1_moe", head_dim=16, num_experts=4,
                            moe_topk=[2, 2], intermediate_size=32,

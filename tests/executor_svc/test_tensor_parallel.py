@@ -64,6 +64,10 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
     # a float32 router whole on each rank, the MLP beside the experts cut as a dense one
     "hunyuan-moe": dict(model_type="hunyuan_v1_moe", num_experts=4, moe_topk=2,
                         **{**TINY, "head_dim": 16, "intermediate_size": 32}),
+    # the attention's output gate cut by query heads as q, sandwich norms, NoPE global layers
+    "afmoe": dict(model_type="afmoe", num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, num_shared_experts=1, global_attn_every_n_layers=2,
+                  sliding_window=4, **{**TINY, "head_dim": 16}),
     # sinks cut by query heads, expert biases (the down bias added by rank 0 alone), a biased
     # router whole on each rank
     "gpt-oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
