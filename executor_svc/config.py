@@ -68,6 +68,9 @@ class ModelConfig:
     attn_sinks: bool = False  # a learned logit per query head in each softmax (gpt-oss,
     # Granite SWA)
     attn_output_gate: bool = False  # attention's output times sigmoid(gate_proj(x)) (AFMoE)
+    # Ministral 3's query scale by position, Llama 4's: 1 + beta * log(1 + floor(pos / orig))
+    # as (beta, orig); (): none
+    q_position_scale: tuple[float, int] = ()
     impl: str = "native"  # "native" (model.py) or "transformers" (hf_fallback.py)
     # the fallback's longest exact context where the model attends in chunks (Llama 4's
     # attention_chunk_size: its mask, which the paged attention does not apply); 0: none

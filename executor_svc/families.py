@@ -39,6 +39,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     solar_open    pre-norm              as llama                       as glm4_moe's, every layer
     hy_v3         pre-norm              as qwen3                       sigmoid-routed experts with
                                                                        a choice bias + shared
+    ministral     as mistral            windows by layer_types         SwiGLU
+    ministral3    as mistral            q scaled by position (Llama 4) SwiGLU
     afmoe         sandwich              q/k norm per head, windows,    as hy_v3's; dense first
                                         RoPE on windowed layers only,  layers
                                         output gated by sigmoid(g(x))
@@ -50,8 +52,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
                                         half of each head rotated      a choice bias (no groups)
 
 A vision-language checkpoint whose language model is one of these (Gemma 3 4B and up, Mistral
-Small 3.1, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, EXAONE 4.5) is served text-only: its
-text_config and its language model's tensors (text_config_of, text_weight_name); the vision
+Small 3.1, Ministral 3, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, EXAONE 4.5) is served text-only:
+its text_config and its language model's tensors (text_config_of, text_weight_name); the vision
 tower and projector are not loaded.
 """
 
@@ -60,7 +62,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
+SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "gemma", "gemma2",
+             "gemma3_text", "phi3",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
@@ -70,7 +73,8 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_te
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
-ALIASES = {"internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
+ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (2410), Ministral 3
+           "internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
            "olmo3": "olmo2", "flex_olmo": "olmo2",  # FlexOlmo: OLMo 2's decoder, OLMoE's experts
            "granitemoe": "granite", "granitemoeshared": "granite",  # with their experts
            "granite_swa": "granite", "granitemoe_swa": "granite",  # with sinks and windows
@@ -227,6 +231,9 @@ def family_fields(c: Any) -> dict[str, Any]:
         "moe": _moe(c),
         "attn_sinks": c.model_type in ("gpt_oss", "granite_swa", "granitemoe_swa"),
         "attn_output_gate": mt == "afmoe",
+        "q_position_scale": (float(rope["llama_4_scaling_beta"]),
+                             int(rope["original_max_position_embeddings"]))
+        if c.model_type == "ministral3" and rope.get("llama_4_scaling_beta") else (),
     }
     act = (getattr(c, "hidden_activation", None) or "gelu_pytorch_tanh") if gemma \
         else getattr(c, "hidden_act", "silu")

@@ -246,6 +246,8 @@ class Attention(nn.Module):
             self.options["sliding_window"] = self.window
         if cfg.attn_softcap:
             self.options["logits_soft_cap"] = cfg.attn_softcap
+        # Ministral 3: q times a scale by position, [max_pos] float32 (CausalLM.set_rope)
+        self.q_position_scale: torch.Tensor | None = None
         if cfg.attn_output_gate:  # AFMoE: a sigmoid gate per output column, from the input
             self.gate_proj = make_linear(cfg.hidden_size, self.h * self.d, False, quant, ops)
         if cfg.attn_sinks:  # gpt-oss: a logit per query head in the softmax, float32 as HF's
@@ -294,18 +296,22 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(t * hkv, d))[0].reshape(t, hkv, d)
             self.ops.write_kv_cache(k, v.reshape(t, hkv, d), k_cache, v_cache,
                                     meta.slot_mapping, self.k_scale, self.v_scale)
-            return self._attend(q, kv_cache, meta, gate)
+            return self._attend(q, kv_cache, meta, gate, positions)
         # q rotated; k rotated and v stored in the cache, in one pass
         q = self.ops.rotary_and_cache(positions, q.reshape(t, h, d), k.reshape(t, hkv, d),
                                       v.reshape(t, hkv, d), cos_sin, k_cache, v_cache,
                                       meta.slot_mapping, self.k_scale, self.v_scale, **norms)
-        return self._attend(q, kv_cache, meta, gate)
+        return self._attend(q, kv_cache, meta, gate, positions)
 
     def _attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, gate: torch.Tensor | None = None) -> torch.Tensor:
-        """The paged attention of rotated q [T, H, D] (this step's K and V already stored),
-        times sigmoid(gate) [T, H x D] where the family gates it, then o_proj."""
+                meta: AttentionMetadata, gate: torch.Tensor | None,
+                positions: torch.Tensor) -> torch.Tensor:
+        """The paged attention of rotated q [T, H, D] (scaled by position where the family
+        does; this step's K and V already stored), times sigmoid(gate) [T, H x D] where the
+        family gates it, then o_proj."""
         t, h, d = q.shape
+        if self.q_position_scale is not None:  # (as HF: the scale in q's dtype, then times)
+            q = q * self.q_position_scale[positions].to(q.dtype)[:, None, None]
         k_cache, v_cache = kv_cache
         o = self.ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, self.scale,

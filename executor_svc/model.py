@@ -139,8 +139,14 @@ class CausalLM(nn.Module):
             return tables[key]
 
         self.layer_cos_sin = []
+        q_scale = None
+        if cfg.q_position_scale:  # Llama 4's: 1 + beta * log(1 + floor(pos / orig))
+            beta, orig = cfg.q_position_scale
+            pos = torch.arange(self.max_pos, dtype=torch.float32)
+            q_scale = (1 + beta * torch.log(1 + torch.floor(pos / orig))).to(device)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
+            attn.q_position_scale = q_scale
             theta = cfg.layer_rope_theta[i] if cfg.layer_rope_theta else None
             self.layer_cos_sin.append(table(
                 "none" if not attn.rope else "local" if attn.local_rope

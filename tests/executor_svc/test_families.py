@@ -136,6 +136,17 @@ FAMILIES = {
                   moe_intermediate_size=32, num_shared_experts=1, route_scale=2.0,
                   global_attn_every_n_layers=2, sliding_window=6, initializer_range=0.1,
                   mup_enabled=True, attention_bias=True),
+    # Mistral with windows by layer_types (Ministral 8B's)
+    "ministral": dict(model_type="ministral", sliding_window=6, head_dim=16,
+                      layer_types=["sliding_attention", "full_attention"]),
+    # Mistral with YaRN and Llama 4's query scale by position (orig 8: positions 8 and up
+    # scaled, as 16,384 and up are in the released configs)
+    "ministral3": dict(model_type="ministral3", head_dim=16, initializer_range=0.1,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                        "factor": 4.0, "original_max_position_embeddings": 8,
+                                        "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "mscale_all_dim": 1.0, "mscale": 1.0,
+                                        "llama_4_scaling_beta": 0.5}),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP
     "hunyuan_v1_moe": dict(model_type="hunyuan_v1_moe", head_dim=16, num_experts=4,
                            moe_topk=[2, 2], intermediate_size=32,
@@ -354,13 +365,17 @@ def vision_language_checkpoint(kind: str, tmp_path):
                       out_hidden_size=64, fullatt_block_indexes=[0], window_size=56,
                       num_key_value_heads=2)
         extra = dict(image_token_id=255, video_token_id=254, vision_start_token_id=253)
-    else:  # mistral3: tied by the wrapper's flag, or (untied) with a head of its own
+    else:  # mistral3: tied by the wrapper's flag, or (untied) with a head of its own;
+        # Ministral 3's releases: its text model under the same wrapper
         text.update(model_type="mistral", tie_word_embeddings=False)
+        if kind == "mistral3-ministral3":
+            text.update({k: v for k, v in FAMILIES["ministral3"].items()
+                         if k != "initializer_range"})
         vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
                       num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
                       head_dim=16)
         extra = dict(image_token_index=255, tie_word_embeddings=kind == "mistral3")
-    config = AutoConfig.for_model(kind.removesuffix("-untied"), text_config=text,
+    config = AutoConfig.for_model(kind.split("-")[0], text_config=text,
                                   vision_config=vision, **extra)
     hf = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
     perturb_norms(hf)
@@ -368,15 +383,16 @@ def vision_language_checkpoint(kind: str, tmp_path):
     return hf
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "mistral3-untied", "llava",
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "mistral3-untied", "mistral3-ministral3",
+                                  "llava",
                                   "qwen2_5_vl", "qwen3_vl", "exaone4_5"])
 def test_a_vision_language_checkpoint_serves_its_language_model(kind, tmp_path):
-    """Gemma 3 4B+, Mistral Small 3.1 and Qwen's VL models ship as vision-language models:
-    their language model runs natively, text-only, with HF's logits on text; the vision tower
-    is not loaded."""
+    """Gemma 3 4B+, Mistral Small 3.1, Ministral 3 and Qwen's VL models ship as
+    vision-language models: their language model runs natively, text-only, with HF's logits
+    on text; the vision tower is not loaded."""
     hf = vision_language_checkpoint(kind, tmp_path)
     cfg = ModelConfig.from_pretrained(tmp_path)
-    assert cfg.multimodal == kind.removesuffix("-untied") and cfg.impl == "native"
+    assert cfg.multimodal == kind.split("-")[0] and cfg.impl == "native"
     assert cfg.tie_word_embeddings == (kind in ("gemma3", "mistral3"))
     ours = build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, tmp_path)
     assert not any("vision" in n or "projector" in n for n, _ in ours.named_parameters())
