@@ -39,6 +39,9 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     solar_open    pre-norm              as llama                       as glm4_moe's, every layer
     hy_v3         pre-norm              as qwen3                       sigmoid-routed experts with
                                                                        a choice bias + shared
+    vaultgemma    pre-norm, (1 + w)     as gemma2                      GeGLU (tanh)
+    hyperclovax   sandwich (peri-LN)    as granite; logits times       SwiGLU
+                                        logits_scaling
     ministral     as mistral            windows by layer_types         SwiGLU
     ministral3    as mistral            q scaled by position (Llama 4) SwiGLU
     afmoe         sandwich              q/k norm per head, windows,    as hy_v3's; dense first
@@ -63,7 +66,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "gemma", "gemma2",
-             "gemma3_text", "phi3",
+             "gemma3_text", "vaultgemma", "phi3", "hyperclovax",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
@@ -74,6 +77,8 @@ SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "g
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
 ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (2410), Ministral 3
+           "vaultgemma": "gemma2",  # Gemma 2 without its post-norms
+           "hyperclovax": "granite",  # Granite with peri-LN (post-norms too) when use_post_norm
            "internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
            "olmo3": "olmo2", "flex_olmo": "olmo2",  # FlexOlmo: OLMo 2's decoder, OLMoE's experts
            "granitemoe": "granite", "granitemoeshared": "granite",  # with their experts
@@ -84,8 +89,8 @@ ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (241
            # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models: on text alone their
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
-_BIASED_O_PROJ = ("llama", "internlm3", "granite", "smollm3", "olmo2", "olmo3", "flex_olmo",
-                  "gpt_oss", "granitemoe", "granitemoeshared", "granite_swa",
+_BIASED_O_PROJ = ("llama", "internlm3", "granite", "hyperclovax", "smollm3", "olmo2", "olmo3",
+                  "flex_olmo", "gpt_oss", "granitemoe", "granitemoeshared", "granite_swa",
                   "granitemoe_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "afmoe")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
@@ -200,7 +205,9 @@ def family_fields(c: Any) -> dict[str, Any]:
                     "minimax_m2": "full", "exaone_moe": "head", "afmoe": "head",
                     "hunyuan_v1_dense": "head_after_rope",
                     "glm4_moe": "head" if getattr(c, "use_qk_norm", False) else ""}.get(mt, ""),
-        "norm_style": "sandwich" if gemma and mt != "gemma" or mt in ("glm4", "afmoe")
+        "norm_style": "pre" if c.model_type == "vaultgemma"
+        else "sandwich" if gemma and mt != "gemma" or mt in ("glm4", "afmoe")
+        or getattr(c, "use_post_norm", False) and c.model_type == "hyperclovax"
         else "post" if mt in ("olmo2", "exaone4")
         else "parallel" if cohere or getattr(c, "use_parallel_residual", False) else "pre",
         "norm_type": "layer" if cohere or mt == "stablelm" else "rms",
@@ -213,7 +220,8 @@ def family_fields(c: Any) -> dict[str, Any]:
         "attn_scale": float(c.attention_multiplier) if granite
         else (getattr(c, "query_pre_attn_scalar", None) or head_dim) ** -0.5,
         "residual_scale": float(c.residual_multiplier) if granite else 1.0,
-        "logit_scale": 1.0 / float(c.logits_scaling) if granite
+        "logit_scale": float(c.logits_scaling) if c.model_type == "hyperclovax"  # times it
+        else 1.0 / float(c.logits_scaling) if granite
         else float(c.logit_scale) if cohere else 1.0,
         "attn_softcap": float(getattr(c, "attn_logit_softcapping", None) or 0.0),
         "final_softcap": float(getattr(c, "final_logit_softcapping", None) or 0.0),

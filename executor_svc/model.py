@@ -80,8 +80,11 @@ class DecoderLayer(nn.Module):
         if self.style == "sandwich":
             x, residual = self.input_layernorm(x, residual)
             x = self.post_attention_layernorm(attn(x, positions, cos_sin, kv_cache, meta))[0]
+            if self.residual_scale != 1.0:  # HyperCLOVAX: the normed output times it
+                x = x * self.residual_scale
             x, residual = self.pre_feedforward_layernorm(x, residual)
-            return self.post_feedforward_layernorm(self.mlp(x))[0], residual
+            x = self.post_feedforward_layernorm(self.mlp(x))[0]
+            return (x if self.residual_scale == 1.0 else x * self.residual_scale), residual
         h = x if residual is None else x + residual
         h = h + self.post_attention_layernorm(attn(h, positions, cos_sin, kv_cache, meta))[0]
         return self.post_feedforward_layernorm(self.mlp(h))[0], h
@@ -446,7 +449,8 @@ def _ignored_on_load(hf_config) -> re.Pattern | None:
 
 # a family's own tensor names -> the decoder's: GraniteMoE's stacked experts, router and
 # shared MLP (transformers 5's conversion mapping renames the first three), Hunyuan's q/k norms
-# and router, HY V3's and AFMoE's routers and choice biases, AFMoE's MLP norms
+# and router, HY V3's and AFMoE's routers and choice biases; AFMoE's, VaultGemma's and
+# HyperCLOVAX's norms under the decoder's names for their places
 _GRANITE_MOE = (("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_proj"),
                 ("block_sparse_moe.output_linear.weight", "mlp.experts.down_proj"),
                 ("block_sparse_moe.router.layer.weight", "mlp.gate.weight"),
@@ -455,7 +459,12 @@ _GRANITE_MOE = (("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_pr
 _HUNYUAN = ((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm."))
 _ROUTER_GATE = ((".mlp.router.gate.", ".mlp.gate."),  # HY V3's and AFMoE's router and bias
                 (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"))
-_FAMILY_NAMES = {"granitemoe": _GRANITE_MOE, "granitemoeshared": _GRANITE_MOE,
+_FAMILY_NAMES = {"vaultgemma": ((".pre_feedforward_layernorm.", ".post_attention_layernorm."),),
+                 # HyperCLOVAX's peri-LN: its MLP's pre-norm first, then the others' places
+                 "hyperclovax": ((".post_attention_layernorm.", ".pre_feedforward_layernorm."),
+                                 (".post_norm1.", ".post_attention_layernorm."),
+                                 (".post_norm2.", ".post_feedforward_layernorm.")),
+                 "granitemoe": _GRANITE_MOE, "granitemoeshared": _GRANITE_MOE,
                  "granitemoe_swa": _GRANITE_MOE,
                  "hunyuan_v1_dense": _HUNYUAN,
                  "hunyuan_v1_moe": (*_HUNYUAN, (".mlp.gate.wg.", ".mlp.gate."),

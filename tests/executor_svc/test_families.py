@@ -147,6 +147,16 @@ FAMILIES = {
                                         "beta_fast": 32.0, "beta_slow": 1.0,
                                         "mscale_all_dim": 1.0, "mscale": 1.0,
                                         "llama_4_scaling_beta": 0.5}),
+    # Gemma 2 with pre-norms only
+    "vaultgemma": dict(model_type="vaultgemma", head_dim=16, sliding_window=6,
+                       layer_types=["sliding_attention", "full_attention"],
+                       query_pre_attn_scalar=24, attn_logit_softcapping=20.0,
+                       final_logit_softcapping=10.0),
+    # Granite's multipliers (logits times logits_scaling) with peri-LN: a norm after each
+    # sublayer too, its output then times residual_multiplier
+    "hyperclovax": dict(model_type="hyperclovax", head_dim=16, embedding_multiplier=2.0,
+                        residual_multiplier=0.5, attention_multiplier=0.2,
+                        logits_scaling=0.25, attention_bias=True, initializer_range=0.1),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP
     "hunyuan_v1_moe": dict(model_type="hunyuan_v1_moe", head_dim=16, num_experts=4,
                            moe_topk=[2, 2], intermediate_size=32,
