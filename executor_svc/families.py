@@ -42,6 +42,7 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     vaultgemma    pre-norm, (1 + w)     as gemma2                      GeGLU (tanh)
     hyperclovax   sandwich (peri-LN)    as granite; logits times       SwiGLU
                                         logits_scaling
+    jais2         pre-LayerNorm (bias)  biases                         down(relu(up(x))^2), biases
     ministral     as mistral            windows by layer_types         SwiGLU
     ministral3    as mistral            q scaled by position (Llama 4) SwiGLU
     afmoe         sandwich              q/k norm per head, windows,    as hy_v3's; dense first
@@ -66,7 +67,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "gemma", "gemma2",
-             "gemma3_text", "vaultgemma", "phi3", "hyperclovax",
+             "gemma3_text", "vaultgemma", "phi3", "hyperclovax", "jais2",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
@@ -79,6 +80,7 @@ SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "g
 ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (2410), Ministral 3
            "vaultgemma": "gemma2",  # Gemma 2 without its post-norms
            "hyperclovax": "granite",  # Granite with peri-LN (post-norms too) when use_post_norm
+           "jais2": "llama",  # LayerNorms with biases, an ungated relu2 MLP with biases
            "internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
            "olmo3": "olmo2", "flex_olmo": "olmo2",  # FlexOlmo: OLMo 2's decoder, OLMoE's experts
            "granitemoe": "granite", "granitemoeshared": "granite",  # with their experts
@@ -89,7 +91,8 @@ ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (241
            # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models: on text alone their
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
-_BIASED_O_PROJ = ("llama", "internlm3", "granite", "hyperclovax", "smollm3", "olmo2", "olmo3",
+_BIASED_O_PROJ = ("llama", "internlm3", "granite", "hyperclovax", "jais2", "smollm3", "olmo2",
+                  "olmo3",
                   "flex_olmo", "gpt_oss", "granitemoe", "granitemoeshared", "granite_swa",
                   "granitemoe_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "afmoe")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
@@ -181,9 +184,6 @@ def family_fields(c: Any) -> dict[str, Any]:
     factors = {float(v.get("partial_rotary_factor", 1.0)) for v in (rope, *rope.values())
                if isinstance(v, dict)} | {float(getattr(c, "partial_rotary_factor", 1.0))}
     factor = min(factors)
-    if getattr(c, "mlp_bias", False):
-        raise UnsupportedModelError(f"{c.model_type}: MLP biases (mlp_bias) are not "
-                                    "supported")
     if getattr(c, "clip_qkv", None) is not None:
         raise UnsupportedModelError(f"{c.model_type}: clipped q, k and v (clip_qkv) are not "
                                     "supported")
@@ -210,10 +210,12 @@ def family_fields(c: Any) -> dict[str, Any]:
         or getattr(c, "use_post_norm", False) and c.model_type == "hyperclovax"
         else "post" if mt in ("olmo2", "exaone4")
         else "parallel" if cohere or getattr(c, "use_parallel_residual", False) else "pre",
-        "norm_type": "layer" if cohere or mt == "stablelm" else "rms",
-        "norm_bias": mt == "stablelm",
+        "norm_type": "layer" if cohere or mt == "stablelm" or c.model_type == "jais2" else "rms",
+        "norm_bias": mt == "stablelm" or c.model_type == "jais2",
         "norm_offset": 1.0 if gemma else 0.0,
-        "hidden_act": "gelu_tanh" if gemma else "silu",
+        "hidden_act": "gelu_tanh" if gemma else "relu2" if c.model_type == "jais2" else "silu",
+        "mlp_gated": c.model_type != "jais2",
+        "mlp_bias": bool(getattr(c, "mlp_bias", False)),
         "embed_scale": c.hidden_size**0.5 if gemma or getattr(c, "mup_enabled", False)
         else float(c.embedding_multiplier) if granite else 1.0,
         "embed_scale_in_dtype": gemma,
@@ -245,7 +247,7 @@ def family_fields(c: Any) -> dict[str, Any]:
     }
     act = (getattr(c, "hidden_activation", None) or "gelu_pytorch_tanh") if gemma \
         else getattr(c, "hidden_act", "silu")
-    if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+    if act != ("gelu_pytorch_tanh" if gemma else "relu2" if c.model_type == "jais2" else "silu"):
         raise UnsupportedModelError(f"{mt}: activation {act!r} is not supported")
     return fields
 

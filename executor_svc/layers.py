@@ -326,17 +326,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(act(gate(x)) * up(x)), gate and up fused into one projection (gate first)."""
+    """down(act(gate(x)) * up(x)), gate and up fused into one projection (gate first); or,
+    not gated, down(relu(up(x)) ** 2) (Jais 2). `bias`: on both projections (mlp_bias)."""
 
     def __init__(self, cfg: ModelConfig, ops: Ops, quant: QuantConfig | None = None,
-                 width: int | None = None) -> None:
+                 width: int | None = None, bias: bool = False, gated: bool = True) -> None:
         super().__init__()
         width = width or cfg.intermediate_size
-        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * width, False, quant, ops)
-        self.down_proj = make_linear(width, cfg.hidden_size, False, quant, ops)
-        self.act = ops.gelu_tanh_and_mul if cfg.hidden_act == "gelu_tanh" else ops.silu_and_mul
+        self.gated = gated
+        if gated:
+            self.gate_up_proj = make_linear(cfg.hidden_size, 2 * width, bias, quant, ops)
+            self.act = (ops.gelu_tanh_and_mul if cfg.hidden_act == "gelu_tanh"
+                        else ops.silu_and_mul)
+        else:
+            self.up_proj = make_linear(cfg.hidden_size, width, bias, quant, ops)
+        self.down_proj = make_linear(width, cfg.hidden_size, bias, quant, ops)
         self.cfg = cfg
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        y = self.down_proj(self.act(self.gate_up_proj(x)))
+        h = self.act(self.gate_up_proj(x)) if self.gated else torch.relu(self.up_proj(x)) ** 2
+        y = self.down_proj(h)
         return tp.all_reduce(y, self.cfg) if reduce else y

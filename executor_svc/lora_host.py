@@ -18,7 +18,7 @@ from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.tp_layers import shard_lora
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
+_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\."
                   r"(\w+)\.lora_([AB])(?:\.default)?\.weight")
 _EXPERTS = re.compile(r"\.(?:block_sparse_moe|experts|shared_expert|shared_expert_gate|gate)\.")
 _UNSUPPORTED = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights",
@@ -132,13 +132,20 @@ def _pair(tensors: dict[str, torch.Tensor], cfg: ModelConfig, rank: int, scale: 
             raise LoraError(f"{where}: weight {key} adapts a mixture-of-experts layer's "
                             f"experts or router, which LoRA is not served on (attention "
                             f"and dense MLP layers are)")
-        if m is None or m.group(2) not in dims:
+        if m is None or m.group(3) not in dims:
             raise LoraError(f"{where}: weight {key} is not a LoRA A or B of "
                             f"{', '.join(TARGETS)} in a decoder layer")
-        layer, module, half = int(m.group(1)), m.group(2), m.group(3)
+        layer, parent, module, half = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        mlp = module in ("gate_proj", "up_proj", "down_proj")
+        if mlp != (parent == "mlp"):  # AFMoE's self_attn.gate_proj: its attention's gate
+            raise LoraError(f"{where}: weight {key}: {parent}.{module} is not a projection "
+                            f"LoRA is served on")
+        if mlp and not cfg.mlp_gated:
+            raise LoraError(f"{where}: {key}: the base model's MLP is ungated (Jais 2's), "
+                            f"which LoRA is not served on (attention is)")
         if layer >= cfg.num_layers:
             raise LoraError(f"{where}: {key}: the base model has {cfg.num_layers} layers")
-        if module.endswith(("gate_proj", "up_proj", "down_proj")) and _sparse(cfg, layer):
+        if mlp and _sparse(cfg, layer):
             raise LoraError(f"{where}: {key}: layer {layer}'s MLP is a mixture of experts, "
                             f"which LoRA is not served on (attention and dense MLP layers "
                             f"are)")

@@ -62,7 +62,8 @@ class DecoderLayer(nn.Module):
             setattr(self, name, make_norm(cfg.hidden_size, cfg, ops))
         self.self_attn = Attention(cfg, layer, ops, quant)
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
-        self.mlp = SparseMoe(cfg, ops, quant) if sparse else MLP(cfg, ops, quant)
+        self.mlp = SparseMoe(cfg, ops, quant) if sparse else MLP(
+            cfg, ops, quant, bias=cfg.mlp_bias, gated=cfg.mlp_gated)
 
     def forward(self, x, residual, positions, cos_sin, kv_cache, meta):
         attn = self.self_attn
@@ -277,8 +278,9 @@ class CausalLM(nn.Module):
                     target = name.replace(f"{part}_proj", "qkv_proj")
                     rows = (start, size)
             inter = cfg.moe.shared_intermediate_size if shared else cfg.intermediate_size
-            for i, part in enumerate(("gate", "up")):
-                if f"mlp.{part}_proj." in name or f"shared_expert.{part}_proj." in name:
+            for i, part in enumerate(("gate", "up")):  # (an ungated MLP's up_proj stays)
+                if (f"mlp.{part}_proj." in name and cfg.mlp_gated
+                        or f"shared_expert.{part}_proj." in name):
                     target, rows = name.replace(f"{part}_proj", "gate_up_proj"), (i * inter, inter)
             if target not in params:
                 if name.endswith(".bias") and not tensor.any():

@@ -157,6 +157,10 @@ FAMILIES = {
     "hyperclovax": dict(model_type="hyperclovax", head_dim=16, embedding_multiplier=2.0,
                         residual_multiplier=0.5, attention_multiplier=0.2,
                         logits_scaling=0.25, attention_bias=True, initializer_range=0.1),
+    # LayerNorms with biases, biases on attention and on an ungated relu2 MLP
+    "jais2": dict(model_type="jais2", head_dim=16, initializer_range=0.1),
+    # Llama with MLP biases
+    "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, attention_bias=True),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP
     "hunyuan_v1_moe": dict(model_type="hunyuan_v1_moe", head_dim=16, num_experts=4,
                            moe_topk=[2, 2], intermediate_size=32,

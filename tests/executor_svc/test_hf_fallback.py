@@ -133,7 +133,7 @@ def test_a_native_family_through_the_fallback_equals_native(family, tmp_path):
 @pytest.mark.parametrize("config,reason", [
     (dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32,
           clip_qkv=0.05), "olmoe: clipped q, k and v"),
-    (dict(model_type="llama", mlp_bias=True), "llama: MLP biases"),
+    (dict(model_type="llama", hidden_act="gelu"), "llama: activation 'gelu'"),
 ])
 def test_auto_takes_the_fallback_where_the_native_module_lacks_a_switch(config, reason,
                                                                        tmp_path, caplog):

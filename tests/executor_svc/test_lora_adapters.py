@@ -437,3 +437,16 @@ def test_q_and_k_adapters_of_a_partial_rotary_model_are_refused(tmp_path):
     with pytest.raises(LoraError, match="k_proj.lora_A.weight: the base model's q and k heads "
                                         "are served in another order"):
         load_adapter("a", path, cfg, 8)
+
+
+def test_mlp_adapters_of_an_ungated_mlp_are_refused(tmp_path):
+    """Jais 2's MLP is down(relu(up(x))^2), which the LoRA layers do not wrap: an adapter of
+    it would load and never apply."""
+    cfg = ModelConfig.from_dict({**TINY, "model_type": "jais2"})
+    assert not cfg.mlp_gated
+    same = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY)).eval()
+    path = write_adapter(tmp_path / "a", same, 1, 4, ["o_proj", "up_proj"], 8)
+    with pytest.raises(LoraError, match="up_proj.lora_A.weight: the base model's MLP is "
+                                        "ungated"):
+        load_adapter("a", path, cfg, 8)
+    load_adapter("b", write_adapter(tmp_path / "b", same, 1, 4, ["o_proj"], 8), cfg, 8)
