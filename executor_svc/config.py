@@ -177,7 +177,8 @@ class ModelConfig:
             head_dim=head_dim,
             intermediate_size=c.intermediate_size,
             vocab_size=c.vocab_size,
-            rms_norm_eps=getattr(c, "rms_norm_eps", None) or c.layer_norm_eps,
+            rms_norm_eps=(getattr(c, "rms_norm_eps", None) or getattr(c, "layer_norm_eps", None)
+                          or c.norm_eps),  # (Nemotron's name)
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             max_position_embeddings=c.max_position_embeddings,
             hf_config=c,

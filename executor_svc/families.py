@@ -43,6 +43,9 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     hyperclovax   sandwich (peri-LN)    as granite; logits times       SwiGLU
                                         logits_scaling
     jais2         pre-LayerNorm (bias)  biases                         down(relu(up(x))^2), biases
+    nemotron      pre-LayerNorm (1 + w, as stablelm (partial rotary)   down(relu(up(x))^2)
+                  bias)                 with biases
+    cwm           as llama              windows by layer_types         SwiGLU
     ministral     as mistral            windows by layer_types         SwiGLU
     ministral3    as mistral            q scaled by position (Llama 4) SwiGLU
     afmoe         sandwich              q/k norm per head, windows,    as hy_v3's; dense first
@@ -67,7 +70,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "gemma", "gemma2",
-             "gemma3_text", "vaultgemma", "phi3", "hyperclovax", "jais2",
+             "gemma3_text", "vaultgemma", "phi3", "hyperclovax", "jais2", "nemotron", "cwm",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
@@ -81,6 +84,8 @@ ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (241
            "vaultgemma": "gemma2",  # Gemma 2 without its post-norms
            "hyperclovax": "granite",  # Granite with peri-LN (post-norms too) when use_post_norm
            "jais2": "llama",  # LayerNorms with biases, an ungated relu2 MLP with biases
+           "nemotron": "llama",  # Jais 2's MLP, (1 + w) LayerNorms, a partial rotation
+           "cwm": "llama",  # Code World Model: Llama with windows on 3 of 4 layers
            "internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
            "olmo3": "olmo2", "flex_olmo": "olmo2",  # FlexOlmo: OLMo 2's decoder, OLMoE's experts
            "granitemoe": "granite", "granitemoeshared": "granite",  # with their experts
@@ -91,11 +96,14 @@ ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (241
            # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models: on text alone their
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
-_BIASED_O_PROJ = ("llama", "internlm3", "granite", "hyperclovax", "jais2", "smollm3", "olmo2",
+_BIASED_O_PROJ = ("llama", "internlm3", "granite", "hyperclovax", "jais2", "nemotron", "smollm3",
+                  "olmo2",
                   "olmo3",
                   "flex_olmo", "gpt_oss", "granitemoe", "granitemoeshared", "granite_swa",
                   "granitemoe_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "afmoe")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
+# LayerNorms with biases and an ungated MLP, down(relu(up(x))^2)
+_RELU2 = ("jais2", "nemotron")
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 
 
@@ -192,13 +200,13 @@ def family_fields(c: Any) -> dict[str, Any]:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rotary_dim = int(head_dim * factor)  # as HF's rope_init_fn sizes it
     if factor != 1.0 and (mt not in ("phi3", "glm", "glm4", "glm4_moe", "stablelm",
-                                     "minimax_m2")
+                                     "minimax_m2") and c.model_type != "nemotron"
                           or rotary_dim % 2
                           or (head_dim - rotary_dim) % 2):
         raise UnsupportedModelError(f"{c.model_type}: partial rotary embeddings "
                                     f"(partial_rotary_factor {factor:g}) are not supported "
-                                    f"natively (phi3's, stablelm's and glm's are, of an even "
-                                    f"share of an even head)")
+                                    f"natively (phi3's, stablelm's, nemotron's and glm's "
+                                    f"are, of an even share of an even head)")
     fields: dict[str, Any] = {
         "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
                     "exaone4": "head", "dots1": "head", "olmo2": "full", "olmoe": "full",
@@ -210,11 +218,11 @@ def family_fields(c: Any) -> dict[str, Any]:
         or getattr(c, "use_post_norm", False) and c.model_type == "hyperclovax"
         else "post" if mt in ("olmo2", "exaone4")
         else "parallel" if cohere or getattr(c, "use_parallel_residual", False) else "pre",
-        "norm_type": "layer" if cohere or mt == "stablelm" or c.model_type == "jais2" else "rms",
-        "norm_bias": mt == "stablelm" or c.model_type == "jais2",
-        "norm_offset": 1.0 if gemma else 0.0,
-        "hidden_act": "gelu_tanh" if gemma else "relu2" if c.model_type == "jais2" else "silu",
-        "mlp_gated": c.model_type != "jais2",
+        "norm_type": "layer" if cohere or mt == "stablelm" or c.model_type in _RELU2 else "rms",
+        "norm_bias": mt == "stablelm" or c.model_type in _RELU2,
+        "norm_offset": 1.0 if gemma or c.model_type == "nemotron" else 0.0,  # (LayerNorm1P)
+        "hidden_act": "gelu_tanh" if gemma else "relu2" if c.model_type in _RELU2 else "silu",
+        "mlp_gated": c.model_type not in _RELU2,
         "mlp_bias": bool(getattr(c, "mlp_bias", False)),
         "embed_scale": c.hidden_size**0.5 if gemma or getattr(c, "mup_enabled", False)
         else float(c.embedding_multiplier) if granite else 1.0,
@@ -247,7 +255,7 @@ def family_fields(c: Any) -> dict[str, Any]:
     }
     act = (getattr(c, "hidden_activation", None) or "gelu_pytorch_tanh") if gemma \
         else getattr(c, "hidden_act", "silu")
-    if act != ("gelu_pytorch_tanh" if gemma else "relu2" if c.model_type == "jais2" else "silu"):
+    if act != ("gelu_pytorch_tanh" if gemma else "relu2" if c.model_type in _RELU2 else "silu"):
         raise UnsupportedModelError(f"{mt}: activation {act!r} is not supported")
     return fields
 

@@ -159,6 +159,14 @@ FAMILIES = {
                         logits_scaling=0.25, attention_bias=True, initializer_range=0.1),
     # LayerNorms with biases, biases on attention and on an ungated relu2 MLP
     "jais2": dict(model_type="jais2", head_dim=16, initializer_range=0.1),
+    # Jais 2's MLP, LayerNorms of (1 + w) with biases, half of each head rotated
+    "nemotron": dict(model_type="nemotron", head_dim=16, initializer_range=0.1,
+                     attention_bias=True, mlp_bias=True,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                      "partial_rotary_factor": 0.5}),
+    # Llama with windows by layer_types, llama3 RoPE
+    "cwm": dict(model_type="cwm", head_dim=16, sliding_window=6,
+                layer_types=["full_attention", "sliding_attention"]),
     # Llama with MLP biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, attention_bias=True),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP
