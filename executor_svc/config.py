@@ -46,7 +46,7 @@ class ModelConfig:
     norm_offset: float = 0.0  # 1.0: norms scale by (1 + w) (Gemma)
     norm_type: str = "rms"  # "rms", or "layer": mean-centred LayerNorm (Cohere, StableLM)
     norm_bias: bool = False  # the LayerNorms have a bias (StableLM)
-    hidden_act: str = "silu"  # "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "relu2" (ungated)
+    hidden_act: str = "silu"  # "silu" (SwiGLU), "gelu_tanh" (GeGLU); ungated "relu2", "xielu"
     mlp_gated: bool = True  # False: the dense MLP is down(act(up(x))) (Jais 2's relu2)
     mlp_bias: bool = False  # biases on the dense MLP's projections (Llama's, Granite's mlp_bias)
     embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden); Granite's multiplier)

@@ -46,6 +46,7 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     nemotron      pre-LayerNorm (1 + w, as stablelm (partial rotary)   down(relu(up(x))^2)
                   bias)                 with biases
     cwm           as llama              windows by layer_types         SwiGLU
+    apertus       as llama              q/k norm per head              down(xielu(up(x)))
     ministral     as mistral            windows by layer_types         SwiGLU
     ministral3    as mistral            q scaled by position (Llama 4) SwiGLU
     afmoe         sandwich              q/k norm per head, windows,    as hy_v3's; dense first
@@ -71,6 +72,7 @@ from typing import Any
 
 SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "gemma", "gemma2",
              "gemma3_text", "vaultgemma", "phi3", "hyperclovax", "jais2", "nemotron", "cwm",
+             "apertus",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
@@ -86,6 +88,7 @@ ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (241
            "jais2": "llama",  # LayerNorms with biases, an ungated relu2 MLP with biases
            "nemotron": "llama",  # Jais 2's MLP, (1 + w) LayerNorms, a partial rotation
            "cwm": "llama",  # Code World Model: Llama with windows on 3 of 4 layers
+           "apertus": "llama",  # q/k norms, an ungated MLP of xIELU
            "internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
            "olmo3": "olmo2", "flex_olmo": "olmo2",  # FlexOlmo: OLMo 2's decoder, OLMoE's experts
            "granitemoe": "granite", "granitemoeshared": "granite",  # with their experts
@@ -102,8 +105,9 @@ _BIASED_O_PROJ = ("llama", "internlm3", "granite", "hyperclovax", "jais2", "nemo
                   "flex_olmo", "gpt_oss", "granitemoe", "granitemoeshared", "granite_swa",
                   "granitemoe_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "afmoe")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
-# LayerNorms with biases and an ungated MLP, down(relu(up(x))^2)
+# LayerNorms with biases and an ungated MLP, down(relu(up(x))^2); the ungated MLPs
 _RELU2 = ("jais2", "nemotron")
+_UNGATED = {"jais2": "relu2", "nemotron": "relu2", "apertus": "xielu"}  # their activations
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 
 
@@ -208,7 +212,8 @@ def family_fields(c: Any) -> dict[str, Any]:
                                     f"natively (phi3's, stablelm's, nemotron's and glm's "
                                     f"are, of an even share of an even head)")
     fields: dict[str, Any] = {
-        "qk_norm": {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
+        "qk_norm": "head" if c.model_type == "apertus" else {
+                    "qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
                     "exaone4": "head", "dots1": "head", "olmo2": "full", "olmoe": "full",
                     "minimax_m2": "full", "exaone_moe": "head", "afmoe": "head",
                     "hunyuan_v1_dense": "head_after_rope",
@@ -221,8 +226,8 @@ def family_fields(c: Any) -> dict[str, Any]:
         "norm_type": "layer" if cohere or mt == "stablelm" or c.model_type in _RELU2 else "rms",
         "norm_bias": mt == "stablelm" or c.model_type in _RELU2,
         "norm_offset": 1.0 if gemma or c.model_type == "nemotron" else 0.0,  # (LayerNorm1P)
-        "hidden_act": "gelu_tanh" if gemma else "relu2" if c.model_type in _RELU2 else "silu",
-        "mlp_gated": c.model_type not in _RELU2,
+        "hidden_act": "gelu_tanh" if gemma else _UNGATED.get(c.model_type, "silu"),
+        "mlp_gated": c.model_type not in _UNGATED,
         "mlp_bias": bool(getattr(c, "mlp_bias", False)),
         "embed_scale": c.hidden_size**0.5 if gemma or getattr(c, "mup_enabled", False)
         else float(c.embedding_multiplier) if granite else 1.0,
@@ -255,7 +260,7 @@ def family_fields(c: Any) -> dict[str, Any]:
     }
     act = (getattr(c, "hidden_activation", None) or "gelu_pytorch_tanh") if gemma \
         else getattr(c, "hidden_act", "silu")
-    if act != ("gelu_pytorch_tanh" if gemma else "relu2" if c.model_type in _RELU2 else "silu"):
+    if act != ("gelu_pytorch_tanh" if gemma else _UNGATED.get(c.model_type, "silu")):
         raise UnsupportedModelError(f"{mt}: activation {act!r} is not supported")
     return fields
 

@@ -325,9 +325,29 @@ class Attention(nn.Module):
         return tp.all_reduce(self.o_proj(o), self.cfg)
 
 
+class XIELU(nn.Module):
+    """Apertus's xIELU activation with its learned parameters (HF's names and formula):
+    alpha_p x^2 + beta x for x > 0, else alpha_n (expm1(min(x, eps)) - x) + beta x, with
+    alpha_p = softplus(a_p) and alpha_n = beta + softplus(a_n)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.empty(1), requires_grad=False)
+        self.alpha_n = nn.Parameter(torch.empty(1), requires_grad=False)
+        self.beta = nn.Parameter(torch.empty(()), requires_grad=False)
+        self.eps = nn.Parameter(torch.empty(()), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = nn.functional.softplus(self.alpha_p)
+        alpha_n = self.beta + nn.functional.softplus(self.alpha_n)
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
+                           (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x)
+
+
 class MLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up fused into one projection (gate first); or,
-    not gated, down(relu(up(x)) ** 2) (Jais 2). `bias`: on both projections (mlp_bias)."""
+    not gated, down(relu(up(x)) ** 2) (Jais 2, Nemotron) or down(xielu(up(x))) (Apertus).
+    `bias`: on both projections (mlp_bias)."""
 
     def __init__(self, cfg: ModelConfig, ops: Ops, quant: QuantConfig | None = None,
                  width: int | None = None, bias: bool = False, gated: bool = True) -> None:
@@ -340,10 +360,17 @@ class MLP(nn.Module):
                         else ops.silu_and_mul)
         else:
             self.up_proj = make_linear(cfg.hidden_size, width, bias, quant, ops)
+            if cfg.hidden_act == "xielu":
+                self.act_fn = XIELU()
         self.down_proj = make_linear(width, cfg.hidden_size, bias, quant, ops)
         self.cfg = cfg
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        h = self.act(self.gate_up_proj(x)) if self.gated else torch.relu(self.up_proj(x)) ** 2
+        if self.gated:
+            h = self.act(self.gate_up_proj(x))
+        elif self.cfg.hidden_act == "xielu":
+            h = self.act_fn(self.up_proj(x))
+        else:
+            h = torch.relu(self.up_proj(x)) ** 2
         y = self.down_proj(h)
         return tp.all_reduce(y, self.cfg) if reduce else y

@@ -288,8 +288,8 @@ class CausalLM(nn.Module):
                 raise KeyError(f"unexpected weight {name}")
             dst = params[target].data
             tensor = self._shard(name, tensor, shared)
-            if dst.shape[0] > tensor.shape[0] and name.rpartition(".")[0].endswith(
-                    ("embed_tokens", "lm_head")):  # the last rank's vocabulary slice: padded
+            if name.rpartition(".")[0].endswith(("embed_tokens", "lm_head")) \
+                    and dst.shape[0] > tensor.shape[0]:  # the last rank's vocabulary: padded
                 dst[tensor.shape[0]:].zero_()
                 dst = dst[:tensor.shape[0]]
             if target.endswith(".perm"):
@@ -462,6 +462,8 @@ _HUNYUAN = ((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm."))
 _ROUTER_GATE = ((".mlp.router.gate.", ".mlp.gate."),  # HY V3's and AFMoE's router and bias
                 (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"))
 _FAMILY_NAMES = {"vaultgemma": ((".pre_feedforward_layernorm.", ".post_attention_layernorm."),),
+                 "apertus": ((".attention_layernorm.", ".input_layernorm."),
+                             (".feedforward_layernorm.", ".post_attention_layernorm.")),
                  # HyperCLOVAX's peri-LN: its MLP's pre-norm first, then the others' places
                  "hyperclovax": ((".post_attention_layernorm.", ".pre_feedforward_layernorm."),
                                  (".post_norm1.", ".post_attention_layernorm."),

@@ -167,6 +167,8 @@ FAMILIES = {
     # Llama with windows by layer_types, llama3 RoPE
     "cwm": dict(model_type="cwm", head_dim=16, sliding_window=6,
                 layer_types=["full_attention", "sliding_attention"]),
+    # Llama with q/k norms per head and an ungated MLP of xIELU (learned per layer)
+    "apertus": dict(model_type="apertus", head_dim=16, initializer_range=0.1),
     # Llama with MLP biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, attention_bias=True),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP

@@ -70,6 +70,8 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
                   sliding_window=4, **{**TINY, "head_dim": 16}),
     # an ungated MLP's up_proj and its bias cut by rows, down_proj's bias added by rank 0
     "jais2": dict(model_type="jais2", **{**TINY, "head_dim": 16}),
+    # xIELU's learned scalars whole on each rank
+    "apertus": dict(model_type="apertus", **{**TINY, "head_dim": 16}),
     # sinks cut by query heads, expert biases (the down bias added by rank 0 alone), a biased
     # router whole on each rank
     "gpt-oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
