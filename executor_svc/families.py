@@ -47,6 +47,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
                   bias)                 with biases
     cwm           as llama              windows by layer_types         SwiGLU
     apertus       as llama              q/k norm per head              down(xielu(up(x)))
+    phimoe        pre-LayerNorm (bias)  biases (o too), LongRoPE       mixtral's experts, routed by
+                                                                       the sparsemixer (top 2)
     ministral     as mistral            windows by layer_types         SwiGLU
     ministral3    as mistral            q scaled by position (Llama 4) SwiGLU
     afmoe         sandwich              q/k norm per head, windows,    as hy_v3's; dense first
@@ -72,7 +74,7 @@ from typing import Any
 
 SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "gemma", "gemma2",
              "gemma3_text", "vaultgemma", "phi3", "hyperclovax", "jais2", "nemotron", "cwm",
-             "apertus",
+             "apertus", "phimoe",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
@@ -89,6 +91,7 @@ ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (241
            "nemotron": "llama",  # Jais 2's MLP, (1 + w) LayerNorms, a partial rotation
            "cwm": "llama",  # Code World Model: Llama with windows on 3 of 4 layers
            "apertus": "llama",  # q/k norms, an ungated MLP of xIELU
+           "phimoe": "mixtral",  # Phi-3.5-MoE: LayerNorms, biases, its own router
            "internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
            "olmo3": "olmo2", "flex_olmo": "olmo2",  # FlexOlmo: OLMo 2's decoder, OLMoE's experts
            "granitemoe": "granite", "granitemoeshared": "granite",  # with their experts
@@ -99,14 +102,15 @@ ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (241
            # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models: on text alone their
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
-_BIASED_O_PROJ = ("llama", "internlm3", "granite", "hyperclovax", "jais2", "nemotron", "smollm3",
+_BIASED_O_PROJ = ("llama", "internlm3", "granite", "hyperclovax", "jais2", "nemotron", "phimoe",
+                  "smollm3",
                   "olmo2",
                   "olmo3",
                   "flex_olmo", "gpt_oss", "granitemoe", "granitemoeshared", "granite_swa",
                   "granitemoe_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "afmoe")
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
-# LayerNorms with biases and an ungated MLP, down(relu(up(x))^2); the ungated MLPs
-_RELU2 = ("jais2", "nemotron")
+# LayerNorms with biases (mean-centred, as StableLM's); the ungated MLPs' activations
+_LAYERNORM_BIAS = ("jais2", "nemotron", "phimoe")
 _UNGATED = {"jais2": "relu2", "nemotron": "relu2", "apertus": "xielu"}  # their activations
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 
@@ -162,7 +166,7 @@ class Moe:
     sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP (False)
     shared_gated: bool = True  # the shared expert scaled by sigmoid(shared_expert_gate(x))
     scoring: str = "softmax"  # or "sigmoid", "softmax_bias" (ERNIE 4.5's: softmax scores
-    # chosen with a correction bias)
+    # chosen with a correction bias), "sparsemixer" (Phi-3.5-MoE's, moe.sparsemixer)
     n_group: int = 1
     topk_group: int = 1
     routed_scaling: float = 1.0
@@ -175,6 +179,7 @@ class Moe:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     router_float32: bool = False  # the router's weight and logits in float32 (Hunyuan's wg)
+    jitter_eps: float = 0.0  # scoring "sparsemixer" (Phi-3.5-MoE's top 2): router_jitter_noise
 
 
 def family_fields(c: Any) -> dict[str, Any]:
@@ -223,8 +228,10 @@ def family_fields(c: Any) -> dict[str, Any]:
         or getattr(c, "use_post_norm", False) and c.model_type == "hyperclovax"
         else "post" if mt in ("olmo2", "exaone4")
         else "parallel" if cohere or getattr(c, "use_parallel_residual", False) else "pre",
-        "norm_type": "layer" if cohere or mt == "stablelm" or c.model_type in _RELU2 else "rms",
-        "norm_bias": mt == "stablelm" or c.model_type in _RELU2,
+        "norm_type": "layer" if cohere or mt == "stablelm" or c.model_type in _LAYERNORM_BIAS
+        else "rms",
+        "norm_bias": mt == "stablelm" or c.model_type in _LAYERNORM_BIAS,
+        "lm_head_bias": bool(getattr(c, "lm_head_bias", False)),
         "norm_offset": 1.0 if gemma or c.model_type == "nemotron" else 0.0,  # (LayerNorm1P)
         "hidden_act": "gelu_tanh" if gemma else _UNGATED.get(c.model_type, "silu"),
         "mlp_gated": c.model_type not in _UNGATED,
@@ -316,6 +323,13 @@ def _uniform(c: Any, key: str) -> int:
 
 def _moe(c: Any) -> Moe | None:
     mt = c.model_type
+    if c.model_type == "phimoe":  # Mixtral's experts, routed by the sparsemixer (top 2)
+        if c.num_experts_per_tok != 2:
+            raise UnsupportedModelError(f"phimoe: num_experts_per_tok {c.num_experts_per_tok}"
+                                        f" (the sparsemixer router picks 2)")
+        return Moe(c.num_local_experts, 2, c.intermediate_size, False,
+                   sparse_layers=(True,) * c.num_hidden_layers, scoring="sparsemixer",
+                   jitter_eps=float(c.router_jitter_noise))
     if mt == "mixtral":
         n = c.num_local_experts
         return Moe(n, c.num_experts_per_tok, c.intermediate_size, True,

@@ -134,7 +134,16 @@ def rope_cos_sin_cache(cfg: ModelConfig, max_pos: int, device: torch.device,
     inv_freq, scaling = _inv_freq(cfg, params, layer_type)
     freqs = pos * inv_freq.float()[None, :]
     cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
-    if params.get("rope_type") == "longrope":
+    mscales = params.get("short_mscale"), params.get("long_mscale")
+    if params.get("rope_type") == "longrope" and None not in mscales:
+        # Phi-3.5-MoE (HF's PhimoeRotaryEmbedding): the short factors at every position,
+        # scaled by short_mscale, or long_mscale where HF's batch reaches past the original
+        # length (here: the positions past it; the released config's two are equal)
+        orig = params["original_max_position_embeddings"]
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        cache[:orig] *= float(mscales[0])
+        cache[orig:] *= float(mscales[1])
+    elif params.get("rope_type") == "longrope":
         orig = (params.get("original_max_position_embeddings")
                 or cfg.hf_config.original_max_position_embeddings)
         if max_pos > orig:

@@ -107,7 +107,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, quant)
                                     for i in range(cfg.num_layers))
         self.norm = make_norm(cfg.hidden_size, cfg, ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=cfg.lm_head_bias)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # [max_pos, head_dim] float32, filled on the model's device by the loader

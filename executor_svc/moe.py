@@ -65,7 +65,7 @@ class SparseMoe(nn.Module):
                 self.shared_expert_gate = Linear(h, 1, bias=False)
         if moe.router_float32:  # Hunyuan's: weight and logits in float32, whatever the model's
             self.gate.fixed_dtypes = ("weight",)
-        if moe.scoring != "softmax":  # a biased router, in float32 as HF keeps it
+        if moe.scoring not in ("softmax", "sparsemixer"):  # biased, in float32 as HF keeps it
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(e),
                                                              requires_grad=False)
             self.gate.fixed_dtypes = ("weight", "e_score_correction_bias")
@@ -132,7 +132,10 @@ class SparseMoe(nn.Module):
         if self.moe.activation != "silu":
             extra.update(activation=self.moe.activation, alpha=self.moe.swiglu_alpha,
                          limit=self.moe.swiglu_limit)
-        if self.moe.scoring != "softmax":
+        if self.moe.scoring == "sparsemixer":
+            weights, ids = sparsemixer(self.gate(x), self.moe.jitter_eps)
+            y = self.ops.fused_moe(x, self.w13, self.w2, weights, ids, **extra)
+        elif self.moe.scoring != "softmax":
             weights, ids = self.biased_route(x)
             y = self.ops.fused_moe(x, self.w13, self.w2, weights, ids, **extra)
         else:
@@ -145,3 +148,19 @@ class SparseMoe(nn.Module):
             y = y + (shared if self.shared_expert_gate is None
                      else torch.sigmoid(self.shared_expert_gate(x)) * shared)
         return tp.all_reduce(y, self.cfg)
+
+
+def sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3.5-MoE's top-2 router as HF evaluates it (no sampling): the best expert, weighted
+    by the softmax over the experts within 2 eps (relative) of its logit; then the best of the
+    others, weighted alike over those within 2 eps of it (the first excluded). Weights in the
+    logits' dtype, ids int32."""
+    ids, weights = [], []
+    masked = logits
+    for _ in range(2):
+        best, idx = masked.max(dim=-1, keepdim=True)
+        far = (best - logits) / logits.abs().clamp(min=best) > 2 * eps
+        weights.append(masked.masked_fill(far, float("-inf")).softmax(-1).gather(-1, idx))
+        ids.append(idx)
+        masked = masked.scatter(-1, idx, float("-inf"))
+    return torch.cat(weights, -1), torch.cat(ids, -1).to(torch.int32)

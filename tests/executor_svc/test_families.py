@@ -169,6 +169,16 @@ FAMILIES = {
                 layer_types=["full_attention", "sliding_attention"]),
     # Llama with q/k norms per head and an ungated MLP of xIELU (learned per layer)
     "apertus": dict(model_type="apertus", head_dim=16, initializer_range=0.1),
+    # Mixtral's experts under the sparsemixer router (a wide jitter: fewer experts inside
+    # it), LayerNorms and biases (on the LM head too), LongRoPE
+    "phimoe": dict(model_type="phimoe", num_local_experts=4, num_experts_per_tok=2,
+                   intermediate_size=32, router_jitter_noise=0.5, attention_bias=True,
+                   lm_head_bias=True, initializer_range=0.1, rope_parameters={
+                       "rope_type": "longrope", "rope_theta": 10000.0,
+                       "original_max_position_embeddings": 64,
+                       "long_factor": [1.0 + i / 4 for i in range(8)],
+                       "short_factor": [1.0 + i / 16 for i in range(8)],
+                       "short_mscale": 1.25, "long_mscale": 1.25}),
     # Llama with MLP biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, attention_bias=True),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP

@@ -28,8 +28,6 @@ NO_NATIVE = {
     "gpt_neox": dict(model_type="gpt_neox", rotary_pct=0.25, num_key_value_heads=None),
     # learned absolute positions, no rotary
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, num_key_value_heads=None),
-    # mixture of experts in HF's own modules: Phi-3.5-MoE's sparsemixer router, LayerNorms
-    "phimoe": dict(model_type="phimoe", num_local_experts=4, num_experts_per_tok=2),
     # multi-head latent attention (keys of 24, values of 16) and HF's own routed experts
     "deepseek_v3": dict(model_type="deepseek_v3", n_routed_experts=4, num_experts_per_tok=2,
                         first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
