@@ -47,6 +47,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
                   bias)                 with biases
     cwm           as llama              windows by layer_types         SwiGLU
     apertus       as llama              q/k norm per head              down(xielu(up(x)))
+    mellum        pre-norm              as qwen3_moe, windows with     qwen3_moe's experts; dense
+                                        their own RoPE base (Gemma 3)  layers by mlp_layer_types
     phimoe        pre-LayerNorm (bias)  biases (o too), LongRoPE       mixtral's experts, routed by
                                                                        the sparsemixer (top 2)
     ministral     as mistral            windows by layer_types         SwiGLU
@@ -74,7 +76,7 @@ from typing import Any
 
 SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "gemma", "gemma2",
              "gemma3_text", "vaultgemma", "phi3", "hyperclovax", "jais2", "nemotron", "cwm",
-             "apertus", "phimoe",
+             "apertus", "phimoe", "mellum",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
@@ -92,6 +94,7 @@ ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (241
            "cwm": "llama",  # Code World Model: Llama with windows on 3 of 4 layers
            "apertus": "llama",  # q/k norms, an ungated MLP of xIELU
            "phimoe": "mixtral",  # Phi-3.5-MoE: LayerNorms, biases, its own router
+           "mellum": "qwen3_moe",  # JetBrains Mellum: windows with a RoPE base of their own
            "internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
            "olmo3": "olmo2", "flex_olmo": "olmo2",  # FlexOlmo: OLMo 2's decoder, OLMoE's experts
            "granitemoe": "granite", "granitemoeshared": "granite",  # with their experts
@@ -323,6 +326,10 @@ def _uniform(c: Any, key: str) -> int:
 
 def _moe(c: Any) -> Moe | None:
     mt = c.model_type
+    if c.model_type == "mellum":  # Qwen3-MoE's experts; dense layers by mlp_layer_types
+        return Moe(c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                   bool(c.norm_topk_prob),
+                   sparse_layers=tuple(t == "sparse" for t in c.mlp_layer_types))
     if c.model_type == "phimoe":  # Mixtral's experts, routed by the sparsemixer (top 2)
         if c.num_experts_per_tok != 2:
             raise UnsupportedModelError(f"phimoe: num_experts_per_tok {c.num_experts_per_tok}"

@@ -179,6 +179,13 @@ FAMILIES = {
                        "long_factor": [1.0 + i / 4 for i in range(8)],
                        "short_factor": [1.0 + i / 16 for i in range(8)],
                        "short_mscale": 1.25, "long_mscale": 1.25}),
+    # Qwen3-MoE's attention and experts, windows with their own RoPE base, a dense layer
+    "mellum": dict(model_type="mellum", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, sliding_window=6, initializer_range=0.1,
+                   layer_types=["sliding_attention", "full_attention"],
+                   mlp_layer_types=["dense", "sparse"], rope_parameters={
+                       "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
     # Llama with MLP biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, attention_bias=True),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP
