@@ -5,8 +5,14 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
 
     family        norms                 attention                      MLP
     llama etc.    pre-norm              GQA, RoPE (any scaling)        SwiGLU
+    ministral     as mistral            windows by layer_types         SwiGLU
+    ministral3    as mistral            q scaled by position (Llama 4) SwiGLU
+    cwm           as llama              windows by layer_types         SwiGLU
+    apertus       as llama              q/k norm per head              down(xielu(up(x)))
     granite       pre-norm, sublayer    scale attention_multiplier     SwiGLU; embeddings and
                   outputs scaled                                       logits scaled
+    hyperclovax   sandwich (peri-LN)    as granite; logits times       SwiGLU
+                                        logits_scaling
     smollm3       pre-norm              no RoPE on no_rope_layers' 0s  SwiGLU
     qwen3         pre-norm              + RMSNorm of q, k per head     SwiGLU
     olmo2         post-norm             + RMSNorm of the whole q, k    SwiGLU
@@ -15,14 +21,22 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     cohere(2)     one LayerNorm,        RoPE in (2i, 2i + 1) pairs;    SwiGLU beside attention;
                   parallel blocks       cohere2: windows, global NoPE  logits scaled
     stablelm      LayerNorms (bias)     partial RoPE, qkv bias         SwiGLU (parallel if set)
+    jais2         pre-LayerNorm (bias)  biases                         down(relu(up(x))^2), biases
+    nemotron      pre-LayerNorm (1 + w, as stablelm (partial rotary)   down(relu(up(x))^2)
+                  bias)                 with biases
     gemma         pre-norm, (1 + w)     GQA, RoPE                      GeGLU (tanh)
     gemma2        pre+post, (1 + w)     soft-capped logits, windows    GeGLU (tanh)
+    vaultgemma    pre-norm, (1 + w)     as gemma2                      GeGLU (tanh)
     gemma3_text   pre+post, (1 + w)     q/k norm, windows, 2 RoPEs     GeGLU (tanh)
     phi3          pre-norm              fused qkv, LongRoPE            fused gate_up SwiGLU
     glm, glm4     pre(+post: glm4)      qkv bias, half rotary (pairs)  fused gate_up SwiGLU
     mixtral       pre-norm              GQA (window if set)            top-k experts
+    phimoe        pre-LayerNorm (bias)  biases (o too), LongRoPE       mixtral's experts, routed by
+                                                                       the sparsemixer (top 2)
     qwen2_moe     pre-norm              qkv bias                       top-k experts + gated shared
     qwen3_moe     pre-norm              q/k norm per head              top-k experts (normalized)
+    mellum        pre-norm              as qwen3_moe, windows with     qwen3_moe's experts; dense
+                                        their own RoPE base (Gemma 3)  layers by mlp_layer_types
     olmoe         pre-norm              + RMSNorm of the whole q, k    top-k experts
     flex_olmo     post-norm             as olmo2                       top-k experts (olmoe's)
     exaone_moe    pre-norm              as exaone4                     as glm4_moe's
@@ -39,20 +53,6 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     solar_open    pre-norm              as llama                       as glm4_moe's, every layer
     hy_v3         pre-norm              as qwen3                       sigmoid-routed experts with
                                                                        a choice bias + shared
-    vaultgemma    pre-norm, (1 + w)     as gemma2                      GeGLU (tanh)
-    hyperclovax   sandwich (peri-LN)    as granite; logits times       SwiGLU
-                                        logits_scaling
-    jais2         pre-LayerNorm (bias)  biases                         down(relu(up(x))^2), biases
-    nemotron      pre-LayerNorm (1 + w, as stablelm (partial rotary)   down(relu(up(x))^2)
-                  bias)                 with biases
-    cwm           as llama              windows by layer_types         SwiGLU
-    apertus       as llama              q/k norm per head              down(xielu(up(x)))
-    mellum        pre-norm              as qwen3_moe, windows with     qwen3_moe's experts; dense
-                                        their own RoPE base (Gemma 3)  layers by mlp_layer_types
-    phimoe        pre-LayerNorm (bias)  biases (o too), LongRoPE       mixtral's experts, routed by
-                                                                       the sparsemixer (top 2)
-    ministral     as mistral            windows by layer_types         SwiGLU
-    ministral3    as mistral            q scaled by position (Llama 4) SwiGLU
     afmoe         sandwich              q/k norm per head, windows,    as hy_v3's; dense first
                                         RoPE on windowed layers only,  layers
                                         output gated by sigmoid(g(x))
@@ -106,15 +106,13 @@ ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (241
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 _BIASED_O_PROJ = ("llama", "internlm3", "granite", "hyperclovax", "jais2", "nemotron", "phimoe",
-                  "smollm3",
-                  "olmo2",
-                  "olmo3",
-                  "flex_olmo", "gpt_oss", "granitemoe", "granitemoeshared", "granite_swa",
-                  "granitemoe_swa", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "afmoe")
-# rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
+                  "smollm3", "olmo2", "olmo3", "flex_olmo", "gpt_oss", "granitemoe",
+                  "granitemoeshared", "granite_swa", "granitemoe_swa", "hunyuan_v1_dense",
+                  "hunyuan_v1_moe", "hy_v3", "afmoe")
 # LayerNorms with biases (mean-centred, as StableLM's); the ungated MLPs' activations
 _LAYERNORM_BIAS = ("jais2", "nemotron", "phimoe")
-_UNGATED = {"jais2": "relu2", "nemotron": "relu2", "apertus": "xielu"}  # their activations
+_UNGATED = {"jais2": "relu2", "nemotron": "relu2", "apertus": "xielu"}
+# rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 
 
