@@ -50,6 +50,11 @@ class ModelConfig:
     mlp_gated: bool = True  # False: the dense MLP is down(act(up(x))) (Jais 2's relu2)
     mlp_bias: bool = False  # biases on the dense MLP's projections (Llama's, Granite's mlp_bias)
     lm_head_bias: bool = False  # a bias on the LM head (Phi-3.5-MoE's lm_head_bias)
+    # NanoChat: RMSNorms without weights (ones, nothing in the checkpoint), the final norm also
+    # right after the embeddings, and RoPE turning the other way (its rotate_half's signs)
+    norm_weightless: bool = False
+    embed_norm: bool = False
+    rope_reversed: bool = False
     embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden); Granite's multiplier)
     embed_scale_in_dtype: bool = False  # the scale rounded to the weights' dtype first (Gemma)
     residual_scale: float = 1.0  # each sublayer's output times this before the residual add

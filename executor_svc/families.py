@@ -9,6 +9,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     ministral3    as mistral            q scaled by position (Llama 4) SwiGLU
     cwm           as llama              windows by layer_types         SwiGLU
     apertus       as llama              q/k norm per head              down(xielu(up(x)))
+    nanochat      weightless RMSNorms,  RoPE turned the other way,     down(relu(up(x))^2)
+                  also after embedding  q/k norm per head after it
     granite       pre-norm, sublayer    scale attention_multiplier     SwiGLU; embeddings and
                   outputs scaled                                       logits scaled
     hyperclovax   sandwich (peri-LN)    as granite; logits times       SwiGLU
@@ -76,7 +78,7 @@ from typing import Any
 
 SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "gemma", "gemma2",
              "gemma3_text", "vaultgemma", "phi3", "hyperclovax", "jais2", "nemotron", "cwm",
-             "apertus", "phimoe", "mellum",
+             "apertus", "phimoe", "mellum", "nanochat",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
@@ -93,6 +95,7 @@ ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (241
            "nemotron": "llama",  # Jais 2's MLP, (1 + w) LayerNorms, a partial rotation
            "cwm": "llama",  # Code World Model: Llama with windows on 3 of 4 layers
            "apertus": "llama",  # q/k norms, an ungated MLP of xIELU
+           "nanochat": "llama",  # weightless norms, relu2, RoPE reversed, q/k norms after it
            "phimoe": "mixtral",  # Phi-3.5-MoE: LayerNorms, biases, its own router
            "mellum": "qwen3_moe",  # JetBrains Mellum: windows with a RoPE base of their own
            "internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
@@ -111,7 +114,7 @@ _BIASED_O_PROJ = ("llama", "internlm3", "granite", "hyperclovax", "jais2", "nemo
                   "hunyuan_v1_moe", "hy_v3", "afmoe")
 # LayerNorms with biases (mean-centred, as StableLM's); the ungated MLPs' activations
 _LAYERNORM_BIAS = ("jais2", "nemotron", "phimoe")
-_UNGATED = {"jais2": "relu2", "nemotron": "relu2", "apertus": "xielu"}
+_UNGATED = {"jais2": "relu2", "nemotron": "relu2", "apertus": "xielu", "nanochat": "relu2"}
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 
@@ -217,13 +220,13 @@ def family_fields(c: Any) -> dict[str, Any]:
                                     f"(partial_rotary_factor {factor:g}) are not supported "
                                     f"natively (phi3's, stablelm's, nemotron's and glm's "
                                     f"are, of an even share of an even head)")
+    qk_norms = {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "exaone4": "head",
+                "dots1": "head", "olmo2": "full", "olmoe": "full", "minimax_m2": "full",
+                "exaone_moe": "head", "afmoe": "head", "apertus": "head",
+                "hunyuan_v1_dense": "head_after_rope", "nanochat": "head_after_rope",
+                "glm4_moe": "head" if getattr(c, "use_qk_norm", False) else ""}  # (own, or alias's)
     fields: dict[str, Any] = {
-        "qk_norm": "head" if c.model_type == "apertus" else {
-                    "qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head",
-                    "exaone4": "head", "dots1": "head", "olmo2": "full", "olmoe": "full",
-                    "minimax_m2": "full", "exaone_moe": "head", "afmoe": "head",
-                    "hunyuan_v1_dense": "head_after_rope",
-                    "glm4_moe": "head" if getattr(c, "use_qk_norm", False) else ""}.get(mt, ""),
+        "qk_norm": qk_norms.get(c.model_type, qk_norms.get(mt, "")),
         "norm_style": "pre" if c.model_type == "vaultgemma"
         else "sandwich" if gemma and mt != "gemma" or mt in ("glm4", "afmoe")
         or getattr(c, "use_post_norm", False) and c.model_type == "hyperclovax"
@@ -262,6 +265,9 @@ def family_fields(c: Any) -> dict[str, Any]:
         "moe": _moe(c),
         "attn_sinks": c.model_type in ("gpt_oss", "granite_swa", "granitemoe_swa"),
         "attn_output_gate": mt == "afmoe",
+        "norm_weightless": c.model_type == "nanochat",
+        "embed_norm": c.model_type == "nanochat",
+        "rope_reversed": c.model_type == "nanochat",
         "q_position_scale": (float(rope["llama_4_scaling_beta"]),
                              int(rope["original_max_position_embeddings"]))
         if c.model_type == "ministral3" and rope.get("llama_4_scaling_beta") else (),

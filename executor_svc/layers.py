@@ -150,6 +150,8 @@ def rope_cos_sin_cache(cfg: ModelConfig, max_pos: int, device: torch.device,
             inv_long, scaling = _inv_freq(cfg, params, layer_type, seq_len=orig + 1)
             freqs = pos[orig:] * inv_long.float()[None, :]
             cache[orig:] = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+    if cfg.rope_reversed:  # NanoChat's rotate_half (x2, -x1): a rotation by -theta
+        cache[:, cache.shape[-1] // 2:] *= -1
     if cfg.rotary_dim:  # the passed dims pair among themselves with cos 1 and sin 0
         rot, pas = cfg.rotary_dim // 2, (cfg.head_dim - cfg.rotary_dim) // 2
         cache = torch.cat([cache[:, :rot], torch.ones(max_pos, pas), cache[:, rot:],

@@ -178,6 +178,8 @@ class CausalLM(nn.Module):
             scale = self.cfg.embed_scale
             x = x * (torch.tensor(scale, dtype=x.dtype) if self.cfg.embed_scale_in_dtype
                      else scale)
+        if self.cfg.embed_norm:  # NanoChat: the final (weightless) norm right after them too
+            x = self.norm(x)[0]
         residual, taps, kept = None, self.taps, []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if i in taps:  # (in layer order, a layer listed twice twice, as vLLM)
@@ -239,6 +241,11 @@ class CausalLM(nn.Module):
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv_rows = {"q": (0, h * d), "k": (h * d, hkv * d), "v": ((h + hkv) * d, hkv * d)}
         loaded: set[str] = set()
+        if cfg.norm_weightless:  # NanoChat's RMSNorms have no weights: ones, none to read
+            for name, p in params.items():
+                if name.endswith("norm.weight"):
+                    p.data.fill_(1.0)
+                    loaded.add(name)
         ignored = _ignored_on_load(cfg.hf_config)  # e.g. GLM-4.5's and ERNIE's MTP layers
         skipped = 0
         if cfg.multimodal:  # the language model's tensors, under its own names
@@ -462,6 +469,7 @@ _HUNYUAN = ((".query_layernorm.", ".q_norm."), (".key_layernorm.", ".k_norm."))
 _ROUTER_GATE = ((".mlp.router.gate.", ".mlp.gate."),  # HY V3's and AFMoE's router and bias
                 (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"))
 _FAMILY_NAMES = {"vaultgemma": ((".pre_feedforward_layernorm.", ".post_attention_layernorm."),),
+                 "nanochat": ((".mlp.fc1.", ".mlp.up_proj."), (".mlp.fc2.", ".mlp.down_proj.")),
                  "apertus": ((".attention_layernorm.", ".input_layernorm."),
                              (".feedforward_layernorm.", ".post_attention_layernorm.")),
                  # HyperCLOVAX's peri-LN: its MLP's pre-norm first, then the others' places

@@ -186,6 +186,10 @@ FAMILIES = {
                    mlp_layer_types=["dense", "sparse"], rope_parameters={
                        "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
                        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+    # weightless RMSNorms (one after the embeddings too), RoPE turned the other way, q/k norms
+    # after it, an ungated relu2 MLP (fc1, fc2), a soft-capped LM head
+    "nanochat": dict(model_type="nanochat", num_key_value_heads=2, initializer_range=0.1,
+                     final_logit_softcapping=5.0),
     # Llama with MLP biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, attention_bias=True),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP

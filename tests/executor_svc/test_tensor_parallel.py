@@ -75,6 +75,8 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
     # the LM head's bias cut by the vocabulary as its rows, LayerNorm biases whole
     "phimoe": dict(model_type="phimoe", num_local_experts=4, num_experts_per_tok=2,
                    lm_head_bias=True, attention_bias=True, **TINY),
+    # weightless norms filled on every rank, the reversed rotation
+    "nanochat": dict(model_type="nanochat", **{**TINY, "head_dim": 16}),
     # sinks cut by query heads, expert biases (the down bias added by rank 0 alone), a biased
     # router whole on each rank
     "gpt-oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
