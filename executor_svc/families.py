@@ -9,6 +9,7 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     ministral3    as mistral            q scaled by position (Llama 4) SwiGLU
     cwm           as llama              windows by layer_types         SwiGLU
     apertus       as llama              q/k norm per head              down(xielu(up(x)))
+    arcee         as llama              as llama                       down(relu(up(x))^2)
     nanochat      weightless RMSNorms,  RoPE turned the other way,     down(relu(up(x))^2)
                   also after embedding  q/k norm per head after it
     granite       pre-norm, sublayer    scale attention_multiplier     SwiGLU; embeddings and
@@ -78,7 +79,7 @@ from typing import Any
 
 SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "gemma", "gemma2",
              "gemma3_text", "vaultgemma", "phi3", "hyperclovax", "jais2", "nemotron", "cwm",
-             "apertus", "phimoe", "mellum", "nanochat",
+             "apertus", "phimoe", "mellum", "nanochat", "arcee",
              "olmo2", "olmo3", "granite", "smollm3", "glm", "glm4", "helium", "internlm3",
              "ernie4_5", "seed_oss", "exaone4", "cohere", "cohere2", "stablelm", "mixtral",
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
@@ -96,6 +97,7 @@ ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (241
            "cwm": "llama",  # Code World Model: Llama with windows on 3 of 4 layers
            "apertus": "llama",  # q/k norms, an ungated MLP of xIELU
            "nanochat": "llama",  # weightless norms, relu2, RoPE reversed, q/k norms after it
+           "arcee": "llama",  # Arcee's AFM: Llama with an ungated relu2 MLP
            "phimoe": "mixtral",  # Phi-3.5-MoE: LayerNorms, biases, its own router
            "mellum": "qwen3_moe",  # JetBrains Mellum: windows with a RoPE base of their own
            "internlm3": "llama", "helium": "llama", "ernie4_5": "llama", "seed_oss": "llama",
@@ -109,12 +111,14 @@ ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (241
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 _BIASED_O_PROJ = ("llama", "internlm3", "granite", "hyperclovax", "jais2", "nemotron", "phimoe",
+                  "arcee",
                   "smollm3", "olmo2", "olmo3", "flex_olmo", "gpt_oss", "granitemoe",
                   "granitemoeshared", "granite_swa", "granitemoe_swa", "hunyuan_v1_dense",
                   "hunyuan_v1_moe", "hy_v3", "afmoe")
 # LayerNorms with biases (mean-centred, as StableLM's); the ungated MLPs' activations
 _LAYERNORM_BIAS = ("jais2", "nemotron", "phimoe")
-_UNGATED = {"jais2": "relu2", "nemotron": "relu2", "apertus": "xielu", "nanochat": "relu2"}
+_UNGATED = {"jais2": "relu2", "nemotron": "relu2", "apertus": "xielu", "nanochat": "relu2",
+            "arcee": "relu2"}
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
 

@@ -190,6 +190,10 @@ FAMILIES = {
     # after it, an ungated relu2 MLP (fc1, fc2), a soft-capped LM head
     "nanochat": dict(model_type="nanochat", num_key_value_heads=2, initializer_range=0.1,
                      final_logit_softcapping=5.0),
+    # Llama with an ungated relu2 MLP, YaRN
+    "arcee": dict(model_type="arcee", head_dim=16, initializer_range=0.1, attention_bias=True,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 16}),
     # Llama with MLP biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, attention_bias=True),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP

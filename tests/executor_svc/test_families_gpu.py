@@ -27,7 +27,8 @@ HEAD_DIMS = {"gemma": 256, "gemma2": 256, "gemma3": 256, "phi3": 96, "phi3-longr
              "granite_swa": 128, "solar_open": 128, "hy_v3": 128, "afmoe": 128,
              "ministral3": 128, "vaultgemma": 256, "hyperclovax": 128,
              "jais2": 128, "nemotron": 128, "cwm": 128, "apertus": 128,
-             "phimoe": 128, "mellum": 128, "nanochat": 128}
+             "phimoe": 128, "mellum": 128, "nanochat": 128,
+             "arcee": 128}
 WINDOWS = {"phi3": 100, "mistral-window": 100, "gemma2": 100, "gemma3": 100, "gpt_oss": 100,
            "granite_swa": 100, "granitemoe_swa": 100, "afmoe": 100, "ministral": 100,
            "vaultgemma": 100, "cwm": 100, "mellum": 100}
@@ -57,7 +58,7 @@ def family_config(name: str) -> dict:
     # the CPU configs' initializer_range 0.1 is chaotic at hidden 1024 (bf16 errors of 0.1-0.3
     # in HF's and ours alike): HF's default here
     if name in ("granite_swa", "granitemoe_swa", "hy_v3", "afmoe", "ministral3", "hyperclovax",
-                "jais2", "nemotron", "apertus", "phimoe", "mellum", "nanochat"):
+                "jais2", "nemotron", "apertus", "phimoe", "mellum", "nanochat", "arcee"):
         d.pop("initializer_range")
     # the test config's per-layer patterns, repeated over SHAPE's layers
     for key in ("layer_types", "no_rope_layers", "layer_rope_theta", "mlp_layer_types"):
