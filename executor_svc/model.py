@@ -148,13 +148,14 @@ class CausalLM(nn.Module):
             beta, orig = cfg.q_position_scale
             pos = torch.arange(self.max_pos, dtype=torch.float32)
             q_scale = (1 + beta * torch.log(1 + torch.floor(pos / orig))).to(device)
+        base = rope_theta(cfg)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             attn.q_position_scale = q_scale
             theta = cfg.layer_rope_theta[i] if cfg.layer_rope_theta else None
             self.layer_cos_sin.append(table(
                 "none" if not attn.rope else "local" if attn.local_rope
-                else theta if theta and theta != rope_theta(cfg) else None))
+                else theta if theta and theta != base else None))
 
     @torch.inference_mode()
     def forward(

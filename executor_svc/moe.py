@@ -132,11 +132,9 @@ class SparseMoe(nn.Module):
         if self.moe.activation != "silu":
             extra.update(activation=self.moe.activation, alpha=self.moe.swiglu_alpha,
                          limit=self.moe.swiglu_limit)
-        if self.moe.scoring == "sparsemixer":
-            weights, ids = sparsemixer(self.gate(x), self.moe.jitter_eps)
-            y = self.ops.fused_moe(x, self.w13, self.w2, weights, ids, **extra)
-        elif self.moe.scoring != "softmax":
-            weights, ids = self.biased_route(x)
+        if self.moe.scoring != "softmax":  # routed here, then the experts
+            weights, ids = (sparsemixer(self.gate(x), self.moe.jitter_eps)
+                            if self.moe.scoring == "sparsemixer" else self.biased_route(x))
             y = self.ops.fused_moe(x, self.w13, self.w2, weights, ids, **extra)
         else:
             logits = (torch.nn.functional.linear(x.float(), self.gate.weight)

@@ -143,8 +143,7 @@ def test_the_fallback_over_latent_attention_at_head_192(tmp_path):
              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8,
              num_experts_per_tok=2, moe_intermediate_size=256, n_shared_experts=1,
              first_k_dense_replace=1, num_key_value_heads=8)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d),
-                                     dtype=torch.float32).save_pretrained(tmp_path)
+    save_random(d, tmp_path)
     cfg = ModelConfig.from_pretrained(tmp_path, "auto")
     assert cfg.impl == "transformers" and cfg.head_dim == 192
     ours = build_model(cfg, get_ops("triton"), torch.bfloat16, torch.device("cuda"), 2048,
