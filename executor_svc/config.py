@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedserve.executor.families import (
     SUPPORTED,
+    Latent,
     Moe,
     UnsupportedModelError,
     family_fields,
@@ -73,6 +74,10 @@ class ModelConfig:
     rotary_dim: int = 0
     rotary_interleaved: bool = False  # rotated pairs are (2i, 2i + 1) (GLM), not (i, i + d/2)
     moe: Moe | None = None
+    # multi-head latent attention (DeepSeek V3): the KV cache holds one "KV head" of the
+    # latent and the rope part (head_dim = kv_lora_rank + rope, num_kv_heads 1), keys and
+    # values in one tensor (kv_bytes_per_token counts it once)
+    latent: Latent | None = None
     attn_sinks: bool = False  # a learned logit per query head in each softmax (gpt-oss,
     # Granite SWA)
     attn_output_gate: bool = False  # attention's output times sigmoid(gate_proj(x)) (AFMoE)
@@ -174,12 +179,15 @@ class ModelConfig:
     def from_hf(cls, c: Any) -> ModelConfig:
         family = family_fields(c)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        if family["latent"] is not None:  # the cache's one head: the latent and rope part
+            head_dim, kv_heads = family["latent"].kv_lora_rank + family["latent"].rope, 1
         return cls(
             model_type=c.model_type,
             hidden_size=c.hidden_size,
             num_layers=c.num_hidden_layers,
             num_heads=c.num_attention_heads,
-            num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             intermediate_size=c.intermediate_size,
             vocab_size=c.vocab_size,
@@ -226,7 +234,8 @@ class ModelConfig:
                        moe=moe)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        parts = 1 if self.latent is not None else 2  # a latent is its own value
+        return parts * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 

@@ -65,6 +65,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
                                         windows on alternate layers    clamped SwiGLU (alpha)
     minimax_m2    pre-norm              RMSNorm of the whole q, k;     sigmoid-routed experts with
                                         half of each head rotated      a choice bias (no groups)
+    deepseek_v3   pre-norm              latent (MLA): one cached       as glm4_moe's; dense first
+                                        latent per token, absorbed     layers
 
 A vision-language checkpoint whose language model is one of these (Gemma 3 4B and up, Mistral
 Small 3.1, Ministral 3, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, EXAONE 4.5) is served text-only:
@@ -74,6 +76,7 @@ tower and projector are not loaded.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +88,7 @@ SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "g
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
              "gpt_oss", "minimax_m2", "flex_olmo", "exaone_moe", "granitemoe",
              "granitemoeshared", "granite_swa", "granitemoe_swa", "hunyuan_v1_dense",
-             "hunyuan_v1_moe", "hy_v3", "solar_open", "afmoe", "qwen2_vl_text",
+             "hunyuan_v1_moe", "hy_v3", "solar_open", "afmoe", "deepseek_v3", "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
@@ -190,6 +193,49 @@ class Moe:
     jitter_eps: float = 0.0  # scoring "sparsemixer" (Phi-3.5-MoE's top 2): router_jitter_noise
 
 
+@dataclass(frozen=True, slots=True)
+class Latent:
+    """Multi-head latent attention (DeepSeek V2/V3's MLA). A token's keys and values are one
+    latent of kv_lora_rank (RMS-normed) and one key part of rope dims shared by every head;
+    head i's key is [W_UK[i] latent, rope part], its value W_UV[i] latent (kv_b_proj holds
+    W_UK and W_UV). The cache holds the latent and the rotated rope part: one KV head of
+    kv_lora_rank + rope (576 for DeepSeek V3: 1,152 bytes a token a layer in bf16, where
+    expanded keys and values take 128 x 320 x 2). Attention runs absorbed, as vLLM's MLA
+    does: q_nope @ W_UK against the latent (one KV head for all heads, the latent its own
+    value), the output through W_UV."""
+
+    q_lora_rank: int  # 0: q_proj straight from the hidden state
+    kv_lora_rank: int
+    nope: int  # qk_nope_head_dim
+    rope: int  # qk_rope_head_dim
+    v: int  # v_head_dim
+    interleaved: bool  # rope pairs (2i, 2i + 1) (rope_interleave): permuted at load
+
+
+def _latent(c: Any) -> Latent | None:
+    if c.model_type != "deepseek_v3":
+        return None
+    if c.qk_rope_head_dim % 2:
+        raise UnsupportedModelError(f"{c.model_type}: an odd qk_rope_head_dim "
+                                    f"({c.qk_rope_head_dim})")
+    return Latent(int(c.q_lora_rank or 0), int(c.kv_lora_rank), int(c.qk_nope_head_dim),
+                  int(c.qk_rope_head_dim), int(c.v_head_dim),
+                  bool(getattr(c, "rope_interleave", True)))
+
+
+def latent_scale(c: Any, latent: Latent) -> float:
+    """MLA's softmax scale, as HF's yarn_apply_mscale: qk_head_dim ** -0.5, times mscale
+    squared where a YaRN-type RoPE sets mscale_all_dim (DeepSeek V3's 0.1 ln(40) + 1)."""
+    scale = (latent.nope + latent.rope) ** -0.5
+    rope = getattr(c, "rope_parameters", None) or {}
+    all_dim = rope.get("mscale_all_dim") or 0
+    if rope.get("rope_type", "default") != "default" and all_dim:
+        factor = float(rope["factor"])
+        mscale = 0.1 * all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return scale
+
+
 def family_fields(c: Any) -> dict[str, Any]:
     """The decoder's switches for HF config `c` (keys of ModelConfig); raises
     UnsupportedModelError naming what is supported."""
@@ -229,7 +275,9 @@ def family_fields(c: Any) -> dict[str, Any]:
                 "exaone_moe": "head", "afmoe": "head", "apertus": "head",
                 "hunyuan_v1_dense": "head_after_rope", "nanochat": "head_after_rope",
                 "glm4_moe": "head" if getattr(c, "use_qk_norm", False) else ""}  # (own, or alias's)
+    latent = _latent(c)
     fields: dict[str, Any] = {
+        "latent": latent,
         "qk_norm": qk_norms.get(c.model_type, qk_norms.get(mt, "")),
         "norm_style": "pre" if c.model_type == "vaultgemma"
         else "sandwich" if gemma and mt != "gemma" or mt in ("glm4", "afmoe")
@@ -248,6 +296,7 @@ def family_fields(c: Any) -> dict[str, Any]:
         else float(c.embedding_multiplier) if granite else 1.0,
         "embed_scale_in_dtype": gemma,
         "attn_scale": float(c.attention_multiplier) if granite
+        else latent_scale(c, latent) if latent
         else (getattr(c, "query_pre_attn_scalar", None) or head_dim) ** -0.5,
         "residual_scale": float(c.residual_multiplier) if granite else 1.0,
         "logit_scale": float(c.logits_scaling) if c.model_type == "hyperclovax"  # times it
@@ -359,7 +408,7 @@ def _moe(c: Any) -> Moe | None:
                    tuple((i + 1) % every == 0 and start <= i <= end
                          for i in range(c.num_hidden_layers)),
                    shared_gated=False, scoring="softmax_bias", norm_min=float(c.moe_norm_min))
-    if mt in ("glm4_moe", "dots1"):
+    if mt in ("glm4_moe", "dots1", "deepseek_v3"):
         return _deepseek_v3_moe(c, c.n_routed_experts, c.n_shared_experts, tuple(
             i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)))
     if mt == "hy_v3":  # sigmoid scores chosen with a bias, renormalized, scaled; dense layers
@@ -411,6 +460,10 @@ def _moe(c: Any) -> Moe | None:
 def _deepseek_v3_moe(c: Any, experts: int, shared: int, sparse: tuple[bool, ...]) -> Moe:
     """DeepSeek-V3's experts as GLM-4.5, dots.llm1, EXAONE MoE and Solar Open configure them:
     the grouped sigmoid router with its correction bias, `shared` unscaled shared experts."""
+    if experts % c.n_group or c.n_group > 1 and experts // c.n_group < 2:
+        raise UnsupportedModelError(f"{c.model_type}: {experts} experts in n_group "
+                                    f"{c.n_group} groups (the router needs whole groups of "
+                                    f"at least two)")
     return Moe(experts, c.num_experts_per_tok, c.moe_intermediate_size, bool(c.norm_topk_prob),
                c.moe_intermediate_size * shared, sparse, shared_gated=False, scoring="sigmoid",
                n_group=c.n_group, topk_group=c.topk_group,

@@ -17,7 +17,12 @@ from torch import nn
 
 from pagedserve.executor import tp_layers as tp
 from pagedserve.executor.config import ModelConfig
-from pagedserve.executor.quantization import Fp8Linear, QuantConfig, W4Linear
+from pagedserve.executor.quantization import (
+    Fp8Linear,
+    QuantConfig,
+    QuantizationError,
+    W4Linear,
+)
 
 Ops = Any  # the namespace kernels.get_ops() returns
 # PAGEDSERVE_DENSE_GEMV_ROWS=N: a 16-bit Linear given at most N rows on CUDA whose weight is at
@@ -90,7 +95,7 @@ def _inv_freq(cfg: ModelConfig, params: dict, layer_type: str | None,
     alpha = params.get("alpha") if rope_type == "dynamic" else None
     if rope_type == "default" or alpha:
         theta = params.get("rope_theta", getattr(cfg.hf_config, "rope_theta", 10000.0))
-        dim = cfg.rotary_dim or cfg.head_dim
+        dim = cfg.rotary_dim or (cfg.latent.rope if cfg.latent else cfg.head_dim)
         if alpha:  # Hunyuan's "dynamic" with a fixed alpha: a static NTK stretch of the base
             theta = theta * alpha ** (dim / (dim - 2))
         exps = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
@@ -334,6 +339,69 @@ class Attention(nn.Module):
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return tp.all_reduce(self.o_proj(o), self.cfg)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (families.Latent), absorbed: the cache's one KV head is
+    [latent, rotated rope part] of kv_lora_rank + rope, both key and value (the paged
+    attention reads the one tensor twice); each head's query is [q_nope @ W_UK, rotated
+    q_rope], its output's first kv_lora_rank through W_UV, then o_proj. Scores and outputs
+    equal HF's expanded keys and values (q_nope . W_UK c = (q_nope W_UK) . c).
+
+    The checkpoint's names (HF's DeepseekV3Attention): q_proj, or q_a_proj, q_a_layernorm
+    and q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj. With tensor
+    parallelism each rank holds its heads of q, kv_b_proj and o_proj and the whole latent."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops,
+                 quant: QuantConfig | None = None) -> None:
+        super().__init__()
+        if quant is not None:
+            raise QuantizationError(f"{cfg.model_type}: quantized weights of latent attention "
+                                    f"are not supported")
+        lat, hidden, h = cfg.latent, cfg.hidden_size, cfg.num_heads
+        self.lat, self.h = lat, h
+        bias = cfg.attention_bias
+        if lat.q_lora_rank:
+            self.q_a_proj = Linear(hidden, lat.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(lat.q_lora_rank, cfg.rms_norm_eps, ops)
+            self.q_b_proj = Linear(lat.q_lora_rank, h * (lat.nope + lat.rope), bias=False)
+        else:
+            self.q_proj = Linear(hidden, h * (lat.nope + lat.rope), bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, lat.kv_lora_rank + lat.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(lat.kv_lora_rank, cfg.rms_norm_eps, ops)
+        self.kv_b_proj = Linear(lat.kv_lora_rank, h * (lat.nope + lat.v), bias=False)
+        self.o_proj = Linear(h * lat.v, hidden, bias=bias)
+        self.scale = cfg.attn_scale
+        self.ops, self.cfg = ops, cfg
+        self.k_scale, self.v_scale = 1.0, 1.0  # (an FP8 cache: the one tensor's scale)
+        self.kv_scales_loaded = False
+        self.rope, self.local_rope, self.q_position_scale = True, False, None  # (set_rope's)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> torch.Tensor:
+        lat, t, h = self.lat, x.shape[0], self.h
+        q = (self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))[0]) if lat.q_lora_rank
+             else self.q_proj(x)).view(t, h, lat.nope + lat.rope)
+        kv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(kv[:, :lat.kv_lora_rank].contiguous())[0]
+        q_rope, k_rope = self.ops.rotary_embedding(
+            positions, q[..., lat.nope:].contiguous(),
+            kv[:, lat.kv_lora_rank:].reshape(t, 1, lat.rope).contiguous(), cos_sin)
+        w = self.kv_b_proj.weight.view(h, lat.nope + lat.v, lat.kv_lora_rank)
+        q_latent = torch.bmm(q[..., :lat.nope].transpose(0, 1), w[:, :lat.nope])  # [H, T, R]
+        q = torch.cat([q_latent.transpose(0, 1), q_rope.to(q_latent.dtype)], dim=-1)
+        k = torch.cat([latent, k_rope.reshape(t, lat.rope).to(latent.dtype)], dim=-1)[:, None]
+        cache = kv_cache[0]
+        self.ops.write_kv_cache(k, k, cache, kv_cache[1], meta.slot_mapping, self.k_scale,
+                                self.k_scale)
+        o = self.ops.paged_attention(
+            q, cache, kv_cache[1], meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+            self.scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            k_scale=self.k_scale, v_scale=self.k_scale)
+        o = torch.bmm(o[..., :lat.kv_lora_rank].transpose(0, 1),
+                      w[:, lat.nope:].transpose(1, 2))  # [H, T, v]
+        return tp.all_reduce(self.o_proj(o.transpose(0, 1).reshape(t, h * lat.v)), self.cfg)
 
 
 class XIELU(nn.Module):

@@ -45,6 +45,8 @@ def check_model(cfg: ModelConfig) -> None:
     adapter of the experts is refused when read (_pair)."""
     if cfg.impl != "native":
         raise LoraError("LoRA needs a native model module (--model-impl native)")
+    if cfg.latent is not None:
+        raise LoraError(f"{cfg.model_type}: LoRA on latent attention is not supported")
 
 
 def _sparse(cfg: ModelConfig, layer: int) -> bool:

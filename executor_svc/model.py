@@ -21,6 +21,7 @@ from pagedserve.executor.layers import (
     MLP,
     Attention,
     AttentionMetadata,
+    LatentAttention,
     Ops,
     make_norm,
     permute_heads,
@@ -60,7 +61,7 @@ class DecoderLayer(nn.Module):
         self.style, self.residual_scale = cfg.norm_style, cfg.residual_scale
         for name in _NORMS[self.style]:
             setattr(self, name, make_norm(cfg.hidden_size, cfg, ops))
-        self.self_attn = Attention(cfg, layer, ops, quant)
+        self.self_attn = (LatentAttention if cfg.latent else Attention)(cfg, layer, ops, quant)
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
         self.mlp = SparseMoe(cfg, ops, quant) if sparse else MLP(
             cfg, ops, quant, bias=cfg.mlp_bias, gated=cfg.mlp_gated)
@@ -279,10 +280,12 @@ class CausalLM(nn.Module):
                 tensor = tensor.float() + cfg.norm_offset
             if (cfg.rotary_dim or cfg.rotary_interleaved) and _ROTATED.search(name):
                 tensor = _rotary_permuted(name, tensor, cfg)
+            if cfg.latent is not None and cfg.latent.interleaved:
+                tensor = _latent_rope_permuted(name, tensor, cfg)
             shared = ".shared_expert." in name
             target, rows = name, None
             for part, (start, size) in qkv_rows.items():
-                if f"self_attn.{part}_proj." in name:
+                if f"self_attn.{part}_proj." in name and cfg.latent is None:
                     target = name.replace(f"{part}_proj", "qkv_proj")
                     rows = (start, size)
             inter = cfg.moe.shared_intermediate_size if shared else cfg.intermediate_size
@@ -336,6 +339,8 @@ class CausalLM(nn.Module):
             return tensor
         if shared:  # its own width, cut as any MLP's (float, FP8 or 4-bit parts)
             return tp.shard(name, tensor, cfg, self.quant, cfg.moe.shared_intermediate_size)
+        if cfg.latent is not None and ".self_attn." in name:
+            return _latent_shard(name, tensor, cfg)
         if name.endswith("self_attn.sinks"):  # one per query head: this rank's heads
             return tensor.narrow(0, cfg.head_start, cfg.num_heads)
         if cfg.qk_norm == "full" and name.endswith(("q_norm.weight", "k_norm.weight")):
@@ -440,6 +445,41 @@ def _rotary_permuted(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch
     if name.endswith((".perm", ".input_scale")) or tensor.numel() == 1:
         return tensor
     return permute_heads(tensor, 1 if name.endswith(_PACKED_ALONG_N) else 0, cfg)
+
+
+def _latent_rope_permuted(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Latent attention's rope rows (each head's last `rope` rows of q, the last `rope` of
+    kv_a_proj_with_mqa) from HF's interleaved pairs (2i, 2i + 1; DeepSeek V3's
+    rope_interleave) to the rotation's halves (i, i + rope / 2): q . k is the same under one
+    permutation of both, and the rotation is then the one every family runs."""
+    lat = cfg.latent
+    order = torch.cat([torch.arange(0, lat.rope, 2), torch.arange(1, lat.rope, 2)])
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
+        heads = tensor.view(-1, lat.nope + lat.rope, tensor.shape[-1])
+        rope = heads[:, lat.nope:][:, order]
+        return torch.cat([heads[:, :lat.nope], rope], dim=1).reshape(tensor.shape)
+    if name.endswith(("self_attn.kv_a_proj_with_mqa.weight",
+                      "self_attn.kv_a_proj_with_mqa.bias")):
+        r = lat.kv_lora_rank
+        return torch.cat([tensor[:r], tensor[r:][order]])
+    return tensor
+
+
+def _latent_shard(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """This rank's part of a latent-attention tensor: its heads' rows of q and kv_b_proj,
+    its heads' columns of o_proj (o_proj's bias added by rank 0 alone); the latent's own
+    projections and norms whole."""
+    lat, start, n = cfg.latent, cfg.head_start, cfg.num_heads
+    module = name.rpartition(".")[0]
+    if module.endswith(("self_attn.q_proj", "self_attn.q_b_proj")):
+        return tensor.narrow(0, start * (lat.nope + lat.rope), n * (lat.nope + lat.rope))
+    if module.endswith("self_attn.kv_b_proj"):
+        return tensor.narrow(0, start * (lat.nope + lat.v), n * (lat.nope + lat.v))
+    if name.endswith("self_attn.o_proj.weight"):
+        return tensor.narrow(1, start * lat.v, n * lat.v)
+    if name.endswith("self_attn.o_proj.bias"):
+        return tensor if cfg.tp_rank == 0 else torch.zeros_like(tensor)
+    return tensor
 
 
 def _ignored_on_load(hf_config) -> re.Pattern | None:

@@ -1,7 +1,8 @@
 """Host-memory swap space for preempted requests' KV blocks.
 
 The scheduler decides what moves where; this copies. Layout mirrors the device cache:
-per layer, K and V tensors of [num_swap_blocks, block_size, num_kv_heads, head_dim], pinned when
+per layer, K and V tensors of [num_swap_blocks, block_size, num_kv_heads, head_dim] (one where
+the layer's K is its V, as latent attention's), pinned when
 the device is a GPU so that copies run at full PCIe speed. Blocks move as raw bytes (uint8
 views), so an FP8 cache swaps like any other: torch has no CPU index_copy_ for float8 dtypes.
 
@@ -22,7 +23,7 @@ class SwapSpace:
         self.host = [
             tuple(torch.empty((num_blocks, *_raw(t).shape[1:]), dtype=torch.uint8,
                               pin_memory=pin)
-                  for t in layer)
+                  for t in _distinct(layer))
             for layer in like
         ] if num_blocks > 0 else []
         if not pin:
@@ -38,7 +39,7 @@ class SwapSpace:
         src_t = torch.tensor(src, device=device_kv[0][0].device)
         dst_t = torch.tensor(dst)
         for dev_layer, host_layer in zip(device_kv, self.host, strict=True):
-            for dev, host in zip(dev_layer, host_layer, strict=True):
+            for dev, host in zip(_distinct(dev_layer), host_layer, strict=True):
                 host.index_copy_(0, dst_t, _raw(dev).index_select(0, src_t).cpu())
 
     def swap_in(self, device_kv: list[tuple[torch.Tensor, torch.Tensor]], src: list[int],
@@ -50,9 +51,14 @@ class SwapSpace:
         src_t = torch.tensor(src)
         dst_t = torch.tensor(dst, device=device)
         for dev_layer, host_layer in zip(device_kv, self.host, strict=True):
-            for dev, host in zip(dev_layer, host_layer, strict=True):
+            for dev, host in zip(_distinct(dev_layer), host_layer, strict=True):
                 _raw(dev).index_copy_(0, dst_t, host.index_select(0, src_t).to(
                     device, non_blocking=True))
+
+
+def _distinct(layer: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A layer's caches, each tensor once (latent attention's K is its V: one tensor)."""
+    return tuple(t for i, t in enumerate(layer) if all(t is not u for u in layer[:i]))
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -107,15 +107,18 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device,
 
 
 def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                layers: int, shared: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's K and V cache. Their contents need no initialising (attention never reads
     a slot before it is written), but host memory is committed here, page by page, so that the
     resident memory at start is the memory under load: a container's limit is met at start, not
-    mid-service as the blocks are first written (device memory is committed when allocated)."""
-    kv = [(torch.empty(shape, dtype=dtype, device=device),
-           torch.empty(shape, dtype=dtype, device=device)) for _ in range(layers)]
+    mid-service as the blocks are first written (device memory is committed when allocated).
+    shared: K and V are one tensor (latent attention's latent is its own value)."""
+    kv = []
+    for _ in range(layers):
+        k = torch.empty(shape, dtype=dtype, device=device)
+        kv.append((k, k if shared else torch.empty(shape, dtype=dtype, device=device)))
     if device.type == "cpu":
-        commit(t for layer in kv for t in layer)
+        commit({id(t): t for layer in kv for t in layer}.values())
     return kv
 
 
@@ -223,7 +226,8 @@ class Worker:
         self.max_model_len = min(max_len, capacity_tokens)
         shape = (self.num_blocks, cfg.block_size, self.model_cfg.num_kv_heads,
                  self.model_cfg.head_dim)
-        kv = allocate_kv(shape, self.kv_dtype, self.device, self.model_cfg.num_layers)
+        kv = allocate_kv(shape, self.kv_dtype, self.device, self.model_cfg.num_layers,
+                         shared=self.model_cfg.latent is not None)
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB of %s (%d sequences of "
                  "max_model_len %d at once)", self.num_blocks, cfg.block_size, capacity_tokens,
                  self.num_blocks * per_block / GiB, dtype_str(self.kv_dtype),

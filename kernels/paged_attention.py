@@ -36,6 +36,8 @@ Options (0 or None = off, and compiled out then; same contract as the reference)
   l = 1) in context split 0 alone, so the merge counts it once. The Hopper kernel takes no
   sinks: with them the long rows run here.
 - head_dim need not be a power of two (Phi-3's 96, 80): it is padded to the next one, masked.
+  Up to 256 as every family's heads; up to 1024 for latent attention's one KV head (DeepSeek
+  V3's 576: the latent and its rope part, padded to 1024), on narrow tiles (wide_config).
 """
 
 from __future__ import annotations
@@ -353,7 +355,21 @@ class Config:
     num_stages: int
 
 
-def short_config(group: int, fp8: bool = False) -> Config:
+WIDE = 256  # head sizes past this take wide_config's tiles
+
+
+def wide_config(group: int) -> Config:
+    """Heads wider than WIDE (latent attention's 576, padded to 1024 lanes): the group's rows
+    (at least 16) over 16-key tiles, one stage, so that [rows, 1024] float32 accumulators
+    and the K and V tiles fit a program (32 KB a tile in 16 bits). Not tuned; a latent
+    cache's kernel of its own (the latent's 512 and the rope part's 64 as two dot
+    products, vLLM's MLA layout) would not pad."""
+    return Config(max(16, triton.next_power_of_2(group)), 16, 8, 1)
+
+
+def short_config(group: int, fp8: bool = False, head_dim: int = 128) -> Config:
+    if head_dim > WIDE:
+        return wide_config(group)
     # memory-bound: deeper pipelines only hold more tiles in flight (2 stages beat 3 on bf16);
     # an FP8 tile holds half the bytes, so FP8 takes twice the keys and one more stage to keep
     # as many bytes in flight (benchmarks/kernels/bench_fp8_kv.py --sweep)
@@ -364,6 +380,8 @@ def short_config(group: int, fp8: bool = False) -> Config:
 
 def long_config(max_query_len: int, group: int, dtype: torch.dtype, head_dim: int = 128,
                 hopper: bool = False, fp8_cache: bool = False) -> Config:
+    if head_dim > WIDE:
+        return wide_config(group)
     if dtype == torch.float32 and head_dim > 128:
         # fp32 tiles 256 lanes wide: of the 64/128-row configs only 64 rows x 32 keys fit in
         # H200's 227 KB of shared memory (64 x 64 keys needs 320 KB)
@@ -417,8 +435,8 @@ def _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q) -> No
     _, _, hkv, d = k_cache.shape
     if q.shape[2] != d:
         raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {d}")
-    if not 16 <= d <= 256 or d % 8:
-        raise ValueError(f"head_dim must be a multiple of 8 in 16..256, got {d}")
+    if not 16 <= d <= 1024 or d % 8:
+        raise ValueError(f"head_dim must be a multiple of 8 in 16..1024, got {d}")
     if q.shape[1] % hkv:
         raise ValueError(f"num_heads {q.shape[1]} not a multiple of num_kv_heads {hkv}")
     check_tensor("block_tables", block_tables, 2, (torch.int32,), dev)
@@ -477,7 +495,7 @@ def paged_attention(
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group = num_heads // num_kv_heads
-    short = short_config(group, k_cache.dtype == FP8_KV_DTYPE)
+    short = short_config(group, k_cache.dtype == FP8_KV_DTYPE, q.shape[2])
     if num_splits is None:
         num_splits, max_seq_len = _auto_splits(num_seqs * num_kv_heads, short, group, q.device,
                                                seq_lens, max_seq_len, sliding_window)
@@ -705,7 +723,7 @@ def warm_up_variants(sig: Signature) -> list[tuple]:
         return q, k_cache, v_cache, tables, lens, cu, scale, torch.empty_like(q)
 
     done: list[tuple] = []
-    short = short_config(group, sig.cache_dtype == FP8_KV_DTYPE)
+    short = short_config(group, sig.cache_dtype == FP8_KV_DTYPE, sig.head_dim)
     for s in _WARM_SPLITS:
         launch(*rows(1), short, per_seq=True, num_splits=s, **opts)
         done.append((1, short.block_m, s))

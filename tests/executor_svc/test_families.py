@@ -194,6 +194,25 @@ FAMILIES = {
     "arcee": dict(model_type="arcee", head_dim=16, initializer_range=0.1, attention_bias=True,
                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                    "original_max_position_embeddings": 16}),
+    # latent attention (q through its own low rank, interleaved rope pairs, YaRN with
+    # mscale_all_dim: the softmax scale too), a dense first layer, then GLM-4.5's experts
+    "deepseek_v3": dict(model_type="deepseek_v3", q_lora_rank=16, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                        moe_intermediate_size=32, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, initializer_range=0.1, rope_parameters={
+                            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                        num_key_value_heads=4),  # (HF's MLA takes as many as heads)
+    # q straight from the hidden state (DeepSeek-V2-Lite's shape), rope pairs in halves,
+    # attention biases
+    "deepseek_v3-q-proj": dict(model_type="deepseek_v3", q_lora_rank=None, kv_lora_rank=16,
+                               qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                               n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                               topk_group=1, moe_intermediate_size=32, rope_interleave=False,
+                               first_k_dense_replace=0, attention_bias=True,
+                               initializer_range=0.1, num_key_value_heads=4),
     # Llama with MLP biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, attention_bias=True),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP
@@ -301,7 +320,17 @@ def test_gpt_oss_on_the_triton_kernels(tmp_path):
     """gpt-oss's sinks in the paged-attention kernel and its biases and activation in the
     fused-MoE GEMMs (interpreted on the CPU, compiled on a GPU): HF's logits across chunked
     prefill, windows and decode."""
-    hf, _, cfg = hf_and_ours_of(FAMILIES["gpt_oss"], tmp_path)
+    on_the_triton_kernels("gpt_oss", tmp_path)
+
+
+def test_latent_attention_on_the_triton_kernels(tmp_path):
+    """DeepSeek V3's latent cache (one KV head of kv_lora_rank + rope, read as key and value,
+    for every query head) through the paged-attention kernels and the rotary kernel."""
+    on_the_triton_kernels("deepseek_v3", tmp_path)
+
+
+def on_the_triton_kernels(family: str, tmp_path) -> None:
+    hf, _, cfg = hf_and_ours_of(FAMILIES[family], tmp_path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ours = build_model(cfg, get_ops("triton"), torch.float32, torch.device(device), 512,
                        tmp_path)

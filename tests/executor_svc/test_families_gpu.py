@@ -1,7 +1,8 @@
 """Every native family on the Triton kernels in bf16 against HF transformers on CUDA, on
-random configs with head sizes 64 to 256 (skipped without CUDA), the transformers fallback
-over latent attention and a 4-bit MoE checkpoint likewise; the decode steps through CUDA
-graphs for Qwen3-MoE, Gemma 2 and gpt-oss (sinks, expert biases)."""
+random configs with head sizes 64 to 256 and DeepSeek V3's latent cache of 576 (skipped
+without CUDA), the transformers fallback over latent attention and a 4-bit MoE checkpoint
+likewise; the decode steps through CUDA graphs for Qwen3-MoE, Gemma 2, gpt-oss (sinks, expert
+biases) and DeepSeek V3."""
 
 import pytest
 import torch
@@ -67,6 +68,12 @@ def family_config(name: str) -> dict:
     if name == "hunyuan_v1_moe":  # experts (and the MLP beside them) of intermediate_size
         d["intermediate_size"] = 512
         d["moe_topk"] = 2
+    if d["model_type"] == "deepseek_v3":  # DeepSeek V3's latent sizes: the cache's head 576
+        d.update(num_key_value_heads=d["num_attention_heads"], kv_lora_rank=512,
+                 qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+        d.pop("initializer_range")
+        if d.get("q_lora_rank"):
+            d["q_lora_rank"] = 384
     for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
         if key in d:
             d[key] = 512
@@ -169,7 +176,7 @@ def test_a_4bit_moe_checkpoint_on_the_gpu_kernels(tmp_path):
     assert_bf16_close(ours, cfg, *hf_pair(tmp_path / "hf"))
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "gemma2", "gpt_oss", "deepseek_v3"])
 def test_graphed_decode_equals_eager(tmp_path, name):
     """Decode steps replayed from CUDA graphs (the fused-MoE launch included: its grid
     cannot depend on the routing) give the eager steps' greedy tokens."""

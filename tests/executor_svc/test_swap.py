@@ -24,6 +24,25 @@ def test_blocks_round_trip_through_host_memory():
         assert torch.isnan(k[0]).all()  # nothing else was written
 
 
+def test_a_layer_whose_k_is_its_v_swaps_one_tensor():
+    # latent attention (worker.allocate_kv(shared=True)): one host tensor a layer, not two
+    from pagedserve.executor.worker import allocate_kv
+
+    kv = allocate_kv((6, 4, 1, 8), torch.float32, torch.device("cpu"), 2, shared=True)
+    assert all(k is v for k, v in kv)
+    for k, _ in kv:
+        k.copy_(torch.randn(k.shape, generator=torch.Generator().manual_seed(2)))
+    saved = [k[[1, 4]].clone() for k, _ in kv]
+    swap = SwapSpace(5, kv)
+    assert [len(layer) for layer in swap.host] == [1, 1]
+    swap.swap_out(kv, src=[1, 4], dst=[3, 0])
+    for k, _ in kv:
+        k.fill_(float("nan"))
+    swap.swap_in(kv, src=[3, 0], dst=[5, 2])
+    for (k, _), want in zip(kv, saved, strict=True):
+        assert torch.equal(k[[5, 2]], want) and torch.isnan(k[0]).all()
+
+
 def test_no_swap_space_is_a_no_op():
     swap = SwapSpace(0, [])
     swap.swap_out([], [], [])

@@ -55,6 +55,14 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
     # its choice bias whole on each rank
     "minimax-m2": dict(model_type="minimax_m2", num_local_experts=4, num_experts_per_tok=2,
                        rotary_dim=8, **{**TINY, "head_dim": 16}),
+    # latent attention: q, kv_b_proj and o_proj cut by heads, the latent whole on each rank
+    # (the cache's one KV head a copy on each), interleaved rope rows, o_proj's bias
+    "deepseek-v3": dict(model_type="deepseek_v3", q_lora_rank=16, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_group=2, topk_group=1, first_k_dense_replace=1, attention_bias=True,
+                        pad_token_id=0,
+                        **{**TINY, "num_key_value_heads": 4}),
     # Granite's fused shared MLP (shared_mlp.input_linear) split, then cut by its own width
     "granitemoe-shared": dict(model_type="granitemoeshared", num_local_experts=4,
                               num_experts_per_tok=2, shared_intermediate_size=48,

@@ -35,7 +35,7 @@ CONFIGS = {**FAMILIES, **NO_NATIVE}
 # and one served by the transformers fallback (starcoder2: no native module)
 SERVED = ["qwen3", "olmo2", "phi3", "gemma2", "gemma3", "granite", "smollm3", "glm4",
           "cohere2", "mixtral", "qwen2-moe", "qwen3-moe", "gpt_oss", "minimax_m2",
-          "starcoder2"]
+          "deepseek_v3", "starcoder2"]
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -47,7 +47,7 @@ def prompts(vocab: int) -> list[list[int]]:
 def write_checkpoint(family: str, out, model_dir, vocab: int):
     torch.manual_seed(0)
     d = {k: v for k, v in CONFIGS[family].items() if k != "pad_token_id"}
-    config = AutoConfig.for_model(d.pop("model_type"), **SHAPE, **d, vocab_size=vocab,
+    config = AutoConfig.for_model(d.pop("model_type"), **{**SHAPE, **d}, vocab_size=vocab,
                                   bos_token_id=1, eos_token_id=2, pad_token_id=2)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     perturb_norms(model)

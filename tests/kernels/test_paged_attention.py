@@ -333,6 +333,17 @@ def test_head_dims_not_power_of_two_or_large(device, head_dim, window, cap):
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
+def test_latent_attention_one_wide_head_read_as_key_and_value(device, num_splits):
+    """DeepSeek V3's latent cache: one KV head of 576 (padded to 1024 lanes, wide_config's
+    tiles) for 8 query heads, the one tensor passed as K and V; decode, chunked and long
+    rows."""
+    batch = make_paged_batch([1, 9, 1, 20], [30, 25, 50, 20], 8, 1, 576, 16, DTYPE, device,
+                             seed=576)
+    batch = replace(batch, v_cache=batch.k_cache)
+    _check(batch, 192**-0.5, TOL, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
 def test_fp8_cache_window_cap(device, num_splits):
     batch = make_paged_batch(WIN_Q, WIN_CTX, 8, 2, 64, 16, DTYPE, device, seed=26)
     _check_fp8(batch, 0.125, 0.5, 2.0, TOL, {"sliding_window": 37, "logits_soft_cap": 2.0},
