@@ -67,6 +67,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
                                         half of each head rotated      a choice bias (no groups)
     deepseek_v3   pre-norm              latent (MLA): one cached       as glm4_moe's; dense first
                                         latent per token, absorbed     layers
+    deepseek_v2   pre-norm              as deepseek_v3 (pairs          softmax top k (in groups),
+                                        interleaved)                   scaled; dense first layers
 
 A vision-language checkpoint whose language model is one of these (Gemma 3 4B and up, Mistral
 Small 3.1, Ministral 3, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, EXAONE 4.5) is served text-only:
@@ -88,7 +90,8 @@ SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "g
              "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "dots1", "ernie4_5_moe",
              "gpt_oss", "minimax_m2", "flex_olmo", "exaone_moe", "granitemoe",
              "granitemoeshared", "granite_swa", "granitemoe_swa", "hunyuan_v1_dense",
-             "hunyuan_v1_moe", "hy_v3", "solar_open", "afmoe", "deepseek_v3", "qwen2_vl_text",
+             "hunyuan_v1_moe", "hy_v3", "solar_open", "afmoe", "deepseek_v2", "deepseek_v3",
+             "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
@@ -177,7 +180,8 @@ class Moe:
     sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP (False)
     shared_gated: bool = True  # the shared expert scaled by sigmoid(shared_expert_gate(x))
     scoring: str = "softmax"  # or "sigmoid", "softmax_bias" (ERNIE 4.5's: softmax scores
-    # chosen with a correction bias), "sparsemixer" (Phi-3.5-MoE's, moe.sparsemixer)
+    # chosen with a correction bias), "sparsemixer" (Phi-3.5-MoE's, moe.sparsemixer),
+    # "softmax_groups" (DeepSeek V2's: softmax top k within groups, moe.grouped_route)
     n_group: int = 1
     topk_group: int = 1
     routed_scaling: float = 1.0
@@ -213,14 +217,14 @@ class Latent:
 
 
 def _latent(c: Any) -> Latent | None:
-    if c.model_type != "deepseek_v3":
+    if c.model_type not in ("deepseek_v2", "deepseek_v3"):
         return None
     if c.qk_rope_head_dim % 2:
         raise UnsupportedModelError(f"{c.model_type}: an odd qk_rope_head_dim "
                                     f"({c.qk_rope_head_dim})")
     return Latent(int(c.q_lora_rank or 0), int(c.kv_lora_rank), int(c.qk_nope_head_dim),
                   int(c.qk_rope_head_dim), int(c.v_head_dim),
-                  bool(getattr(c, "rope_interleave", True)))
+                  c.model_type == "deepseek_v2" or bool(getattr(c, "rope_interleave", True)))
 
 
 def latent_scale(c: Any, latent: Latent) -> float:
@@ -408,6 +412,22 @@ def _moe(c: Any) -> Moe | None:
                    tuple((i + 1) % every == 0 and start <= i <= end
                          for i in range(c.num_hidden_layers)),
                    shared_gated=False, scoring="softmax_bias", norm_min=float(c.moe_norm_min))
+    if mt == "deepseek_v2":  # softmax top k (in groups: group_limited_greedy), scaled
+        method = getattr(c, "topk_method", None) or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise UnsupportedModelError(f"deepseek_v2: topk_method {method!r} (greedy and "
+                                        f"group_limited_greedy are supported)")
+        groups = int(c.n_group or 1) if method == "group_limited_greedy" else 1
+        if c.n_routed_experts % groups:
+            raise UnsupportedModelError(f"deepseek_v2: {c.n_routed_experts} experts in "
+                                        f"{groups} groups")
+        # (HF's DeepseekV2TopkRouter renormalizes nothing, whatever norm_topk_prob says)
+        return Moe(c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size, False,
+                   c.moe_intermediate_size * c.n_shared_experts,
+                   tuple(i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)),
+                   shared_gated=False, scoring="softmax_groups", n_group=groups,
+                   topk_group=int(c.topk_group or 1) if groups > 1 else 1,
+                   routed_scaling=float(c.routed_scaling_factor))
     if mt in ("glm4_moe", "dots1", "deepseek_v3"):
         return _deepseek_v3_moe(c, c.n_routed_experts, c.n_shared_experts, tuple(
             i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)))

@@ -213,6 +213,18 @@ FAMILIES = {
                                topk_group=1, moe_intermediate_size=32, rope_interleave=False,
                                first_k_dense_replace=0, attention_bias=True,
                                initializer_range=0.1, num_key_value_heads=4),
+    # DeepSeek V2's latent attention (its rotation in interleaved pairs; YaRN's mscales as
+    # V2-Lite's), a dense first layer, softmax top k within the best group, scaled
+    "deepseek_v2": dict(model_type="deepseek_v2", q_lora_rank=None, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                        n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                        topk_method="group_limited_greedy", moe_intermediate_size=32,
+                        n_shared_experts=2, first_k_dense_replace=1,
+                        routed_scaling_factor=2.0, initializer_range=0.1,
+                        num_key_value_heads=4, rope_parameters={
+                            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
     # Llama with MLP biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, attention_bias=True),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP

@@ -68,7 +68,8 @@ def family_config(name: str) -> dict:
     if name == "hunyuan_v1_moe":  # experts (and the MLP beside them) of intermediate_size
         d["intermediate_size"] = 512
         d["moe_topk"] = 2
-    if d["model_type"] == "deepseek_v3":  # DeepSeek V3's latent sizes: the cache's head 576
+    if d["model_type"] in ("deepseek_v2", "deepseek_v3"):  # DeepSeek's latent sizes: the
+        # cache's head 576
         d.update(num_key_value_heads=d["num_attention_heads"], kv_lora_rank=512,
                  qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
         d.pop("initializer_range")
@@ -151,7 +152,7 @@ def test_the_fallback_over_latent_attention_at_head_192(tmp_path):
              num_experts_per_tok=2, moe_intermediate_size=256, n_shared_experts=1,
              first_k_dense_replace=1, num_key_value_heads=8)
     save_random(d, tmp_path)
-    cfg = ModelConfig.from_pretrained(tmp_path, "auto")
+    cfg = ModelConfig.from_pretrained(tmp_path, "transformers")  # (auto: native)
     assert cfg.impl == "transformers" and cfg.head_dim == 192
     ours = build_model(cfg, get_ops("triton"), torch.bfloat16, torch.device("cuda"), 2048,
                        tmp_path)

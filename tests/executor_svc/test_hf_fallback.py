@@ -28,7 +28,10 @@ NO_NATIVE = {
     "gpt_neox": dict(model_type="gpt_neox", rotary_pct=0.25, num_key_value_heads=None),
     # learned absolute positions, no rotary
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, num_key_value_heads=None),
-    # multi-head latent attention (keys of 24, values of 16) and HF's own routed experts
+}
+# native under auto, and through the fallback with --model-impl transformers: multi-head
+# latent attention expanded per head (keys of 24, values of 16), HF's own routed experts
+LATENT = {
     "deepseek_v3": dict(model_type="deepseek_v3", n_routed_experts=4, num_experts_per_tok=2,
                         first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
@@ -90,10 +93,12 @@ def paged(path, impl: str):
     return run_paged(model, cfg, SEQS, CHUNKS), cfg
 
 
-@pytest.mark.parametrize("family", sorted(NO_NATIVE))
+@pytest.mark.parametrize("family", sorted(NO_NATIVE) + sorted(LATENT))
 def test_fallback_equals_hf_across_chunks(family, tmp_path):
-    hf = saved(NO_NATIVE[family], tmp_path)
-    outs, cfg = paged(tmp_path, "auto")
+    hf = saved({**NO_NATIVE, **LATENT}[family], tmp_path)
+    if family in LATENT:
+        assert ModelConfig.from_pretrained(tmp_path, "auto").impl == "native"
+    outs, cfg = paged(tmp_path, "transformers" if family in LATENT else "auto")
     assert cfg.impl == "transformers"
     assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
 

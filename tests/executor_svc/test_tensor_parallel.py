@@ -63,6 +63,12 @@ CONFIGS = {  # vocab 255: the last rank's vocabulary slice is padded
                         n_group=2, topk_group=1, first_k_dense_replace=1, attention_bias=True,
                         pad_token_id=0,
                         **{**TINY, "num_key_value_heads": 4}),
+    # DeepSeek V2's softmax top k (greedy) whole on each rank, q straight from the hidden
+    "deepseek-v2": dict(model_type="deepseek_v2", q_lora_rank=None, kv_lora_rank=16,
+                        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_shared_experts=1, first_k_dense_replace=1, pad_token_id=0,
+                        **{**TINY, "num_key_value_heads": 4}),
     # Granite's fused shared MLP (shared_mlp.input_linear) split, then cut by its own width
     "granitemoe-shared": dict(model_type="granitemoeshared", num_local_experts=4,
                               num_experts_per_tok=2, shared_intermediate_size=48,
