@@ -69,6 +69,11 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
                                         latent per token, absorbed     layers
     deepseek_v2   pre-norm              as deepseek_v3 (pairs          softmax top k (in groups),
                                         interleaved)                   scaled; dense first layers
+    sarvam_mla, glm4_moe_lite         as deepseek_v3                 as deepseek_v3's (GLM-4.7-
+                                                                       Flash: mlp_layer_types)
+    mistral4      pre-norm              as deepseek_v3                 softmax top k in groups
+                                                                       of the best two, scaled
+    youtu         pre-norm              as deepseek_v3                 SwiGLU
 
 A vision-language checkpoint whose language model is one of these (Gemma 3 4B and up, Mistral
 Small 3.1, Ministral 3, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, EXAONE 4.5) is served text-only:
@@ -91,7 +96,7 @@ SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "g
              "gpt_oss", "minimax_m2", "flex_olmo", "exaone_moe", "granitemoe",
              "granitemoeshared", "granite_swa", "granitemoe_swa", "hunyuan_v1_dense",
              "hunyuan_v1_moe", "hy_v3", "solar_open", "afmoe", "deepseek_v2", "deepseek_v3",
-             "qwen2_vl_text",
+             "glm4_moe_lite", "mistral4", "sarvam_mla", "youtu", "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
@@ -113,6 +118,10 @@ ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (241
            "hunyuan_v1_moe": "hunyuan_v1_dense",  # Hunyuan-A13B: the dense decoder's, experts
            "solar_open": "llama",  # Solar Open: Llama's attention, GLM-4.5's experts
            "hy_v3": "qwen3",  # Hunyuan 3: Qwen3's attention, MiniMax-M2's router
+           # DeepSeek V3's latent attention: Sarvam (its experts too), GLM-4.7-Flash (dense
+           # layers by mlp_layer_types), Mistral 4 (a softmax router), Youtu (dense)
+           "sarvam_mla": "deepseek_v3", "glm4_moe_lite": "deepseek_v3",
+           "mistral4": "deepseek_v3", "youtu": "deepseek_v3",
            # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models: on text alone their
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
@@ -127,6 +136,10 @@ _UNGATED = {"jais2": "relu2", "nemotron": "relu2", "apertus": "xielu", "nanochat
             "arcee": "relu2"}
 # rotated pairs (2i, 2i + 1), as GPT-J's, where the others pair i with i + head_dim / 2
 _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2")
+
+
+# multi-head latent attention (families.Latent: DeepSeek V3's attention under each name)
+_LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "sarvam_mla", "youtu")
 
 
 # vision-language wrappers (HF model_type) of a supported language model
@@ -181,7 +194,8 @@ class Moe:
     shared_gated: bool = True  # the shared expert scaled by sigmoid(shared_expert_gate(x))
     scoring: str = "softmax"  # or "sigmoid", "softmax_bias" (ERNIE 4.5's: softmax scores
     # chosen with a correction bias), "sparsemixer" (Phi-3.5-MoE's, moe.sparsemixer),
-    # "softmax_groups" (DeepSeek V2's: softmax top k within groups, moe.grouped_route)
+    # "softmax_groups" (DeepSeek V2's: softmax top k within the groups of the best single
+    # score, moe.grouped_route), "softmax_groups_top2" (Mistral 4's: of the best two's sum)
     n_group: int = 1
     topk_group: int = 1
     routed_scaling: float = 1.0
@@ -217,7 +231,7 @@ class Latent:
 
 
 def _latent(c: Any) -> Latent | None:
-    if c.model_type not in ("deepseek_v2", "deepseek_v3"):
+    if c.model_type not in _LATENT:
         return None
     if c.qk_rope_head_dim % 2:
         raise UnsupportedModelError(f"{c.model_type}: an odd qk_rope_head_dim "
@@ -266,7 +280,10 @@ def family_fields(c: Any) -> dict[str, Any]:
     cohere = mt in ("cohere", "cohere2")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rotary_dim = int(head_dim * factor)  # as HF's rope_init_fn sizes it
-    if factor != 1.0 and (mt not in ("phi3", "glm", "glm4", "glm4_moe", "stablelm",
+    latent = _latent(c)
+    if latent is not None:  # (Mistral 4's partial factor: the rope part of its q heads)
+        rotary_dim = head_dim
+    elif factor != 1.0 and (mt not in ("phi3", "glm", "glm4", "glm4_moe", "stablelm",
                                      "minimax_m2") and c.model_type != "nemotron"
                           or rotary_dim % 2
                           or (head_dim - rotary_dim) % 2):
@@ -279,7 +296,6 @@ def family_fields(c: Any) -> dict[str, Any]:
                 "exaone_moe": "head", "afmoe": "head", "apertus": "head",
                 "hunyuan_v1_dense": "head_after_rope", "nanochat": "head_after_rope",
                 "glm4_moe": "head" if getattr(c, "use_qk_norm", False) else ""}  # (own, or alias's)
-    latent = _latent(c)
     fields: dict[str, Any] = {
         "latent": latent,
         "qk_norm": qk_norms.get(c.model_type, qk_norms.get(mt, "")),
@@ -327,7 +343,8 @@ def family_fields(c: Any) -> dict[str, Any]:
         "rope_reversed": c.model_type == "nanochat",
         "q_position_scale": (float(rope["llama_4_scaling_beta"]),
                              int(rope["original_max_position_embeddings"]))
-        if c.model_type == "ministral3" and rope.get("llama_4_scaling_beta") else (),
+        if c.model_type in ("ministral3", "mistral4") and rope.get("llama_4_scaling_beta")
+        else (),
     }
     act = (getattr(c, "hidden_activation", None) or "gelu_pytorch_tanh") if gemma \
         else getattr(c, "hidden_act", "silu")
@@ -412,6 +429,20 @@ def _moe(c: Any) -> Moe | None:
                    tuple((i + 1) % every == 0 and start <= i <= end
                          for i in range(c.num_hidden_layers)),
                    shared_gated=False, scoring="softmax_bias", norm_min=float(c.moe_norm_min))
+    if c.model_type == "youtu":
+        return None
+    if c.model_type == "glm4_moe_lite":  # dense layers by mlp_layer_types
+        return _deepseek_v3_moe(c, c.n_routed_experts, c.n_shared_experts,
+                                tuple(t == "sparse" for t in c.mlp_layer_types))
+    if c.model_type == "mistral4":  # softmax scores, chosen within the groups of the best
+        # two, renormalized where norm_topk_prob says, scaled; dense first layers
+        return Moe(c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                   bool(c.norm_topk_prob), c.moe_intermediate_size * c.n_shared_experts,
+                   tuple(i >= (c.first_k_dense_replace or 0)
+                         for i in range(c.num_hidden_layers)),
+                   shared_gated=False, scoring="softmax_groups_top2",
+                   n_group=int(c.n_group or 1), topk_group=int(c.topk_group or 1),
+                   routed_scaling=float(c.routed_scaling_factor))
     if mt == "deepseek_v2":  # softmax top k (in groups: group_limited_greedy), scaled
         method = getattr(c, "topk_method", None) or "greedy"
         if method not in ("greedy", "group_limited_greedy"):
@@ -428,7 +459,7 @@ def _moe(c: Any) -> Moe | None:
                    shared_gated=False, scoring="softmax_groups", n_group=groups,
                    topk_group=int(c.topk_group or 1) if groups > 1 else 1,
                    routed_scaling=float(c.routed_scaling_factor))
-    if mt in ("glm4_moe", "dots1", "deepseek_v3"):
+    if mt in ("glm4_moe", "dots1", "deepseek_v3", "sarvam_mla"):
         return _deepseek_v3_moe(c, c.n_routed_experts, c.n_shared_experts, tuple(
             i >= c.first_k_dense_replace for i in range(c.num_hidden_layers)))
     if mt == "hy_v3":  # sigmoid scores chosen with a bias, renormalized, scaled; dense layers

@@ -391,6 +391,8 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(h, lat.nope + lat.v, lat.kv_lora_rank)
         q_latent = torch.bmm(q[..., :lat.nope].transpose(0, 1), w[:, :lat.nope])  # [H, T, R]
         q = torch.cat([q_latent.transpose(0, 1), q_rope.to(q_latent.dtype)], dim=-1)
+        if self.q_position_scale is not None:  # Mistral 4's (Llama 4's), as Attention's
+            q = q * self.q_position_scale[positions].to(q.dtype)[:, None, None]
         k = torch.cat([latent, k_rope.reshape(t, lat.rope).to(latent.dtype)], dim=-1)[:, None]
         cache = kv_cache[0]
         self.ops.write_kv_cache(k, k, cache, kv_cache[1], meta.slot_mapping, self.k_scale,

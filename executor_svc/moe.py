@@ -65,8 +65,8 @@ class SparseMoe(nn.Module):
                 self.shared_expert_gate = Linear(h, 1, bias=False)
         if moe.router_float32:  # Hunyuan's: weight and logits in float32, whatever the model's
             self.gate.fixed_dtypes = ("weight",)
-        if moe.scoring not in ("softmax", "sparsemixer", "softmax_groups"):  # biased, in
-            # float32 as HF keeps it
+        if moe.scoring not in ("softmax", "sparsemixer", "softmax_groups",
+                               "softmax_groups_top2"):  # biased, in float32 as HF keeps it
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(e),
                                                              requires_grad=False)
             self.gate.fixed_dtypes = ("weight", "e_score_correction_bias")
@@ -101,13 +101,17 @@ class SparseMoe(nn.Module):
         """DeepSeek V2's router as HF's DeepseekV2TopkRouter: softmax scores in float32, the
         top k of them (within the topk_group groups of the best single score where n_group >
         1: "group_limited_greedy"; "greedy" is one group), not renormalized, times
-        routed_scaling. (weights [T, k] in x's dtype, expert ids [T, k])."""
+        routed_scaling; Mistral 4's ("softmax_groups_top2") ranks the groups by their best
+        two scores' sum and renormalizes where the config says. (weights [T, k] in x's
+        dtype, expert ids [T, k])."""
         moe = self.moe
         scores = torch.nn.functional.linear(x.float(), self.gate.weight.float()).softmax(-1)
         if moe.n_group > 1:
             grouped = scores.view(-1, moe.n_group, moe.num_experts // moe.n_group)
+            rank = (grouped.topk(2, dim=-1)[0].sum(-1) if moe.scoring == "softmax_groups_top2"
+                    else grouped.amax(-1))
             keep = torch.zeros(grouped.shape[:2], device=x.device).scatter_(
-                1, grouped.amax(-1).topk(moe.topk_group, dim=-1, sorted=False)[1], 1.0)
+                1, rank.topk(moe.topk_group, dim=-1, sorted=False)[1], 1.0)
             scores = scores.masked_fill(
                 keep[:, :, None].expand_as(grouped).reshape_as(scores) == 0, 0.0)
         weights, ids = scores.topk(moe.top_k, dim=-1, sorted=False)
@@ -154,7 +158,8 @@ class SparseMoe(nn.Module):
         if self.moe.scoring != "softmax":  # routed here, then the experts
             weights, ids = (sparsemixer(self.gate(x), self.moe.jitter_eps)
                             if self.moe.scoring == "sparsemixer"
-                            else self.grouped_route(x) if self.moe.scoring == "softmax_groups"
+                            else self.grouped_route(x)
+                            if self.moe.scoring.startswith("softmax_groups")
                             else self.biased_route(x))
             y = self.ops.fused_moe(x, self.w13, self.w2, weights, ids, **extra)
         else:

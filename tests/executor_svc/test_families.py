@@ -225,6 +225,32 @@ FAMILIES = {
                             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                             "original_max_position_embeddings": 128, "beta_fast": 32.0,
                             "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    # DeepSeek V3's latent attention under other names: GLM-4.7-Flash (dense layers by
+    # mlp_layer_types), Sarvam (V3's experts), Mistral 4 (softmax top k in the groups of the
+    # best two, renormalized, scaled), Youtu (a dense MLP, tied embeddings)
+    "glm4_moe_lite": dict(model_type="glm4_moe_lite", q_lora_rank=16, kv_lora_rank=16,
+                          qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                          n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                          moe_intermediate_size=32, mlp_layer_types=["sparse", "dense"],
+                          routed_scaling_factor=1.8, initializer_range=0.1,
+                          num_key_value_heads=4),
+    "sarvam_mla": dict(model_type="sarvam_mla", q_lora_rank=None, kv_lora_rank=16,
+                       qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                       n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       first_k_dense_replace=1, initializer_range=0.1, num_key_value_heads=4),
+    "mistral4": dict(model_type="mistral4", q_lora_rank=16, kv_lora_rank=16,
+                     qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                     n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                     moe_intermediate_size=32, first_k_dense_replace=1,
+                     routed_scaling_factor=1.5, initializer_range=0.1, num_key_value_heads=4,
+                     pad_token_id=0, rope_parameters={  # q scaled from position 8 on
+                         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                         "llama_4_scaling_beta": 0.5, "partial_rotary_factor": 0.5}),
+    "youtu": dict(model_type="youtu", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                  qk_rope_head_dim=8, v_head_dim=8, initializer_range=0.1,
+                  num_key_value_heads=4),
     # Llama with MLP biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, attention_bias=True),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP
@@ -269,9 +295,20 @@ def as_hf_computes(model) -> None:
         model.config.swiglu_alpha, model.config.swiglu_limit = experts.alpha, experts.limit
 
 
+def causal_lm_registered(model_type: str) -> None:
+    """Register a causal LM transformers' auto mapping lacks (Mistral 4 in 5.25) from its
+    config's architectures, as ModelConfig does for the fallback."""
+    from pagedserve.executor.config import _register_causal_lm
+
+    config = AutoConfig.for_model(model_type)
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    _register_causal_lm(config)
+
+
 def hf_and_ours_of(d: dict, tmp_path, seed: int = 0):
     torch.manual_seed(seed)
     d = dict(d)
+    causal_lm_registered(d["model_type"])
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"),
                                                                **{**TINY, **d}),
                                           dtype=torch.float32).eval()
@@ -458,8 +495,8 @@ def vision_language_checkpoint(kind: str, tmp_path):
     else:  # mistral3: tied by the wrapper's flag, or (untied) with a head of its own;
         # Ministral 3's releases: its text model under the same wrapper
         text.update(model_type="mistral", tie_word_embeddings=False)
-        if kind == "mistral3-ministral3":
-            text.update({k: v for k, v in FAMILIES["ministral3"].items()
+        if kind in ("mistral3-ministral3", "mistral3-mistral4"):  # (Mistral 4: latent)
+            text.update({k: v for k, v in FAMILIES[kind.split("-")[1]].items()
                          if k != "initializer_range"})
         vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
                       num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
@@ -474,7 +511,7 @@ def vision_language_checkpoint(kind: str, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "mistral3", "mistral3-untied", "mistral3-ministral3",
-                                  "llava",
+                                  "mistral3-mistral4", "llava",
                                   "qwen2_5_vl", "qwen3_vl", "exaone4_5"])
 def test_a_vision_language_checkpoint_serves_its_language_model(kind, tmp_path):
     """Gemma 3 4B+, Mistral Small 3.1, Ministral 3 and Qwen's VL models ship as

@@ -167,7 +167,8 @@ def test_a_wrappers_sizes_are_its_language_models(tmp_path):
     """A vision-language wrapper with no native module (Gemma 4's, its vision and audio towers
     left out here) is served by the fallback with its text config's sizes; a causal LM that
     transformers' auto mapping lacks (Mistral 4 in 5.25: latent attention, grouped experts)
-    is registered from the config's `architectures`."""
+    is registered from the config's `architectures` (with --model-impl transformers; auto
+    serves it natively)."""
     from transformers import AutoConfig
 
     text = dict(TINY, model_type="gemma4_text", head_dim=16, global_head_dim=16,
@@ -191,9 +192,10 @@ def test_a_wrappers_sizes_are_its_language_models(tmp_path):
         topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
         v_head_dim=16)).eval()
     hf.save_pretrained(tmp_path / "mistral4")
-    outs, cfg = paged(tmp_path / "mistral4", "auto")
-    assert cfg.impl == "transformers"
-    assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
+    for impl in ("transformers", "auto"):  # (auto: the native module, families.Latent)
+        outs, cfg = paged(tmp_path / "mistral4", impl)
+        assert cfg.impl == ("native" if impl == "auto" else impl)
+        assert_paged_equals_hf(hf, outs, SEQS, CHUNKS)
 
 
 def test_chunked_attention_is_served_within_one_chunk(tmp_path):
