@@ -115,7 +115,7 @@
 #   moelatenv Qwen3-30B-A3B single stream once per MOELAT_ENVS entry, each a comma-separated
 #             list of VAR=value (default: PAGEDSERVE_MOE_DECODE_TOKENS=0 and =4)
 #   moew1     W1 on qwen3-30b-a3b and mixtral-8x7b (MOE_MODELS: MQ30 MMIX; MOSS is
-#             gpt-oss-20b) beside HF generate
+#             gpt-oss-20b, MDSV2 DeepSeek-V2-Lite: latent attention) beside HF generate
 #             bs256, serve's default step bounds
 #   moew2     W2 on both at the default flags, no peer (HF generate's W2 batch runs 1,024
 #             steps: minutes)
@@ -192,6 +192,7 @@ MQ8=(--model benchmarks/models/qwen3-8b --load-format random "${TOK[@]}")
 MQ30=(--model benchmarks/models/qwen3-30b-a3b --load-format random "${TOK[@]}")
 MMIX=(--model benchmarks/models/mixtral-8x7b --load-format random "${TOK[@]}")
 MOSS=(--model benchmarks/models/gpt-oss-20b --load-format random "${TOK[@]}")
+MDSV2=(--model benchmarks/models/deepseek-v2-lite --load-format random "${TOK[@]}")
 TP2=(--server-flag=--tensor-parallel-size --server-flag=2)
 FAST=(--hf none --max-num-batched-tokens 8192 --server-flag=--stream-interval --server-flag=8)
 BOUNDS=(--max-num-seqs 0 --max-num-batched-tokens 0)  # 0: serve's own step bounds (by device)

@@ -280,6 +280,13 @@ def weight_params(cfg) -> Params:
     (the embedding lookup reads a row a token: not counted)."""
     h, d = cfg.hidden_size, cfg.head_dim
     attn = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
+    lat = getattr(cfg, "latent", None)
+    if lat is not None:  # q (through its low rank or not), kv_a, kv_b (W_UK, W_UV), o
+        heads, qk = cfg.num_heads, lat.nope + lat.rope
+        q = (h * lat.q_lora_rank + lat.q_lora_rank * heads * qk if lat.q_lora_rank
+             else h * heads * qk)
+        attn = q + h * (lat.kv_lora_rank + lat.rope) \
+            + lat.kv_lora_rank * heads * (lat.nope + lat.v) + heads * lat.v * h
     head = cfg.vocab_size * cfg.hidden_size
     moe = cfg.moe
     if moe is None:
@@ -323,6 +330,9 @@ def roofline_seconds(cfg, prompt_lens: list[int], outputs: list[int], tbps: floa
     params = weight_params(cfg)
     kv_tok = cfg.kv_bytes_per_token(kv_bytes)
     attn = 4 * layers * cfg.num_heads * d  # FLOPs per (query, key) pair: QK^T and PV
+    lat = getattr(cfg, "latent", None)
+    if lat is not None:  # per head, keys of nope + rope and values of v (expanded: the fewer)
+        attn = 2 * layers * cfg.num_heads * (lat.nope + lat.rope + lat.v)
     bw, rate = tbps * 1e12, tflops * 1e12
     p = np.asarray(prompt_lens, np.float64)
     o = np.asarray(outputs)

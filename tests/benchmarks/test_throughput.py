@@ -91,6 +91,22 @@ def test_an_moe_bound_reads_the_experts_a_step_touches() -> None:
     assert params.active() / 1e9 == pytest.approx(3.3 - 0.3, abs=0.1)  # less the embedding
 
 
+def test_a_latent_attention_bound_counts_its_projections_and_its_cache() -> None:
+    from pagedserve.executor.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained("benchmarks/models/deepseek-v2-lite")
+    params = throughput.weight_params(cfg)
+    # DeepSeek's figures for V2-Lite: 15.7B in all, 2.4B active (here less the embedding)
+    assert params.loaded(False) / 1e9 == pytest.approx(15.7, abs=0.05)
+    assert params.active() / 1e9 == pytest.approx(2.45, abs=0.01)
+    assert cfg.kv_bytes_per_token(2) == 27 * 576 * 2  # the latent and its rope part, once
+    # a decode step's KV read is the latent's: one sequence at context 1,000 and its weights
+    one = throughput.roofline_seconds(cfg, [999], [2], 1.0, 1e9)
+    two = throughput.roofline_seconds(cfg, [999], [3], 1.0, 1e9)
+    assert (two - one) * 1e12 == pytest.approx(
+        2 * params.read(1) + 1001 * 27 * 576 * 2, rel=1e-6)
+
+
 def test_the_hf_peer_halves_its_batch_until_it_fits(monkeypatch) -> None:
     tried = []
 
