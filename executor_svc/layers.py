@@ -355,22 +355,25 @@ class LatentAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ops: Ops,
                  quant: QuantConfig | None = None) -> None:
         super().__init__()
-        if quant is not None:
-            raise QuantizationError(f"{cfg.model_type}: quantized weights of latent attention "
-                                    f"are not supported")
+        if quant is not None and (quant.method != "fp8" or quant.fp8_serialized):
+            raise QuantizationError(f"{cfg.model_type}: latent attention takes float weights, "
+                                    f"or FP8 quantized at load (--quantization fp8); "
+                                    f"{quant.describe()} is not supported")
         lat, hidden, h = cfg.latent, cfg.hidden_size, cfg.num_heads
         self.lat, self.h = lat, h
         bias = cfg.attention_bias
+        # FP8 at load (quantization.fp8.LINEARS): q_proj and o_proj; the low-rank
+        # projections and kv_b_proj (W_UK, W_UV: absorbed) stay float
         if lat.q_lora_rank:
             self.q_a_proj = Linear(hidden, lat.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(lat.q_lora_rank, cfg.rms_norm_eps, ops)
             self.q_b_proj = Linear(lat.q_lora_rank, h * (lat.nope + lat.rope), bias=False)
         else:
-            self.q_proj = Linear(hidden, h * (lat.nope + lat.rope), bias=False)
+            self.q_proj = make_linear(hidden, h * (lat.nope + lat.rope), False, quant, ops)
         self.kv_a_proj_with_mqa = Linear(hidden, lat.kv_lora_rank + lat.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(lat.kv_lora_rank, cfg.rms_norm_eps, ops)
         self.kv_b_proj = Linear(lat.kv_lora_rank, h * (lat.nope + lat.v), bias=False)
-        self.o_proj = Linear(h * lat.v, hidden, bias=bias)
+        self.o_proj = make_linear(h * lat.v, hidden, bias, quant, ops)
         self.scale = cfg.attn_scale
         self.ops, self.cfg = ops, cfg
         self.k_scale, self.v_scale = 1.0, 1.0  # (an FP8 cache: the one tensor's scale)

@@ -454,8 +454,9 @@ def _latent_rope_permuted(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> 
     permutation of both, and the rotation is then the one every family runs."""
     lat = cfg.latent
     order = torch.cat([torch.arange(0, lat.rope, 2), torch.arange(1, lat.rope, 2)])
-    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
-        heads = tensor.view(-1, lat.nope + lat.rope, tensor.shape[-1])
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight",
+                      "self_attn.q_proj.weight_scale")):  # (FP8 at load: a scale a row)
+        heads = tensor.reshape(-1, lat.nope + lat.rope, *tensor.shape[1:])
         rope = heads[:, lat.nope:][:, order]
         return torch.cat([heads[:, :lat.nope], rope], dim=1).reshape(tensor.shape)
     if name.endswith(("self_attn.kv_a_proj_with_mqa.weight",

@@ -149,6 +149,26 @@ def test_quantized_at_load_matches_hf_running_the_fp8_math(tmp_path):
     assert 1e-3 < (logits - fp).abs().max() < 0.1  # quantized: near the float model, not it
 
 
+def test_latent_attention_quantized_at_load(tmp_path):
+    """Youtu's latent attention (q straight from the hidden state) with --quantization fp8:
+    q_proj, o_proj and the MLP in FP8, the latent's projections float, as HF running that
+    math; a 4-bit or FP8 checkpoint's latent attention is refused."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "youtu", **{**TINY, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, tie_word_embeddings=False),
+        dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    model, logits = ours(tmp_path, "fp8")
+    attn = model.layers[0].self_attn
+    assert (attn.q_proj.weight.dtype, attn.o_proj.weight.dtype,
+            attn.kv_b_proj.weight.dtype) == (FP8, FP8, torch.float32)
+    torch.testing.assert_close(logits, hf_fp8_logits(hf), rtol=1e-4, atol=1e-4)
+    write_fp8(hf, tmp_path, {"quant_method": "fp8", "activation_scheme": "dynamic"})
+    with pytest.raises(QuantizationError, match="latent attention takes float weights"):
+        ours(tmp_path)
+
+
 def test_fused_projections_quantized_at_load(tmp_path):
     """Phi-3's fused qkv_proj and gate_up_proj (with partial rotary embeddings, as
     Phi-4-mini's) quantized per output channel as the parts they are split into: HF running
