@@ -450,3 +450,10 @@ def test_mlp_adapters_of_an_ungated_mlp_are_refused(tmp_path):
                                         "ungated"):
         load_adapter("a", path, cfg, 8)
     load_adapter("b", write_adapter(tmp_path / "b", same, 1, 4, ["o_proj"], 8), cfg, 8)
+
+
+def test_lora_on_latent_attention_is_refused_at_start():
+    from pagedserve.executor.lora_host import check_model
+
+    with pytest.raises(LoraError, match="deepseek_v2: LoRA on latent attention"):
+        check_model(ModelConfig.from_pretrained("benchmarks/models/deepseek-v2-lite"))
