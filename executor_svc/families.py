@@ -74,6 +74,8 @@ maps each checkpoint's tensor names onto the decoder's (model.load_weights).
     mistral4      pre-norm              as deepseek_v3                 softmax top k in groups
                                                                        of the best two, scaled
     youtu         pre-norm              as deepseek_v3                 SwiGLU
+    minicpm3      pre-norm, sublayers   as deepseek_v3 (rope in        SwiGLU; embeddings and
+                  scaled                halves)                        logits scaled
 
 A vision-language checkpoint whose language model is one of these (Gemma 3 4B and up, Mistral
 Small 3.1, Ministral 3, LLaVA, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, EXAONE 4.5) is served text-only:
@@ -96,7 +98,7 @@ SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "g
              "gpt_oss", "minimax_m2", "flex_olmo", "exaone_moe", "granitemoe",
              "granitemoeshared", "granite_swa", "granitemoe_swa", "hunyuan_v1_dense",
              "hunyuan_v1_moe", "hy_v3", "solar_open", "afmoe", "deepseek_v2", "deepseek_v3",
-             "glm4_moe_lite", "mistral4", "sarvam_mla", "youtu", "qwen2_vl_text",
+             "glm4_moe_lite", "mistral4", "sarvam_mla", "youtu", "minicpm3", "qwen2_vl_text",
              "qwen2_5_vl_text", "qwen3_vl_text")
 # another family's decoder under its own model_type (a difference of RoPE layout or windows
 # is a switch: rotary_interleaved, layer_windows)
@@ -122,6 +124,7 @@ ALIASES = {"ministral": "mistral", "ministral3": "mistral",  # Ministral 8B (241
            # layers by mlp_layer_types), Mistral 4 (a softmax router), Youtu (dense)
            "sarvam_mla": "deepseek_v3", "glm4_moe_lite": "deepseek_v3",
            "mistral4": "deepseek_v3", "youtu": "deepseek_v3",
+           "minicpm3": "deepseek_v3",  # with Granite-like scales, RoPE in halves
            # Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's language models: on text alone their
            # multimodal RoPE turns every section by the same position, as plain RoPE does
            "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
@@ -139,7 +142,8 @@ _INTERLEAVED = ("glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "
 
 
 # multi-head latent attention (families.Latent: DeepSeek V3's attention under each name)
-_LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "sarvam_mla", "youtu")
+_LATENT = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "sarvam_mla", "youtu",
+           "minicpm3")
 
 
 # vision-language wrappers (HF model_type) of a supported language model
@@ -238,7 +242,8 @@ def _latent(c: Any) -> Latent | None:
                                     f"({c.qk_rope_head_dim})")
     return Latent(int(c.q_lora_rank or 0), int(c.kv_lora_rank), int(c.qk_nope_head_dim),
                   int(c.qk_rope_head_dim), int(c.v_head_dim),
-                  c.model_type == "deepseek_v2" or bool(getattr(c, "rope_interleave", True)))
+                  c.model_type == "deepseek_v2"  # (its complex rotation; MiniCPM3's halves)
+                  or c.model_type != "minicpm3" and bool(getattr(c, "rope_interleave", True)))
 
 
 def latent_scale(c: Any, latent: Latent) -> float:
@@ -277,6 +282,7 @@ def family_fields(c: Any) -> dict[str, Any]:
         raise UnsupportedModelError(f"{c.model_type}: clipped q, k and v (clip_qkv) are not "
                                     "supported")
     gemma, granite = mt in ("gemma", "gemma2", "gemma3_text"), mt == "granite"
+    minicpm = c.model_type == "minicpm3"  # embeddings, sublayers and logits scaled (muP)
     cohere = mt in ("cohere", "cohere2")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     rotary_dim = int(head_dim * factor)  # as HF's rope_init_fn sizes it
@@ -313,14 +319,16 @@ def family_fields(c: Any) -> dict[str, Any]:
         "mlp_gated": c.model_type not in _UNGATED,
         "mlp_bias": bool(getattr(c, "mlp_bias", False)),
         "embed_scale": c.hidden_size**0.5 if gemma or getattr(c, "mup_enabled", False)
-        else float(c.embedding_multiplier) if granite else 1.0,
-        "embed_scale_in_dtype": gemma,
+        else float(c.embedding_multiplier) if granite
+        else float(c.scale_emb) if minicpm else 1.0,
+        "embed_scale_in_dtype": gemma or minicpm,
         "attn_scale": float(c.attention_multiplier) if granite
         else latent_scale(c, latent) if latent
         else (getattr(c, "query_pre_attn_scalar", None) or head_dim) ** -0.5,
-        "residual_scale": float(c.residual_multiplier) if granite else 1.0,
+        "residual_scale": float(c.residual_multiplier) if granite
+        else float(c.scale_depth) / c.num_hidden_layers**0.5 if minicpm else 1.0,
         "logit_scale": float(c.logits_scaling) if c.model_type == "hyperclovax"  # times it
-        else 1.0 / float(c.logits_scaling) if granite
+        else 1.0 / float(c.logits_scaling) if granite or minicpm
         else float(c.logit_scale) if cohere else 1.0,
         "attn_softcap": float(getattr(c, "attn_logit_softcapping", None) or 0.0),
         "final_softcap": float(getattr(c, "final_logit_softcapping", None) or 0.0),
@@ -429,7 +437,7 @@ def _moe(c: Any) -> Moe | None:
                    tuple((i + 1) % every == 0 and start <= i <= end
                          for i in range(c.num_hidden_layers)),
                    shared_gated=False, scoring="softmax_bias", norm_min=float(c.moe_norm_min))
-    if c.model_type == "youtu":
+    if c.model_type in ("youtu", "minicpm3"):
         return None
     if c.model_type == "glm4_moe_lite":  # dense layers by mlp_layer_types
         return _deepseek_v3_moe(c, c.n_routed_experts, c.n_shared_experts,

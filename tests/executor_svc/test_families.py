@@ -251,6 +251,16 @@ FAMILIES = {
     "youtu": dict(model_type="youtu", q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
                   qk_rope_head_dim=8, v_head_dim=8, initializer_range=0.1,
                   num_key_value_heads=4),
+    # latent attention with RoPE in halves and LongRoPE, muP's scales: embeddings times
+    # scale_emb, each sublayer times scale_depth / sqrt(layers), logits times base / hidden
+    "minicpm3": dict(model_type="minicpm3", q_lora_rank=16, kv_lora_rank=16,
+                     qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, scale_emb=3.0,
+                     scale_depth=1.4, dim_model_base=16, initializer_range=0.1,
+                     num_key_value_heads=4, rope_parameters={
+                         "rope_type": "longrope", "rope_theta": 10000.0,
+                         "original_max_position_embeddings": 64,  # (past the sequences)
+                         "long_factor": [1.0, 1.5, 2.0, 3.0],
+                         "short_factor": [1.0, 1.1, 1.2, 1.3]}),
     # Llama with MLP biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, attention_bias=True),
     # Hunyuan dense's attention; top-k experts routed in float32 beside an always-on MLP
