@@ -222,7 +222,8 @@ class Latent:
     head i's key is [W_UK[i] latent, rope part], its value W_UV[i] latent (kv_b_proj holds
     W_UK and W_UV). The cache holds the latent and the rotated rope part: one KV head of
     kv_lora_rank + rope (576 for DeepSeek V3: 1,152 bytes a token a layer in bf16, where
-    expanded keys and values take 128 x 320 x 2). Attention runs absorbed, as vLLM's MLA
+    its 128 heads' expanded keys and values take 128 x (192 + 128) x 2 bytes, 71x more).
+    Attention runs absorbed, as vLLM's MLA
     does: q_nope @ W_UK against the latent (one KV head for all heads, the latent its own
     value), the output through W_UV."""
 
