@@ -102,9 +102,7 @@ class ModelConfig:
         "transformers" (HF's modeling code, hf_fallback.py), "auto" (native where one is and
         takes the config's switches: Phi-4-mini's partial rotary embeddings go to the
         fallback)."""
-        from transformers import AutoConfig
-
-        c = AutoConfig.from_pretrained(path)
+        c = hf_config(path)
         if impl not in ("auto", "native", "transformers"):
             raise ValueError(f"model impl must be auto, native or transformers, got {impl!r}")
         text, wrapper = text_config_of(c)
@@ -237,6 +235,41 @@ class ModelConfig:
         parts = 1 if self.latent is not None else 2  # a latent is its own value
         return parts * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
+
+
+def hf_config(path: str | Path) -> Any:
+    """The checkpoint's transformers config. Remote code never runs (a checkpoint's own
+    Python is not loaded): a config.json whose model_type transformers lacks but whose
+    `architectures` names a causal LM transformers has (Kimi K2's kimi_k2 names
+    DeepseekV3ForCausalLM, as vLLM reads it) is read as that class's config."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except ValueError:
+        c = _config_of_architecture(Path(path))
+        if c is None:
+            raise
+        return c
+
+
+def _config_of_architecture(path: Path) -> Any:
+    import json
+
+    import transformers
+
+    try:
+        d = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for name in d.get("architectures") or ():
+        config_class = getattr(getattr(transformers, name, None), "config_class", None)
+        if name.endswith("ForCausalLM") and config_class is not None:
+            log.warning("%s: model_type %r is not in transformers; read as %s's config (%s)",
+                        path, d.get("model_type"), name, config_class.model_type)
+            fields = {k: v for k, v in d.items() if k not in ("model_type", "auto_map")}
+            return config_class.from_dict(fields)
+    return None
 
 
 def _register_causal_lm(c: Any) -> bool:

@@ -562,3 +562,27 @@ def test_multi_token_prediction_layers_are_skipped_as_hf_skips_them(family, extr
               metadata={"format": "pt"})
     with pytest.raises(KeyError, match="unexpected weight layers.0.stray.weight"):
         build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, tmp_path)
+
+
+def test_a_config_of_a_model_type_transformers_lacks_is_read_by_its_architecture(tmp_path):
+    """Kimi K2's config.json says model_type kimi_k2 (remote code, never run here) and names
+    DeepseekV3ForCausalLM: it is read as DeepSeek V3's config and served natively."""
+    import json
+
+    hf, _, _ = hf_and_ours_of(FAMILIES["deepseek_v3"], tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    d.update(model_type="kimi_k2", auto_map={
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert (cfg.model_type, cfg.impl, cfg.latent.kv_lora_rank) == ("deepseek_v3", "native", 16)
+    ours = build_model(cfg, get_ops("torch"), torch.float32, torch.device("cpu"), 512, tmp_path)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 13)]
+    chunks = [(7, 5), (12, 7), (1, 1)]
+    assert_paged_equals_hf(hf, run_paged(ours, cfg, seqs, chunks), seqs, chunks)
+    d.update(architectures=["KimiK2ForCausalLM"])  # nothing transformers has: refused
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        ModelConfig.from_pretrained(tmp_path)
