@@ -259,6 +259,7 @@ FAMILIES = {
                      num_key_value_heads=4, rope_parameters={
                          "rope_type": "longrope", "rope_theta": 10000.0,
                          "original_max_position_embeddings": 64,  # (past the sequences)
+                         "factor": 4.0,  # (transformers 5.17's MiniCPM3 reads it always)
                          "long_factor": [1.0, 1.5, 2.0, 3.0],
                          "short_factor": [1.0, 1.1, 1.2, 1.3]}),
     # Llama with MLP biases

@@ -13,7 +13,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.loader import build_model
 from pagedserve.kernels import get_ops
-from tests.executor_svc.test_families import FAMILIES, as_hf_computes
+from tests.executor_svc.test_families import FAMILIES, as_hf_computes, causal_lm_registered
 from tests.executor_svc.test_model import run_paged
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -39,6 +39,7 @@ def family_config(name: str) -> dict:
     """FAMILIES[name] at SHAPE's sizes (skipped where the device's transformers lacks it)."""
     if FAMILIES[name]["model_type"] not in CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} lacks {FAMILIES[name]['model_type']}")
+    causal_lm_registered(FAMILIES[name]["model_type"])  # (Mistral 4: not in the auto mapping)
     d = {**FAMILIES[name], **SHAPE}
     if name in HEAD_DIMS:
         d["head_dim"] = HEAD_DIMS[name]
@@ -76,6 +77,15 @@ def family_config(name: str) -> dict:
         d.pop("initializer_range")
         if d.get("q_lora_rank"):
             d["q_lora_rank"] = 384
+        rope = dict(d.get("rope_parameters") or {})
+        if "partial_rotary_factor" in rope:  # (Mistral 4's: the rope part of its heads)
+            rope["partial_rotary_factor"] = 64 / (128 + 64)
+        if "long_factor" in rope:  # (MiniCPM3's LongRoPE: a factor a rotated pair)
+            rope.update(long_factor=[1.0 + i / 40 for i in range(32)],
+                        short_factor=[1.0 + i / 80 for i in range(32)],
+                        original_max_position_embeddings=1024)  # (past the sequences)
+        if rope:
+            d["rope_parameters"] = rope
     for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
         if key in d:
             d[key] = 512
