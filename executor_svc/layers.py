@@ -341,6 +341,9 @@ class Attention(nn.Module):
         return tp.all_reduce(self.o_proj(o), self.cfg)
 
 
+LATENT_GROUP = 16  # query heads a paged-attention program reads the latent for
+
+
 class LatentAttention(nn.Module):
     """Multi-head latent attention (families.Latent), absorbed: the cache's one KV head is
     [latent, rotated rope part] of kv_lora_rank + rope, both key and value (the paged
@@ -375,6 +378,10 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = Linear(lat.kv_lora_rank, h * (lat.nope + lat.v), bias=False)
         self.o_proj = make_linear(h * lat.v, hidden, bias, quant, ops)
         self.scale = cfg.attn_scale
+        # the query heads of the one KV head, in runs of at most LATENT_GROUP: the cache is
+        # read as `splits` KV heads that alias it (a stride-0 view), so that the kernels
+        # keep 16-row tiles at 576 lanes (the shape checked on a GPU) whatever the heads
+        self.splits = next(s for s in range(1, h + 1) if h % s == 0 and h // s <= LATENT_GROUP)
         self.ops, self.cfg = ops, cfg
         self.k_scale, self.v_scale = 1.0, 1.0  # (an FP8 cache: the one tensor's scale)
         self.kv_scales_loaded = False
@@ -400,8 +407,9 @@ class LatentAttention(nn.Module):
         cache = kv_cache[0]
         self.ops.write_kv_cache(k, k, cache, kv_cache[1], meta.slot_mapping, self.k_scale,
                                 self.k_scale)
+        read = cache if self.splits == 1 else cache.expand(-1, -1, self.splits, -1)
         o = self.ops.paged_attention(
-            q, cache, kv_cache[1], meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+            q, read, read, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
             self.scale, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
             k_scale=self.k_scale, v_scale=self.k_scale)
         o = torch.bmm(o[..., :lat.kv_lora_rank].transpose(0, 1),

@@ -213,6 +213,13 @@ FAMILIES = {
                                topk_group=1, moe_intermediate_size=32, rope_interleave=False,
                                first_k_dense_replace=0, attention_bias=True,
                                initializer_range=0.1, num_key_value_heads=4),
+    # 32 query heads on the one latent: read as two KV heads aliasing it (LATENT_GROUP)
+    "deepseek_v3-32-heads": dict(model_type="deepseek_v3", q_lora_rank=None, kv_lora_rank=16,
+                                 qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                                 n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                 topk_group=1, moe_intermediate_size=32,
+                                 num_attention_heads=32, num_key_value_heads=32,
+                                 initializer_range=0.1),
     # DeepSeek V2's latent attention (its rotation in interleaved pairs; YaRN's mscales as
     # V2-Lite's), a dense first layer, softmax top k within the best group, scaled
     "deepseek_v2": dict(model_type="deepseek_v2", q_lora_rank=None, kv_lora_rank=16,
@@ -587,3 +594,16 @@ def test_a_config_of_a_model_type_transformers_lacks_is_read_by_its_architecture
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(ValueError, match="trust_remote_code"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_many_query_heads_read_the_latent_in_runs_of_sixteen():
+    from pagedserve.executor.layers import LATENT_GROUP, LatentAttention
+
+    for heads, splits in ((4, 1), (16, 1), (32, 2), (40, 4), (128, 8)):
+        d = {k: v for k, v in FAMILIES["deepseek_v3-32-heads"].items() if k != "model_type"}
+        cfg = ModelConfig.from_dict({**TINY, **d, "model_type": "deepseek_v3",
+                                     "num_attention_heads": heads,
+                                     "num_key_value_heads": heads})
+        with torch.device("meta"):
+            attn = LatentAttention(cfg, 0, get_ops("torch"))
+        assert attn.splits == splits and heads // splits <= LATENT_GROUP

@@ -71,6 +71,8 @@ def family_config(name: str) -> dict:
     if d["model_type"] in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4",
                            "sarvam_mla", "youtu", "minicpm3"):  # DeepSeek's latent sizes:
         # the cache's head 576
+        if name == "deepseek_v3-32-heads":  # (read as two KV heads aliasing the latent)
+            d["num_attention_heads"] = 32
         d.update(num_key_value_heads=d["num_attention_heads"], kv_lora_rank=512,
                  qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
         d.pop("initializer_range")

@@ -341,6 +341,13 @@ def test_latent_attention_one_wide_head_read_as_key_and_value(device, num_splits
                              seed=576)
     batch = replace(batch, v_cache=batch.k_cache)
     _check(batch, 192**-0.5, TOL, num_splits=num_splits)
+    # 40 query heads read it as 4 KV heads aliasing the one (a stride-0 view, as
+    # layers.LatentAttention reads it past 16 heads): the reference's 40-head group
+    wide = make_paged_batch([1, 9, 1], [30, 25, 50], 40, 1, 576, 16, DTYPE, device, seed=40)
+    wide = replace(wide, v_cache=wide.k_cache)
+    split = replace(wide, k_cache=wide.k_cache.expand(-1, -1, 4, -1),
+                    v_cache=wide.k_cache.expand(-1, -1, 4, -1))
+    _check(split, 192**-0.5, TOL, ref_batch=wide, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
