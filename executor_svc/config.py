@@ -236,7 +236,6 @@ class ModelConfig:
         return parts * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-
 def hf_config(path: str | Path) -> Any:
     """The checkpoint's transformers config. Remote code never runs (a checkpoint's own
     Python is not loaded): a config.json whose model_type transformers lacks but whose

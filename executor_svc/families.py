@@ -438,8 +438,6 @@ def _moe(c: Any) -> Moe | None:
                    tuple((i + 1) % every == 0 and start <= i <= end
                          for i in range(c.num_hidden_layers)),
                    shared_gated=False, scoring="softmax_bias", norm_min=float(c.moe_norm_min))
-    if c.model_type in ("youtu", "minicpm3"):
-        return None
     if c.model_type == "glm4_moe_lite":  # dense layers by mlp_layer_types
         return _deepseek_v3_moe(c, c.n_routed_experts, c.n_shared_experts,
                                 tuple(t == "sparse" for t in c.mlp_layer_types))

@@ -28,6 +28,7 @@ from torch import nn
 
 from pagedserve.executor import tp_layers as tp
 from pagedserve.executor.config import ModelConfig
+from pagedserve.executor.families import Moe
 from pagedserve.executor.layers import MLP, Linear, Ops
 from pagedserve.executor.quantization import QuantConfig
 from pagedserve.kernels.fp8_reference import FP8, quantize_weight
@@ -65,8 +66,7 @@ class SparseMoe(nn.Module):
                 self.shared_expert_gate = Linear(h, 1, bias=False)
         if moe.router_float32:  # Hunyuan's: weight and logits in float32, whatever the model's
             self.gate.fixed_dtypes = ("weight",)
-        if moe.scoring not in ("softmax", "sparsemixer", "softmax_groups",
-                               "softmax_groups_top2"):  # biased, in float32 as HF keeps it
+        if moe.scoring in ("sigmoid", "softmax_bias"):  # biased, in float32 as HF keeps it
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(e),
                                                              requires_grad=False)
             self.gate.fixed_dtypes = ("weight", "e_score_correction_bias")
@@ -84,12 +84,7 @@ class SparseMoe(nn.Module):
         scores = logits.sigmoid() if moe.scoring == "sigmoid" else logits.softmax(-1)
         choice = scores + gate.e_score_correction_bias.float()
         if moe.n_group > 1:
-            grouped = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group)
-            best = grouped.topk(2, dim=-1)[0].sum(-1)  # [T, groups]
-            keep = torch.zeros_like(best).scatter_(
-                1, best.topk(moe.topk_group, dim=-1, sorted=False)[1], 1.0)
-            choice = choice.masked_fill(
-                keep[:, :, None].expand_as(grouped).reshape_as(choice) == 0, float("-inf"))
+            choice = choice.masked_fill(_outside_groups(choice, moe, True), float("-inf"))
         ids = choice.topk(moe.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
         if moe.renormalize:
@@ -107,13 +102,8 @@ class SparseMoe(nn.Module):
         moe = self.moe
         scores = torch.nn.functional.linear(x.float(), self.gate.weight.float()).softmax(-1)
         if moe.n_group > 1:
-            grouped = scores.view(-1, moe.n_group, moe.num_experts // moe.n_group)
-            rank = (grouped.topk(2, dim=-1)[0].sum(-1) if moe.scoring == "softmax_groups_top2"
-                    else grouped.amax(-1))
-            keep = torch.zeros(grouped.shape[:2], device=x.device).scatter_(
-                1, rank.topk(moe.topk_group, dim=-1, sorted=False)[1], 1.0)
             scores = scores.masked_fill(
-                keep[:, :, None].expand_as(grouped).reshape_as(scores) == 0, 0.0)
+                _outside_groups(scores, moe, moe.scoring == "softmax_groups_top2"), 0.0)
         weights, ids = scores.topk(moe.top_k, dim=-1, sorted=False)
         if moe.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -172,6 +162,17 @@ class SparseMoe(nn.Module):
             y = y + (shared if self.shared_expert_gate is None
                      else torch.sigmoid(self.shared_expert_gate(x)) * shared)
         return tp.all_reduce(y, self.cfg)
+
+
+def _outside_groups(scores: torch.Tensor, moe: Moe, best_two: bool) -> torch.Tensor:
+    """[T, E] bool: the experts outside the topk_group of n_group groups that rank highest by
+    their best two scores' sum (DeepSeek V3's, Mistral 4's) or their best one (DeepSeek
+    V2's group_limited_greedy)."""
+    grouped = scores.view(-1, moe.n_group, moe.num_experts // moe.n_group)
+    rank = grouped.topk(2, dim=-1)[0].sum(-1) if best_two else grouped.amax(-1)  # [T, groups]
+    keep = torch.zeros_like(rank).scatter_(
+        1, rank.topk(moe.topk_group, dim=-1, sorted=False)[1], 1.0)
+    return (keep[:, :, None].expand_as(grouped) == 0).reshape_as(scores)
 
 
 def sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
