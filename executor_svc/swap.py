@@ -23,7 +23,7 @@ class SwapSpace:
         self.host = [
             tuple(torch.empty((num_blocks, *_raw(t).shape[1:]), dtype=torch.uint8,
                               pin_memory=pin)
-                  for t in _distinct(layer))
+                  for t in distinct_caches(layer))
             for layer in like
         ] if num_blocks > 0 else []
         if not pin:
@@ -39,7 +39,7 @@ class SwapSpace:
         src_t = torch.tensor(src, device=device_kv[0][0].device)
         dst_t = torch.tensor(dst)
         for dev_layer, host_layer in zip(device_kv, self.host, strict=True):
-            for dev, host in zip(_distinct(dev_layer), host_layer, strict=True):
+            for dev, host in zip(distinct_caches(dev_layer), host_layer, strict=True):
                 host.index_copy_(0, dst_t, _raw(dev).index_select(0, src_t).cpu())
 
     def swap_in(self, device_kv: list[tuple[torch.Tensor, torch.Tensor]], src: list[int],
@@ -51,12 +51,12 @@ class SwapSpace:
         src_t = torch.tensor(src)
         dst_t = torch.tensor(dst, device=device)
         for dev_layer, host_layer in zip(device_kv, self.host, strict=True):
-            for dev, host in zip(_distinct(dev_layer), host_layer, strict=True):
+            for dev, host in zip(distinct_caches(dev_layer), host_layer, strict=True):
                 _raw(dev).index_copy_(0, dst_t, host.index_select(0, src_t).to(
                     device, non_blocking=True))
 
 
-def _distinct(layer: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def distinct_caches(layer: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """A layer's caches, each tensor once (latent attention's K is its V: one tensor)."""
     return tuple(t for i, t in enumerate(layer) if all(t is not u for u in layer[:i]))
 

@@ -32,7 +32,7 @@ from pagedserve.executor.penalties import TokenCounts
 from pagedserve.executor.quantization import resolve_quantization
 from pagedserve.executor.runner import ModelRunner
 from pagedserve.executor.sampler import MAX_TOP_LOGPROBS, Sampler, SamplingBatch, SamplingSpec
-from pagedserve.executor.swap import SwapSpace
+from pagedserve.executor.swap import SwapSpace, distinct_caches
 from pagedserve.protos.internal.v1 import executor_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
         k = torch.empty(shape, dtype=dtype, device=device)
         kv.append((k, k if shared else torch.empty(shape, dtype=dtype, device=device)))
     if device.type == "cpu":
-        commit({id(t): t for layer in kv for t in layer}.values())
+        commit(t for layer in kv for t in distinct_caches(layer))
     return kv
 
 
