@@ -112,6 +112,37 @@ def test_greedy_tokens_match_hf_reading_kv_through_fp8(tmp_path, scales):
     assert want != plain
 
 
+def test_latent_cache_in_fp8_matches_hf_rounding_its_cached_latent(tmp_path):
+    """Latent attention (DeepSeek V3) over an FP8 cache: the one tensor of [latent, rotated
+    rope part] goes through e4m3 once, at the layer's k_scale; HF's equal is its cached latent
+    and rope part rounded alike before expand_kv makes keys and values of them."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.executor_svc.test_families import FAMILIES, hf_and_ours_of
+
+    hf, _, _ = hf_and_ours_of({**FAMILIES["deepseek_v3"], "initializer_range": 0.2}, tmp_path)
+    if not hasattr(hf.model.layers[0].self_attn, "expand_kv"):
+        pytest.skip("this transformers' DeepseekV3Attention caches expanded keys and values")
+    f = tmp_path / "model.safetensors"
+    save_file({**load_file(f), "model.layers.0.self_attn.k_scale": torch.tensor(0.02)}, f,
+              metadata={"format": "pt"})
+    worker = fp8_worker(tmp_path)
+    (k, v), attn = worker.runner.kv_caches[0], worker.runner.model.layers[0].self_attn
+    assert k.dtype == FP8 and k.data_ptr() == v.data_ptr()
+    assert attn.k_scale == pytest.approx(0.02)
+    got, _ = script(worker.runner)
+    prompts = _script_prompts()
+    lengths = [len(got[r]) for r in (1, 2, 3)]
+    plain = hf_greedy(hf, prompts, lengths)
+    for i, layer in enumerate(hf.model.layers):
+        expand, s = layer.self_attn.expand_kv, 0.02 if i == 0 else 1.0
+        layer.self_attn.expand_kv = (lambda kv, rot, expand=expand, s=s: expand(
+            fp8_round_trip(kv, s), fp8_round_trip(rot, s)))
+    want = hf_greedy(hf, prompts, lengths)
+    assert [got[r] for r in (1, 2, 3)] == want
+    assert want != plain  # the rounding shows in the tokens
+
+
 def test_bad_checkpoint_scale_is_refused_with_its_name(tmp_path):
     save_tiny(tmp_path, {"model.layers.1.self_attn.v_scale": 0.0})
     with pytest.raises(ValueError, match=r"layers.1.self_attn.v_scale: an FP8 KV scale must be "
