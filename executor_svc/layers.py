@@ -87,6 +87,21 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [B+1] int32
     max_query_len: int
     max_seq_len: int
+    # the same per sequence on the host (numpy or lists), where the runner has them: eager
+    # steps only; LatentAttention reads them (or copies them once from the device) to take
+    # prompt chunks through expanded keys and values
+    query_lens_host: Any = None
+    seq_lens_host: Any = None
+    latent_plan: Any = None  # LatentAttention's split of the step, made once for its layers
+
+    def host_lens(self) -> tuple[list[int], list[int]]:
+        """(query lengths, context lengths) per sequence as host ints; copied from the device
+        once a step where the runner gave none (tensor-parallel ranks)."""
+        if self.query_lens_host is None or self.seq_lens_host is None:
+            cu = self.cu_seqlens_q.tolist()
+            self.query_lens_host = [b - a for a, b in zip(cu, cu[1:], strict=False)]
+            self.seq_lens_host = self.seq_lens.tolist()
+        return [int(n) for n in self.query_lens_host], [int(n) for n in self.seq_lens_host]
 
 
 def _inv_freq(cfg: ModelConfig, params: dict, layer_type: str | None,
@@ -342,6 +357,9 @@ class Attention(nn.Module):
 
 
 LATENT_GROUP = 16  # query heads a paged-attention program reads the latent for
+# a sequence with at least this many query tokens in a step (a prompt or its chunk) attends
+# through keys and values expanded from its cached latents (LatentAttention._expanded); 0: never
+LATENT_EXPAND_ROWS = int(os.environ.get("PAGEDSERVE_LATENT_EXPAND_ROWS", "64"))
 
 
 class LatentAttention(nn.Module):
@@ -398,15 +416,36 @@ class LatentAttention(nn.Module):
         q_rope, k_rope = self.ops.rotary_embedding(
             positions, q[..., lat.nope:].contiguous(),
             kv[:, lat.kv_lora_rank:].reshape(t, 1, lat.rope).contiguous(), cos_sin)
-        w = self.kv_b_proj.weight.view(h, lat.nope + lat.v, lat.kv_lora_rank)
-        q_latent = torch.bmm(q[..., :lat.nope].transpose(0, 1), w[:, :lat.nope])  # [H, T, R]
-        q = torch.cat([q_latent.transpose(0, 1), q_rope.to(q_latent.dtype)], dim=-1)
         if self.q_position_scale is not None:  # Mistral 4's (Llama 4's), as Attention's
-            q = q * self.q_position_scale[positions].to(q.dtype)[:, None, None]
+            scale = self.q_position_scale[positions].to(q.dtype)[:, None, None]
+            q, q_rope = q * scale, q_rope * scale.to(q_rope.dtype)
         k = torch.cat([latent, k_rope.reshape(t, lat.rope).to(latent.dtype)], dim=-1)[:, None]
         cache = kv_cache[0]
         self.ops.write_kv_cache(k, k, cache, kv_cache[1], meta.slot_mapping, self.k_scale,
                                 self.k_scale)
+        q_nope, q_rope = q[..., :lat.nope], q_rope.to(q.dtype)
+        if meta.latent_plan is None:
+            meta.latent_plan = (self._expand_plan(meta, t, cache.shape[1]),)
+        plan = meta.latent_plan[0]
+        if plan is None:
+            o = self._absorbed(q_nope, q_rope, cache, meta)
+        else:
+            o = torch.empty(t, h, lat.v, dtype=q.dtype, device=q.device)
+            (e_rows, e_meta, blocks), rest = plan
+            o[e_rows] = self._expanded(q_nope[e_rows], q_rope[e_rows], cache, e_meta, blocks)
+            if rest is not None:
+                a_rows, a_meta = rest
+                o[a_rows] = self._absorbed(q_nope[a_rows], q_rope[a_rows], cache, a_meta)
+        return tp.all_reduce(self.o_proj(o.reshape(t, h * lat.v)), self.cfg)
+
+    def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """[T, H, v]: each head's [q_nope W_UK, q_rope] against the cached latents, the
+        output's first kv_lora_rank through W_UV."""
+        lat, h = self.lat, self.h
+        w = self.kv_b_proj.weight.view(h, lat.nope + lat.v, lat.kv_lora_rank)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :lat.nope])  # [H, T, R]
+        q = torch.cat([q_latent.transpose(0, 1), q_rope.to(q_latent.dtype)], dim=-1)
         read = cache if self.splits == 1 else cache.expand(-1, -1, self.splits, -1)
         o = self.ops.paged_attention(
             q, read, read, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
@@ -414,7 +453,100 @@ class LatentAttention(nn.Module):
             k_scale=self.k_scale, v_scale=self.k_scale)
         o = torch.bmm(o[..., :lat.kv_lora_rank].transpose(0, 1),
                       w[:, lat.nope:].transpose(1, 2))  # [H, T, v]
-        return tp.all_reduce(self.o_proj(o.transpose(0, 1).reshape(t, h * lat.v)), self.cfg)
+        return o.transpose(0, 1)
+
+    def expand_bytes(self, tokens: int, cache_dtype: torch.dtype) -> int:
+        """The most `_expanded` holds at once in a step of `tokens` tokens (the contexts it
+        expands add up to at most that many, its queries and outputs as many rows): the
+        gathered latents (and their dequantized copy from an FP8 cache), kv_b_proj's output,
+        the keys, values, queries and outputs. The memory profile adds it to its measured
+        peak: its step's prompts, a few tokens each, expand none."""
+        if not LATENT_EXPAND_ROWS:
+            return 0
+        lat, h, elt = self.lat, self.h, self.kv_b_proj.weight.element_size()
+        width = max(lat.nope + lat.rope, lat.v)
+        latent = (lat.kv_lora_rank + lat.rope) * (
+            cache_dtype.itemsize + (elt if cache_dtype.itemsize != elt else 0))
+        # (one more output's worth: the attention's split partials, allocator rounding)
+        return tokens * (latent + elt * h * (lat.nope + lat.v + 5 * width))
+
+    def _expand_plan(self, meta: AttentionMetadata, t: int, bs: int):
+        """None (every sequence absorbed), or ((rows, metadata, blocks) of the sequences that
+        attend through expanded keys and values, (rows, metadata) of the rest or None).
+
+        A sequence is expanded when it has at least LATENT_EXPAND_ROWS query tokens: a prompt
+        chunk of Q tokens over a context of C then costs C x kv_lora_rank x H x (nope + v)
+        multiply-adds to expand and a head size of nope + rope to attend, where absorbed it
+        attends at kv_lora_rank + rope lanes (padded to 1,024) with one query token a tile:
+        about 64 / Q + 0.2 of the absorbed work at DeepSeek's sizes. Expanded contexts (their
+        whole blocks) add up to at most the step's tokens, which bounds the keys and values
+        made to what the memory profile's step (its prompts expanded whole) measured: a
+        prompt chunk deep in a long context stays absorbed."""
+        if not LATENT_EXPAND_ROWS or meta.max_query_len < LATENT_EXPAND_ROWS:
+            return None
+        qlens, clens = meta.host_lens()
+        budget, chosen = t, []
+        for i, (n, c) in enumerate(zip(qlens, clens, strict=True)):
+            padded = -(-c // bs) * bs
+            if n >= LATENT_EXPAND_ROWS and padded <= budget:
+                chosen.append(i)
+                budget -= padded
+        if not chosen:
+            return None
+        dev = meta.block_tables.device
+        rest = [i for i in range(len(qlens)) if i not in set(chosen)]
+        starts = [0]
+        for n in qlens:
+            starts.append(starts[-1] + n)
+
+        def part(seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+            rows = [r for i in seqs for r in range(starts[i], starts[i + 1])]
+            cu = [0]
+            for i in seqs:
+                cu.append(cu[-1] + qlens[i])
+            idx = torch.tensor(seqs, device=dev)
+            return torch.tensor(rows, device=dev), AttentionMetadata(
+                meta.slot_mapping, meta.block_tables[idx], meta.seq_lens[idx],
+                torch.tensor(cu, dtype=torch.int32, device=dev),
+                max(qlens[i] for i in seqs), max(clens[i] for i in seqs),
+                [qlens[i] for i in seqs], [clens[i] for i in seqs])
+
+        e_rows, e_meta = part(chosen)
+        # the expanded sequences' blocks, gathered in a row of their own each: its table
+        nblocks = [-(-clens[i] // bs) for i in chosen]
+        seq_of = torch.tensor([j for j, n in enumerate(nblocks) for _ in range(n)], device=dev)
+        col = torch.tensor([c for n in nblocks for c in range(n)], device=dev)
+        blocks = e_meta.block_tables[seq_of, col].long()
+        table = torch.zeros(len(chosen), max(nblocks), dtype=torch.int32, device=dev)
+        table[seq_of, col] = torch.arange(len(col), dtype=torch.int32, device=dev)
+        e_meta.block_tables = table
+        return (e_rows, e_meta, blocks), (part(rest) if rest else None)
+
+    def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                  meta: AttentionMetadata, blocks: torch.Tensor) -> torch.Tensor:
+        """[T, H, v]: the sequences' cached latents (`blocks`, in meta.block_tables' order)
+        through kv_b_proj into each head's key [k_nope, k_rope] and value, then attention
+        of head size nope + rope (values zero-padded to it) as a model without latents."""
+        lat, h = self.lat, self.h
+        r = lat.kv_lora_rank
+        width = max(lat.nope + lat.rope, lat.v)
+        flat = cache[blocks].view(-1, r + lat.rope)  # [blocks x block size, R + rope]
+        if flat.dtype != q_nope.dtype:  # an FP8 cache: stored / k_scale
+            flat = flat.to(q_nope.dtype) * self.k_scale
+        kv = nn.functional.linear(flat[:, :r], self.kv_b_proj.weight).view(-1, h, lat.nope + lat.v)
+        k = flat.new_zeros(flat.shape[0], h, width)
+        k[..., :lat.nope] = kv[..., :lat.nope]
+        k[..., lat.nope:lat.nope + lat.rope] = flat[:, None, r:]
+        v = flat.new_zeros(flat.shape[0], h, width)
+        v[..., :lat.v] = kv[..., lat.nope:]
+        q = q_nope.new_zeros(q_nope.shape[0], h, width)
+        q[..., :lat.nope], q[..., lat.nope:lat.nope + lat.rope] = q_nope, q_rope
+        shape = (blocks.shape[0], cache.shape[1], h, width)
+        o = self.ops.paged_attention(
+            q, k.view(shape), v.view(shape), meta.block_tables, meta.seq_lens,
+            meta.cu_seqlens_q, self.scale, max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len)
+        return o[..., :lat.v]
 
 
 class XIELU(nn.Module):

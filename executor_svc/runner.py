@@ -529,6 +529,8 @@ class ModelRunner:
                 cu_seqlens_q=to_device(cu_q.astype(np.int32), dev),
                 max_query_len=int(ns.max()),
                 max_seq_len=int(ends.max()),
+                query_lens_host=ns,
+                seq_lens_host=ends,
             )
             ids = to_device(input_ids, dev)
             if patch is not None:

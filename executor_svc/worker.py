@@ -23,6 +23,7 @@ from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.draft import DraftModel, DraftModelError
 from pagedserve.executor.eagle import EagleDraft, EagleHead, HeadGraphs, load_head
 from pagedserve.executor.families import UnsupportedModelError
+from pagedserve.executor.layers import LatentAttention
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.lora import LoraRuntime
 from pagedserve.executor.lora import build as build_lora
@@ -485,6 +486,9 @@ class Worker:
         else:  # allocated: a graph's private pool cannot reuse the free space that segments
             # kept by the prefill profile hold (reserved then grew by nothing)
             peak = torch.cuda.max_memory_allocated(dev) - allocated
+        if prefill:  # latent attention's expanded prompts (none in this step's short ones)
+            peak += max((m.expand_bytes(tokens, self.kv_dtype) for m in model.modules()
+                         if isinstance(m, LatentAttention)), default=0)
         model.tapped = None  # (an EAGLE head's states, counted in the peak)
         del logits, kv, meta
         return peak

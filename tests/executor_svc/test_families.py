@@ -396,6 +396,42 @@ def test_latent_attention_on_the_triton_kernels(tmp_path):
     on_the_triton_kernels("deepseek_v3", tmp_path)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3-v24", "deepseek_v3-32-heads",
+                                    "deepseek_v2", "mistral4", "minicpm3"])
+def test_latent_prompt_chunks_attend_through_expanded_keys(family, tmp_path, monkeypatch):
+    """Prompt chunks of at least LATENT_EXPAND_ROWS tokens (2 here) attend through keys and
+    values expanded from their cached latents, beside sequences that stay absorbed in the
+    same step (decodes; chunks whose contexts pass the step's budget): HF's logits. Step 1
+    expands the first prompt's 7 tokens (8 with its block's padding, of 12) and absorbs the
+    second's 5; step 2 expands the second's chunk over its cached 5 and absorbs the first's
+    (17 tokens of context: over the 15 of the step)."""
+    from pagedserve.executor import layers
+
+    monkeypatch.setattr(layers, "LATENT_EXPAND_ROWS", 2)
+    expanded = []
+    real = layers.LatentAttention._expanded
+    monkeypatch.setattr(layers.LatentAttention, "_expanded", lambda self, q, *a: (
+        expanded.append(q.shape[0]), real(self, q, *a))[1])
+    d = (dict(FAMILIES["deepseek_v3"], v_head_dim=24) if family == "deepseek_v3-v24"
+         else FAMILIES[family])
+    hf, ours, cfg = hf_and_ours_of(d, tmp_path)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 256, (20,), generator=g).tolist(),
+            torch.randint(0, 256, (13,), generator=g).tolist()]
+    chunks = [(7, 5), (10, 5), (1, 1), (1, 1), (1, 1)]
+    assert_paged_equals_hf(hf, run_paged(ours, cfg, seqs, chunks), seqs, chunks)
+    assert expanded == [7] * cfg.num_layers + [5] * cfg.num_layers
+
+
+def test_latent_expanded_prompts_on_the_triton_kernels(tmp_path, monkeypatch):
+    """The expanded path's attention (head size nope + rope, one KV head a query head) on
+    the paged-attention kernels (interpreted on the CPU, compiled on a GPU)."""
+    from pagedserve.executor import layers
+
+    monkeypatch.setattr(layers, "LATENT_EXPAND_ROWS", 2)
+    on_the_triton_kernels("deepseek_v3", tmp_path)
+
+
 def on_the_triton_kernels(family: str, tmp_path) -> None:
     hf, _, cfg = hf_and_ours_of(FAMILIES[family], tmp_path)
     device = "cuda" if torch.cuda.is_available() else "cpu"

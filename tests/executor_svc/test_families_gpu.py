@@ -201,6 +201,38 @@ def test_a_4bit_moe_checkpoint_on_the_gpu_kernels(tmp_path):
     assert_bf16_close(ours, cfg, *hf_pair(tmp_path / "hf"))
 
 
+def test_latent_expansion_holds_at_most_what_the_memory_profile_adds(tmp_path, monkeypatch):
+    """A step of four fresh 256-token prompts, each expanded (DeepSeek's sizes): the memory
+    LatentAttention._expanded holds at its peak, its output included, is at most
+    expand_bytes of the step's 1,024 tokens (what the executor's memory profile adds)."""
+    from pagedserve.executor import layers
+
+    save_random(family_config("deepseek_v3"), tmp_path)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    ours = build_model(cfg, get_ops("triton"), torch.bfloat16, torch.device("cuda"), 2048,
+                       tmp_path)
+    held = []
+    real = layers.LatentAttention._expanded
+
+    def measured(self, q, *args):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = real(self, q, *args)
+        torch.cuda.synchronize()
+        held.append(torch.cuda.max_memory_allocated() - before)
+        return out
+
+    monkeypatch.setattr(layers.LatentAttention, "_expanded", measured)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 4096, (256,), generator=g).tolist() for _ in range(4)]
+    run_paged(ours, cfg, seqs, [(256,) * 4], block_size=16, device="cuda",
+              dtype=torch.bfloat16)
+    attn = next(m for m in ours.modules() if isinstance(m, layers.LatentAttention))
+    bound = attn.expand_bytes(1024, torch.bfloat16)
+    assert len(held) == cfg.num_layers and max(held) <= bound, (held, bound)
+
+
 @pytest.mark.parametrize("name", ["qwen3-moe", "gemma2", "gpt_oss", "deepseek_v3"])
 def test_graphed_decode_equals_eager(tmp_path, name):
     """Decode steps replayed from CUDA graphs (the fused-MoE launch included: its grid

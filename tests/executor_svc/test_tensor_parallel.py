@@ -253,6 +253,26 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path, name):
         assert floats == pytest.approx(want_floats, abs=1e-4)
 
 
+def test_latent_prompts_through_expanded_keys_on_two_ranks(tmp_path, monkeypatch):
+    """Prompt chunks of latent attention through keys and values expanded from the cached
+    latents (LATENT_EXPAND_ROWS 2), each rank its heads' share of kv_b_proj; rank 1, whose
+    metadata comes without the host's lengths, copies them from the device: the tokens of
+    one rank, and of the absorbed path."""
+    from pagedserve.executor import layers
+
+    save_random(tmp_path, "deepseek-v3")
+    absorbed = single_rank_tokens(tmp_path)[0]
+    monkeypatch.setattr(layers, "LATENT_EXPAND_ROWS", 2)
+    monkeypatch.setenv("PAGEDSERVE_LATENT_EXPAND_ROWS", "2")  # rank 1's process reads it
+    expanded = []
+    real = layers.LatentAttention._expanded
+    monkeypatch.setattr(layers.LatentAttention, "_expanded", lambda self, q, *a: (
+        expanded.append(q.shape[0]), real(self, q, *a))[1])
+    want = single_rank_tokens(tmp_path)[0]
+    assert expanded and want == absorbed
+    assert tensor_parallel_tokens(tmp_path)[0] == want
+
+
 def test_awq_checkpoint_on_two_ranks(tmp_path):
     from tests.executor_svc.test_quant_formats import _quantized_tiny
 
