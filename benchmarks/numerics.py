@@ -10,7 +10,8 @@ and raw prompts, counted equal to HF fp32's. The paged model runs its Triton ker
 
 --ablate (CUDA) adds, per kernel, the bf16 drift with that one op run by its torch reference on
 the GPU (fields drift_pagedserve_bf16_torch_<op>), and with every op so: where a drift comes
-from.
+from; and both engines' bf16 drift with cuBLAS's split-K sums kept in float32
+(drift_*_bf16_fp32_reduction).
 """
 
 from __future__ import annotations
@@ -141,6 +142,18 @@ def measure(model_dir: Path, device: str, ablate: bool = False) -> dict:
             paged = Paged(model_dir, torch.bfloat16, device, ops)
             name = ops[0] if len(ops) == 1 else "all"
             rec[f"drift_pagedserve_bf16_torch_{name}"] = drift(paged.logprobs(text))
+        if device == "cuda":  # cuBLAS's split-K partial sums in float32, not bf16 (torch's
+            # default lets a bf16 GEMM reduce them in bf16): both engines' drift so
+            matmul = torch.backends.cuda.matmul
+            allowed = matmul.allow_bf16_reduced_precision_reduction
+            matmul.allow_bf16_reduced_precision_reduction = False
+            try:
+                rec["drift_hf_bf16_fp32_reduction"] = drift(hf_logprobs(hf[torch.bfloat16],
+                                                                        text))
+                rec["drift_pagedserve_bf16_fp32_reduction"] = drift(
+                    ours[torch.bfloat16].logprobs(text))
+            finally:
+                matmul.allow_bf16_reduced_precision_reduction = allowed
     for name, run in (("hf_bf16", lambda p: hf_greedy(hf[torch.bfloat16], p, NEW_TOKENS)),
                       ("pagedserve_fp32",
                        lambda p: ours[torch.float32].greedy(p, NEW_TOKENS, eos)),
