@@ -35,6 +35,29 @@ TEXT = (
     "that a text can be copied without error, but for most of history every copy was a new "
     "chance for mistakes to creep in."
 )
+# a longer fixed text of other kinds (prose, code, dialogue, numbers) for the same measure over
+# ~4x the tokens: the mean over 155 tokens has a standard error of ~10 % of itself
+LONG_TEXT = TEXT + (
+    "\n\nIn a small town by the sea, the bakery opened at five every morning. Maria, who had "
+    "run it for thirty years, said the secret was patience: dough that rests overnight tastes "
+    "of wheat, not of yeast. Her customers were fishermen coming back from the night, nurses "
+    "ending their shifts, and children who spent their pocket money on almond biscuits.\n\n"
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"
+    "    out, i, j = [], 0, 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n"
+    "        else:\n            out.append(b[j])\n            j += 1\n"
+    "    return out + a[i:] + b[j:]\n\n"
+    "Q: How far is the Moon from the Earth?\nA: On average about 384,400 kilometres, which "
+    "light crosses in a little over one second.\nQ: And the Sun?\nA: About 150 million "
+    "kilometres: its light takes roughly eight minutes and twenty seconds to reach us.\n\n"
+    "The recipe needs 250 grams of flour, 125 grams of butter, two eggs and a pinch of salt. "
+    "Rub the butter into the flour until it looks like breadcrumbs, add the eggs, and knead "
+    "briefly; chill the pastry for half an hour before rolling it out. Bake at 180 degrees "
+    "for twenty-five minutes, or until golden.\n\nPhotosynthesis converts light energy into "
+    "chemical energy. In the chloroplasts of plant cells, water is split, oxygen is released, "
+    "and carbon dioxide is fixed into sugars through the Calvin cycle. Almost all life on "
+    "Earth depends, directly or indirectly, on this process, which also produced the oxygen "
+    "in the atmosphere over billions of years.")
 PROMPTS = [("text", "The capital of France is"), ("text", "def fibonacci(n):"),
            ("text", "Once upon a time, in a land far away, there lived a"),
            ("text", "The three laws of motion are"), ("text", "import numpy as np\n"),
@@ -113,6 +136,33 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 ABLATE = ("paged_attention", "rotary_and_cache", "rms_norm", "silu_and_mul")
 
 
+class _Unfused(torch.nn.Module):
+    """A fused projection as HF computes it: one GEMM per part of its output (q, k and v;
+    gate and up), each part's rows of the same weight."""
+
+    def __init__(self, fused: torch.nn.Module, parts: list[int]) -> None:
+        super().__init__()
+        self.fused, self.parts = fused, parts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.fused.weight, self.fused.bias
+        ws = w.split(self.parts)
+        bs = b.split(self.parts) if b is not None else [None] * len(ws)
+        return torch.cat([torch.nn.functional.linear(x, wi, bi) for wi, bi in zip(
+            ws, bs, strict=True)], dim=-1)
+
+
+def unfuse(paged: Paged) -> Paged:
+    """paged with its q/k/v and gate/up projections split back into HF's GEMMs."""
+    for layer in paged.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = _Unfused(attn.qkv_proj, [attn.h * attn.d, attn.hkv * attn.d,
+                                                 attn.hkv * attn.d])
+        half = mlp.gate_up_proj.weight.shape[0] // 2
+        mlp.gate_up_proj = _Unfused(mlp.gate_up_proj, [half, half])
+    return paged
+
+
 def measure(model_dir: Path, device: str, ablate: bool = False) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -142,6 +192,20 @@ def measure(model_dir: Path, device: str, ablate: bool = False) -> dict:
             paged = Paged(model_dir, torch.bfloat16, device, ops)
             name = ops[0] if len(ops) == 1 else "all"
             rec[f"drift_pagedserve_bf16_torch_{name}"] = drift(paged.logprobs(text))
+        rec["drift_pagedserve_bf16_unfused"] = drift(unfuse(Paged(
+            model_dir, torch.bfloat16, device)).logprobs(text))
+        # the same measure over LONG_TEXT (~4x the tokens), and the per-token difference of
+        # the two engines' drifts with its standard error: is the gap more than noise?
+        long = tok.encode(LONG_TEXT)
+        ref_long = hf_logprobs(hf[torch.float32], long)
+        theirs = (hf_logprobs(hf[torch.bfloat16], long).float() - ref_long).abs()
+        mine = (ours[torch.bfloat16].logprobs(long).float() - ref_long).abs()
+        gap = mine - theirs
+        rec.update({"long_text_tokens": len(long),
+                    "drift_hf_bf16_long": float(theirs.mean()),
+                    "drift_pagedserve_bf16_long": float(mine.mean()),
+                    "drift_gap_long": float(gap.mean()),
+                    "drift_gap_long_se": float(gap.std() / len(gap) ** 0.5)})
         if device == "cuda":  # cuBLAS's split-K partial sums in float32, not bf16 (torch's
             # default lets a bf16 GEMM reduce them in bf16): both engines' drift so
             matmul = torch.backends.cuda.matmul
