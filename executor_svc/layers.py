@@ -479,9 +479,9 @@ class LatentAttention(nn.Module):
         multiply-adds to expand and a head size of nope + rope to attend, where absorbed it
         attends at kv_lora_rank + rope lanes (padded to 1,024) with one query token a tile:
         about 64 / Q + 0.2 of the absorbed work at DeepSeek's sizes. Expanded contexts (their
-        whole blocks) add up to at most the step's tokens, which bounds the keys and values
-        made to what the memory profile's step (its prompts expanded whole) measured: a
-        prompt chunk deep in a long context stays absorbed."""
+        whole blocks) add up to at most the step's tokens, which bounds what it holds
+        (expand_bytes, which the memory profile adds): a prompt chunk deep in a long context
+        stays absorbed."""
         if not LATENT_EXPAND_ROWS or meta.max_query_len < LATENT_EXPAND_ROWS:
             return None
         qlens, clens = meta.host_lens()
@@ -494,7 +494,8 @@ class LatentAttention(nn.Module):
         if not chosen:
             return None
         dev = meta.block_tables.device
-        rest = [i for i in range(len(qlens)) if i not in set(chosen)]
+        taken = set(chosen)
+        rest = [i for i in range(len(qlens)) if i not in taken]
         starts = [0]
         for n in qlens:
             starts.append(starts[-1] + n)
