@@ -350,6 +350,14 @@ def test_latent_attention_one_wide_head_read_as_key_and_value(device, num_splits
     _check(split, 192**-0.5, TOL, ref_batch=wide, num_splits=num_splits)
 
 
+def test_fp8_latent_cache_one_wide_head(device):
+    """DeepSeek's latent in an FP8 cache (--kv-cache-dtype fp8): the one head of 576 lanes at
+    one scale, read as key and value on wide_config's tiles; decode, chunked and long rows."""
+    batch = make_paged_batch([1, 9, 1, 20], [30, 25, 50, 20], 8, 1, 576, 16, DTYPE, device,
+                             seed=577)
+    _check_fp8(replace(batch, v_cache=batch.k_cache), 192**-0.5, 0.5, 0.5, TOL)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_fp8_cache_window_cap(device, num_splits):
     batch = make_paged_batch(WIN_Q, WIN_CTX, 8, 2, 64, 16, DTYPE, device, seed=26)
