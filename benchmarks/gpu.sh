@@ -123,6 +123,7 @@
 #   moelatab  moelat with PAGEDSERVE_MOE_FUSE_SILU over MOE_FUSES (default 0 1 0 1; records
 #             carry env), then the fused-MoE kernel tests on the GPU with it on; ~4 min
 #   profilemoe  torch profile of W1 on Qwen3-30B-A3B at the default flags
+#   profilelatent  the same of DeepSeek-V2-Lite (latent attention, 64 experts)
 #   profilemoelat  torch profile of moelat's single stream (4 graphed decode steps)
 #   qwen3     W1 on Llama-3.1-8B then Qwen3-8B at the default flags (q/k norm's cost)
 #   numerics  bf16 drift from fp32 on the default model's real weights, beside HF's own bf16
@@ -536,6 +537,7 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers',
         -k "decode_only_split or cuda_llama or cuda_window" \
         2>&1 | tee $B/pytest_attn_merge.log | tail -4 ;;
     profilemoe) profile MQ30 moe30b "${DEFAULTS[@]}" ;;
+    profilelatent) profile MDSV2 dsv2 "${DEFAULTS[@]}" ;;
     profilemoelat) moelat --server-flag=--torch-profile-dir --server-flag=/tmp/profile_moelat \
         --server-flag=--torch-profile-steps --server-flag=80:4
       mkdir -p $B/profile_moelat && cp /tmp/profile_moelat/ops_* $B/profile_moelat/
