@@ -1,6 +1,7 @@
 """Every native family on the Triton kernels in bf16 against HF transformers on CUDA, on
 random configs with head sizes 64 to 256 and DeepSeek V3's latent cache of 576 (skipped
-without CUDA), the transformers fallback over latent attention and a 4-bit MoE checkpoint
+without CUDA; that cache in FP8 against the reference ops, and the memory its expanded
+prompts hold), the transformers fallback over latent attention and a 4-bit MoE checkpoint
 likewise; the decode steps through CUDA graphs for Qwen3-MoE, Gemma 2, gpt-oss (sinks, expert
 biases) and DeepSeek V3."""
 
@@ -231,6 +232,29 @@ def test_latent_expansion_holds_at_most_what_the_memory_profile_adds(tmp_path, m
     attn = next(m for m in ours.modules() if isinstance(m, layers.LatentAttention))
     bound = attn.expand_bytes(1024, torch.bfloat16)
     assert len(held) == cfg.num_layers and max(held) <= bound, (held, bound)
+
+
+def test_latent_fp8_cache_on_the_kernels_equals_the_reference_ops(tmp_path):
+    """Youtu (latent attention at DeepSeek's sizes, dense MLPs: no router to flip on a
+    rounding) over an FP8 KV cache (--kv-cache-dtype fp8), in float32: the Triton kernels'
+    logits against the torch reference ops' over the same e4m3 cache, through prompts
+    expanded and absorbed, then decode."""
+    save_random(family_config("youtu"), tmp_path)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in (300, 48, 133, 10)]
+    chunks = [(100, 45, 64, 7), (150, 1, 66, 1), (49, 1, 2, 1), (1, 1, 1, 1)]
+    outs = []
+    for ops in ("triton", "torch"):
+        model = build_model(cfg, get_ops(ops), torch.float32, torch.device("cuda"), 2048,
+                            tmp_path)
+        for layer in model.layers:  # a checkpoint's k_scale: the one tensor's
+            layer.self_attn.k_scale = 0.05
+        outs.append(run_paged(model, cfg, seqs, chunks, block_size=16, device="cuda",
+                              dtype=torch.float8_e4m3fn))
+    for ours, ref in zip(*outs, strict=True):
+        for a, b in zip(ours, ref, strict=True):
+            assert ((a - b).norm() / b.norm()).item() < 1e-3
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "gemma2", "gpt_oss", "deepseek_v3"])
