@@ -128,7 +128,8 @@ ENV_SWITCHES = ("PAGEDSERVE_MOE_FUSE_SILU",  # kernels/fused_moe.py: SiLU in GEM
                 "PAGEDSERVE_DENSE_GEMV_MAX_MIB",  # and the largest weight it takes
                 "PAGEDSERVE_DENSE_GEMV_BLOCK",  # and its tiles (unset: gemv.dense_tiles)
                 "PAGEDSERVE_PREFILL_KERNEL",  # "hopper": kernels/paged_prefill_hopper.py
-                "PAGEDSERVE_LATENT_EXPAND_ROWS")  # executor_svc/layers.py: expanded prompts
+                "PAGEDSERVE_LATENT_EXPAND_ROWS",  # executor_svc/layers.py: expanded prompts
+                "PAGEDSERVE_LATENT_EXPAND_TOKENS")  # and the contexts a step expands
 
 
 def switches() -> dict:
@@ -146,7 +147,8 @@ def switches() -> dict:
             "dense_gemv_block": "x".join(map(str, layers.GEMV_BLOCK)) if layers.GEMV_BLOCK
             else "dense_tiles",
             "prefill_kernel": os.environ.get(paged_prefill_hopper.ENV) or "auto",
-            "latent_expand_rows": layers.LATENT_EXPAND_ROWS}
+            "latent_expand_rows": layers.LATENT_EXPAND_ROWS,
+            "latent_expand_tokens": layers.LATENT_EXPAND_TOKENS}
 
 
 def environment() -> dict:

@@ -360,6 +360,9 @@ LATENT_GROUP = 16  # query heads a paged-attention program reads the latent for
 # a sequence with at least this many query tokens in a step (a prompt or its chunk) attends
 # through keys and values expanded from its cached latents (LatentAttention._expanded); 0: never
 LATENT_EXPAND_ROWS = int(os.environ.get("PAGEDSERVE_LATENT_EXPAND_ROWS", "64"))
+# the contexts a step expands add up to at most this many tokens, or the step's own tokens
+# where more (the memory profile adds LatentAttention.expand_bytes of it)
+LATENT_EXPAND_TOKENS = int(os.environ.get("PAGEDSERVE_LATENT_EXPAND_TOKENS", "32768"))
 
 
 class LatentAttention(nn.Module):
@@ -456,8 +459,8 @@ class LatentAttention(nn.Module):
         return o.transpose(0, 1)
 
     def expand_bytes(self, tokens: int, cache_dtype: torch.dtype) -> int:
-        """The most `_expanded` holds at once in a step of `tokens` tokens (the contexts it
-        expands add up to at most that many, its queries and outputs as many rows): the
+        """The most `_expanded` holds at once when the contexts it expands add up to
+        `tokens` (its queries and outputs as many rows at most): the
         gathered latents (and their dequantized copy from an FP8 cache), kv_b_proj's output,
         the keys, values, queries and outputs. The memory profile adds it to its measured
         peak: its step's prompts, a few tokens each, expand none."""
@@ -479,13 +482,13 @@ class LatentAttention(nn.Module):
         multiply-adds to expand and a head size of nope + rope to attend, where absorbed it
         attends at kv_lora_rank + rope lanes (padded to 1,024) with one query token a tile:
         about 64 / Q + 0.2 of the absorbed work at DeepSeek's sizes. Expanded contexts (their
-        whole blocks) add up to at most the step's tokens, which bounds what it holds
-        (expand_bytes, which the memory profile adds): a prompt chunk deep in a long context
-        stays absorbed."""
+        whole blocks) add up to at most LATENT_EXPAND_TOKENS or the step's tokens, the more,
+        which bounds what it holds (expand_bytes, which the memory profile adds): a prompt
+        chunk deeper than that in a long context stays absorbed."""
         if not LATENT_EXPAND_ROWS or meta.max_query_len < LATENT_EXPAND_ROWS:
             return None
         qlens, clens = meta.host_lens()
-        budget, chosen = t, []
+        budget, chosen = max(t, LATENT_EXPAND_TOKENS), []
         for i, (n, c) in enumerate(zip(qlens, clens, strict=True)):
             padded = -(-c // bs) * bs
             if n >= LATENT_EXPAND_ROWS and padded <= budget:

@@ -18,12 +18,12 @@ import torch
 from pagedserve.core.config import step_bounds
 from pagedserve.core.lora import LoraConfig, lora_config
 from pagedserve.core.progress import phase
+from pagedserve.executor import layers
 from pagedserve.executor.config import ModelConfig
 from pagedserve.executor.cuda_graphs import DecodeGraphs
 from pagedserve.executor.draft import DraftModel, DraftModelError
 from pagedserve.executor.eagle import EagleDraft, EagleHead, HeadGraphs, load_head
 from pagedserve.executor.families import UnsupportedModelError
-from pagedserve.executor.layers import LatentAttention
 from pagedserve.executor.loader import build_model
 from pagedserve.executor.lora import LoraRuntime
 from pagedserve.executor.lora import build as build_lora
@@ -487,8 +487,9 @@ class Worker:
             # kept by the prefill profile hold (reserved then grew by nothing)
             peak = torch.cuda.max_memory_allocated(dev) - allocated
         if prefill:  # latent attention's expanded prompts (none in this step's short ones)
-            peak += max((m.expand_bytes(tokens, self.kv_dtype) for m in model.modules()
-                         if isinstance(m, LatentAttention)), default=0)
+            expanded = max(tokens, layers.LATENT_EXPAND_TOKENS)
+            peak += max((m.expand_bytes(expanded, self.kv_dtype) for m in model.modules()
+                         if isinstance(m, layers.LatentAttention)), default=0)
         model.tapped = None  # (an EAGLE head's states, counted in the peak)
         del logits, kv, meta
         return peak

@@ -42,7 +42,8 @@ def test_switches_read_the_defaults_and_what_the_environment_sets():
 
     defaults = {"moe_fuse_silu_tokens": 64, "moe_fuse_route": True, "moe_decode_tokens": 0,
                 "dense_gemv_rows": 1, "dense_gemv_max_mib": 24.0, "dense_gemv_block": "dense_tiles",
-                "prefill_kernel": "auto", "latent_expand_rows": 64}
+                "prefill_kernel": "auto", "latent_expand_rows": 64,
+                "latent_expand_tokens": 32768}
     assert run() == defaults
     assert run(PAGEDSERVE_MOE_FUSE_SILU="0", PAGEDSERVE_PREFILL_KERNEL="hopper",
                PAGEDSERVE_DENSE_GEMV_MAX_MIB="8", PAGEDSERVE_DENSE_GEMV_BLOCK="4x1024",

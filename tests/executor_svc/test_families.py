@@ -404,10 +404,11 @@ def test_latent_prompt_chunks_attend_through_expanded_keys(family, tmp_path, mon
     same step (decodes; chunks whose contexts pass the step's budget): HF's logits. Step 1
     expands the first prompt's 7 tokens (8 with its block's padding, of 12) and absorbs the
     second's 5; step 2 expands the second's chunk over its cached 5 and absorbs the first's
-    (17 tokens of context: over the 15 of the step)."""
+    (17 tokens of context: over the 15 of the step, LATENT_EXPAND_TOKENS 0 here)."""
     from pagedserve.executor import layers
 
     monkeypatch.setattr(layers, "LATENT_EXPAND_ROWS", 2)
+    monkeypatch.setattr(layers, "LATENT_EXPAND_TOKENS", 0)
     expanded = []
     real = layers.LatentAttention._expanded
     monkeypatch.setattr(layers.LatentAttention, "_expanded", lambda self, q, *a: (
@@ -421,6 +422,26 @@ def test_latent_prompt_chunks_attend_through_expanded_keys(family, tmp_path, mon
     chunks = [(7, 5), (10, 5), (1, 1), (1, 1), (1, 1)]
     assert_paged_equals_hf(hf, run_paged(ours, cfg, seqs, chunks), seqs, chunks)
     assert expanded == [7] * cfg.num_layers + [5] * cfg.num_layers
+
+
+def test_latent_contexts_expand_up_to_their_token_budget(tmp_path, monkeypatch):
+    """With LATENT_EXPAND_TOKENS (64) above the steps' tokens, both prompts' chunks expand in
+    each step (one launch of 12 query rows, then 15, a layer): HF's logits."""
+    from pagedserve.executor import layers
+
+    monkeypatch.setattr(layers, "LATENT_EXPAND_ROWS", 2)
+    monkeypatch.setattr(layers, "LATENT_EXPAND_TOKENS", 64)
+    expanded = []
+    real = layers.LatentAttention._expanded
+    monkeypatch.setattr(layers.LatentAttention, "_expanded", lambda self, q, *a: (
+        expanded.append(q.shape[0]), real(self, q, *a))[1])
+    hf, ours, cfg = hf_and_ours_of(FAMILIES["deepseek_v3"], tmp_path)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 256, (20,), generator=g).tolist(),
+            torch.randint(0, 256, (13,), generator=g).tolist()]
+    chunks = [(7, 5), (10, 5), (1, 1), (1, 1), (1, 1)]
+    assert_paged_equals_hf(hf, run_paged(ours, cfg, seqs, chunks), seqs, chunks)
+    assert expanded == [12] * cfg.num_layers + [15] * cfg.num_layers
 
 
 def test_latent_expanded_prompts_on_the_triton_kernels(tmp_path, monkeypatch):
