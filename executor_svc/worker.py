@@ -486,7 +486,8 @@ class Worker:
         else:  # allocated: a graph's private pool cannot reuse the free space that segments
             # kept by the prefill profile hold (reserved then grew by nothing)
             peak = torch.cuda.max_memory_allocated(dev) - allocated
-        if prefill:  # latent attention's expanded prompts (none in this step's short ones)
+        if prefill:  # latent attention's expanded prompts, added whole: this step's are
+            # short where many sequences may run (none expands), else counted twice
             expanded = max(tokens, layers.LATENT_EXPAND_TOKENS)
             peak += max((m.expand_bytes(expanded, self.kv_dtype) for m in model.modules()
                          if isinstance(m, layers.LatentAttention)), default=0)
