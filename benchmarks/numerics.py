@@ -11,7 +11,8 @@ and raw prompts, counted equal to HF fp32's. The paged model runs its Triton ker
 --ablate (CUDA) adds, per kernel, the bf16 drift with that one op run by its torch reference on
 the GPU (fields drift_pagedserve_bf16_torch_<op>), and with every op so: where a drift comes
 from; and both engines' bf16 drift with cuBLAS's split-K sums kept in float32
-(drift_*_bf16_fp32_reduction).
+(drift_*_bf16_fp32_reduction), with the projections unfused, with the rotation rounded as
+HF's (drift_pagedserve_bf16_hf_rotary), and over a longer text.
 """
 
 from __future__ import annotations
@@ -152,6 +153,27 @@ class _Unfused(torch.nn.Module):
             ws, bs, strict=True)], dim=-1)
 
 
+def hf_rotary_and_cache(positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                        k_scale=1.0, v_scale=1.0, **norms):
+    """reference.rotary_and_cache with the rotation rounded as HF's bf16 path rounds it: cos
+    and sin cast to the activations' dtype, q * cos + rotate_half(q) * sin in that dtype."""
+    from pagedserve.kernels import reference
+
+    if any(w is not None for w in norms.values()):
+        raise ValueError("hf_rotary_and_cache: no q/k norms (the default model has none)")
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache[positions]
+    cos = torch.cat([cs[:, :half]] * 2, dim=-1)[:, None].to(q.dtype)
+    sin = torch.cat([cs[:, half:]] * 2, dim=-1)[:, None].to(q.dtype)
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    q, k = rot(q), rot(k)
+    reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
+
+
 def unfuse(paged: Paged) -> Paged:
     """paged with its q/k/v and gate/up projections split back into HF's GEMMs."""
     for layer in paged.model.layers:
@@ -194,6 +216,10 @@ def measure(model_dir: Path, device: str, ablate: bool = False) -> dict:
             rec[f"drift_pagedserve_bf16_torch_{name}"] = drift(paged.logprobs(text))
         rec["drift_pagedserve_bf16_unfused"] = drift(unfuse(Paged(
             model_dir, torch.bfloat16, device)).logprobs(text))
+        hf_rot = Paged(model_dir, torch.bfloat16, device)
+        # (every layer holds the one ops namespace build_model was given)
+        hf_rot.model.layers[0].self_attn.ops.rotary_and_cache = hf_rotary_and_cache
+        rec["drift_pagedserve_bf16_hf_rotary"] = drift(hf_rot.logprobs(text))
         # the same measure over LONG_TEXT (~4x the tokens), and the per-token difference of
         # the two engines' drifts with its standard error: is the gap more than noise?
         long = tok.encode(LONG_TEXT)
