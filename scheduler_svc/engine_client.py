@@ -68,6 +68,9 @@ class EngineClient:
         """The LoRA adapters served now, (name, path) each."""
         return self.engine.lora.registry.modules()
 
+    async def sync_state(self) -> None:
+        """(The engine runs in this process: what it serves, this process serves.)"""
+
     async def load_lora(self, name: str, path: str) -> None:
         """Serve a LoRA adapter from now on (EngineError naming why not)."""
         await self.engine.lora.load(name, path)

@@ -38,6 +38,7 @@ from pagedserve.scheduler.request import Constraint
 log = logging.getLogger("pagedserve.scheduler")
 Subscriber = Callable[[list[EngineOutput]], None]
 ENGINE_GONE = "the engine core is restarting; retry shortly (or on another replica)"
+SYNC_HELLO_S = 0.02  # sync_state's hellos: at most one this often
 
 
 @dataclass(eq=False, slots=True)
@@ -96,6 +97,8 @@ class RemoteEngineClient:
         self._lora_lost: dict[str, str] = {}  # served by the previous session, not this one
         self._restoring: asyncio.Task | None = None
         self._last_state = 0.0
+        self._states = 0  # states received (sync_state waits for one more)
+        self._sync_hello = 0.0  # when sync_state last sent a hello
         self._connected = False
         self._last_serving: bool | None = None
         self._families = _ApiFamilies(metrics)
@@ -206,6 +209,25 @@ class RemoteEngineClient:
         st = self._state
         return [] if st is None else [(m.name, m.path) for m in st.lora_adapters]
 
+    async def sync_state(self, timeout_s: float = 1.0) -> None:
+        """Until the next state from the engine core has arrived (at most timeout_s). Another
+        API process's load of a LoRA adapter returns once the engine core has sent every
+        process the new list, not once each has read it: a request that names the adapter
+        here at once may come before this process read it, and the next state it reads is
+        that one or a later one. A hello asks for it now (the engine core answers one with
+        its state), at most one each SYNC_HELLO_S, so that requests naming unknown models
+        cannot make it send states faster than that; else the periodic hello's comes."""
+        if not self._connected:
+            return
+        seen = self._states
+        now = time.monotonic()
+        if now - self._sync_hello >= SYNC_HELLO_S:
+            self._sync_hello = now
+            self._hello(with_metrics=False)
+        deadline = now + timeout_s
+        while self._states == seen and self._connected and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+
     async def load_lora(self, name: str, path: str) -> None:
         await self._lora_admin(name, path)
 
@@ -291,6 +313,7 @@ class RemoteEngineClient:
     def _on_state(self, st: pb.EngineState) -> None:
         self._last_state = time.monotonic()
         self._state = st
+        self._states += 1
         if st.HasField("model_info"):
             self._info = wire.decode_model_info(st.model_info)
         self._connected = True

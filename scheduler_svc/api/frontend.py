@@ -146,9 +146,12 @@ class Frontend:
             self.client.metrics.refused["unauthenticated"].inc()
             raise
 
-    def check_adapter(self, adapter: str, tenant: Tenant | None) -> None:
+    async def check_adapter(self, adapter: str, tenant: Tenant | None) -> None:
         """An adapter this server serves (InvalidRequest) and the tenant may use
-        (PERMISSION_DENIED)."""
+        (PERMISSION_DENIED). One it does not know yet is looked for again once this process
+        has the engine core's newest list (loaded at run time through another API process)."""
+        if adapter not in self.lora_adapters:
+            await self.client.sync_state()
         if adapter not in self.lora_adapters:
             served = ", ".join(self.lora_adapters) or "none"
             raise InvalidRequest("adapter", f"unknown LoRA adapter {adapter!r} (this server "
@@ -203,7 +206,7 @@ class Frontend:
                                       limits.max_model_len)
         params = validate(request, prompt, limits)
         if request.adapter:
-            self.check_adapter(request.adapter, tenant)
+            await self.check_adapter(request.adapter, tenant)
         return await self.submit(EngineRequest(request.request_id, prompt, params,
                                                request.priority, timeout=request.timeout,
                                                adapter=request.adapter), tenant)

@@ -156,7 +156,7 @@ class OpenAIApp:
         self._authenticate(request)
         body = await self._parsed(request, TokenizeBody)
         if body.model is not None:
-            self._check_model(body.model)
+            await self._check_model(body.model)
         prompt, shaped = to_tokenize(body)
         try:
             out = await self.gen.tokenize(prompt)
@@ -179,7 +179,7 @@ class OpenAIApp:
         self._authenticate(request)
         body = await self._parsed(request, DetokenizeBody)
         if body.model is not None:
-            self._check_model(body.model)
+            await self._check_model(body.model)
         cap = self.client.model_info()
         vocab = cap.vocab_size if cap else len(self.gen.inputs.tok)
         tok = self.gen.inputs.tok
@@ -215,7 +215,7 @@ class OpenAIApp:
             return req, openai_responses.to_chat(req)
 
         req, chat = await _off_loop_if(len(body) >= LARGE_BODY_BYTES, read)
-        adapter = self._check_model(req.model)
+        adapter = await self._check_model(req.model)
         rid = request.headers.get("x-request-id") or f"resp_{uuid.uuid4().hex}"
         try:
             tools = tool_mode(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
@@ -236,11 +236,14 @@ class OpenAIApp:
             batch.close()
         return JSONResponse(openai_responses.whole(shape, batch, wholes[0]), headers=headers)
 
-    def _check_model(self, model: str) -> str:
+    async def _check_model(self, model: str) -> str:
         """The LoRA adapter a request's `model` names ("": the base model); 404 for a model
-        this server does not serve."""
+        this server does not serve (looked for again with the engine core's newest list, as
+        Frontend.check_adapter does)."""
         if model == self.model_name:
             return ""
+        if model not in self.gen.lora_adapters:
+            await self.client.sync_state()
         if model in self.gen.lora_adapters:
             return model
         served = ", ".join(f"'{m}'" for m in (self.model_name, *self.gen.lora_adapters))
@@ -280,7 +283,7 @@ class OpenAIApp:
     async def _generate(self, request: Request, model: type) -> Response:
         tenant = self._authenticate(request)
         req = await self._parsed(request, model)
-        adapter = self._check_model(req.model)
+        adapter = await self._check_model(req.model)
         if req.stream_options is not None and not req.stream:
             raise OpenAIError(400, "stream_options: only allowed with stream: true",
                               "stream_options")

@@ -14,7 +14,7 @@ import pytest
 
 from pagedserve.scheduler.engine_host import EngineBindError, EngineHost
 from pagedserve.scheduler.engine_io import EngineError, EngineOutput, EngineRequest, ModelInfo
-from pagedserve.scheduler.engine_remote import RemoteEngineClient
+from pagedserve.scheduler.engine_remote import SYNC_HELLO_S, RemoteEngineClient
 from pagedserve.scheduler.lora_registry import LoraRegistry
 from pagedserve.scheduler.metrics import Metrics
 from pagedserve.scheduler.request import Constraint, GenerationParams
@@ -280,6 +280,32 @@ def test_adapters_loaded_through_one_api_process_are_served_by_every_one(address
             await clients[1].load_lora("c", "/bad")
         await clients[1].unload_lora("a")
         await until(lambda: clients[0].lora_modules() == [("b", "/b")])
+        for c in clients:
+            await c.close()
+        await host.close()
+
+    run(main)
+
+
+def test_a_request_naming_an_adapter_just_loaded_elsewhere_waits_for_the_next_state(address):
+    """sync_state returns once a state newer than the call has arrived: right after another
+    API process's load returns, the adapter is in this process's list, with no waiting in
+    the test; each call sends at most one hello a SYNC_HELLO_S."""
+    async def main():
+        engine, host = await start(address)
+        clients = [RemoteEngineClient(address, Metrics(), hello_s=60.0) for _ in range(2)]
+        for c in clients:
+            await c.start()
+            await c.wait_connected(5)
+        await clients[0].load_lora("b", "/b")
+        seen = clients[1]._states
+        await clients[1].sync_state()
+        assert clients[1]._states > seen
+        assert clients[1].lora_modules() == [("a", "/a"), ("b", "/b")]
+        await asyncio.sleep(SYNC_HELLO_S)
+        seen = clients[1]._states  # (the periodic hellos are a minute apart here)
+        await asyncio.gather(*(clients[1].sync_state() for _ in range(20)))
+        assert clients[1]._states == seen + 1  # twenty calls at once: one hello, one state
         for c in clients:
             await c.close()
         await host.close()
