@@ -115,8 +115,9 @@ class OpenAIApp:
         return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     async def load_lora_adapter(self, request: Request) -> Response:
-        """vLLM's: {"lora_name", "lora_path"} -> 200 and a line of text once every API
-        process serves it."""
+        """vLLM's: {"lora_name", "lora_path"} -> 200 and a line of text once the engine
+        core has sent every API process the new list (a request naming it that comes to
+        another one first waits for that list: Frontend.check_adapter)."""
         return await self._lora_admin(request, load=True)
 
     async def unload_lora_adapter(self, request: Request) -> Response:
