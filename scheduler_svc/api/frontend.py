@@ -146,13 +146,18 @@ class Frontend:
             self.client.metrics.refused["unauthenticated"].inc()
             raise
 
-    async def check_adapter(self, adapter: str, tenant: Tenant | None) -> None:
-        """An adapter this server serves (InvalidRequest) and the tenant may use
-        (PERMISSION_DENIED). One it does not know yet is looked for again once this process
-        has the engine core's newest list (loaded at run time through another API process)."""
+    async def serves_adapter(self, adapter: str) -> bool:
+        """Whether this server serves the adapter; one this process does not know yet is
+        looked for again once it has the engine core's newest list (loaded at run time
+        through another API process)."""
         if adapter not in self.lora_adapters:
             await self.client.sync_state()
-        if adapter not in self.lora_adapters:
+        return adapter in self.lora_adapters
+
+    async def check_adapter(self, adapter: str, tenant: Tenant | None) -> None:
+        """An adapter this server serves (InvalidRequest) and the tenant may use
+        (PERMISSION_DENIED)."""
+        if not await self.serves_adapter(adapter):
             served = ", ".join(self.lora_adapters) or "none"
             raise InvalidRequest("adapter", f"unknown LoRA adapter {adapter!r} (this server "
                                  f"serves: {served})")

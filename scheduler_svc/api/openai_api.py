@@ -117,7 +117,7 @@ class OpenAIApp:
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's: {"lora_name", "lora_path"} -> 200 and a line of text once the engine
         core has sent every API process the new list (a request naming it that comes to
-        another one first waits for that list: Frontend.check_adapter)."""
+        another one first waits for that list: Frontend.serves_adapter)."""
         return await self._lora_admin(request, load=True)
 
     async def unload_lora_adapter(self, request: Request) -> Response:
@@ -239,13 +239,10 @@ class OpenAIApp:
 
     async def _check_model(self, model: str) -> str:
         """The LoRA adapter a request's `model` names ("": the base model); 404 for a model
-        this server does not serve (looked for again with the engine core's newest list, as
-        Frontend.check_adapter does)."""
+        this server does not serve (Frontend.serves_adapter)."""
         if model == self.model_name:
             return ""
-        if model not in self.gen.lora_adapters:
-            await self.client.sync_state()
-        if model in self.gen.lora_adapters:
+        if await self.gen.serves_adapter(model):
             return model
         served = ", ".join(f"'{m}'" for m in (self.model_name, *self.gen.lora_adapters))
         raise OpenAIError(404, f"The model '{model}' does not exist; this server serves "

@@ -405,43 +405,47 @@ def test_latent_prompt_chunks_attend_through_expanded_keys(family, tmp_path, mon
     expands the first prompt's 7 tokens (8 with its block's padding, of 12) and absorbs the
     second's 5; step 2 expands the second's chunk over its cached 5 and absorbs the first's
     (17 tokens of context: over the 15 of the step, LATENT_EXPAND_TOKENS 0 here)."""
+    d = (dict(FAMILIES["deepseek_v3"], v_head_dim=24) if family == "deepseek_v3-v24"
+         else FAMILIES[family])
+    layers_, expanded = expanded_against_hf(d, 0, tmp_path, monkeypatch)
+    assert expanded == [7] * layers_ + [5] * layers_
+
+
+def test_latent_contexts_expand_up_to_their_token_budget(tmp_path, monkeypatch):
+    """With LATENT_EXPAND_TOKENS (64) above the steps' tokens, both prompts' chunks expand in
+    each step (one launch of 12 query rows, then 15, a layer): HF's logits."""
+    layers_, expanded = expanded_against_hf(FAMILIES["deepseek_v3"], 64, tmp_path,
+                                            monkeypatch)
+    assert expanded == [12] * layers_ + [15] * layers_
+
+
+def spy_expanded(monkeypatch) -> list[int]:
+    """The query rows of each LatentAttention._expanded call from now on, in order."""
     from pagedserve.executor import layers
 
-    monkeypatch.setattr(layers, "LATENT_EXPAND_ROWS", 2)
-    monkeypatch.setattr(layers, "LATENT_EXPAND_TOKENS", 0)
     expanded = []
     real = layers.LatentAttention._expanded
     monkeypatch.setattr(layers.LatentAttention, "_expanded", lambda self, q, *a: (
         expanded.append(q.shape[0]), real(self, q, *a))[1])
-    d = (dict(FAMILIES["deepseek_v3"], v_head_dim=24) if family == "deepseek_v3-v24"
-         else FAMILIES[family])
+    return expanded
+
+
+def expanded_against_hf(d: dict, budget: int, tmp_path, monkeypatch) -> tuple[int, list[int]]:
+    """Config d's two prompts in chunks (7 + 5, 10 + 5), then decodes, with
+    LATENT_EXPAND_ROWS 2 and LATENT_EXPAND_TOKENS `budget`: HF's logits; (layers, the query
+    rows of each expanded launch)."""
+    from pagedserve.executor import layers
+
+    monkeypatch.setattr(layers, "LATENT_EXPAND_ROWS", 2)
+    monkeypatch.setattr(layers, "LATENT_EXPAND_TOKENS", budget)
+    expanded = spy_expanded(monkeypatch)
     hf, ours, cfg = hf_and_ours_of(d, tmp_path)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 256, (20,), generator=g).tolist(),
             torch.randint(0, 256, (13,), generator=g).tolist()]
     chunks = [(7, 5), (10, 5), (1, 1), (1, 1), (1, 1)]
     assert_paged_equals_hf(hf, run_paged(ours, cfg, seqs, chunks), seqs, chunks)
-    assert expanded == [7] * cfg.num_layers + [5] * cfg.num_layers
-
-
-def test_latent_contexts_expand_up_to_their_token_budget(tmp_path, monkeypatch):
-    """With LATENT_EXPAND_TOKENS (64) above the steps' tokens, both prompts' chunks expand in
-    each step (one launch of 12 query rows, then 15, a layer): HF's logits."""
-    from pagedserve.executor import layers
-
-    monkeypatch.setattr(layers, "LATENT_EXPAND_ROWS", 2)
-    monkeypatch.setattr(layers, "LATENT_EXPAND_TOKENS", 64)
-    expanded = []
-    real = layers.LatentAttention._expanded
-    monkeypatch.setattr(layers.LatentAttention, "_expanded", lambda self, q, *a: (
-        expanded.append(q.shape[0]), real(self, q, *a))[1])
-    hf, ours, cfg = hf_and_ours_of(FAMILIES["deepseek_v3"], tmp_path)
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(0, 256, (20,), generator=g).tolist(),
-            torch.randint(0, 256, (13,), generator=g).tolist()]
-    chunks = [(7, 5), (10, 5), (1, 1), (1, 1), (1, 1)]
-    assert_paged_equals_hf(hf, run_paged(ours, cfg, seqs, chunks), seqs, chunks)
-    assert expanded == [12] * cfg.num_layers + [15] * cfg.num_layers
+    return cfg.num_layers, expanded
 
 
 def test_latent_expanded_prompts_on_the_triton_kernels(tmp_path, monkeypatch):

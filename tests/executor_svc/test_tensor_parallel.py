@@ -259,15 +259,13 @@ def test_latent_prompts_through_expanded_keys_on_two_ranks(tmp_path, monkeypatch
     metadata comes without the host's lengths, copies them from the device: the tokens of
     one rank, and of the absorbed path."""
     from pagedserve.executor import layers
+    from tests.executor_svc.test_families import spy_expanded
 
     save_random(tmp_path, "deepseek-v3")
     absorbed = single_rank_tokens(tmp_path)[0]
     monkeypatch.setattr(layers, "LATENT_EXPAND_ROWS", 2)
     monkeypatch.setenv("PAGEDSERVE_LATENT_EXPAND_ROWS", "2")  # rank 1's process reads it
-    expanded = []
-    real = layers.LatentAttention._expanded
-    monkeypatch.setattr(layers.LatentAttention, "_expanded", lambda self, q, *a: (
-        expanded.append(q.shape[0]), real(self, q, *a))[1])
+    expanded = spy_expanded(monkeypatch)
     want = single_rank_tokens(tmp_path)[0]
     assert expanded and want == absorbed
     assert tensor_parallel_tokens(tmp_path)[0] == want

@@ -90,6 +90,15 @@ async def start(address: str, engine: StandInEngine | None = None):
     return engine, host
 
 
+async def connected_clients(address: str, n: int, hello_s: float) -> list[RemoteEngineClient]:
+    """n API processes' engine clients, started and connected to the host at address."""
+    clients = [RemoteEngineClient(address, Metrics(), hello_s=hello_s) for _ in range(n)]
+    for c in clients:
+        await c.start()
+        await c.wait_connected(5)
+    return clients
+
+
 def run(test) -> None:
     asyncio.run(asyncio.wait_for(test(), 30))
 
@@ -268,10 +277,7 @@ def test_adapters_loaded_through_one_api_process_are_served_by_every_one(address
     (the host sends its state to all before the answer); a refused one changes nothing."""
     async def main():
         engine, host = await start(address)
-        clients = [RemoteEngineClient(address, Metrics(), hello_s=0.05) for _ in range(2)]
-        for c in clients:
-            await c.start()
-            await c.wait_connected(5)
+        clients = await connected_clients(address, 2, hello_s=0.05)
         assert [c.lora_modules() for c in clients] == [[("a", "/a")]] * 2
         await clients[0].load_lora("b", "/b")
         await until(lambda: clients[1].lora_modules() == [("a", "/a"), ("b", "/b")])
@@ -293,10 +299,7 @@ def test_a_request_naming_an_adapter_just_loaded_elsewhere_waits_for_the_next_st
     the test; each call sends at most one hello a SYNC_HELLO_S."""
     async def main():
         engine, host = await start(address)
-        clients = [RemoteEngineClient(address, Metrics(), hello_s=60.0) for _ in range(2)]
-        for c in clients:
-            await c.start()
-            await c.wait_connected(5)
+        clients = await connected_clients(address, 2, hello_s=60.0)
         await clients[0].load_lora("b", "/b")
         seen = clients[1]._states
         await clients[1].sync_state()
